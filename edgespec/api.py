@@ -1,0 +1,210 @@
+"""The library API that the CLI, the server and desktop apps share.
+
+    engine = edgespec.load()            # default bundle, built on first use
+    print(engine.generate("The capital of France is", max_tokens=16))
+    for r in engine.stream("Once upon a time"):  # Response objects with metrics
+        print(r.text, end="")
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from .bundle import Bundle, load_bundle
+from .decoding import SamplingParams, SpeculativeDecoder, make_policy
+from .decoding.speculative import DEFAULT_K
+from .errors import BusyError, ConfigError
+from .runtimes import BACKENDS, open_runtime
+from .tokenizer import IncrementalDecoder, Tokenizer
+
+__all__ = ["load", "Engine", "Response", "GenerationStats", "default_bundle"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Response:
+    """One streamed piece of a generation; metrics travel with it."""
+
+    text: str  # new text since the previous Response
+    token_ids: list[int]
+    from_draft: int  # how many of token_ids were accepted drafts
+    tokens_per_s: float  # running decode speed of this generation
+    finish_reason: str | None = None  # "stop", "length" or None while running
+    stats: "GenerationStats | None" = None
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    first_token_s: float = 0.0  # prompt processing + first step
+    elapsed_s: float = 0.0
+    k_history: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target forward (1 = no speed-up from drafting)."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = self.elapsed_s - self.first_token_s
+        return (self.new_tokens - 1) / decode if decode > 0 and self.new_tokens > 1 else 0.0
+
+
+def default_bundle() -> Path:
+    """The default bundle, exported from the embedded Gemma 3 270M the first time."""
+    from .models.catalog import default_bundle_path
+
+    path = default_bundle_path()
+    if not path.exists():
+        from .exporters.export import ExportConfig, export_bundle
+
+        logger.warning("building the default bundle in %s (one time, a few minutes)", path)
+        export_bundle(ExportConfig(output=path))
+    return path
+
+
+def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
+    """How much of `text` may be emitted, and whether a stop string was found."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        return min(hits), True
+    hold = max((len(s) - 1 for s in stops), default=0)  # a stop string may still be forming
+    return max(len(text) - hold, 0), False
+
+
+class Engine:
+    """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder."""
+
+    def __init__(self, bundle: Bundle, *, backend: str = "onnxruntime", use_draft: bool = True,
+                 k: int = DEFAULT_K, policy: str = "fixed", threads: int | None = None) -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown backend '{backend}' (available: {', '.join(BACKENDS)})")
+        fmt = BACKENDS[backend].bundle_format
+        m = bundle.manifest
+        if fmt not in m.target.formats:
+            raise ConfigError(f"bundle has no {fmt} artifacts for backend {backend} (it has: {', '.join(bundle.formats())})")
+        self.bundle = bundle
+        self.tokenizer = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
+        self._stack = ExitStack()
+        self.target = self._stack.enter_context(
+            open_runtime(backend, bundle.file(m.target.formats[fmt].file), threads=threads))
+        self.draft = None
+        if use_draft and m.draft is not None and k > 0:
+            if fmt not in m.draft.formats:
+                raise ConfigError(f"the bundle's draft has no {fmt} artifact; pass --no-draft")
+            self.draft = self._stack.enter_context(
+                open_runtime(backend, bundle.file(m.draft.formats[fmt].file), threads=threads))
+        pol = make_policy(policy, k) if self.draft is not None else None
+        self.decoder = SpeculativeDecoder(self.target, self.draft, id_map=bundle.id_map() if self.draft else None,
+                                          policy=pol)
+        self._lock = threading.Lock()
+        self.last_stats = GenerationStats()
+
+    # -- layered API: step (ids) → stream (Response) → generate (text) -----------------
+    def stream_ids(self, tokens: list[int], params: SamplingParams, max_tokens: int,
+                   stop: Sequence[str] = (), stats: GenerationStats | None = None) -> Iterator[Response]:
+        """Extend `tokens` in place, yielding Responses; the caches stay a prefix of `tokens`.
+
+        One generation per engine at a time: a second concurrent call raises BusyError."""
+        if not self._lock.acquire(blocking=False):
+            raise BusyError("the engine is already generating; wait for it or stop it first")
+        try:
+            yield from self._stream(tokens, params, max_tokens, list(stop), stats or GenerationStats())
+        finally:
+            self._lock.release()
+
+    def _stream(self, tokens, params, max_tokens, stop, st: GenerationStats) -> Iterator[Response]:
+        self.last_stats = st
+        st.prompt_tokens = len(tokens)
+        dec = IncrementalDecoder(self.tokenizer)
+        text, sent = "", 0
+        t0 = time.perf_counter()
+        steps = self.decoder.stream(tokens, params, max_tokens, self.tokenizer.stop_ids)
+        try:
+            for step in steps:
+                now = time.perf_counter() - t0
+                if st.steps == 0:
+                    st.first_token_s = now
+                st.steps += 1
+                st.new_tokens += len(step.tokens)
+                st.drafted += step.drafted
+                st.accepted += step.accepted
+                st.draft_ms += step.draft_ms
+                st.verify_ms += step.verify_ms
+                st.k_history.append(step.drafted)
+                st.elapsed_s = now
+                ended = step.tokens[-1] in self.tokenizer.stop_ids
+                text += dec.push([t for t in step.tokens if t not in self.tokenizer.stop_ids])
+                cut, hit = _stop_cut(text, stop)
+                reason = "stop" if (ended or hit) else ("length" if st.new_tokens >= max_tokens else None)
+                if reason:
+                    cut = len(text) if not hit else cut
+                yield Response(text[sent:cut], step.tokens, min(step.accepted, len(step.tokens) - 1),
+                               st.tokens_per_s, reason, st)
+                sent = cut
+                if reason:
+                    return
+        finally:
+            steps.close()  # rewinds caches if we stopped early
+            st.elapsed_s = time.perf_counter() - t0
+
+    def stream(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+               stop: Sequence[str] = ()) -> Iterator[Response]:
+        """Plain completion of `prompt` (text, or token ids), streamed."""
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if max_tokens < 1:
+            raise ConfigError(f"max-tokens must be >= 1, got {max_tokens}")
+        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise ConfigError("the prompt is empty")
+        return self.stream_ids(tokens, params, max_tokens, stop)
+
+    def generate(self, prompt: str | list[int], **kwargs) -> str:
+        """Plain completion of `prompt`, returned as text."""
+        return "".join(r.text for r in self.stream(prompt, **kwargs))
+
+    def chat(self, system: str | None = None):
+        """A multi-turn chat session that reuses the KV cache across turns."""
+        from .session import ChatSession
+
+        return ChatSession(self, system=system)
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        out = {"target": self.target.memory_bytes()}
+        if self.draft is not None:
+            out["draft"] = self.draft.memory_bytes()
+        return out
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load(bundle: str | Path | None = None, *, backend: str = "onnxruntime", use_draft: bool = True,
+         k: int = DEFAULT_K, policy: str = "fixed", threads: int | None = None) -> Engine:
+    """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use)."""
+    path = Path(bundle) if bundle is not None else default_bundle()
+    return Engine(load_bundle(path), backend=backend, use_draft=use_draft, k=k, policy=policy, threads=threads)

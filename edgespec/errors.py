@@ -1,0 +1,28 @@
+"""Typed, user-facing errors: the CLI prints their message on one line and exits non-zero."""
+from __future__ import annotations
+
+__all__ = ["EdgespecError", "ConfigError", "BundleError", "ExportError", "BackendError", "BusyError"]
+
+
+class EdgespecError(Exception):
+    """Base of every error whose message is meant for the user as it is."""
+
+
+class ConfigError(EdgespecError, ValueError):
+    """An option or option combination is invalid."""
+
+
+class BundleError(EdgespecError):
+    """A bundle folder or its manifest is missing, broken or inconsistent."""
+
+
+class ExportError(EdgespecError):
+    """A source model cannot be exported."""
+
+
+class BackendError(EdgespecError):
+    """A backend failed to load or run a model, or cannot do what was asked."""
+
+
+class BusyError(EdgespecError):
+    """The engine is already generating; one generation per engine at a time."""

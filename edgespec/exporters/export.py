@@ -1,0 +1,133 @@
+"""`edgespec export`: source model(s) → one bundle folder with a manifest."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from ..bundle import MANIFEST, SCHEMA_VERSION, Artifact, Manifest, ModelEntry, staged_bundle_dir
+from ..errors import ConfigError, ExportError
+from ..models.catalog import DEFAULT_PRESET, preset_source
+from .onnx_graph import GraphOptions, build_decoder
+from .quantize import SCHEMES, quantize_model
+from .sources import Source, load_source
+from .spec import ModelSpec, spec_from_hf
+from .tokenizer_export import export_tokenizer
+
+__all__ = ["ExportConfig", "export_bundle", "FORMATS", "TARGET_PRECISIONS", "DRAFT_PRECISIONS"]
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("onnx",)
+TARGET_PRECISIONS = ("fp32", "fp16", "int8", "int4")
+DRAFT_PRECISIONS = ("fp32", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    """What to export; validated when built so bad flags fail before any work."""
+
+    output: Path
+    target: Path | None = None  # None: the default preset's GGUF
+    draft: str | Path | None = "self"  # "self": a quantized copy of the target; None: no draft
+    formats: tuple[str, ...] = ("onnx",)
+    target_precision: str = "fp32"
+    draft_precision: str = "int8"
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        bad = [f for f in self.formats if f not in FORMATS]
+        if bad:
+            raise ConfigError(f"format '{bad[0]}' is not supported yet (available: {', '.join(FORMATS)})")
+        if self.target_precision not in TARGET_PRECISIONS:
+            raise ConfigError(f"--target-precision must be one of {', '.join(TARGET_PRECISIONS)}")
+        if self.draft_precision not in DRAFT_PRECISIONS:
+            raise ConfigError(f"--draft-precision must be one of {', '.join(DRAFT_PRECISIONS)}")
+        if self.draft == "self" and self.draft_precision == "fp32" and self.target_precision == "fp32":
+            raise ConfigError("a 'self' draft in fp32 is the target itself; give --draft-precision int8 or int4")
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+
+
+def _weights(source: Source) -> dict[str, np.ndarray]:
+    return {k: v.detach().float().numpy() for k, v in source.model.state_dict().items()}
+
+
+def _write_model(spec: ModelSpec, weights, precision: str, path: Path, bar, *, tie_head: bool) -> Artifact:
+    """Build, optionally quantize, and save one decoder; return its manifest entry."""
+    opts = GraphOptions(tie_head=tie_head, weight_dtype="fp16" if precision == "fp16" else "fp32")
+    model = build_decoder(spec, weights, opts)
+    quant = None
+    if precision in SCHEMES:
+        bar.set_postfix_str(f"quantizing {path.parent.name} to {precision}")
+        model = quantize_model(model, SCHEMES[precision])
+        quant = SCHEMES[precision].describe()
+    bar.set_postfix_str(f"writing {path.parent.name}")
+    _save(model, path)
+    return Artifact(file=str(path.relative_to(path.parent.parent)), precision=precision, quantization=quant)
+
+
+def _entry(spec: ModelSpec, artifact: Artifact, source: Source) -> ModelEntry:
+    return ModelEntry(formats={"onnx": artifact}, n_layers=spec.n_layers, n_kv_heads=spec.n_kv_heads,
+                      head_dim=spec.head_dim, vocab_size=spec.vocab_size, source=source.describe())
+
+
+def _check_draft_vocab(target: Source, draft: Source) -> None:
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        raise ExportError("the draft's tokenizer differs from the target's; pick a draft of the same family")
+
+
+def export_bundle(cfg: ExportConfig) -> Path:
+    """Export `cfg.target` (and its draft) into the bundle folder `cfg.output`; return it."""
+    from tqdm.auto import tqdm
+
+    target_path = cfg.target if cfg.target is not None else preset_source(DEFAULT_PRESET)
+    draft_path = cfg.draft if cfg.draft not in (None, "self") else None
+    steps = 4 + (cfg.draft is not None) + (draft_path is not None)
+    with staged_bundle_dir(Path(cfg.output), force=cfg.force) as tmp, tqdm(total=steps, desc="export", unit="step") as bar:
+        bar.set_postfix_str(f"loading {Path(target_path).name}")
+        source = load_source(target_path)
+        spec = spec_from_hf(source.model)
+        weights = _weights(source)
+        bar.update()
+        # the target keeps a tied embedding as one tensor (Gather and Gemm share it)
+        target_art = _write_model(spec, weights, cfg.target_precision, tmp / "target" / "model.onnx", bar, tie_head=True)
+        bar.update()
+        draft_entry = None
+        if draft_path is not None:
+            bar.set_postfix_str(f"loading draft {Path(draft_path).name}")
+            dsource = load_source(draft_path)
+            _check_draft_vocab(source, dsource)
+            dspec, dweights = spec_from_hf(dsource.model), _weights(dsource)
+            bar.update()
+        else:
+            dsource, dspec, dweights = source, spec, weights
+        if cfg.draft is not None:
+            # untied head in the draft so the quantizer also shrinks the LM head, its costliest matmul
+            art = _write_model(dspec, dweights, cfg.draft_precision, tmp / "draft" / "model.onnx", bar, tie_head=False)
+            draft_entry = _entry(dspec, art, dsource)
+            bar.update()
+        bar.set_postfix_str("tokenizer")
+        tok_info = export_tokenizer(source, spec.family, tmp)
+        bar.update()
+        manifest = Manifest(
+            schema_version=SCHEMA_VERSION,
+            model_type=spec.model_type,
+            family=spec.family.name,
+            base_model=tok_info.chat_template_source != "model",
+            tokenizer=tok_info,
+            target=_entry(spec, target_art, source),
+            draft=draft_entry,
+        )
+        (tmp / MANIFEST).write_text(manifest.to_json())
+        bar.set_postfix_str("done")
+        bar.update()
+    logger.info("bundle written to %s", cfg.output)
+    return Path(cfg.output)

@@ -1,0 +1,266 @@
+"""Write a decoder-only transformer as an ONNX graph, straight from its weights.
+
+Why not optimum's exporter: only transformers >= 5.23 reads the default GGUF (and its
+tokenizer) correctly, while optimum-onnx pins transformers < 4.58. Building the graph
+from the weights that transformers loaded keeps one transformers version, gives us the
+KV layout the runtime wants (past/present per layer, logits only for the last
+`n_logits` positions), and stores a tied embedding once (Gather and Gemm share it).
+
+Graph I/O (batch 1):
+  input_ids (1, S) int64, n_logits (1,) int64, past_key_<i>/past_value_<i> (1, kvh, P, hd)
+  → logits (1, n_logits, V), present_key_<i>/present_value_<i> (1, kvh, P+S, hd)
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .spec import ModelSpec
+
+__all__ = ["GraphOptions", "build_decoder", "OPSET"]
+
+logger = logging.getLogger(__name__)
+OPSET = 21
+_NEG = float(np.finfo(np.float32).min)
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    layers: tuple[int, ...] | None = None  # keep only these decoder layers (layer-cut drafts)
+    vocab_keep: np.ndarray | None = None  # target ids of a trimmed LM head (VocabTrim)
+    tie_head: bool = True  # reuse the embedding for the head when the model ties them
+    weight_dtype: str = "fp32"  # "fp16" stores weights in half precision, computes in fp32
+
+
+class _G:
+    """Tiny node/initializer accumulator with unique names."""
+
+    def __init__(self, weight_dtype: str = "fp32") -> None:
+        self.half = weight_dtype == "fp16"
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._n = 0
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, n_out: int = 1, **attrs):
+        outs = [self.name(hint or op_type) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name("n"), **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value, hint: str = "c", dtype=None) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        name = self.name(hint)
+        self.inits.append(numpy_helper.from_array(arr, name))
+        return name
+
+    def weight(self, arr: np.ndarray, name: str) -> str:
+        if not self.half:
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float32), name))
+            return name
+        # fp16 halves the file; onnxruntime's CPU kernels are fp32, so cast once at load
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float16), name + ".fp16"))
+        return self.op("Cast", [name + ".fp16"], hint=name, to=TensorProto.FLOAT)
+
+
+def _rms_norm(g: _G, x: str, w: np.ndarray, name: str, eps: float, offset: float) -> str:
+    """x * rsqrt(mean(x^2) + eps) * (offset + w), over the last axis."""
+    sq = g.op("Mul", [x, x])
+    mean = g.op("ReduceMean", [sq, g.const([-1], dtype=np.int64)], keepdims=1)
+    inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [mean, g.const(eps, dtype=np.float32)])])])
+    return g.op("Mul", [g.op("Mul", [x, inv]), g.weight(w + offset, name)])
+
+
+def _activation(g: _G, x: str, kind: str) -> str:
+    if kind == "silu":
+        return g.op("Mul", [x, g.op("Sigmoid", [x])])
+    if kind == "gelu_tanh":
+        # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+        x3 = g.op("Mul", [g.op("Mul", [x, x]), x])
+        inner = g.op("Add", [x, g.op("Mul", [x3, g.const(0.044715, dtype=np.float32)])])
+        t = g.op("Tanh", [g.op("Mul", [inner, g.const(np.sqrt(2 / np.pi), dtype=np.float32)])])
+        return g.op("Mul", [g.op("Mul", [x, g.const(0.5, dtype=np.float32)]), g.op("Add", [t, g.const(1.0, dtype=np.float32)])])
+    # exact gelu: 0.5 x (1 + erf(x / sqrt 2))
+    e = g.op("Erf", [g.op("Mul", [x, g.const(1 / np.sqrt(2), dtype=np.float32)])])
+    return g.op("Mul", [g.op("Mul", [x, g.const(0.5, dtype=np.float32)]), g.op("Add", [e, g.const(1.0, dtype=np.float32)])])
+
+
+def _linear(g: _G, x: str, w: np.ndarray, name: str, bias: np.ndarray | None = None) -> str:
+    """x @ w.T (+ b); weights stored (in, out) so MatMul-based quantizers recognise them."""
+    y = g.op("MatMul", [x, g.weight(w.T, name)])
+    return g.op("Add", [y, g.weight(bias, name + ".bias")]) if bias is not None else y
+
+
+def _rope(g: _G, x: str, cos: str, sin: str, half: int) -> str:
+    """x * cos + rotate_half(x) * sin, x: (1, heads, S, hd)."""
+    x1, x2 = g.op("Split", [x, g.const([half, half], dtype=np.int64)], n_out=2, axis=-1)
+    rot = g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
+    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rot, sin])])
+
+
+def _split_fused(w: dict[str, np.ndarray], spec: ModelSpec, i: int) -> None:
+    """Phi-3 stores qkv and gate/up as one matrix each: split them into the Llama names."""
+    p = f"model.layers.{i}."
+    qkv = w.pop(p + "self_attn.qkv_proj.weight", None)
+    if qkv is not None:
+        q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+        w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"], w[p + "self_attn.v_proj.weight"] = (
+            qkv[:q], qkv[q : q + kv], qkv[q + kv :])
+    gu = w.pop(p + "mlp.gate_up_proj.weight", None)
+    if gu is not None:
+        half = gu.shape[0] // 2
+        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = gu[:half], gu[half:]
+
+
+def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, ctx: dict) -> tuple[str, str, str]:
+    hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
+    q = _linear(g, h, w[p + "self_attn.q_proj.weight"], p + "q_proj", w.get(p + "self_attn.q_proj.bias"))
+    k = _linear(g, h, w[p + "self_attn.k_proj.weight"], p + "k_proj", w.get(p + "self_attn.k_proj.bias"))
+    v = _linear(g, h, w[p + "self_attn.v_proj.weight"], p + "v_proj", w.get(p + "self_attn.v_proj.bias"))
+    q = g.op("Reshape", [q, g.const([1, -1, H, hd], dtype=np.int64)])  # (1, S, H, hd)
+    k = g.op("Reshape", [k, g.const([1, -1, KVH, hd], dtype=np.int64)])
+    v = g.op("Reshape", [v, g.const([1, -1, KVH, hd], dtype=np.int64)])
+    fam = spec.family
+    if p + "self_attn.q_norm.weight" in w:  # per-head q/k norm (Gemma 3, Qwen 3)
+        q = _rms_norm(g, q, w[p + "self_attn.q_norm.weight"], p + "q_norm", spec.rms_eps, fam.norm_offset)
+        k = _rms_norm(g, k, w[p + "self_attn.k_norm.weight"], p + "k_norm", spec.rms_eps, fam.norm_offset)
+    q = g.op("Transpose", [q], perm=[0, 2, 1, 3])  # (1, H, S, hd)
+    k = g.op("Transpose", [k], perm=[0, 2, 1, 3])
+    v = g.op("Transpose", [v], perm=[0, 2, 1, 3])
+    lt = spec.layer_types[li]
+    cos, sin = ctx["rope"][lt]
+    q, k = _rope(g, q, cos, sin, hd // 2), _rope(g, k, cos, sin, hd // 2)
+    present_k = g.op("Concat", [ctx["past"][li][0], k], axis=2)  # (1, KVH, T, hd)
+    present_v = g.op("Concat", [ctx["past"][li][1], v], axis=2)
+    rep = H // KVH
+    # Group query heads under their KV head so MatMul broadcasts instead of copying K/V.
+    q5 = g.op("Reshape", [q, g.const([1, KVH, rep, -1, hd], dtype=np.int64)])  # (1, KVH, rep, S, hd)
+    k5 = g.op("Unsqueeze", [present_k, g.const([2], dtype=np.int64)])  # (1, KVH, 1, T, hd)
+    v5 = g.op("Unsqueeze", [present_v, g.const([2], dtype=np.int64)])
+    q5 = g.op("Mul", [q5, g.const(spec.query_scale, dtype=np.float32)])
+    scores = g.op("MatMul", [q5, g.op("Transpose", [k5], perm=[0, 1, 2, 4, 3])])  # (1, KVH, rep, S, T)
+    scores = g.op("Add", [scores, ctx["mask"][lt]])
+    probs = g.op("Softmax", [scores], axis=-1)
+    out = g.op("MatMul", [probs, v5])  # (1, KVH, rep, S, hd)
+    out = g.op("Reshape", [out, g.const([1, H, -1, hd], dtype=np.int64)])
+    out = g.op("Transpose", [out], perm=[0, 2, 1, 3])
+    out = g.op("Reshape", [out, g.const([1, -1, H * hd], dtype=np.int64)])
+    return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), present_k, present_v
+
+
+def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str) -> dict:
+    """Positions P..P+S-1, RoPE cos/sin per layer type, additive causal (and sliding) masks."""
+    i64 = dict(dtype=np.int64)
+    p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(2, **i64)])  # scalar P
+    s_len = g.op("Gather", [g.op("Shape", [ids]), g.const(1, **i64)])  # scalar S
+    t_len = g.op("Add", [p_len, s_len])
+    qpos = g.op("Range", [p_len, t_len, g.const(1, **i64)])  # (S,)
+    kpos = g.op("Range", [g.const(0, **i64), t_len, g.const(1, **i64)])  # (T,)
+    qcol = g.op("Unsqueeze", [qpos, g.const([1], **i64)])  # (S, 1)
+    krow = g.op("Unsqueeze", [kpos, g.const([0], **i64)])  # (1, T)
+    causal = g.op("LessOrEqual", [krow, qcol])  # (S, T)
+    zero, neg = g.const(0.0, dtype=np.float32), g.const(_NEG, dtype=np.float32)
+    masks, rope = {}, {}
+    qf = g.op("Cast", [qcol], to=TensorProto.FLOAT)
+    for lt in sorted(set(spec.layer_types)):
+        allowed = causal
+        if lt == "sliding_attention" and spec.sliding_window:
+            near = g.op("Less", [g.op("Sub", [qcol, krow]), g.const(spec.sliding_window, **i64)])
+            allowed = g.op("And", [causal, near])
+        m = g.op("Where", [allowed, zero, neg])
+        masks[lt] = g.op("Unsqueeze", [m, g.const([0, 1, 2], **i64)])  # (1, 1, 1, S, T)
+        inv_freq, scale = spec.rope[lt]
+        freqs = g.op("Mul", [qf, g.const(inv_freq[None, :], dtype=np.float32)])  # (S, hd/2)
+        emb = g.op("Concat", [freqs, freqs], axis=-1)  # (S, hd)
+        cos = g.op("Mul", [g.op("Cos", [emb]), g.const(scale, dtype=np.float32)])
+        sin = g.op("Mul", [g.op("Sin", [emb]), g.const(scale, dtype=np.float32)])
+        rope[lt] = tuple(g.op("Unsqueeze", [t, g.const([0, 1], **i64)]) for t in (cos, sin))  # (1,1,S,hd)
+    return {"mask": masks, "rope": rope}
+
+
+def build_decoder(
+    spec: ModelSpec,
+    weights: dict[str, np.ndarray],
+    options: GraphOptions = GraphOptions(),
+    progress: Callable[[int], None] | None = None,
+) -> onnx.ModelProto:
+    """Return the ONNX model for `spec` with `weights` (HF names, float32 numpy)."""
+    w = dict(weights)
+    layers = options.layers if options.layers is not None else tuple(range(spec.n_layers))
+    g = _G(options.weight_dtype)
+    fam = spec.family
+    ids, n_logits = "input_ids", "n_logits"
+    inputs = [
+        helper.make_tensor_value_info(ids, TensorProto.INT64, [1, "S"]),
+        helper.make_tensor_value_info(n_logits, TensorProto.INT64, [1]),
+    ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "N", "V"])]
+    past = []
+    kv_shape = [1, spec.n_kv_heads, "P", spec.head_dim]
+    for j in range(len(layers)):
+        pk, pv = f"past_key_{j}", f"past_value_{j}"
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (pk, pv)]
+        past.append((pk, pv))
+    ctx = _positions_and_masks(g, spec, past[0][0], ids)
+    ctx["past"] = past
+
+    embed = w["model.embed_tokens.weight"]
+    emb_name = g.weight(embed, "model.embed_tokens.weight")
+    x = g.op("Gather", [emb_name, ids], axis=0)  # (1, S, hidden)
+    if fam.embed_scale:
+        x = g.op("Mul", [x, g.const(np.float32(spec.hidden_size**0.5), dtype=np.float32)])
+
+    for j, li in enumerate(layers):
+        _split_fused(w, spec, li)
+        p = f"model.layers.{li}."
+        h = _rms_norm(g, x, w[p + "input_layernorm.weight"], p + "input_layernorm", spec.rms_eps, fam.norm_offset)
+        attn, pk, pv = _attention(g, spec, w, p, h, li, ctx)
+        g.nodes.append(helper.make_node("Identity", [pk], [f"present_key_{j}"]))
+        g.nodes.append(helper.make_node("Identity", [pv], [f"present_value_{j}"]))
+        outputs += [helper.make_tensor_value_info(f"present_{n}_{j}", TensorProto.FLOAT, [1, spec.n_kv_heads, "T", spec.head_dim]) for n in ("key", "value")]
+        if fam.sandwich_norm:
+            attn = _rms_norm(g, attn, w[p + "post_attention_layernorm.weight"], p + "post_attention_layernorm", spec.rms_eps, fam.norm_offset)
+            x = g.op("Add", [x, attn])
+            h = _rms_norm(g, x, w[p + "pre_feedforward_layernorm.weight"], p + "pre_feedforward_layernorm", spec.rms_eps, fam.norm_offset)
+        else:
+            x = g.op("Add", [x, attn])
+            h = _rms_norm(g, x, w[p + "post_attention_layernorm.weight"], p + "post_attention_layernorm", spec.rms_eps, fam.norm_offset)
+        gate = _activation(g, _linear(g, h, w[p + "mlp.gate_proj.weight"], p + "gate_proj"), spec.activation)
+        m = _linear(g, g.op("Mul", [gate, _linear(g, h, w[p + "mlp.up_proj.weight"], p + "up_proj")]), w[p + "mlp.down_proj.weight"], p + "down_proj")
+        if fam.sandwich_norm:
+            m = _rms_norm(g, m, w[p + "post_feedforward_layernorm.weight"], p + "post_feedforward_layernorm", spec.rms_eps, fam.norm_offset)
+        x = g.op("Add", [x, m])
+        if progress:
+            progress(1)
+
+    x = _rms_norm(g, x, w["model.norm.weight"], "model.norm", spec.rms_eps, fam.norm_offset)
+    # Only the last n_logits positions reach the head: prefill of a long prompt stays cheap.
+    start = g.op("Neg", [n_logits])
+    x = g.op("Slice", [x, start, g.const([np.iinfo(np.int64).max], dtype=np.int64), g.const([1], dtype=np.int64)])
+    x2 = g.op("Reshape", [x, g.const([-1, spec.hidden_size], dtype=np.int64)])  # (N, hidden)
+    head_w = w.get("lm_head.weight")
+    tied = head_w is None or spec.tie_embeddings
+    keep = options.vocab_keep
+    if tied and options.tie_head and keep is None:
+        logits = g.op("Gemm", [x2, emb_name], transB=1)  # shares the embedding initializer
+    else:
+        hw = embed if tied else head_w
+        if keep is not None:
+            hw = hw[np.asarray(keep)]
+        logits = g.op("MatMul", [x2, g.weight(hw.T, "lm_head.weight")])
+    if spec.final_logit_softcap:
+        cap = g.const(spec.final_logit_softcap, dtype=np.float32)
+        logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
+    g.nodes.append(helper.make_node("Unsqueeze", [logits, g.const([0], dtype=np.int64)], ["logits"]))
+
+    graph = helper.make_graph(g.nodes, "edgespec_decoder", inputs, outputs, initializer=g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="edgespec")
+    model.ir_version = 10
+    return model

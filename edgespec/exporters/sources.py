@@ -1,0 +1,83 @@
+"""Load a source model (Hugging Face folder or GGUF file) with transformers, offline."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ExportError
+
+__all__ = ["Source", "load_source", "sha256_of"]
+
+logger = logging.getLogger(__name__)
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+@dataclass
+class Source:
+    """A loaded model and tokenizer plus where they came from."""
+
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    kind: str  # "hf" or "gguf"
+    path: Path
+    sha256: str
+
+    def describe(self) -> dict[str, str]:
+        return {"kind": self.kind, "name": self.path.name, "sha256": self.sha256}
+
+
+def sha256_of(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in sorted(files):
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def _classify(path: Path) -> str:
+    if not path.exists():
+        raise ExportError(f"model path not found: {path}")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ExportError(f"{path} is neither a Hugging Face model folder nor a .gguf file")
+        with path.open("rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise ExportError(f"{path} is not a GGUF file (bad magic bytes)")
+        return "gguf"
+    if not (path / "config.json").is_file():
+        raise ExportError(f"{path} is not a Hugging Face model folder (no config.json)")
+    if not any(p.suffix in _WEIGHT_SUFFIXES for p in path.iterdir()):
+        raise ExportError(f"{path} has a config.json but no weights (*.safetensors or *.bin)")
+    return "hf"
+
+
+def load_source(path: str | os.PathLike) -> Source:
+    """Load `path` in float32 on the CPU; every failure is a one-line ExportError."""
+    path = Path(path).expanduser().resolve()
+    kind = _classify(path)
+    try:
+        import torch  # noqa: F401 - fail early with the install hint
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise ExportError("exporting needs the export extra: pip install 'edgespec[export]'") from e
+    if kind == "gguf":
+        folder, extra = path.parent, {"gguf_file": path.name}
+        files = [path]
+    else:
+        folder, extra = path, {}
+        files = [p for p in path.iterdir() if p.suffix in _WEIGHT_SUFFIXES or p.name == "config.json"]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", local_files_only=True, **extra)
+    except Exception as e:  # transformers raises many types (OSError, ValueError, struct errors...)
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"cannot load {path}: {msg}") from e
+    model.eval()
+    return Source(model=model, tokenizer=tokenizer, kind=kind, path=path, sha256=sha256_of(files))

@@ -1,0 +1,75 @@
+"""Per-family facts, as data: what differs between decoder-only families.
+
+Everything the exporter or the chat front end needs to know about a family lives here,
+keyed by the Hugging Face `model_type`, so adding a family is adding a row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ExportError
+
+__all__ = ["Family", "FAMILIES", "family_for", "GEMMA_CHAT_TEMPLATE"]
+
+# Gemma's turn markers (the instruction-tuned Gemma template, minus tool calling). Used
+# when a Gemma checkpoint (e.g. the base GGUF) carries no template of its own.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '')"
+    " + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}"
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family's decoder differs from the Llama baseline."""
+
+    name: str
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight); Gemma stores weight - 1
+    embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
+    sandwich_norm: bool = False  # extra norms after attention and around the MLP (Gemma 2/3)
+    fused_qkv: bool = False  # one qkv_proj / gate_up_proj matrix (Phi-3)
+    fallback_chat_template: str | None = None  # for checkpoints that ship none
+    stop_tokens: tuple[str, ...] = ()  # end-of-turn tokens besides EOS
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama"),
+    "mistral": Family("mistral"),
+    "qwen2": Family("qwen2", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",)),
+    "qwen3": Family("qwen3", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",)),
+    "phi3": Family("phi3", fused_qkv=True, stop_tokens=("<|end|>",)),
+    "gemma3_text": Family(
+        "gemma3",
+        norm_offset=1.0,
+        embed_scale=True,
+        sandwich_norm=True,
+        fallback_chat_template=GEMMA_CHAT_TEMPLATE,
+        stop_tokens=("<end_of_turn>",),
+    ),
+}
+FAMILIES["gemma3"] = FAMILIES["gemma3_text"]
+
+
+def family_for(model_type: str) -> Family:
+    """The family row for a HF `model_type`, or a clear error listing the supported ones."""
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        supported = ", ".join(sorted(FAMILIES))
+        raise ExportError(f"model type '{model_type}' is not supported (supported: {supported})") from None

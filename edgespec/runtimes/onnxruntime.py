@@ -1,0 +1,114 @@
+"""onnxruntime backend for edgespec's decoder graphs (see exporters/onnx_graph.py).
+
+The KV cache is the list of `present_*` OrtValues the last run returned; they stay in
+onnxruntime's memory and are bound straight back as the next run's `past_*` inputs
+(IOBinding), so the host never copies the cache. Rolling back slices them on the
+sequence axis, which is one copy of the kept prefix, done only after a rejection.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import BackendError
+from .base import Capabilities, Runtime
+
+__all__ = ["OnnxRuntime"]
+
+logger = logging.getLogger(__name__)
+
+
+def _import_ort():
+    try:
+        import onnxruntime as ort
+    except ImportError as e:  # edge installs may pick another backend
+        raise BackendError("onnxruntime is not installed: pip install 'edgespec[onnx]'") from e
+    return ort
+
+
+class OnnxRuntime(Runtime):
+    """One edgespec decoder graph in an onnxruntime InferenceSession."""
+
+    def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None) -> None:
+        ort = _import_ort()
+        path = Path(model_path)
+        if not path.is_file():
+            raise BackendError(f"ONNX model not found: {path}")
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            opts.intra_op_num_threads = threads
+        try:
+            self._sess = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types; keep one line
+            raise BackendError(f"cannot load {path.name}: {str(e).splitlines()[0]}") from e
+        self._ort = ort
+        names = [i.name for i in self._sess.get_inputs()]
+        self._n_layers = sum(1 for n in names if n.startswith("past_key_"))
+        kv = self._sess.get_inputs()[2].shape  # (1, kvh, P, hd)
+        self._kv_heads, self._head_dim = int(kv[1]), int(kv[3])
+        self.vocab_size = int(self._sess.get_outputs()[0].shape[2]) if isinstance(self._sess.get_outputs()[0].shape[2], int) else 0
+        self._weight_bytes = _file_bytes(path)
+        self._past: list = []
+        self._n_past = 0
+        self.capabilities = Capabilities(backend="onnxruntime", can_trim=True, devices=("CPU",))
+        self.reset()
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    def reset(self) -> None:
+        empty = np.zeros((1, self._kv_heads, 0, self._head_dim), dtype=np.float32)
+        self._past = [self._ort.OrtValue.ortvalue_from_numpy(empty) for _ in range(2 * self._n_layers)]
+        self._n_past = 0
+
+    def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
+        n_logits = min(n_logits, len(token_ids))
+        binding = self._sess.io_binding()
+        binding.bind_cpu_input("input_ids", np.asarray([token_ids], dtype=np.int64))
+        binding.bind_cpu_input("n_logits", np.asarray([n_logits], dtype=np.int64))
+        for j in range(self._n_layers):
+            binding.bind_ortvalue_input(f"past_key_{j}", self._past[2 * j])
+            binding.bind_ortvalue_input(f"past_value_{j}", self._past[2 * j + 1])
+        binding.bind_output("logits")
+        for j in range(self._n_layers):
+            binding.bind_output(f"present_key_{j}")
+            binding.bind_output(f"present_value_{j}")
+        self._sess.run_with_iobinding(binding)
+        outs = binding.get_outputs()
+        self._past = list(outs[1:])
+        self._n_past += len(token_ids)
+        logits = outs[0].numpy()[0]  # (n_logits, V)
+        if not self.vocab_size:
+            self.vocab_size = logits.shape[-1]
+        return logits
+
+    def trim(self, n_past: int) -> None:
+        if n_past >= self._n_past:
+            return
+        if n_past <= 0:
+            self.reset()
+            return
+        OrtValue = self._ort.OrtValue
+        self._past = [OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :n_past])) for v in self._past]
+        self._n_past = n_past
+
+    def memory_bytes(self) -> dict[str, int]:
+        kv = 2 * self._n_layers * self._kv_heads * self._head_dim * 4 * self._n_past
+        return {"weights": self._weight_bytes, "kv": kv}
+
+    def close(self) -> None:
+        self._past = []
+        self._sess = None
+
+
+def _file_bytes(path: Path) -> int:
+    data = [p for p in path.parent.glob(path.name + "*") if p.is_file()]
+    return sum(p.stat().st_size for p in data)

@@ -1,0 +1,63 @@
+"""Multi-turn chat on an Engine: the conversation's tokens are kept, so each turn only
+prefills what is new (the decoder reuses the cached common prefix)."""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterator
+
+from .decoding import SamplingParams
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .api import Engine, GenerationStats, Response
+
+__all__ = ["ChatSession"]
+
+logger = logging.getLogger(__name__)
+
+
+class ChatSession:
+    """Messages plus the token sequence the engine's caches hold for them."""
+
+    def __init__(self, engine: "Engine", system: str | None = None) -> None:
+        if not engine.tokenizer.has_chat_template:
+            raise ConfigError("this model has no chat template; use `edgespec generate` instead")
+        self.engine = engine
+        self.system = system
+        self.messages: list[dict[str, str]] = []
+        self.tokens: list[int] = []  # what the last turn left in the caches
+        self.turn_stats: list["GenerationStats"] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (keeps the system prompt)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.tokens = []
+        self.turn_stats = []
+
+    def send(self, message: str, *, max_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, seed: int | None = None) -> Iterator["Response"]:
+        """Add a user message and stream the reply. The reply is recorded in the history
+        even when the stream is stopped early (a Stop button, Ctrl-C)."""
+        if not message.strip():
+            raise ConfigError("empty message")
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        return self._turn(message, params, max_tokens)
+
+    def _turn(self, message: str, params: SamplingParams, max_tokens: int) -> Iterator["Response"]:
+        from .api import GenerationStats
+
+        self.messages.append({"role": "user", "content": message})
+        tokens = self.engine.tokenizer.encode_chat(self.messages)
+        reply, stats = [], GenerationStats()
+        try:
+            for r in self.engine.stream_ids(tokens, params, max_tokens, stats=stats):
+                reply.append(r.text)
+                yield r
+        finally:
+            if stats.steps:  # answered, fully or in part: keep what was said
+                self.messages.append({"role": "assistant", "content": "".join(reply)})
+            else:  # stopped before the first token: the turn did not happen
+                self.messages.pop()
+            self.tokens = tokens
+            self.turn_stats.append(stats)
