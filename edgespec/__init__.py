@@ -1,0 +1,25 @@
+"""edgespec: on-device LLM inference with lossless speculative decoding.
+
+    import edgespec
+    with edgespec.load() as engine:          # the embedded Gemma 3 270M bundle
+        print(engine.generate("The capital of France is", max_tokens=16))
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["__version__", "load", "Engine", "Response", "GenerationStats", "ChatSession", "SamplingParams",
+           "EdgespecError"]
+
+_LAZY = {
+    "load": "edgespec.api", "Engine": "edgespec.api", "Response": "edgespec.api", "GenerationStats": "edgespec.api",
+    "ChatSession": "edgespec.session", "SamplingParams": "edgespec.decoding", "EdgespecError": "edgespec.errors",
+}
+
+
+def __getattr__(name: str):
+    # lazy, so `edgespec --help` and `import edgespec` stay cheap on small devices
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'edgespec' has no attribute {name!r}")

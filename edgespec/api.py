@@ -52,6 +52,19 @@ class GenerationStats:
     elapsed_s: float = 0.0
     k_history: list[int] = field(default_factory=list)
 
+    def add(self, step, now_s: float) -> None:
+        """Account one decoding step that ended `now_s` seconds into the generation."""
+        if self.steps == 0:
+            self.first_token_s = now_s
+        self.steps += 1
+        self.new_tokens += len(step.tokens)
+        self.drafted += step.drafted
+        self.accepted += step.accepted
+        self.draft_ms += step.draft_ms
+        self.verify_ms += step.verify_ms
+        self.k_history.append(step.drafted)
+        self.elapsed_s = now_s
+
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
@@ -139,23 +152,16 @@ class Engine:
         steps = self.decoder.stream(tokens, params, max_tokens, self.tokenizer.stop_ids)
         try:
             for step in steps:
-                now = time.perf_counter() - t0
-                if st.steps == 0:
-                    st.first_token_s = now
-                st.steps += 1
-                st.new_tokens += len(step.tokens)
-                st.drafted += step.drafted
-                st.accepted += step.accepted
-                st.draft_ms += step.draft_ms
-                st.verify_ms += step.verify_ms
-                st.k_history.append(step.drafted)
-                st.elapsed_s = now
+                st.add(step, time.perf_counter() - t0)
                 ended = step.tokens[-1] in self.tokenizer.stop_ids
                 text += dec.push([t for t in step.tokens if t not in self.tokenizer.stop_ids])
+                done = ended or st.new_tokens >= max_tokens
+                if done:
+                    text += dec.flush()
                 cut, hit = _stop_cut(text, stop)
-                reason = "stop" if (ended or hit) else ("length" if st.new_tokens >= max_tokens else None)
-                if reason:
-                    cut = len(text) if not hit else cut
+                if done and not hit:
+                    cut = len(text)
+                reason = "stop" if (ended or hit) else ("length" if done else None)
                 yield Response(text[sent:cut], step.tokens, min(step.accepted, len(step.tokens) - 1),
                                st.tokens_per_s, reason, st)
                 sent = cut

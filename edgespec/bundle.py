@@ -171,6 +171,7 @@ def staged_bundle_dir(out: Path, force: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary folder
         if out.exists():
             old = out.with_name(f".{out.name}.old")
             shutil.rmtree(old, ignore_errors=True)

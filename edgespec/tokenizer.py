@@ -88,5 +88,9 @@ class IncrementalDecoder:
             return delta
         return ""
 
-    def text(self) -> str:
-        return self.tokenizer.decode(self.ids)
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the end comes out as U+FFFD)."""
+        prefix_text = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        text = self.tokenizer.decode(self.ids[self._prefix :])
+        self._prefix = self._read = len(self.ids)
+        return text[len(prefix_text) :]

@@ -13,7 +13,7 @@ from ..errors import ConfigError, ExportError
 from ..models.catalog import DEFAULT_PRESET, preset_source
 from .onnx_graph import GraphOptions, build_decoder
 from .quantize import SCHEMES, quantize_model
-from .sources import Source, load_source
+from .sources import Source, check_source, load_source
 from .spec import ModelSpec, spec_from_hf
 from .tokenizer_export import export_tokenizer
 
@@ -90,8 +90,12 @@ def export_bundle(cfg: ExportConfig) -> Path:
 
     target_path = cfg.target if cfg.target is not None else preset_source(DEFAULT_PRESET)
     draft_path = cfg.draft if cfg.draft not in (None, "self") else None
+    for path in filter(None, (target_path, draft_path)):
+        check_source(path)  # fail on a bad path before any work
     steps = 4 + (cfg.draft is not None) + (draft_path is not None)
-    with staged_bundle_dir(Path(cfg.output), force=cfg.force) as tmp, tqdm(total=steps, desc="export", unit="step") as bar:
+    with staged_bundle_dir(Path(cfg.output), force=cfg.force) as tmp, tqdm(
+        total=steps, desc="export", unit="step", disable=None  # None: only on a terminal
+    ) as bar:
         bar.set_postfix_str(f"loading {Path(target_path).name}")
         source = load_source(target_path)
         spec = spec_from_hf(source.model)

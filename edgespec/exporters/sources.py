@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import ExportError
 
-__all__ = ["Source", "load_source", "sha256_of"]
+__all__ = ["Source", "check_source", "load_source", "sha256_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,8 @@ def sha256_of(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def _classify(path: Path) -> str:
+def check_source(path: Path) -> str:
+    """"hf" or "gguf" for a usable source path; a one-line ExportError otherwise."""
     if not path.exists():
         raise ExportError(f"model path not found: {path}")
     if path.is_file():
@@ -61,7 +62,7 @@ def _classify(path: Path) -> str:
 def load_source(path: str | os.PathLike) -> Source:
     """Load `path` in float32 on the CPU; every failure is a one-line ExportError."""
     path = Path(path).expanduser().resolve()
-    kind = _classify(path)
+    kind = check_source(path)
     try:
         import torch  # noqa: F401 - fail early with the install hint
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,6 @@
+"""`python -m edgespec`."""
+import sys
+
+from edgespec.cli import main
+
+sys.exit(main())

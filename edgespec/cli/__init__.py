@@ -1,0 +1,40 @@
+"""`edgespec` command: a thin dispatcher that imports a verb's module only when it runs.
+
+`edgespec --help` therefore loads no onnxruntime, OpenVINO or torch."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+__all__ = ["main", "VERBS"]
+
+VERBS: dict[str, tuple[str, str]] = {
+    "export": ("edgespec.cli.export", "convert a target (and draft) model into a bundle"),
+    "chat": ("edgespec.cli.chat", "chat with a bundle, streaming, with speculative decoding"),
+    "generate": ("edgespec.cli.generate", "complete a prompt (plain text, streamed)"),
+    "info": ("edgespec.cli.info", "show a bundle's manifest and the installed backends"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: edgespec <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in VERBS.items()]
+    lines += ["", "Run `edgespec <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        from .. import __version__
+
+        print(f"edgespec {__version__}")
+        return 0
+    verb = VERBS.get(argv[0])
+    if verb is None:
+        print(f"edgespec: error: unknown command '{argv[0]}' (commands: {', '.join(VERBS)})", file=sys.stderr)
+        return 2
+    return importlib.import_module(verb[0]).main(argv[1:])

@@ -1,0 +1,110 @@
+"""`edgespec chat [BUNDLE]`: a streaming REPL on a ChatSession.
+
+Interactive on a terminal; reads one message per line when stdin is piped.
+Ctrl-C stops the current reply and keeps the conversation; Ctrl-D or /exit quits."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import EdgespecError
+from .common import add_engine_args, add_sampling_args, cli_entry, open_engine, sampling_kwargs, setup_logging, validate_sampling
+from .generate import _format_stats
+
+__all__ = ["main", "build_parser"]
+
+HELP = """commands:
+  /reset   forget the conversation (keeps the system prompt)
+  /stats   speed, acceptance and draft lengths of the last reply and the session
+  /exit    quit (also Ctrl-D); Ctrl-C stops a reply"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgespec chat", description="Chat with a bundle.")
+    p.add_argument("bundle", nargs="?", default=None, help="bundle folder (default: the embedded Gemma 3 270M)")
+    p.add_argument("--system", default=None, help="system prompt")
+    add_sampling_args(p, max_tokens=512)
+    add_engine_args(p)
+    return p
+
+
+def _session_stats(session) -> str:
+    turns = session.turn_stats
+    if not turns:
+        return "no replies yet"
+    last = _format_stats(turns[-1])
+    drafted, accepted = sum(t.drafted for t in turns), sum(t.accepted for t in turns)
+    ks = turns[-1].k_history
+    k_line = f"draft length per step (last reply): {ks[:24]}{' ...' if len(ks) > 24 else ''}" if drafted else "no draft"
+    total = f"session: {len(turns)} replies, {sum(t.new_tokens for t in turns)} tokens"
+    if drafted:
+        total += f", acceptance {accepted / drafted:.0%}"
+    return f"last reply: {last}\n{total}\n{k_line}"
+
+
+def _reply(session, text: str, sampling: dict, out) -> None:
+    stream = session.send(text, **sampling)
+    try:
+        for r in stream:
+            out.write(r.text)
+            out.flush()
+    except KeyboardInterrupt:
+        out.write(" [stopped]")
+    finally:
+        stream.close()  # rewinds the caches and records the (partial) reply
+        out.write("\n")
+        out.flush()
+
+
+def _read(interactive: bool) -> str | None:
+    try:
+        return input(">>> ") if interactive else sys.stdin.readline() or None
+    except EOFError:
+        return None
+
+
+def repl(engine, args: argparse.Namespace, interactive: bool, out=sys.stdout) -> None:
+    session = engine.chat(system=args.system)
+    sampling = sampling_kwargs(args)
+    m = engine.bundle.manifest
+    if m.base_model:
+        how = f"the {m.family} family's chat format" if m.tokenizer.chat_template_source == "family" else "no chat format"
+        print(f"note: this is a base model without a chat template; using {how}. "
+              "Replies follow the text, not instructions.", file=sys.stderr)
+    if interactive:
+        print("edgespec chat - /help for commands, Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = _read(interactive)
+        except KeyboardInterrupt:  # at the prompt: a new line, not an exit
+            print("", file=sys.stderr)
+            continue
+        if line is None:
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/help":
+            print(HELP, file=out)
+        elif line == "/reset":
+            session.reset()
+            print("[conversation cleared]", file=out)
+        elif line == "/stats":
+            print(_session_stats(session), file=out)
+        else:
+            try:
+                _reply(session, line, sampling, out)
+            except EdgespecError as e:  # report and keep the conversation
+                print(f"edgespec: error: {e}", file=sys.stderr)
+
+
+@cli_entry
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    validate_sampling(args)
+    with open_engine(args) as engine:
+        repl(engine, args, interactive=sys.stdin.isatty())
+    return 0

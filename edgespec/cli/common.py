@@ -1,0 +1,76 @@
+"""Flags and error handling shared by the verbs: one source for sampling and engine options."""
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+from typing import Callable
+
+from ..errors import EdgespecError
+
+__all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "cli_entry", "setup_logging", "open_engine"]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--backend", default="onnxruntime", help="runtime backend (default: onnxruntime)")
+    g.add_argument("--no-draft", action="store_true", help="plain decoding, no draft model")
+    g.add_argument("-k", "--draft-tokens", type=int, default=4, dest="k", help="draft length per step (default: 4)")
+    g.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: backend's choice)")
+    g.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens per reply (default: {max_tokens})")
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                max_tokens=args.max_tokens)
+
+
+def validate_sampling(args: argparse.Namespace) -> None:
+    """Fail on bad sampling flags before any model is loaded."""
+    from ..decoding import SamplingParams
+    from ..errors import ConfigError
+
+    SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+
+
+def open_engine(args: argparse.Namespace):
+    from ..api import load
+    from ..errors import ConfigError
+
+    if args.k < 0:
+        raise ConfigError(f"-k must be >= 0, got {args.k}")
+    return load(args.bundle, backend=args.backend, use_draft=not args.no_draft, k=args.k, threads=args.threads)
+
+
+def setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+def cli_entry(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
+    """Turn user-facing errors into one line on stderr and a non-zero exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(argv: list[str]) -> int:
+        try:
+            return fn(argv)
+        except EdgespecError as e:
+            print(f"edgespec: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("", file=sys.stderr)
+            return 130
+
+    return wrapper

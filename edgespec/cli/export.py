@@ -1,0 +1,50 @@
+"""`edgespec export`: parse flags, call exporters.export.export_bundle."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .common import cli_entry, setup_logging
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..exporters.export import DRAFT_PRECISIONS, FORMATS, TARGET_PRECISIONS
+
+    p = argparse.ArgumentParser(prog="edgespec export", description="Export a target and its draft into a bundle.")
+    p.add_argument("--target", type=Path, default=None,
+                   help="Hugging Face model folder or .gguf file (default: the embedded Gemma 3 270M)")
+    p.add_argument("--draft", default="self",
+                   help="'self' (a quantized copy of the target, default), 'none', or a model folder/.gguf")
+    p.add_argument("--format", dest="formats", action="append", choices=FORMATS, default=None,
+                   help="output format (repeatable; default: onnx)")
+    p.add_argument("--target-precision", default="fp32", choices=TARGET_PRECISIONS)
+    p.add_argument("--draft-precision", default="int8", choices=DRAFT_PRECISIONS)
+    p.add_argument("-o", "--output", type=Path, default=None,
+                   help="bundle folder to write (default: the default bundle in the user cache)")
+    p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    p.add_argument("-v", "--verbose", action="count", default=0)
+    return p
+
+
+@cli_entry
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    from ..exporters.export import ExportConfig, export_bundle
+    from ..models.catalog import default_bundle_path
+
+    draft = None if args.draft == "none" else ("self" if args.draft == "self" else Path(args.draft))
+    cfg = ExportConfig(
+        output=args.output or default_bundle_path(),
+        target=args.target,
+        draft=draft,
+        formats=tuple(args.formats or ("onnx",)),
+        target_precision=args.target_precision,
+        draft_precision=args.draft_precision,
+        force=args.force,
+    )
+    out = export_bundle(cfg)
+    print(f"bundle written: {out}")
+    return 0

@@ -1,0 +1,47 @@
+"""`edgespec generate [BUNDLE] PROMPT`: plain completion, streamed to stdout."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import add_engine_args, add_sampling_args, cli_entry, open_engine, sampling_kwargs, setup_logging, validate_sampling
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="edgespec generate", description="Complete a prompt, streaming the text.")
+    p.add_argument("args", nargs="+", metavar="[BUNDLE] PROMPT",
+                   help="optional bundle folder, then the prompt ('-' reads it from stdin)")
+    add_sampling_args(p, max_tokens=128)
+    add_engine_args(p)
+    p.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr at the end")
+    return p
+
+
+@cli_entry
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if len(args.args) > 2:
+        parser.error("give at most a bundle and one prompt (quote the prompt)")
+    args.bundle, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    setup_logging(args.verbose)
+    validate_sampling(args)
+    with open_engine(args) as engine:
+        stats = None
+        for r in engine.stream(prompt, **sampling_kwargs(args)):
+            sys.stdout.write(r.text)
+            sys.stdout.flush()
+            stats = r.stats
+        sys.stdout.write("\n")
+        if args.stats and stats is not None:
+            print(_format_stats(stats), file=sys.stderr)
+    return 0
+
+
+def _format_stats(st) -> str:
+    acc = f", acceptance {st.acceptance:.0%}, {st.mean_accepted_length:.2f} tokens/step" if st.drafted else ""
+    return f"[{st.new_tokens} tokens, {st.tokens_per_s:.1f} tok/s, first token {st.first_token_s * 1e3:.0f} ms{acc}]"

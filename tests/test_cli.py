@@ -1,0 +1,124 @@
+"""The CLI as a user runs it: real subprocesses, exit codes, one-line errors, piped chat."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import make_model
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def run(*args: str, stdin: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgespec", *args], input=stdin, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def cli_bundle(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    src = make_model("qwen2", root / "src", chat_template=CHATML)
+    out = root / "bundle"
+    proc = run("export", "--target", str(src), "--draft-precision", "int4", "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "edgespec.json").is_file()
+    return out
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("edgespec: error:"), proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_help_loads_no_backend():
+    code = ("import sys; from edgespec.cli import main; main(['--help']); "
+            "print(sorted(m for m in ('onnxruntime', 'torch', 'transformers', 'openvino') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("[]"), proc.stdout
+
+
+def test_generate_streams_text(cli_bundle):
+    proc = run("generate", str(cli_bundle), "the cat and", "--max-tokens", "12", "--stats")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+    assert "tok/s" in proc.stderr and "acceptance" in proc.stderr
+
+
+def test_generate_draft_and_no_draft_agree(cli_bundle):
+    a = run("generate", str(cli_bundle), "the dog", "--max-tokens", "20", "-k", "3")
+    b = run("generate", str(cli_bundle), "the dog", "--max-tokens", "20", "--no-draft")
+    assert a.returncode == b.returncode == 0
+    assert a.stdout == b.stdout
+
+
+def test_chat_through_a_pipe(cli_bundle):
+    proc = run("chat", str(cli_bundle), "--max-tokens", "8", stdin="hello world\nthe cat\n/stats\n/reset\n/stats\n")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "session: 2 replies" in out
+    assert "[conversation cleared]" in out and "no replies yet" in out
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "1.5"], "top-p"),
+    (["--max-tokens", "0"], "max-tokens"),
+])
+def test_bad_sampling_flags(cli_bundle, flags, needle):
+    assert_one_line_error(run("generate", str(cli_bundle), "hi", *flags), needle)
+    assert_one_line_error(run("chat", str(cli_bundle), *flags, stdin="hi\n"), needle)
+
+
+def test_export_missing_model(tmp_path):
+    assert_one_line_error(run("export", "--target", str(tmp_path / "nope"), "-o", str(tmp_path / "b")), "not found")
+    assert not (tmp_path / "b").exists()
+
+
+def test_export_corrupt_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + os.urandom(256))
+    assert_one_line_error(run("export", "--target", str(bad), "-o", str(tmp_path / "b")), "broken.gguf")
+    assert not (tmp_path / "b").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["broken.gguf"]  # no temp folder left behind
+
+
+def test_export_folder_that_is_no_model(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "notes.txt").write_text("hi")
+    assert_one_line_error(run("export", "--target", str(tmp_path / "src"), "-o", str(tmp_path / "b")),
+                          "no config.json")
+
+
+def test_export_existing_output_needs_force(cli_bundle):
+    assert_one_line_error(run("export", "--target", str(cli_bundle.parent / "src"), "-o", str(cli_bundle)), "--force")
+
+
+def test_broken_manifest(cli_bundle, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "edgespec.json").write_text("{ not json")
+    assert_one_line_error(run("generate", str(broken), "hi"), "manifest")
+    data = json.loads((cli_bundle / "edgespec.json").read_text())
+    del data["target"]
+    (broken / "edgespec.json").write_text(json.dumps(data))
+    assert_one_line_error(run("chat", str(broken), stdin="hi\n"), "target")
+
+
+def test_not_a_bundle(tmp_path):
+    assert_one_line_error(run("generate", str(tmp_path), "hi"), "not an edgespec bundle")
+    assert_one_line_error(run("generate", str(tmp_path / "missing"), "hi"), "not found")
+
+
+def test_unknown_command():
+    proc = run("frobnicate")
+    assert proc.returncode == 2 and "unknown command" in proc.stderr
