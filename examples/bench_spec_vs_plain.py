@@ -9,14 +9,13 @@ with psutil. (`edgespec bench` will supersede this script.)
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
-import threading
-import time
 
 import psutil
 
 import edgespec
-from edgespec.decoding import FixedK, SamplingParams, SpeculativeDecoder
+from edgespec.bench import PeakRSS, timed_decode
 
 PROMPTS = {
     "prose": "The history of the printing press begins",
@@ -24,39 +23,6 @@ PROMPTS = {
     "code": "def quicksort(items):\n    ",
     "list": "Ten tips for a healthy life:\n1.",
 }
-
-
-class PeakRSS(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.proc, self.peak, self._stop = psutil.Process(), 0, threading.Event()
-
-    def run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.005)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self.join()
-        return self.peak
-
-
-def run_once(engine, ids: list[int], draft, k: int, max_tokens: int) -> dict:
-    engine.target.reset()
-    if engine.draft is not None:
-        engine.draft.reset()
-    dec = SpeculativeDecoder(engine.target, draft, policy=FixedK(k) if draft is not None else None)
-    tokens, steps, drafted, accepted = list(ids), 0, 0, 0
-    t0 = time.perf_counter()
-    first = None
-    for step in dec.stream(tokens, SamplingParams(), max_tokens, stop_ids=()):
-        first = first or time.perf_counter() - t0
-        steps, drafted, accepted = steps + 1, drafted + step.drafted, accepted + step.accepted
-    total = time.perf_counter() - t0
-    n = len(tokens) - len(ids)
-    return {"tok_s": (n - 1) / (total - first), "tokens": tokens[len(ids):], "steps": steps,
-            "acceptance": accepted / drafted if drafted else 0.0, "mean_len": n / steps}
 
 
 def main() -> None:
@@ -67,29 +33,30 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args()
+    print(f"machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, "
+          f"{psutil.virtual_memory().total / 2**30:.0f} GiB")
     rss = PeakRSS()
     rss.start()
     base = psutil.Process().memory_info().rss
     with edgespec.load(args.bundle, k=args.k, threads=args.threads) as engine:
-        loaded = psutil.Process().memory_info().rss
-        print(f"loaded: {(loaded - base) / 2**20:.0f} MiB (target + draft)")
+        print(f"loaded: {(psutil.Process().memory_info().rss - base) / 2**20:.0f} MiB (target + draft)")
+        id_map = engine.bundle.id_map()
         rows = []
         for name, prompt in PROMPTS.items():
             ids = engine.tokenizer.encode(prompt)
-            runs = {"plain": [], "spec": []}
-            run_once(engine, ids, engine.draft, args.k, 8)  # warm-up
+            timed_decode(engine.target, engine.draft, ids, 8, k=args.k, id_map=id_map)  # warm-up
+            plain, spec = [], []
             for _ in range(args.repeat):
-                runs["plain"].append(run_once(engine, ids, None, 0, args.max_tokens))
-                runs["spec"].append(run_once(engine, ids, engine.draft, args.k, args.max_tokens))
-            plain = statistics.median(r["tok_s"] for r in runs["plain"])
-            spec = statistics.median(r["tok_s"] for r in runs["spec"])
-            same = all(r["tokens"] == runs["plain"][0]["tokens"] for r in runs["plain"] + runs["spec"])
-            last = runs["spec"][-1]
-            rows.append((name, plain, spec, spec / plain, last["acceptance"], last["mean_len"], same))
+                plain.append(timed_decode(engine.target, None, ids, args.max_tokens))
+                spec.append(timed_decode(engine.target, engine.draft, ids, args.max_tokens, k=args.k, id_map=id_map))
+            p = statistics.median(r.tok_s for r in plain)
+            s = statistics.median(r.tok_s for r in spec)
+            same = all(r.tokens == plain[0].tokens for r in plain + spec)
+            rows.append((name, p, s, s / p, spec[-1].acceptance, spec[-1].mean_accepted_length, same))
     peak = rss.stop()
     print(f"{'prompt':<8} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} {'accept':>7} {'len/step':>8} identical")
-    for name, plain, spec, ratio, acc, mlen, same in rows:
-        print(f"{name:<8} {plain:>11.1f} {spec:>10.1f} {ratio:>6.2f} {acc:>7.0%} {mlen:>8.2f} {same}")
+    for name, p, s, ratio, acc, mlen, same in rows:
+        print(f"{name:<8} {p:>11.1f} {s:>10.1f} {ratio:>6.2f} {acc:>7.0%} {mlen:>8.2f} {same}")
     print(f"median ratio {statistics.median(r[3] for r in rows):.2f}; peak RSS {peak / 2**20:.0f} MiB")
 
 

@@ -9,6 +9,13 @@ from .common import cli_entry, setup_logging
 __all__ = ["main", "build_parser"]
 
 
+def _layers(text: str) -> int | tuple[int, ...]:
+    try:
+        return int(text) if "," not in text else tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count or comma-separated layer indices, got '{text}'") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ..exporters.export import DRAFT_PRECISIONS, FORMATS, TARGET_PRECISIONS
 
@@ -21,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output format (repeatable; default: onnx)")
     p.add_argument("--target-precision", default="fp32", choices=TARGET_PRECISIONS)
     p.add_argument("--draft-precision", default="int8", choices=DRAFT_PRECISIONS)
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                   help="VocabTrim: keep the K tokens the target generates most often in the draft's head")
+    p.add_argument("--draft-layers", type=_layers, default=None, metavar="N|I,J,...",
+                   help="layer-cut draft: keep N of the target's layers (spread evenly) or these indices")
+    p.add_argument("--calibration", type=Path, default=None, metavar="FILE",
+                   help="extra VocabTrim calibration prompts: one per line, or JSON lines with messages")
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="bundle folder to write (default: the default bundle in the user cache)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
@@ -43,6 +56,9 @@ def main(argv: list[str]) -> int:
         formats=tuple(args.formats or ("onnx",)),
         target_precision=args.target_precision,
         draft_precision=args.draft_precision,
+        draft_vocab=args.draft_vocab,
+        draft_layers=args.draft_layers,
+        calibration=args.calibration,
         force=args.force,
     )
     out = export_bundle(cfg)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +11,7 @@ import onnx
 from ..bundle import MANIFEST, SCHEMA_VERSION, Artifact, Manifest, ModelEntry, staged_bundle_dir
 from ..errors import ConfigError, ExportError
 from ..models.catalog import DEFAULT_PRESET, preset_source
+from .draft_shape import DraftShape, shape_draft
 from .onnx_graph import GraphOptions, build_decoder
 from .quantize import SCHEMES, quantize_model
 from .sources import Source, check_source, load_source
@@ -36,6 +37,9 @@ class ExportConfig:
     formats: tuple[str, ...] = ("onnx",)
     target_precision: str = "fp32"
     draft_precision: str = "int8"
+    draft_vocab: int | None = None  # VocabTrim: keep K tokens in the draft's head
+    draft_layers: tuple[int, ...] | int | None = None  # layer-cut draft: a count or explicit indices
+    calibration: Path | None = None  # extra calibration prompts for VocabTrim
     force: bool = False
 
     def __post_init__(self) -> None:
@@ -46,8 +50,15 @@ class ExportConfig:
             raise ConfigError(f"--target-precision must be one of {', '.join(TARGET_PRECISIONS)}")
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise ConfigError(f"--draft-precision must be one of {', '.join(DRAFT_PRECISIONS)}")
-        if self.draft == "self" and self.draft_precision == "fp32" and self.target_precision == "fp32":
+        shaped = self.draft_vocab is not None or self.draft_layers is not None
+        if self.draft == "self" and not shaped and self.draft_precision == "fp32" and self.target_precision == "fp32":
             raise ConfigError("a 'self' draft in fp32 is the target itself; give --draft-precision int8 or int4")
+        if self.draft is None and (shaped or self.calibration):
+            raise ConfigError("--draft-vocab, --draft-layers and --calibration shape a draft; drop --draft none")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ConfigError(f"--draft-vocab must be >= 1, got {self.draft_vocab}")
+        if self.calibration is not None and self.draft_vocab is None:
+            raise ConfigError("--calibration only matters with --draft-vocab")
 
 
 def _save(model: onnx.ModelProto, path: Path) -> None:
@@ -60,9 +71,9 @@ def _weights(source: Source) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy() for k, v in source.model.state_dict().items()}
 
 
-def _write_model(spec: ModelSpec, weights, precision: str, path: Path, bar, *, tie_head: bool) -> Artifact:
+def _write_model(spec: ModelSpec, weights, precision: str, path: Path, bar, opts: GraphOptions) -> Artifact:
     """Build, optionally quantize, and save one decoder; return its manifest entry."""
-    opts = GraphOptions(tie_head=tie_head, weight_dtype="fp16" if precision == "fp16" else "fp32")
+    opts = replace(opts, weight_dtype="fp16" if precision == "fp16" else "fp32")
     model = build_decoder(spec, weights, opts)
     quant = None
     if precision in SCHEMES:
@@ -74,14 +85,45 @@ def _write_model(spec: ModelSpec, weights, precision: str, path: Path, bar, *, t
     return Artifact(file=str(path.relative_to(path.parent.parent)), precision=precision, quantization=quant)
 
 
-def _entry(spec: ModelSpec, artifact: Artifact, source: Source) -> ModelEntry:
-    return ModelEntry(formats={"onnx": artifact}, n_layers=spec.n_layers, n_kv_heads=spec.n_kv_heads,
-                      head_dim=spec.head_dim, vocab_size=spec.vocab_size, source=source.describe())
+def _entry(spec: ModelSpec, artifact: Artifact, source: Source, shape: DraftShape | None = None,
+           id_map: str | None = None) -> ModelEntry:
+    layers = shape.layers if shape and shape.layers is not None else None
+    vocab = len(shape.vocab_keep) if shape and shape.vocab_keep is not None else spec.vocab_size
+    return ModelEntry(formats={"onnx": artifact}, n_layers=len(layers) if layers else spec.n_layers,
+                      n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, vocab_size=vocab,
+                      source=source.describe(), layers=list(layers) if layers else None, id_map=id_map,
+                      vocab_info=shape.vocab_info if shape else None)
 
 
 def _check_draft_vocab(target: Source, draft: Source) -> None:
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise ExportError("the draft's tokenizer differs from the target's; pick a draft of the same family")
+
+
+def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: ModelSpec, weights,
+                  chat_template: str | None) -> ModelEntry:
+    """Write the draft: a separate model, or the target itself made cheaper (quantized,
+    layer-cut, VocabTrim head)."""
+    if cfg.draft != "self":
+        bar.set_postfix_str(f"loading draft {Path(cfg.draft).name}")
+        draft = load_source(cfg.draft)
+        _check_draft_vocab(source, draft)
+        source, spec, weights = draft, spec_from_hf(draft.model), None
+        bar.update()
+    if weights is None:
+        weights = _weights(source)
+    bar.set_postfix_str("calibrating VocabTrim" if cfg.draft_vocab else "shaping draft")
+    shape = shape_draft(source, spec, chat_template, vocab=cfg.draft_vocab, layers=cfg.draft_layers,
+                        calibration=cfg.calibration)
+    # an untied head lets the quantizer shrink the LM head too, the draft's costliest matmul
+    opts = GraphOptions(layers=shape.layers, vocab_keep=shape.vocab_keep, tie_head=False)
+    art = _write_model(spec, weights, cfg.draft_precision, tmp / "draft" / "model.onnx", bar, opts)
+    id_map = None
+    if shape.vocab_keep is not None:
+        id_map = "draft/id_map.npy"
+        np.save(tmp / id_map, shape.vocab_keep)
+    bar.update()
+    return _entry(spec, art, source, shape, id_map)
 
 
 def export_bundle(cfg: ExportConfig) -> Path:
@@ -102,25 +144,15 @@ def export_bundle(cfg: ExportConfig) -> Path:
         weights = _weights(source)
         bar.update()
         # the target keeps a tied embedding as one tensor (Gather and Gemm share it)
-        target_art = _write_model(spec, weights, cfg.target_precision, tmp / "target" / "model.onnx", bar, tie_head=True)
+        target_art = _write_model(spec, weights, cfg.target_precision, tmp / "target" / "model.onnx", bar,
+                                  GraphOptions(tie_head=True))
         bar.update()
-        draft_entry = None
-        if draft_path is not None:
-            bar.set_postfix_str(f"loading draft {Path(draft_path).name}")
-            dsource = load_source(draft_path)
-            _check_draft_vocab(source, dsource)
-            dspec, dweights = spec_from_hf(dsource.model), _weights(dsource)
-            bar.update()
-        else:
-            dsource, dspec, dweights = source, spec, weights
-        if cfg.draft is not None:
-            # untied head in the draft so the quantizer also shrinks the LM head, its costliest matmul
-            art = _write_model(dspec, dweights, cfg.draft_precision, tmp / "draft" / "model.onnx", bar, tie_head=False)
-            draft_entry = _entry(dspec, art, dsource)
-            bar.update()
         bar.set_postfix_str("tokenizer")
         tok_info = export_tokenizer(source, spec.family, tmp)
         bar.update()
+        draft_entry = None
+        if cfg.draft is not None:
+            draft_entry = _export_draft(cfg, tmp, bar, source, spec, weights, tok_info.chat_template)
         manifest = Manifest(
             schema_version=SCHEMA_VERSION,
             model_type=spec.model_type,

@@ -119,7 +119,8 @@ def _split_fused(w: dict[str, np.ndarray], spec: ModelSpec, i: int) -> None:
         w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = gu[:half], gu[half:]
 
 
-def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, ctx: dict) -> tuple[str, str, str]:
+def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[str, str], ctx: dict):
+    """Self-attention of layer `li` over its cache `past`; returns (output, present_k, present_v)."""
     hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
     q = _linear(g, h, w[p + "self_attn.q_proj.weight"], p + "q_proj", w.get(p + "self_attn.q_proj.bias"))
     k = _linear(g, h, w[p + "self_attn.k_proj.weight"], p + "k_proj", w.get(p + "self_attn.k_proj.bias"))
@@ -137,8 +138,8 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, ctx: dict) ->
     lt = spec.layer_types[li]
     cos, sin = ctx["rope"][lt]
     q, k = _rope(g, q, cos, sin, hd // 2), _rope(g, k, cos, sin, hd // 2)
-    present_k = g.op("Concat", [ctx["past"][li][0], k], axis=2)  # (1, KVH, T, hd)
-    present_v = g.op("Concat", [ctx["past"][li][1], v], axis=2)
+    present_k = g.op("Concat", [past[0], k], axis=2)  # (1, KVH, T, hd)
+    present_v = g.op("Concat", [past[1], v], axis=2)
     rep = H // KVH
     # Group query heads under their KV head so MatMul broadcasts instead of copying K/V.
     q5 = g.op("Reshape", [q, g.const([1, KVH, rep, -1, hd], dtype=np.int64)])  # (1, KVH, rep, S, hd)
@@ -201,7 +202,8 @@ def build_decoder(
         helper.make_tensor_value_info(ids, TensorProto.INT64, [1, "S"]),
         helper.make_tensor_value_info(n_logits, TensorProto.INT64, [1]),
     ]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "N", "V"])]
+    n_vocab = len(options.vocab_keep) if options.vocab_keep is not None else spec.vocab_size
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "N", n_vocab])]
     past = []
     kv_shape = [1, spec.n_kv_heads, "P", spec.head_dim]
     for j in range(len(layers)):
@@ -209,7 +211,6 @@ def build_decoder(
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (pk, pv)]
         past.append((pk, pv))
     ctx = _positions_and_masks(g, spec, past[0][0], ids)
-    ctx["past"] = past
 
     embed = w["model.embed_tokens.weight"]
     emb_name = g.weight(embed, "model.embed_tokens.weight")
@@ -221,7 +222,7 @@ def build_decoder(
         _split_fused(w, spec, li)
         p = f"model.layers.{li}."
         h = _rms_norm(g, x, w[p + "input_layernorm.weight"], p + "input_layernorm", spec.rms_eps, fam.norm_offset)
-        attn, pk, pv = _attention(g, spec, w, p, h, li, ctx)
+        attn, pk, pv = _attention(g, spec, w, p, h, li, past[j], ctx)
         g.nodes.append(helper.make_node("Identity", [pk], [f"present_key_{j}"]))
         g.nodes.append(helper.make_node("Identity", [pv], [f"present_value_{j}"]))
         outputs += [helper.make_tensor_value_info(f"present_{n}_{j}", TensorProto.FLOAT, [1, spec.n_kv_heads, "T", spec.head_dim]) for n in ("key", "value")]

@@ -46,10 +46,11 @@ class Family:
     fused_qkv: bool = False  # one qkv_proj / gate_up_proj matrix (Phi-3)
     fallback_chat_template: str | None = None  # for checkpoints that ship none
     stop_tokens: tuple[str, ...] = ()  # end-of-turn tokens besides EOS
+    reserved_token_pattern: str | None = None  # placeholder specials never emitted (not kept by VocabTrim)
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama"),
+    "llama": Family("llama", reserved_token_pattern=r"<\|reserved_special_token_\d+\|>"),
     "mistral": Family("mistral"),
     "qwen2": Family("qwen2", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",)),
     "qwen3": Family("qwen3", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",)),
@@ -61,6 +62,7 @@ FAMILIES: dict[str, Family] = {
         sandwich_norm=True,
         fallback_chat_template=GEMMA_CHAT_TEMPLATE,
         stop_tokens=("<end_of_turn>",),
+        reserved_token_pattern=r"<unused\d+>",
     ),
 }
 FAMILIES["gemma3"] = FAMILIES["gemma3_text"]

@@ -1,0 +1,85 @@
+"""One timed greedy/sampled decoding run on given runtimes, and a peak-RSS sampler.
+
+Configurations are compared by running them alternately in one process on the same
+runtimes (see examples/), so a busy neighbour slows all of them alike."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..decoding import FixedK, SamplingParams, SpeculativeDecoder
+from ..runtimes.base import Runtime
+
+__all__ = ["RunResult", "PeakRSS", "timed_decode"]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    tokens: list[int]
+    tok_s: float  # decode speed after the first token
+    first_token_s: float
+    steps: int
+    drafted: int
+    accepted: int
+    draft_ms: float
+    verify_ms: float
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return len(self.tokens) / self.steps if self.steps else 0.0
+
+
+def timed_decode(target: Runtime, draft: Runtime | None, prompt: list[int], max_tokens: int, *, k: int = 4,
+                 id_map: np.ndarray | None = None, policy=None, params: SamplingParams = SamplingParams(),
+                 stop_ids=()) -> RunResult:
+    """Decode from empty caches and time it (no stop ids by default: fixed-length runs)."""
+    target.reset()
+    if draft is not None:
+        draft.reset()
+        policy = policy or FixedK(k)
+    dec = SpeculativeDecoder(target, draft, id_map=id_map if draft is not None else None, policy=policy)
+    tokens = list(prompt)
+    steps = drafted = accepted = 0
+    draft_ms = verify_ms = 0.0
+    first = None
+    t0 = time.perf_counter()
+    for step in dec.stream(tokens, params, max_tokens, stop_ids=stop_ids):
+        if first is None:
+            first = time.perf_counter() - t0
+        steps += 1
+        drafted += step.drafted
+        accepted += step.accepted
+        draft_ms += step.draft_ms
+        verify_ms += step.verify_ms
+    total = time.perf_counter() - t0
+    n = len(tokens) - len(prompt)
+    tok_s = (n - 1) / (total - first) if n > 1 and total > first else 0.0
+    return RunResult(tokens[len(prompt):], tok_s, first or total, steps, drafted, accepted, draft_ms, verify_ms)
+
+
+class PeakRSS(threading.Thread):
+    """Samples this process's resident set size every few milliseconds; `stop()` → peak bytes."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        super().__init__(daemon=True)
+        import psutil
+
+        self._proc, self._interval, self.peak = psutil.Process(), interval_s, 0
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            time.sleep(self._interval)
+
+    def stop(self) -> int:
+        self._done.set()
+        self.join()
+        return self.peak

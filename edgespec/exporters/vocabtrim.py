@@ -1,0 +1,146 @@
+"""VocabTrim (Goel et al., arXiv 2506.22694): keep only the K tokens the target generates
+most often in the draft's LM head, plus every special, control and chat-template token.
+
+The target generates on calibration prompts (built-in and/or a user file); the counts of
+its generated tokens pick the kept set. The pure functions here are what tests exercise;
+`calibrate` is the one that runs the model.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..models.families import Family
+
+__all__ = ["Calibration", "builtin_prompts", "read_prompt_file", "always_kept_ids", "choose_vocab",
+           "coverage", "token_counts", "calibrate"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    counts: np.ndarray  # (V,) how often the target generated each token
+    source: str  # what it was measured on, for the manifest
+    n_tokens: int
+
+
+def builtin_prompts() -> list[dict]:
+    data = resources.files("edgespec.exporters").joinpath("data/calibration_prompts.json").read_text()
+    return json.loads(data)["prompts"]
+
+
+def read_prompt_file(path: Path) -> list[dict]:
+    """One prompt per line; a JSON line {"messages": [...]} or {"text": ...} is taken as such."""
+    if not path.is_file():
+        raise ConfigError(f"calibration file not found: {path}")
+    prompts = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path.name}: bad JSON line: {e}") from None
+            if "messages" in obj:
+                prompts.append({"kind": "messages", "messages": obj["messages"]})
+                continue
+            line = obj.get("text", "")
+        prompts.append({"kind": "text", "text": line})
+    if not prompts:
+        raise ConfigError(f"calibration file {path} holds no prompts")
+    return prompts
+
+
+def token_counts(sequences: Iterable[Sequence[int]], vocab_size: int) -> np.ndarray:
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for seq in sequences:
+        np.add.at(counts, np.asarray(seq, dtype=np.int64), 1)
+    return counts
+
+
+def always_kept_ids(tokenizer, family: Family, template_ids: Iterable[int] = ()) -> set[int]:
+    """Special/control tokens and chat-template tokens, minus reserved placeholders
+    (e.g. Gemma's thousands of `<unusedN>`), which a model never emits."""
+    reserved = re.compile(family.reserved_token_pattern) if family.reserved_token_pattern else None
+    special = set(tokenizer.all_special_ids)
+    special.update(tid for tid, tok in tokenizer.added_tokens_decoder.items() if tok.special)
+    keep = {int(i) for i in special
+            if not (reserved and reserved.fullmatch(tokenizer.convert_ids_to_tokens(int(i)) or ""))}
+    keep.update(int(i) for i in template_ids)
+    return keep
+
+
+def choose_vocab(counts: np.ndarray, k: int, always: set[int]) -> np.ndarray:
+    """Sorted target ids of the kept set: `always` plus the most frequent tokens, K in all."""
+    vocab = len(counts)
+    if k > vocab:
+        raise ConfigError(f"--draft-vocab {k} is larger than the vocabulary ({vocab})")
+    if k < len(always):
+        raise ConfigError(f"--draft-vocab {k} is smaller than the {len(always)} special and chat tokens "
+                          "that must be kept")
+    mask = np.zeros(vocab, dtype=bool)
+    mask[list(always)] = True
+    # stable order: by count, ties by id, so exports are reproducible
+    order = np.lexsort((np.arange(vocab), -counts))
+    rest = order[~mask[order]][: k - len(always)]
+    mask[rest] = True
+    return np.flatnonzero(mask).astype(np.int64)
+
+
+def coverage(counts: np.ndarray, keep: np.ndarray) -> float:
+    """Share of the target's generated tokens that the kept set contains."""
+    total = counts.sum()
+    return float(counts[keep].sum() / total) if total else 0.0
+
+
+def _prompt_ids(tokenizer, prompts: list[dict], chat_template: str | None) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        if p["kind"] == "text" or chat_template is None:
+            out.append(tokenizer(p["text"]).input_ids)
+            continue
+        messages = p.get("messages") or [{"role": "user", "content": p["text"]}]
+        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=True)
+        out.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return out
+
+
+def calibrate(model, tokenizer, prompts: list[dict], source: str, *, chat_template: str | None = None,
+              max_new_tokens: int = 64,
+              batch_size: int = 8, seed: int = 0, progress=None) -> Calibration:
+    """Let the target (a transformers model) generate on `prompts`; count what it generates.
+
+    Sampled at temperature 0.8 so the counts reflect the target's distribution, not only its
+    greedy path; batched with left padding, which is far faster than one prompt at a time."""
+    import torch
+
+    torch.manual_seed(seed)
+    ids = _prompt_ids(tokenizer, prompts, chat_template)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    generated: list[list[int]] = []
+    for start in range(0, len(ids), batch_size):
+        chunk = ids[start : start + batch_size]
+        width = max(map(len, chunk))
+        inp = torch.tensor([[pad] * (width - len(c)) + c for c in chunk])
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
+        with torch.no_grad():
+            out = model.generate(inp, attention_mask=mask, do_sample=True, temperature=0.8, top_p=0.95,
+                                 max_new_tokens=max_new_tokens, pad_token_id=pad)
+        for row in out[:, width:].tolist():
+            generated.append([t for t in row if t != pad])
+        if progress:
+            progress(len(chunk))
+    counts = token_counts(generated, model.config.vocab_size)
+    return Calibration(counts=counts, source=source, n_tokens=int(counts.sum()))
