@@ -16,13 +16,12 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .bundle import Bundle, load_bundle
-from .decoding import SamplingParams, SpeculativeDecoder, make_policy
-from .decoding.speculative import DEFAULT_K
+from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError
 from .runtimes import BACKENDS, open_runtime
 from .tokenizer import IncrementalDecoder, Tokenizer
 
-__all__ = ["load", "Engine", "Response", "GenerationStats", "default_bundle"]
+__all__ = ["load", "Engine", "Response", "GenerationStats", "default_bundle", "resolve_drafting"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +49,8 @@ class GenerationStats:
     verify_ms: float = 0.0
     first_token_s: float = 0.0  # prompt processing + first step
     elapsed_s: float = 0.0
-    k_history: list[int] = field(default_factory=list)
+    k_history: list[int] = field(default_factory=list)  # drafted tokens per step: k over time
+    source_history: list[str] = field(default_factory=list)  # who drafted each step ("model", "ngram:3", "")
 
     def add(self, step, now_s: float) -> None:
         """Account one decoding step that ended `now_s` seconds into the generation."""
@@ -63,6 +63,7 @@ class GenerationStats:
         self.draft_ms += step.draft_ms
         self.verify_ms += step.verify_ms
         self.k_history.append(step.drafted)
+        self.source_history.append(step.source)
         self.elapsed_s = now_s
 
     @property
@@ -93,6 +94,30 @@ def default_bundle() -> Path:
     return path
 
 
+def resolve_drafting(drafter: str, policy: str | None, k: int | None, *, has_draft: bool,
+                     use_draft: bool) -> tuple[str | None, str, int]:
+    """(drafter name or None for plain decoding, policy name, k) from the user's choices.
+
+    drafter "auto" drafts with prompt lookup and the draft model when the bundle has one, with
+    prompt lookup alone otherwise, and not at all under use_draft=False (--no-draft). A k given
+    without a policy asks for exactly that draft length, so it selects the fixed policy.
+    """
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ConfigError(f"k must be an integer >= 0, got {k}")
+    policy = policy or ("fixed" if k is not None else DEFAULT_POLICY)
+    k = DEFAULT_K if k is None else k
+    make_policy(policy, k)  # an unknown name fails even when nothing will be drafted
+    choices = ("auto", "none", *DRAFTERS)
+    if drafter not in choices:
+        raise ConfigError(f"unknown drafter {drafter!r}; choose one of: {', '.join(choices)}")
+    if drafter == "auto":
+        drafter = "none" if not use_draft else "both" if has_draft else "ngram"
+    elif drafter != "none" and DRAFTERS[drafter].needs_model and not (has_draft and use_draft):
+        why = "--no-draft was given" if has_draft else "the bundle has no draft model"
+        raise ConfigError(f"drafter {drafter!r} needs the draft model, but {why}; use drafter 'ngram'")
+    return (None if drafter == "none" or k == 0 else drafter), policy, k
+
+
 def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
     """How much of `text` may be emitted, and whether a stop string was found."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
@@ -106,11 +131,14 @@ class Engine:
     """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder."""
 
     def __init__(self, bundle: Bundle, *, backend: str = "onnxruntime", use_draft: bool = True,
-                 k: int = DEFAULT_K, policy: str = "fixed", threads: int | None = None) -> None:
+                 k: int | None = None, policy: str | None = None, drafter: str = "auto",
+                 threads: int | None = None) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend '{backend}' (available: {', '.join(BACKENDS)})")
         fmt = BACKENDS[backend].bundle_format
         m = bundle.manifest
+        self.drafter_name, self.policy_name, self.k = resolve_drafting(
+            drafter, policy, k, has_draft=m.draft is not None, use_draft=use_draft)
         if fmt not in m.target.formats:
             raise ConfigError(f"bundle has no {fmt} artifacts for backend {backend} (it has: {', '.join(bundle.formats())})")
         self.bundle = bundle
@@ -119,14 +147,14 @@ class Engine:
         self.target = self._stack.enter_context(
             open_runtime(backend, bundle.file(m.target.formats[fmt].file), threads=threads))
         self.draft = None
-        if use_draft and m.draft is not None and k > 0:
+        if self.drafter_name is not None and DRAFTERS[self.drafter_name].needs_model:
             if fmt not in m.draft.formats:
-                raise ConfigError(f"the bundle's draft has no {fmt} artifact; pass --no-draft")
+                raise ConfigError(f"the bundle's draft has no {fmt} artifact; use --drafter ngram or --no-draft")
             self.draft = self._stack.enter_context(
                 open_runtime(backend, bundle.file(m.draft.formats[fmt].file), threads=threads))
-        pol = make_policy(policy, k) if self.draft is not None else None
-        self.decoder = SpeculativeDecoder(self.target, self.draft, id_map=bundle.id_map() if self.draft else None,
-                                          policy=pol)
+        self.decoder = SpeculativeDecoder(
+            self.target, self.draft, id_map=bundle.id_map() if self.draft else None, drafter=self.drafter_name,
+            policy=make_policy(self.policy_name, self.k) if self.drafter_name is not None else None)
         self._lock = threading.Lock()
         self.last_stats = GenerationStats()
 
@@ -210,7 +238,14 @@ class Engine:
 
 
 def load(bundle: str | Path | None = None, *, backend: str = "onnxruntime", use_draft: bool = True,
-         k: int = DEFAULT_K, policy: str = "fixed", threads: int | None = None) -> Engine:
-    """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use)."""
+         k: int | None = None, policy: str | None = None, drafter: str = "auto",
+         threads: int | None = None) -> Engine:
+    """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use).
+
+    drafter: "auto", "model", "ngram" (prompt lookup, no draft model needed), "both" or "none";
+    policy: a draft-length policy from edgespec.decoding.POLICIES; k: the draft length (adaptive
+    policies range up to 2k). See `resolve_drafting` for the defaults.
+    """
     path = Path(bundle) if bundle is not None else default_bundle()
-    return Engine(load_bundle(path), backend=backend, use_draft=use_draft, k=k, policy=policy, threads=threads)
+    return Engine(load_bundle(path), backend=backend, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
+                  threads=threads)

@@ -99,18 +99,23 @@ class Manifest:
                 e["formats"] = {k: Artifact(**v) for k, v in e["formats"].items()}
                 return ModelEntry(**e)
 
+            target = entry(d["target"])
+            if target is None:
+                raise BundleError("broken manifest: the target entry is null")
             return cls(
                 schema_version=d["schema_version"],
                 model_type=d["model_type"],
                 family=d["family"],
                 base_model=bool(d["base_model"]),
                 tokenizer=TokenizerInfo(**d["tokenizer"]),
-                target=entry(d["target"]),
+                target=target,
                 draft=entry(d.get("draft")),
                 created_by=d.get("created_by", "edgespec"),
             )
         except (KeyError, TypeError) as e:
             raise BundleError(f"broken manifest: missing or unexpected field {e}") from None
+        except (AttributeError, ValueError) as e:  # e.g. "formats": null, "target": "a string"
+            raise BundleError(f"broken manifest: a field has the wrong type ({e})") from None
 
 
 @dataclass(frozen=True)

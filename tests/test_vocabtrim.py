@@ -154,3 +154,31 @@ def test_bad_draft_vocab(tmp_path):
     assert not (tmp_path / "b").exists()
     with pytest.raises(ConfigError, match="drop --draft none"):
         ExportConfig(output=tmp_path / "b", target=src, draft=None, draft_vocab=64)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_layer_cut_graph_matches_transformers_without_those_layers(tmp_path, family):
+    """A layer-cut draft computes exactly the source model with the other layers removed."""
+    import onnx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from edgespec.exporters.onnx_graph import GraphOptions, build_decoder
+    from edgespec.exporters.spec import spec_from_hf
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    model = AutoModelForCausalLM.from_pretrained(make_model(family, tmp_path / "src", layers=4)).eval()
+    spec = spec_from_hf(model)
+    weights = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    keep = (0, 1, 3)
+    onnx.save(build_decoder(spec, weights, GraphOptions(layers=keep, tie_head=False)), tmp_path / "cut.onnx")
+    model.model.layers = torch.nn.ModuleList([model.model.layers[i] for i in keep])
+    model.config.num_hidden_layers = len(keep)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in keep]
+    ids = torch.randint(0, model.config.vocab_size, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits[0].numpy()
+    with OnnxRuntime(tmp_path / "cut.onnx") as rt:
+        got = rt.forward(ids[0].tolist(), n_logits=30)
+    np.testing.assert_allclose(got, ref, atol=1e-4)

@@ -27,24 +27,29 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def make_config(family: str, vocab: int, layers: int = 2):
+def make_config(family: str, vocab: int, layers: int = 2, tied: bool | None = None):
+    """`tied` overrides the family's default tie_word_embeddings (llama: untied, qwen2 and gemma3: tied)."""
     from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if family == "llama":
-        return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common)
+        return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=bool(tied), **common)
     if family == "qwen2":
-        return Qwen2Config(num_key_value_heads=2, tie_word_embeddings=True, **common)
+        return Qwen2Config(num_key_value_heads=2, tie_word_embeddings=tied is not False, **common)
     if family == "gemma3":
         return Gemma3TextConfig(num_key_value_heads=1, head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
                                 layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1),
-                                **common)
+                                tie_word_embeddings=tied is not False, **common)
     raise ValueError(family)
 
 
-def make_model(family: str, out: Path, seed: int = 0, chat_template: str | None = None) -> Path:
-    """Save a 2-layer random model of `family` with the in-process tokenizer into `out`."""
+def make_model(family: str, out: Path, seed: int = 0, chat_template: str | None = None,
+               tied: bool | None = None, layers: int = 2) -> Path:
+    """Save a small (default 2-layer) random model of `family` with the in-process tokenizer into `out`.
+
+    A tied random Gemma 3 mostly repeats its last token (its scaled embedding dominates the
+    residual stream and the head is that embedding): pass tied=False for varied greedy text."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -52,7 +57,7 @@ def make_model(family: str, out: Path, seed: int = 0, chat_template: str | None 
     if chat_template:
         tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(family, len(tokenizer))).eval()
+    model = AutoModelForCausalLM.from_config(make_config(family, len(tokenizer), layers=layers, tied=tied)).eval()
     with torch.no_grad():  # random norms too, so a wrong norm formula shows up
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -62,3 +67,11 @@ def make_model(family: str, out: Path, seed: int = 0, chat_template: str | None 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+# A ChatML chat template (Qwen style) for sources that should carry one of their own.
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Longer than Gemma's sliding window (16) so the windowed layers matter from the first token;
+# the tiny models continue them with varied text rather than a short loop.
+LONG_PROMPT = "hello world code python function return value list print import class def data model one two three"
+PROMPTS = (LONG_PROMPT, "if new water road snow cat dog cat to sun world and if with")

@@ -19,7 +19,8 @@ class ToyRuntime(Runtime):
     """Seeded table lookup: W[prev2, prev1] + P[pos % 7] + H[hash(cache)].
 
     noise mixes in a second table (a "disagreeing" draft); keep trims the output head to those
-    target ids (a trimmed draft whose id j is target id keep[j]). fail_at makes the n-th forward
+    target ids (a trimmed draft whose output id j is target id keep[j]; like edgespec's trimmed
+    drafts it keeps the full input vocabulary and is fed target ids). fail_at makes the n-th forward
     call raise after appending its tokens, like a backend dying mid-step.
     """
 
@@ -40,6 +41,7 @@ class ToyRuntime(Runtime):
             w2, pos2, hash2 = _tables(vocab, noise_seed, scale)
             self.w, self.pos, self.hash = self.w + noise * w2, self.pos + noise * pos2, self.hash + noise * hash2
         self.keep = None if keep is None else np.asarray(keep, dtype=np.int64)
+        self.input_vocab = vocab
         self.vocab_size = vocab if keep is None else len(self.keep)
         self.capabilities = Capabilities(backend="toy", max_batch_tokens=max_batch_tokens)
         self.fail_at = fail_at
@@ -59,12 +61,12 @@ class ToyRuntime(Runtime):
         limit = self.capabilities.max_batch_tokens
         if limit is not None and len(ids) > limit:
             raise ValueError(f"{len(ids)} tokens exceed max_batch_tokens={limit}")
-        if any(not 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"token outside vocab {self.vocab_size}: {ids}")
+        if any(not 0 <= t < self.input_vocab for t in ids):
+            raise ValueError(f"token outside vocab {self.input_vocab}: {ids}")
         self.calls += 1
         rows = []
         for t in ids:
-            full = t if self.keep is None else int(self.keep[t])
+            full = t
             prev = self._hashes[-1] if self._hashes else 0
             self.fed_positions.append(len(self.cache))
             self.cache.append(full)

@@ -11,7 +11,7 @@ from ..errors import EdgespecError
 from .common import add_engine_args, add_sampling_args, cli_entry, open_engine, sampling_kwargs, setup_logging, validate_sampling
 from .generate import _format_stats
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "k_over_time"]
 
 HELP = """commands:
   /reset   forget the conversation (keeps the system prompt)
@@ -28,14 +28,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def k_over_time(ks: list[int], sources: list[str], max_runs: int = 24) -> str:
+    """Draft length per step as runs, e.g. "0×12 2 4L×3": 12 plain steps, one 2-token model draft,
+    three 4-token prompt-lookup drafts (L)."""
+    labels = [f"{k}L" if src.startswith("ngram") else str(k) for k, src in zip(ks, sources)]
+    runs: list[list] = []
+    for label in labels:
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    text = " ".join(label if n == 1 else f"{label}×{n}" for label, n in runs[:max_runs])
+    return text + (f" ... (+{len(runs) - max_runs} runs)" if len(runs) > max_runs else "")
+
+
 def _session_stats(session) -> str:
     turns = session.turn_stats
     if not turns:
         return "no replies yet"
     last = _format_stats(turns[-1])
     drafted, accepted = sum(t.drafted for t in turns), sum(t.accepted for t in turns)
-    ks = turns[-1].k_history
-    k_line = f"draft length per step (last reply): {ks[:24]}{' ...' if len(ks) > 24 else ''}" if drafted else "no draft"
+    last_turn = turns[-1]
+    ks = k_over_time(last_turn.k_history, last_turn.source_history)
+    k_line = f"k over time (last reply; L = prompt lookup): {ks}" if last_turn.drafted else "no drafts in the last reply"
     total = f"session: {len(turns)} replies, {sum(t.new_tokens for t in turns)} tokens"
     if drafted:
         total += f", acceptance {accepted / drafted:.0%}"

@@ -12,11 +12,26 @@ from ..errors import EdgespecError
 __all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "cli_entry", "setup_logging", "open_engine"]
 
 
+# listed here, not imported, so `--help` loads no decoding code; tests/test_policy.py keeps them
+# equal to edgespec.decoding's DRAFTERS and POLICIES
+DRAFTER_CHOICES = ("auto", "model", "ngram", "both", "none")
+POLICY_CHOICES = ("fixed", "heuristic", "confidence", "cost")
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--backend", default="onnxruntime", help="runtime backend (default: onnxruntime)")
-    g.add_argument("--no-draft", action="store_true", help="plain decoding, no draft model")
-    g.add_argument("-k", "--draft-tokens", type=int, default=4, dest="k", help="draft length per step (default: 4)")
+    g.add_argument("--no-draft", action="store_true",
+                   help="do not load the draft model: plain decoding, or prompt lookup with --drafter ngram")
+    g.add_argument("--drafter", choices=DRAFTER_CHOICES, default="auto",
+                   help="who proposes drafts: the draft model, ngram (prompt lookup, no model needed), both, "
+                        "or none; auto = both when the bundle has a draft model, else ngram")
+    g.add_argument("--draft-policy", choices=POLICY_CHOICES, default=None, dest="policy",
+                   help="draft length per step: fixed; heuristic (+2/-1); confidence (fixed, stops when the "
+                        "draft is unsure); cost (measures costs and acceptance online, falls back to plain "
+                        "decoding when drafting does not pay). Default: cost, or fixed when -k is given")
+    g.add_argument("-k", "--draft-tokens", type=int, default=None, dest="k",
+                   help="draft length per step; adaptive policies range up to twice this (default: 4)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: backend's choice)")
     g.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
 
@@ -49,9 +64,10 @@ def open_engine(args: argparse.Namespace):
     from ..api import load
     from ..errors import ConfigError
 
-    if args.k < 0:
+    if args.k is not None and args.k < 0:
         raise ConfigError(f"-k must be >= 0, got {args.k}")
-    return load(args.bundle, backend=args.backend, use_draft=not args.no_draft, k=args.k, threads=args.threads)
+    return load(args.bundle, backend=args.backend, use_draft=not args.no_draft, k=args.k, policy=args.policy,
+                drafter=args.drafter, threads=args.threads)
 
 
 def setup_logging(verbose: int) -> None:

@@ -9,6 +9,15 @@ from .common import cli_entry, setup_logging
 __all__ = ["main", "build_parser"]
 
 
+def _vocab(text: str) -> int | str | None:
+    if text in ("auto", "full"):
+        return None if text == "full" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, 'auto' or 'full', got '{text}'") from None
+
+
 def _layers(text: str) -> int | tuple[int, ...]:
     try:
         return int(text) if "," not in text else tuple(int(x) for x in text.split(",") if x.strip())
@@ -28,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output format (repeatable; default: onnx)")
     p.add_argument("--target-precision", default="fp32", choices=TARGET_PRECISIONS)
     p.add_argument("--draft-precision", default="int8", choices=DRAFT_PRECISIONS)
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
-                   help="VocabTrim: keep the K tokens the target generates most often in the draft's head")
+    p.add_argument("--draft-vocab", type=_vocab, default="auto", metavar="K|auto|full",
+                   help="VocabTrim: keep the K tokens the target generates most often in the draft's head "
+                        "(default auto: 16384 for vocabularies of 64k and more; full keeps the whole head)")
     p.add_argument("--draft-layers", type=_layers, default=None, metavar="N|I,J,...",
                    help="layer-cut draft: keep N of the target's layers (spread evenly) or these indices")
     p.add_argument("--calibration", type=Path, default=None, metavar="FILE",

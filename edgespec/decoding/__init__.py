@@ -1,26 +1,45 @@
-"""Decoding: sampling, speculative acceptance, draft-length policies and the decoding loop."""
+"""Decoding: sampling, speculative acceptance, drafters, draft-length policies and the decoding loop."""
 from edgespec.decoding.acceptance import (
     accept_greedy,
+    accept_point_masses,
     accept_sampled,
-    invert_id_map,
     map_draft_ids,
     scatter_to_target,
 )
-from edgespec.decoding.policy import POLICIES, DraftPolicy, FixedK, make_policy
+from edgespec.decoding.drafters import DRAFTERS, BothDrafter, Draft, Drafter, ModelDrafter, NgramDrafter, build_drafter
+from edgespec.decoding.policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    CostAwareK,
+    DraftPolicy,
+    FixedK,
+    HeuristicK,
+    make_policy,
+)
 from edgespec.decoding.sampling import SamplingParams, probabilities, sample
 from edgespec.decoding.speculative import DEFAULT_K, SpeculativeDecoder, StepResult
 
 __all__ = [
     "DEFAULT_K",
+    "DEFAULT_POLICY",
+    "DRAFTERS",
     "POLICIES",
+    "BothDrafter",
+    "CostAwareK",
+    "Draft",
     "DraftPolicy",
+    "Drafter",
     "FixedK",
+    "HeuristicK",
+    "ModelDrafter",
+    "NgramDrafter",
     "SamplingParams",
     "SpeculativeDecoder",
     "StepResult",
     "accept_greedy",
+    "accept_point_masses",
     "accept_sampled",
-    "invert_id_map",
+    "build_drafter",
     "make_policy",
     "map_draft_ids",
     "probabilities",

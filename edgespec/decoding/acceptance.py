@@ -13,10 +13,10 @@ from edgespec.decoding.sampling import sample
 
 __all__ = [
     "accept_greedy",
+    "accept_point_masses",
     "accept_sampled",
     "scatter_to_target",
     "map_draft_ids",
-    "invert_id_map",
 ]
 
 logger = logging.getLogger(__name__)
@@ -68,6 +68,29 @@ def accept_sampled(
     return k, sample(target_probs[k], rng)
 
 
+def accept_point_masses(
+    draft_tokens: Sequence[int], target_probs: np.ndarray, rng: np.random.Generator
+) -> tuple[int, int]:
+    """`accept_sampled` for drafts proposed deterministically (prompt lookup).
+
+    The draft distribution is a point mass q = one_hot(x), so the test accepts x with
+    probability p(x) and the residual max(0, p − q) is p with x removed: still exactly lossless.
+    Draws the same random numbers as `accept_sampled` given one-hot rows, without building them.
+    """
+    k = len(draft_tokens)
+    if target_probs.shape[0] != k + 1:
+        raise ValueError(f"need {k + 1} target rows for {k} drafts, got {target_probs.shape[0]}")
+    for i, tok in enumerate(draft_tokens):
+        p = target_probs[i, tok]
+        if rng.random() < p:
+            continue
+        residual = target_probs[i].copy()
+        residual[tok] = 0.0
+        # p(x) == 1 up to rounding leaves nothing else: fall back to p, as accept_sampled does
+        return i, sample(residual if residual.sum() > 0 else target_probs[i], rng)
+    return k, sample(target_probs[k], rng)
+
+
 def scatter_to_target(draft_probs: np.ndarray, id_map: np.ndarray | None, target_vocab: int) -> np.ndarray:
     """Place a draft head's K probabilities `(..., K)` into zeros of the target vocabulary.
 
@@ -93,18 +116,3 @@ def map_draft_ids(ids: Sequence[int], id_map: np.ndarray | None) -> list[int]:
     if id_map is None:
         return [int(i) for i in ids]
     return [int(id_map[i]) for i in ids]
-
-
-def invert_id_map(id_map: np.ndarray | None, target_vocab: int, draft_vocab: int, unk: int = 0) -> np.ndarray:
-    """Target ids → draft ids, `(target_vocab,)` int64.
-
-    A trimmed draft cannot be fed tokens outside its vocabulary, so those map to `unk`. That
-    only blurs the draft's context and lowers acceptance; the target still decides every token.
-    """
-    if id_map is None:
-        inv = np.arange(target_vocab, dtype=np.int64)
-        inv[draft_vocab:] = unk
-        return inv
-    inv = np.full(target_vocab, unk, dtype=np.int64)
-    inv[np.asarray(id_map, dtype=np.int64)] = np.arange(len(id_map), dtype=np.int64)
-    return inv

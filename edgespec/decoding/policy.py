@@ -1,57 +1,339 @@
 """Draft-length policies: how many tokens to draft next, learning from each step's outcome.
 
-A policy is a small object with `next_k()` and `update(...)`; add one by subclassing
-`DraftPolicy` and registering a factory `k -> policy` in `POLICIES`.
+A policy answers three questions for the decoder:
+  next_k(source)        how many tokens may this drafter propose now (0 means plain decoding)
+  keep_drafting(confs)  should a model draft go on, given the draft's own top probabilities
+  update(...)           what the finished step cost and how much of its draft was accepted
+A source is a drafter label ("model", "ngram:3", ...); adaptive policies keep their estimates
+per source, so a long prompt-lookup match and a model draft earn separate acceptance rates.
+The arithmetic lives in pure functions so each rule is testable on synthetic numbers. Add a
+policy by subclassing DraftPolicy and registering a factory `k -> policy` in POLICIES.
 """
 from __future__ import annotations
 
 import abc
 import logging
-from dataclasses import dataclass
-from typing import Callable
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 from edgespec.errors import ConfigError
 
-__all__ = ["DraftPolicy", "FixedK", "POLICIES", "make_policy"]
+__all__ = [
+    "DEFAULT_POLICY", "POLICIES", "CostAwareK", "DraftPolicy", "FixedK", "HeuristicK",
+    "best_k", "confidence_stop", "decayed_counts", "expected_tokens", "heuristic_k",
+    "make_policy", "verify_table",
+]
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_POLICY = "cost"  # see examples/bench_policies.py: the only policy never slower than plain here
+DEFAULT_MIN_JOINT = 0.3  # confidence stop: end a draft once P(all accepted) looks below this
+
+
+# ---------------------------------------------------------------- pure rules
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Tokens one step commits on average when each of k drafts is accepted with probability
+    alpha (until the first rejection), counting the target's own token: (1 − α^(k+1)) / (1 − α)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def best_k(alpha: float, draft_ms_per_token: float, verify_ms: Sequence[float]) -> int:
+    """The draft length maximising expected tokens per millisecond.
+
+    verify_ms[i] is the target-side cost of a step that verifies i + 1 tokens (i drafts plus
+    the bonus position), so k ranges over [0, len(verify_ms) - 1]. Ties go to the shorter draft.
+    """
+    rates = [expected_tokens(alpha, k) / (k * draft_ms_per_token + verify_ms[k]) for k in range(len(verify_ms))]
+    return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+
+def verify_table(measured: dict[int, float], max_width: int, slope: float) -> list[float]:
+    """Target-side cost of widths 1..max_width from the widths measured so far.
+
+    Between measured widths: linear interpolation. Beyond them: the prior that each extra
+    verified token costs `slope` times a one-token step. The table never decreases with width,
+    so a noisy cheap sample at a wide verify cannot lure the policy into drafting more.
+    """
+    if not measured:
+        raise ValueError("need at least one measured width")
+    widths = sorted(measured)
+    out: list[float] = []
+    for w in range(1, max_width + 1):
+        lo = max((m for m in widths if m <= w), default=None)
+        hi = min((m for m in widths if m >= w), default=None)
+        if lo is not None and hi is not None:
+            est = measured[lo] if lo == hi else measured[lo] + (measured[hi] - measured[lo]) * (w - lo) / (hi - lo)
+        else:
+            near = lo if lo is not None else hi
+            # the one-token cost: measured, or what the prior implies
+            unit = measured[1] if 1 in measured else measured[near] / (1.0 + slope * (near - 1))
+            est = measured[near] + slope * unit * (w - near)
+        out.append(max(est, out[-1]) if out else est)
+    return out
+
+
+def heuristic_k(k: int, drafted: int, accepted: int, k_min: int, k_max: int) -> int:
+    """+2 after a fully accepted draft, −1 otherwise (transformers' "heuristic" schedule)."""
+    if drafted == 0:
+        return k
+    return min(k + 2, k_max) if accepted == drafted else max(k - 1, k_min)
+
+
+def confidence_stop(confidences: Sequence[float], min_joint: float) -> bool:
+    """Training-free SpecDec++ stop (arXiv 2405.19715): the product of the draft's top
+    probabilities stands in for P(every drafted token is accepted); stop once it drops below
+    `min_joint`, i.e. once a rejection somewhere in the draft has become likely."""
+    return min_joint > 0 and math.prod(confidences) < min_joint
+
+
+def decayed_counts(hits: float, trials: float, drafted: int, accepted: int, decay: float) -> tuple[float, float]:
+    """Exponentially forgetting acceptance counts; hits / trials estimates alpha.
+
+    A draft is tested token by token until its first rejection, so one step contributes
+    `accepted` successes and one failure when the draft was not accepted in full.
+    """
+    return decay * hits + accepted, decay * trials + accepted + (1 if accepted < drafted else 0)
+
+
+# ---------------------------------------------------------------- policies
 
 
 class DraftPolicy(abc.ABC):
     """Chooses the draft length for each speculative step."""
 
-    @abc.abstractmethod
-    def next_k(self) -> int:
-        """Number of tokens to draft in the next step (0 means plain decoding)."""
+    min_joint: float = 0.0  # confidence stop threshold; 0 disables it
 
-    def update(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float) -> None:  # noqa: B027
-        """Learn from one finished step; stateless policies ignore it."""
+    @abc.abstractmethod
+    def next_k(self, source: str = "model") -> int:
+        """Number of tokens `source` may draft in the next step (0 means plain decoding)."""
+
+    @property
+    def uses_confidence(self) -> bool:
+        """Whether drafters should compute their top probabilities for `keep_drafting`."""
+        return self.min_joint > 0
+
+    def keep_drafting(self, confidences: Sequence[float]) -> bool:
+        """Whether a draft whose tokens had these top probabilities should go on."""
+        return not confidence_stop(confidences, self.min_joint)
+
+    def update(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float, *,  # noqa: B027
+               source: str = "model", ms_per_token: float | None = None) -> None:
+        """Learn from one finished step; stateless policies ignore it.
+
+        verify_ms is the target side of the step (verify forward, acceptance, rollback);
+        ms_per_token is the drafter's marginal cost per drafted token, when it measured one.
+        """
+
+
+def _check_k(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be an integer >= 0, got {value}")
+
+
+def _check_min_joint(value: float) -> None:
+    if not 0 <= value < 1:
+        raise ConfigError(f"confidence threshold must be in [0, 1), got {value}")
 
 
 @dataclass
 class FixedK(DraftPolicy):
-    """Always draft `k` tokens."""
+    """Always draft `k` tokens (fewer when the confidence stop, if enabled, fires)."""
 
     k: int = 4
+    min_joint: float = 0.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
-            raise ConfigError(f"draft length k must be an integer >= 0, got {self.k}")
+        _check_k("draft length k", self.k)
+        _check_min_joint(self.min_joint)
 
-    def next_k(self) -> int:
+    def next_k(self, source: str = "model") -> int:
         return self.k
 
 
-# name (the --policy flag value) -> factory taking the configured draft length
+@dataclass
+class HeuristicK(DraftPolicy):
+    """Start at `k`; +2 after a fully accepted draft, −1 otherwise, within [k_min, k_max], per source."""
+
+    k: int = 4
+    k_min: int = 1
+    k_max: int = 8
+    min_joint: float = 0.0
+    _k: dict[str, int] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("k", "k_min", "k_max"):
+            _check_k(name, getattr(self, name))
+        if not self.k_min <= self.k <= self.k_max:
+            raise ConfigError(f"need k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
+        _check_min_joint(self.min_joint)
+
+    def next_k(self, source: str = "model") -> int:
+        return self._k.get(source, self.k)
+
+    def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None) -> None:
+        self._k[source] = heuristic_k(self.next_k(source), drafted, accepted, self.k_min, self.k_max)
+
+
+@dataclass
+class _SourceStats:
+    hits: float
+    trials: float
+    cost: deque = field(default_factory=deque)  # recent ms per drafted token, in plain steps
+    idle: int = 0  # consecutive steps this source chose not to draft
+    interval: int = 0  # idle steps until the next probe (doubles while probes keep losing)
+    drafting: int = 0  # steps this source drafted (every explore_every-th tries one token more)
+
+
+@dataclass
+class CostAwareK(DraftPolicy):
+    """Draft the k that maximises expected tokens per ms, from costs and acceptance measured online.
+
+    Costs (the target's per verify width, a drafter's per drafted token) are kept in units of a
+    plain one-token step at the time of measuring, and estimated as the median of the last
+    `window` samples: a busy neighbour on a shared CPU slows every forward alike, so samples from
+    a quiet minute and a busy one stay comparable, and one outlier does not steer the plan.
+    Acceptance alpha is kept per source (decayed counts). Every `explore_every`-th
+    drafting step drafts one token more than planned, so the next wider verify stays measured.
+    When plain decoding wins (k = 0), a source still drafts `probe_k` tokens now and then so its
+    alpha stays fresh; the interval doubles while probes keep losing, so a draft that never pays
+    costs almost nothing.
+    """
+
+    k_max: int = 8
+    min_joint: float = 0.0
+    probe_every: int = 16
+    max_probe_every: int = 256
+    probe_k: int = 2
+    explore_every: int = 8
+    window: int = 5
+    accept_decay: float = 0.8  # per-step forgetting of acceptance counts (a property of the text)
+    prior_alpha: float = 0.5
+    prior_trials: float = 1.0
+    # prior for widths not measured yet: each extra verified token costs this fraction of a one-token
+    # step; on the low side, so wider drafts get tried and measured rather than ruled out unseen
+    verify_slope: float = 0.1
+    _plain: deque = field(default_factory=deque, init=False, repr=False)  # ms of recent one-token steps
+    _wide: dict[int, deque] = field(default_factory=dict, init=False, repr=False)  # width -> plain steps
+    _sources: dict[str, _SourceStats] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("k_max", "probe_every", "max_probe_every", "probe_k", "explore_every", "window"):
+            _check_k(name, getattr(self, name))
+        if self.probe_every < 1 or self.max_probe_every < self.probe_every:
+            raise ConfigError("need 1 <= probe_every <= max_probe_every")
+        if self.window < 1 or self.explore_every < 1:
+            raise ConfigError("window and explore_every must be >= 1")
+        for name in ("accept_decay", "prior_alpha"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
+        if not self.prior_trials > 0 or not self.verify_slope >= 0:
+            raise ConfigError("prior_trials must be > 0 and verify_slope >= 0")
+        _check_min_joint(self.min_joint)
+        self._plain = deque(maxlen=self.window)
+
+    def acceptance(self, source: str) -> float:
+        """Current estimate of the per-token acceptance of `source` (the prior if never drafted)."""
+        s = self._stats(source)
+        return (s.hits + self.prior_alpha * self.prior_trials) / (s.trials + self.prior_trials)
+
+    def relative_verify(self) -> dict[int, float]:
+        """Target-side cost per verify width measured so far, in plain steps (width 1 is 1)."""
+        return {1: 1.0, **{w: statistics.median(d) for w, d in sorted(self._wide.items())}}
+
+    def snapshot(self) -> dict:
+        """What the policy has learned: ms of a plain step; verify cost per width and per source
+        the cost per drafted token, both in plain steps; per source alpha and the planned k."""
+        sources = {src: {"alpha": round(self.acceptance(src), 3), "cost": _median(s.cost, 3), "k": self.plan(src)}
+                   for src, s in sorted(self._sources.items())}
+        verify = {w: round(v, 2) for w, v in self.relative_verify().items()}
+        return {"plain_ms": _median(self._plain, 1), "verify": verify, "sources": sources}
+
+    def plan(self, source: str) -> int | None:
+        """The cost-optimal k for `source` now, or None while a cost is still unknown."""
+        s = self._stats(source)
+        if not self._plain or not s.cost:
+            return None
+        table = verify_table(self.relative_verify(), self.k_max + 1, self.verify_slope)
+        return best_k(self.acceptance(source), statistics.median(s.cost), table)
+
+    def next_k(self, source: str = "model") -> int:
+        if self.k_max == 0 or not self._plain:
+            return 0  # learn what a plain step costs first
+        s = self._stats(source)
+        k = self.plan(source)
+        if k is None:  # never measured this drafter: try it
+            return min(self.probe_k, self.k_max)
+        if k > 0:
+            s.idle, s.interval, s.drafting = 0, self.probe_every, s.drafting + 1
+            return min(k + 1, self.k_max) if s.drafting % self.explore_every == 0 else k
+        s.idle += 1
+        if s.idle < s.interval:
+            return 0
+        s.idle, s.interval = 0, min(2 * s.interval, self.max_probe_every)
+        return min(self.probe_k, self.k_max)
+
+    def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None) -> None:
+        if drafted == 0:
+            self._plain.append(verify_ms)
+            return
+        s = self._stats(source)
+        s.hits, s.trials = decayed_counts(s.hits, s.trials, drafted, accepted, self.accept_decay)
+        if not self._plain:  # nothing to measure against yet
+            return
+        plain = statistics.median(self._plain)
+        self._wide.setdefault(drafted + 1, deque(maxlen=self.window)).append(verify_ms / plain)
+        if ms_per_token is not None:
+            s.cost.append(ms_per_token / plain)
+
+    def _stats(self, source: str) -> _SourceStats:
+        if source not in self._sources:
+            self._sources[source] = _SourceStats(0.0, 0.0, deque(maxlen=self.window), interval=self.probe_every)
+        return self._sources[source]
+
+
+def _median(samples: deque, digits: int) -> float | None:
+    return round(statistics.median(samples), digits) if samples else None
+
+
+# ---------------------------------------------------------------- registry
+
+
+# Adaptive policies range up to twice the configured draft length k.
+def _heuristic(k: int) -> HeuristicK:
+    return HeuristicK(k, k_min=min(1, k), k_max=2 * k)
+
+
+def _confidence(k: int) -> FixedK:
+    return FixedK(2 * k, min_joint=DEFAULT_MIN_JOINT)
+
+
+def _cost(k: int) -> CostAwareK:
+    # no confidence stop: with the default int8 self-draft the draft's own top probability
+    # underestimates acceptance badly, and the stop cut drafts that would have been accepted
+    return CostAwareK(k_max=2 * k)
+
+
+# name (the --draft-policy value) -> factory taking the configured draft length k
 POLICIES: dict[str, Callable[[int], DraftPolicy]] = {
     "fixed": FixedK,
+    "heuristic": _heuristic,
+    "confidence": _confidence,
+    "cost": _cost,
 }
 
 
 def make_policy(name: str, k: int) -> DraftPolicy:
-    """Build the policy registered as `name` with draft length (or maximum) `k`."""
+    """Build the policy registered as `name` for draft length `k` (adaptive ones go up to 2k)."""
     try:
         factory = POLICIES[name]
     except KeyError:
-        raise ConfigError(f"unknown draft policy {name!r}; choose one of: {', '.join(sorted(POLICIES))}") from None
+        raise ConfigError(f"unknown draft policy {name!r}; choose one of: {', '.join(POLICIES)}") from None
+    _check_k("draft length k", k)
     return factory(k)

@@ -9,7 +9,7 @@ import numpy as np
 
 from edgespec.errors import ConfigError
 
-__all__ = ["SamplingParams", "probabilities", "sample"]
+__all__ = ["SamplingParams", "probabilities", "sample", "top_probability"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,3 +91,10 @@ def sample(probs_row: np.ndarray, rng: np.random.Generator) -> int:
     if i >= len(cdf):  # rounding at the very top of the cdf
         i = int(np.flatnonzero(probs_row)[-1])
     return i
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """Largest softmax probability of one row of raw logits (temperature 1): a model's confidence."""
+    x = np.asarray(logits, dtype=np.float32)
+    # 1 / sum(exp(x - max)) is the softmax at the argmax, without normalising the whole row
+    return float(1.0 / np.exp(x - x.max()).sum(dtype=np.float64))

@@ -2,28 +2,25 @@
 
 Invariant: each runtime's KV cache holds a prefix of `tokens` (the committed sequence) and
 never all of it, so the last committed token is always fed again to obtain fresh logits.
-The decoder tracks, per runtime, the target ids its cache holds (`_cached`), so a later
-stream on an extended sequence reuses the shared prefix instead of re-feeding it.
-Plain decoding (no draft, or k == 0) runs through the same loop with an empty draft phase.
+Each cache is tracked with the target ids it holds (`TrackedCache`), so a later stream on an
+extended sequence reuses the shared prefix instead of re-feeding it. A drafter (drafters.py)
+owns its own caches; plain decoding (no drafter, or k == 0) runs through the same loop with
+an empty draft.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container, Iterator, Sequence
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from edgespec.decoding.acceptance import (
-    accept_greedy,
-    accept_sampled,
-    invert_id_map,
-    map_draft_ids,
-    scatter_to_target,
-)
+from edgespec.decoding.acceptance import accept_greedy, accept_point_masses, accept_sampled
+from edgespec.decoding.cache import TrackedCache, batch_limit, common_prefix
+from edgespec.decoding.drafters import Draft, Drafter, build_drafter
 from edgespec.decoding.policy import DraftPolicy, FixedK
-from edgespec.decoding.sampling import SamplingParams, probabilities, sample
+from edgespec.decoding.sampling import SamplingParams, probabilities
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Runtime
 
@@ -42,16 +39,8 @@ class StepResult:
     drafted: int
     accepted: int  # drafts the target accepted (a stop id may still cut the commit shorter)
     draft_ms: float
-    verify_ms: float
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two id sequences."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
+    verify_ms: float  # the target side: verify forward, acceptance and rollback
+    source: str = ""  # which drafter proposed ("model", "ngram:3"; "" when nothing was drafted)
 
 
 def truncate_commit(new: list[int], stop_ids: Container[int], budget: int) -> list[int]:
@@ -63,47 +52,30 @@ def truncate_commit(new: list[int], stop_ids: Container[int], budget: int) -> li
     return new
 
 
-def _batch_limit(rt: Runtime) -> int | None:
-    caps = getattr(rt, "capabilities", None)
-    return getattr(caps, "max_batch_tokens", None)
-
-
-def _check_pair(target: Runtime, draft: Runtime | None, id_map: np.ndarray | None, policy) -> None:
-    """Reject unusable target/draft/id_map/policy combinations, naming the fix."""
-    if draft is None:
-        if id_map is not None:
-            raise ConfigError("id_map given without a draft model; pass draft= or drop id_map")
+def _check_target(target: Runtime, drafter: Drafter | None, policy: DraftPolicy | None) -> None:
+    """Reject a target that cannot verify, or a policy with nothing to steer, naming the fix."""
+    if drafter is None:
         if policy is not None:
-            raise ConfigError("a draft-length policy needs a draft model; pass draft= or drop policy")
+            raise ConfigError("a draft-length policy needs a draft model or a drafter; "
+                              "pass draft= or drafter=, or drop policy")
         return
-    if draft is target:
+    if any(rt is target for rt in drafter.runtimes):
         raise ConfigError("draft and target must be separate runtimes (each owns its own KV cache)")
-    for role, rt in (("target", target), ("draft", draft)):
-        caps = getattr(rt, "capabilities", None)
-        if caps is not None and not caps.can_trim:
-            raise ConfigError(f"speculative decoding rolls back rejected drafts, but the {role} backend "
-                              f"{caps.backend!r} cannot trim its KV cache; run without a draft")
-    if _batch_limit(target) == 1:
+    caps = getattr(target, "capabilities", None)
+    if caps is not None and not caps.can_trim:
+        raise ConfigError(f"speculative decoding rolls back rejected drafts, but the target backend "
+                          f"{caps.backend!r} cannot trim its KV cache; run without drafting")
+    if batch_limit(target) == 1:
         raise ConfigError("the target backend takes one token per forward, so it cannot verify drafts")
-    if id_map is None:
-        if draft.vocab_size > target.vocab_size:
-            raise ConfigError(f"draft vocab ({draft.vocab_size}) is larger than target vocab "
-                              f"({target.vocab_size}); pass an id_map")
-        return
-    if id_map.ndim != 1 or len(id_map) != draft.vocab_size:
-        raise ConfigError(f"id_map must list one target id per draft id ({draft.vocab_size}), got shape {id_map.shape}")
-    if id_map.size and (id_map.min() < 0 or id_map.max() >= target.vocab_size):
-        raise ConfigError(f"id_map holds ids outside the target vocab [0, {target.vocab_size})")
-    if len(np.unique(id_map)) != len(id_map):
-        raise ConfigError("id_map maps two draft ids to the same target id")
 
 
 class SpeculativeDecoder:
-    """Generate with a target model, optionally accelerated by a draft model.
+    """Generate with a target model, optionally accelerated by a drafter.
 
-    Greedy output is token-identical to plain greedy decoding of the target; sampled output
-    follows the target's distribution exactly (rejection sampling). The decoder assumes it is
-    the only user of its runtimes' caches.
+    `drafter` is a name from DRAFTERS ("model", "ngram", "both") or a Drafter; by default the
+    draft model when one is given, else plain decoding. Greedy output is token-identical to
+    plain greedy decoding of the target; sampled output follows the target's distribution
+    exactly (rejection sampling). The decoder assumes it is the only user of its runtimes' caches.
     """
 
     def __init__(
@@ -113,16 +85,16 @@ class SpeculativeDecoder:
         *,
         id_map: np.ndarray | None = None,
         policy: DraftPolicy | None = None,
+        drafter: str | Drafter | None = None,
     ) -> None:
+        if draft is not None and draft is target:
+            raise ConfigError("draft and target must be separate runtimes (each owns its own KV cache)")
         id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
-        _check_pair(target, draft, id_map, policy)
+        self.drafter = build_drafter(drafter, target.vocab_size, draft, id_map)
+        _check_target(target, self.drafter, policy)
         self.target, self.draft, self.id_map = target, draft, id_map
-        self.policy = policy if policy is not None else FixedK(DEFAULT_K if draft is not None else 0)
-        self._runtimes = [target] if draft is None else [target, draft]
-        # target ids → ids the draft can be fed
-        self._to_draft = None if draft is None else invert_id_map(id_map, target.vocab_size, draft.vocab_size)
-        # per runtime (keyed by id: runtimes need not be hashable): the target ids its KV cache holds
-        self._cached: dict[int, list[int]] = {id(rt): [] for rt in self._runtimes}
+        self.policy = policy if policy is not None else FixedK(DEFAULT_K if self.drafter is not None else 0)
+        self._target = TrackedCache(target)
 
     def stream(
         self,
@@ -148,103 +120,59 @@ class SpeculativeDecoder:
         rng = np.random.default_rng(params.seed)
         n_new = 0
         try:
-            # 0. prefill: keep each cache's common prefix with `tokens`, feed all but the last token
-            for rt in self._runtimes:
-                self._align(rt, tokens)
-                self._feed(rt, tokens[len(self._cached[id(rt)]) : -1], n_logits=1)
+            # 0. prefill: keep the target's common prefix with `tokens`, feed all but the last token
+            #    (a model drafter catches up by itself the next time it drafts)
+            self._rollback(tokens)
+            self._target.feed(self._target.pending(tokens)[:-1], n_logits=1)
             while n_new < max_new_tokens:
                 budget = max_new_tokens - n_new
                 # 1. draft
                 t0 = time.perf_counter()
-                drafts, draft_probs = self._draft(tokens, self._draft_len(budget), params, rng)
+                draft = self._propose(tokens, budget, params, rng)
                 t1 = time.perf_counter()
                 # 2. verify: one target forward scores every draft plus the bonus position
-                pending = tokens[len(self._cached[id(self.target)]) :] + drafts
-                logits = self._feed(self.target, pending, n_logits=len(drafts) + 1)
-                t2 = time.perf_counter()
+                pending = self._target.pending(tokens) + draft.tokens
+                logits = self._target.feed(pending, n_logits=len(draft.tokens) + 1)
                 # 3. accept / resample
-                if params.greedy:
-                    n_acc, nxt = accept_greedy(drafts, logits)
-                else:
-                    n_acc, nxt = accept_sampled(drafts, draft_probs, probabilities(logits, params), rng)
+                n_acc, nxt = self._accept(draft, logits, params, rng)
                 # 4. commit
-                new = truncate_commit(drafts[:n_acc] + [nxt], stop_ids, budget)
+                new = truncate_commit(draft.tokens[:n_acc] + [nxt], stop_ids, budget)
                 tokens.extend(new)
                 n_new += len(new)
-                # 5. rollback: drop rejected drafts from both caches
-                for rt in self._runtimes:
-                    self._align(rt, tokens)
-                draft_ms, verify_ms = (t1 - t0) * 1e3, (t2 - t1) * 1e3
-                self.policy.update(len(drafts), n_acc, draft_ms, verify_ms)
-                yield StepResult(new, len(drafts), n_acc, draft_ms, verify_ms)
+                # 5. rollback: drop rejected drafts from every cache
+                self._rollback(tokens)
+                t2 = time.perf_counter()
+                step = StepResult(new, len(draft.tokens), n_acc, (t1 - t0) * 1e3, (t2 - t1) * 1e3, draft.source)
+                self.policy.update(step.drafted, n_acc, step.draft_ms, step.verify_ms,
+                                   source=draft.source, ms_per_token=draft.ms_per_token)
+                yield step
                 if new[-1] in stop_ids:
                     return
         finally:
             # a consumer that stops the stream, or a failed forward, must leave no uncommitted tokens cached
-            for rt in self._runtimes:
-                self._align(rt, tokens)
+            self._rollback(tokens)
 
-    def _draft_len(self, budget: int) -> int:
-        """Draft length for this step: the policy's choice, capped so commits fit the budget."""
-        if self.draft is None:
-            return 0
-        k = min(self.policy.next_k(), budget - 1)  # verify always adds one token of its own
-        limit = _batch_limit(self.target)
-        if limit is not None:
-            k = min(k, limit - 1)  # the verify forward must fit one batch
-        return max(k, 0)
+    def _propose(self, tokens: list[int], budget: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+        """Phase 1: the drafter's proposal, capped so the commit fits the budget and the verify one batch."""
+        limit = budget - 1  # verify always adds one token of its own
+        if (cap := batch_limit(self.target)) is not None:
+            limit = min(limit, cap - 1)
+        if self.drafter is None or limit <= 0:
+            return Draft([])
+        return self.drafter.propose(tokens, limit, self.policy, params, rng)
 
-    def _draft(
-        self, tokens: list[int], k: int, params: SamplingParams, rng: np.random.Generator
-    ) -> tuple[list[int], np.ndarray | None]:
-        """Phase 1: propose up to k target ids, one draft forward each.
+    @staticmethod
+    def _accept(draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
+        """Phase 3: how many drafts the target keeps, and its own next token."""
+        if params.greedy:
+            return accept_greedy(draft.tokens, logits)
+        target_probs = probabilities(logits, params)
+        if draft.probs is None:  # deterministic proposals: point masses
+            return accept_point_masses(draft.tokens, target_probs, rng)
+        return accept_sampled(draft.tokens, draft.probs, target_probs, rng)
 
-        Returns the drafts and, when sampling, the draft's distributions scattered to the
-        target vocabulary `(k, V_target)`.
-        """
-        drafts: list[int] = []
-        rows: list[np.ndarray] = []
-        pending = tokens[len(self._cached[id(self.draft)]) :] if k else []
-        for _ in range(k):
-            logits = self._feed(self.draft, pending, n_logits=1)[-1]  # (K,)
-            if params.greedy:
-                draft_id = int(np.argmax(logits))
-            else:
-                rows.append(probabilities(logits, params))
-                draft_id = sample(rows[-1], rng)
-            pending = map_draft_ids([draft_id], self.id_map)
-            drafts.extend(pending)
-        if not rows:
-            return drafts, None
-        return drafts, scatter_to_target(np.stack(rows), self.id_map, self.target.vocab_size)
-
-    def _feed(self, rt: Runtime, target_ids: list[int], n_logits: int) -> np.ndarray | None:
-        """Append target ids to `rt`'s cache (mapped for the draft), in chunks the backend accepts."""
-        if not target_ids:
-            return None
-        ids = target_ids if rt is self.target else self._to_draft[np.asarray(target_ids)].tolist()
-        cached = self._cached[id(rt)]
-        limit = _batch_limit(rt) or len(ids)
-        # every chunk but the last is prefill whose logits are discarded
-        split = max(len(ids) - limit, 0)
-        for start in range(0, split, limit):
-            end = min(start + limit, split)
-            rt.forward(ids[start:end], n_logits=1)
-            cached.extend(target_ids[start:end])
-        logits = rt.forward(ids[split:], n_logits=n_logits)
-        cached.extend(target_ids[split:])
-        return logits
-
-    def _align(self, rt: Runtime, tokens: list[int]) -> None:
-        """Trim `rt` to its common prefix with `tokens`, leaving at least the last token unfed."""
-        cached = self._cached[id(rt)]
-        if rt.n_past < len(cached):  # trimmed by someone else: a trim keeps a prefix
-            del cached[rt.n_past :]
-        elif rt.n_past > len(cached):  # a forward failed midway: contents unknown
-            logger.debug("%s cache holds %d untracked positions; resetting it", type(rt).__name__, rt.n_past)
-            rt.reset()
-            cached.clear()
-        keep = min(common_prefix(cached, tokens), len(tokens) - 1)
-        if keep < len(cached):
-            rt.trim(keep)
-            del cached[keep:]
+    def _rollback(self, tokens: list[int]) -> None:
+        """Trim every cache to its common prefix with `tokens` (keeping the last token unfed)."""
+        self._target.align(tokens)
+        if self.drafter is not None:
+            self.drafter.sync(tokens)

@@ -18,7 +18,7 @@ from .sources import Source, check_source, load_source
 from .spec import ModelSpec, spec_from_hf
 from .tokenizer_export import export_tokenizer
 
-__all__ = ["ExportConfig", "export_bundle", "FORMATS", "TARGET_PRECISIONS", "DRAFT_PRECISIONS"]
+__all__ = ["ExportConfig", "export_bundle", "auto_draft_vocab", "FORMATS", "TARGET_PRECISIONS", "DRAFT_PRECISIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,8 @@ class ExportConfig:
     formats: tuple[str, ...] = ("onnx",)
     target_precision: str = "fp32"
     draft_precision: str = "int8"
-    draft_vocab: int | None = None  # VocabTrim: keep K tokens in the draft's head
+    # VocabTrim: keep K tokens in the draft's head; "auto" trims large vocabularies (see auto_draft_vocab)
+    draft_vocab: int | str | None = "auto"
     draft_layers: tuple[int, ...] | int | None = None  # layer-cut draft: a count or explicit indices
     calibration: Path | None = None  # extra calibration prompts for VocabTrim
     force: bool = False
@@ -50,15 +51,27 @@ class ExportConfig:
             raise ConfigError(f"--target-precision must be one of {', '.join(TARGET_PRECISIONS)}")
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise ConfigError(f"--draft-precision must be one of {', '.join(DRAFT_PRECISIONS)}")
-        shaped = self.draft_vocab is not None or self.draft_layers is not None
+        if isinstance(self.draft_vocab, str) and self.draft_vocab != "auto":
+            raise ConfigError(f"--draft-vocab takes a number, 'auto' or 'full', got {self.draft_vocab!r}")
+        shaped = self.draft_vocab not in (None, "auto") or self.draft_layers is not None
         if self.draft == "self" and not shaped and self.draft_precision == "fp32" and self.target_precision == "fp32":
             raise ConfigError("a 'self' draft in fp32 is the target itself; give --draft-precision int8 or int4")
         if self.draft is None and (shaped or self.calibration):
             raise ConfigError("--draft-vocab, --draft-layers and --calibration shape a draft; drop --draft none")
-        if self.draft_vocab is not None and self.draft_vocab < 1:
+        if isinstance(self.draft_vocab, int) and self.draft_vocab < 1:
             raise ConfigError(f"--draft-vocab must be >= 1, got {self.draft_vocab}")
         if self.calibration is not None and self.draft_vocab is None:
             raise ConfigError("--calibration only matters with --draft-vocab")
+
+
+# Measured on Gemma 3 270M (examples/sweep_vocabtrim.py): K = 16k keeps the full head's
+# acceptance (92.6%) and cuts the int8 draft's cost per token by ~28%.
+AUTO_DRAFT_VOCAB = 16384
+
+
+def auto_draft_vocab(vocab_size: int) -> int | None:
+    """The default VocabTrim K: trim only vocabularies big enough for the head to dominate."""
+    return AUTO_DRAFT_VOCAB if vocab_size >= 4 * AUTO_DRAFT_VOCAB else None
 
 
 def _save(model: onnx.ModelProto, path: Path) -> None:
@@ -112,8 +125,9 @@ def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: Model
         bar.update()
     if weights is None:
         weights = _weights(source)
-    bar.set_postfix_str("calibrating VocabTrim" if cfg.draft_vocab else "shaping draft")
-    shape = shape_draft(source, spec, chat_template, vocab=cfg.draft_vocab, layers=cfg.draft_layers,
+    vocab = auto_draft_vocab(spec.vocab_size) if cfg.draft_vocab == "auto" else cfg.draft_vocab
+    bar.set_postfix_str("calibrating VocabTrim" if vocab else "shaping draft")
+    shape = shape_draft(source, spec, chat_template, vocab=vocab, layers=cfg.draft_layers,
                         calibration=cfg.calibration)
     # an untied head lets the quantizer shrink the LM head too, the draft's costliest matmul
     opts = GraphOptions(layers=shape.layers, vocab_keep=shape.vocab_keep, tie_head=False)
@@ -130,8 +144,8 @@ def export_bundle(cfg: ExportConfig) -> Path:
     """Export `cfg.target` (and its draft) into the bundle folder `cfg.output`; return it."""
     from tqdm.auto import tqdm
 
-    target_path = cfg.target if cfg.target is not None else preset_source(DEFAULT_PRESET)
-    draft_path = cfg.draft if cfg.draft not in (None, "self") else None
+    target_path = Path(cfg.target) if cfg.target is not None else preset_source(DEFAULT_PRESET)
+    draft_path = Path(cfg.draft) if cfg.draft not in (None, "self") else None
     for path in filter(None, (target_path, draft_path)):
         check_source(path)  # fail on a bad path before any work
     steps = 4 + (cfg.draft is not None) + (draft_path is not None)

@@ -38,12 +38,26 @@ SCHEMES: dict[str, QuantScheme] = {
 }
 
 
-def quantize_model(model: onnx.ModelProto, scheme: QuantScheme) -> onnx.ModelProto:
-    """Return `model` with its MatMul (and optionally Gather) weights quantized."""
+def _import_quantizer():
+    """Import onnxruntime's quantizer, undoing the root-logger setup it does at import time
+    (only the CLI configures logging)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     try:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
     except ImportError as e:
         raise ExportError("quantizing needs onnxruntime and onnx-ir: pip install 'edgespec[export]'") from e
+    finally:
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+        root.setLevel(level)
+    return MatMulNBitsQuantizer
+
+
+def quantize_model(model: onnx.ModelProto, scheme: QuantScheme) -> onnx.ModelProto:
+    """Return `model` with its MatMul (and optionally Gather) weights quantized."""
+    MatMulNBitsQuantizer = _import_quantizer()
     ops = ("MatMul", "Gather") if scheme.quantize_embedding else ("MatMul",)
     quant = MatMulNBitsQuantizer(
         model,

@@ -48,10 +48,15 @@ class OnnxRuntime(Runtime):
             raise BackendError(f"cannot load {path.name}: {str(e).splitlines()[0]}") from e
         self._ort = ort
         names = [i.name for i in self._sess.get_inputs()]
+        if names[:3] != ["input_ids", "n_logits", "past_key_0"]:
+            raise BackendError(f"{path.name} is not an edgespec decoder graph (inputs: {', '.join(names[:4])})")
         self._n_layers = sum(1 for n in names if n.startswith("past_key_"))
         kv = self._sess.get_inputs()[2].shape  # (1, kvh, P, hd)
         self._kv_heads, self._head_dim = int(kv[1]), int(kv[3])
-        self.vocab_size = int(self._sess.get_outputs()[0].shape[2]) if isinstance(self._sess.get_outputs()[0].shape[2], int) else 0
+        vocab = self._sess.get_outputs()[0].shape[2]  # (1, n_logits, vocab)
+        if not isinstance(vocab, int):
+            raise BackendError(f"{path.name} is not an edgespec decoder graph (no fixed vocabulary size)")
+        self.vocab_size = vocab
         self._weight_bytes = _file_bytes(path)
         self._past: list = []
         self._n_past = 0
@@ -85,10 +90,7 @@ class OnnxRuntime(Runtime):
         outs = binding.get_outputs()
         self._past = list(outs[1:])
         self._n_past += len(token_ids)
-        logits = outs[0].numpy()[0]  # (n_logits, V)
-        if not self.vocab_size:
-            self.vocab_size = logits.shape[-1]
-        return logits
+        return outs[0].numpy()[0]  # (n_logits, V)
 
     def trim(self, n_past: int) -> None:
         if n_past >= self._n_past:
@@ -97,7 +99,9 @@ class OnnxRuntime(Runtime):
             self.reset()
             return
         OrtValue = self._ort.OrtValue
-        self._past = [OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :n_past])) for v in self._past]
+        # copy: with one KV head the slice is contiguous, and a view would outlive the buffer it
+        # points into once the OrtValue that owns it is dropped (garbage after a second trim)
+        self._past = [OrtValue.ortvalue_from_numpy(v.numpy()[:, :, :n_past].copy()) for v in self._past]
         self._n_past = n_past
 
     def memory_bytes(self) -> dict[str, int]:

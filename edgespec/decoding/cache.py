@@ -1,0 +1,74 @@
+"""A runtime together with the target ids its KV cache holds.
+
+Both the decoder (for the target) and a model drafter (for the draft) keep one, so that every
+feed and every trim updates the runtime and its bookkeeping together.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from edgespec.runtimes.base import Runtime
+
+__all__ = ["TrackedCache", "batch_limit", "common_prefix"]
+
+logger = logging.getLogger(__name__)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+def batch_limit(rt: Runtime) -> int | None:
+    """Most tokens one forward of `rt` accepts (None: no limit)."""
+    caps = getattr(rt, "capabilities", None)
+    return getattr(caps, "max_batch_tokens", None)
+
+
+class TrackedCache:
+    """`rt` plus `ids`, the target ids its cache holds (a prefix of the committed sequence)."""
+
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+        self.ids: list[int] = []
+
+    def pending(self, tokens: Sequence[int]) -> list[int]:
+        """The ids of `tokens` the cache does not hold yet (call `align` first)."""
+        return list(tokens[len(self.ids) :])
+
+    def feed(self, ids: list[int], n_logits: int) -> np.ndarray | None:
+        """Append target ids to the cache, in chunks the backend accepts; logits of the last chunk.
+
+        Drafts with a trimmed head keep the full input embedding, so they too are fed target ids."""
+        if not ids:
+            return None
+        limit = batch_limit(self.rt) or len(ids)
+        # every chunk but the last is prefill whose logits are discarded
+        split = max(len(ids) - limit, 0)
+        for start in range(0, split, limit):
+            end = min(start + limit, split)
+            self.rt.forward(ids[start:end], n_logits=1)
+            self.ids.extend(ids[start:end])
+        logits = self.rt.forward(ids[split:], n_logits=n_logits)
+        self.ids.extend(ids[split:])
+        return logits
+
+    def align(self, tokens: Sequence[int]) -> None:
+        """Trim to the common prefix with `tokens`, leaving at least the last token unfed."""
+        if self.rt.n_past < len(self.ids):  # trimmed by someone else: a trim keeps a prefix
+            del self.ids[self.rt.n_past :]
+        elif self.rt.n_past > len(self.ids):  # a forward failed midway: contents unknown
+            logger.debug("%s cache holds %d untracked positions; resetting it", type(self.rt).__name__, self.rt.n_past)
+            self.rt.reset()
+            self.ids.clear()
+        keep = min(common_prefix(self.ids, tokens), len(tokens) - 1)
+        if keep < len(self.ids):
+            self.rt.trim(keep)
+            del self.ids[keep:]

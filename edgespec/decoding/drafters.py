@@ -1,0 +1,254 @@
+"""Drafters: who proposes the tokens the target then verifies in one forward.
+
+  ModelDrafter   a small draft model, one forward per drafted token, with its own KV cache
+  NgramDrafter   prompt lookup: copy what followed the latest earlier occurrence of the
+                 sequence's last n tokens (llama.cpp `lookup`, transformers
+                 `prompt_lookup_num_tokens`); no model, nearly free, strong on replies that
+                 quote their input (summaries, rewrites, extraction, code edits)
+  BothDrafter    prompt lookup when it finds a match the policy wants, else the model
+
+Drafts are target ids. A drafter that samples returns its distributions in the target
+vocabulary; deterministic proposals (a lookup, an argmax draft) return none and are accepted
+as point masses, which keeps sampling exactly lossless.
+"""
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from edgespec.decoding.acceptance import map_draft_ids, scatter_to_target
+from edgespec.decoding.cache import TrackedCache
+from edgespec.decoding.policy import DraftPolicy
+from edgespec.decoding.sampling import SamplingParams, probabilities, sample, top_probability
+from edgespec.errors import ConfigError
+from edgespec.runtimes.base import Runtime
+
+__all__ = [
+    "DRAFTERS", "BothDrafter", "Draft", "Drafter", "DrafterKind", "ModelDrafter", "NgramDrafter",
+    "NgramIndex", "build_drafter",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Draft:
+    """One step's proposal."""
+
+    tokens: list[int]  # target ids
+    probs: np.ndarray | None = None  # (len(tokens), V_target) if sampled from a distribution, else point masses
+    source: str = ""  # the policy's key for the drafter that proposed them
+    ms_per_token: float | None = None  # marginal drafting cost, catch-up excluded (None: not measured)
+
+
+class Drafter(abc.ABC):
+    """Proposes up to `limit` target ids continuing `tokens`, asking `policy` how many."""
+
+    runtimes: tuple[Runtime, ...] = ()  # runtimes whose caches this drafter owns
+
+    @abc.abstractmethod
+    def propose(self, tokens: list[int], limit: int, policy: DraftPolicy, params: SamplingParams,
+                rng: np.random.Generator) -> Draft:
+        """Phase 1 of a step. Must not change `tokens`."""
+
+    def sync(self, tokens: list[int]) -> None:  # noqa: B027 - stateless drafters need nothing
+        """Drop cached state that is no longer a prefix of `tokens` (after a commit, or a stop)."""
+
+
+# ---------------------------------------------------------------- draft model
+
+
+def check_draft_model(draft: Runtime, target_vocab: int, id_map: np.ndarray | None) -> None:
+    """Reject a draft runtime / id_map the decoder cannot use, naming the fix."""
+    caps = getattr(draft, "capabilities", None)
+    if caps is not None and not caps.can_trim:
+        raise ConfigError(f"speculative decoding rolls back rejected drafts, but the draft backend "
+                          f"{caps.backend!r} cannot trim its KV cache; run without a draft")
+    if id_map is None:
+        if draft.vocab_size > target_vocab:
+            raise ConfigError(f"draft vocab ({draft.vocab_size}) is larger than target vocab ({target_vocab}); "
+                              "pass an id_map")
+        return
+    if id_map.ndim != 1 or len(id_map) != draft.vocab_size:
+        raise ConfigError(f"id_map must list one target id per draft id ({draft.vocab_size}), got shape {id_map.shape}")
+    if id_map.size and (id_map.min() < 0 or id_map.max() >= target_vocab):
+        raise ConfigError(f"id_map holds ids outside the target vocab [0, {target_vocab})")
+    if len(np.unique(id_map)) != len(id_map):
+        raise ConfigError("id_map maps two draft ids to the same target id")
+
+
+class ModelDrafter(Drafter):
+    """A draft model whose cache catches up lazily: only when it drafts does it feed what it lacks."""
+
+    source = "model"
+
+    def __init__(self, runtime: Runtime, target_vocab: int, id_map: np.ndarray | None = None) -> None:
+        id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
+        check_draft_model(runtime, target_vocab, id_map)
+        self.runtime, self.target_vocab, self.id_map = runtime, target_vocab, id_map
+        self.runtimes = (runtime,)
+        # a trimmed draft keeps the full input embedding: it is fed target ids, and only its
+        # outputs (K logits) need the id map
+        self._cache = TrackedCache(runtime)
+
+    def propose(self, tokens, limit, policy, params, rng) -> Draft:
+        k = min(policy.next_k(self.source), limit)
+        if k <= 0:
+            return Draft([])
+        drafts: list[int] = []
+        rows: list[np.ndarray] = []
+        confidences: list[float] = []
+        steady: list[float] = []
+        pending = self._cache.pending(tokens)
+        for _ in range(k):
+            t0 = time.perf_counter()
+            logits = self._cache.feed(pending, n_logits=1)[-1]  # (K,)
+            if params.greedy:
+                draft_id = int(np.argmax(logits))
+            else:
+                rows.append(probabilities(logits, params))
+                draft_id = sample(rows[-1], rng)
+            if policy.uses_confidence:
+                confidences.append(top_probability(logits))
+            if len(pending) <= 2:  # a long catch-up feed is not the cost of one more token
+                steady.append(time.perf_counter() - t0)
+            pending = map_draft_ids([draft_id], self.id_map)
+            drafts.extend(pending)
+            if confidences and not policy.keep_drafting(confidences):
+                break
+        probs = scatter_to_target(np.stack(rows), self.id_map, self.target_vocab) if rows else None
+        ms = 1e3 * sum(steady) / len(steady) if steady else None
+        return Draft(drafts, probs, self.source, ms)
+
+    def sync(self, tokens: list[int]) -> None:
+        self._cache.align(tokens)
+
+
+# ---------------------------------------------------------------- prompt lookup
+
+
+class NgramIndex:
+    """For each n-gram (min_n <= n <= max_n) of a growing sequence, the position just after its
+    latest occurrence that already has a continuation. O(max_n) dict updates per new token."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self._seq: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}
+
+    def update(self, tokens: list[int]) -> None:
+        n = len(self._seq)
+        if len(tokens) < n or tokens[:n] != self._seq:  # another sequence (a new conversation): start over
+            self._seq, self._after, n = [], {}, 0
+        for t in range(max(n, 1), len(tokens)):
+            for size in range(self.min_n, min(self.max_n, t) + 1):
+                self._after[tuple(tokens[t - size : t])] = t
+        self._seq.extend(tokens[n:])
+
+    def lookup(self, tokens: list[int], limit: int) -> tuple[list[int], int]:
+        """Up to `limit` tokens that followed the longest matching suffix n-gram, and that n."""
+        self.update(tokens)
+        end = len(tokens)
+        for size in range(min(self.max_n, end), self.min_n - 1, -1):
+            start = self._after.get(tuple(tokens[end - size :]))
+            if start is not None:
+                return overlapping_copy(tokens, start, limit), size
+        return [], 0
+
+
+def overlapping_copy(tokens: list[int], start: int, n: int) -> list[int]:
+    """tokens[start:start + n], continued past the end by copying the copy (LZ77-style), so a
+    repeating cycle shorter than n is proposed n tokens deep."""
+    out: list[int] = []
+    for i in range(n):
+        j = start + i
+        out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
+    return out
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup over the prompt and everything generated so far. Proposals are keyed by
+    match length ("ngram:3"), so adaptive policies learn how far each kind of match carries."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {v}")
+        if min_ngram > max_ngram:
+            raise ConfigError(f"min_ngram ({min_ngram}) exceeds max_ngram ({max_ngram})")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._index = NgramIndex(min_ngram, max_ngram)
+
+    def propose(self, tokens, limit, policy, params, rng) -> Draft:
+        t0 = time.perf_counter()
+        found, n = self._index.lookup(tokens, limit)
+        if not found:
+            return Draft([])
+        source = f"ngram:{n}"
+        k = min(policy.next_k(source), len(found))
+        if k <= 0:
+            return Draft([])
+        return Draft(found[:k], None, source, 1e3 * (time.perf_counter() - t0) / k)
+
+
+class BothDrafter(Drafter):
+    """Prompt lookup when it finds a match the policy wants to draft from, else the draft model."""
+
+    def __init__(self, lookup: NgramDrafter, model: ModelDrafter) -> None:
+        self.lookup, self.model = lookup, model
+        self.runtimes = model.runtimes
+
+    def propose(self, tokens, limit, policy, params, rng) -> Draft:
+        draft = self.lookup.propose(tokens, limit, policy, params, rng)
+        return draft if draft.tokens else self.model.propose(tokens, limit, policy, params, rng)
+
+    def sync(self, tokens: list[int]) -> None:
+        self.model.sync(tokens)
+
+
+# ---------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """A registered drafter: whether it needs a draft model, and how to build it."""
+
+    needs_model: bool
+    build: Callable[[int, Runtime | None, np.ndarray | None], Drafter]  # (target_vocab, draft, id_map)
+    help: str
+
+
+DRAFTERS: dict[str, DrafterKind] = {
+    "model": DrafterKind(True, lambda v, d, m: ModelDrafter(d, v, m), "the draft model"),
+    "ngram": DrafterKind(False, lambda v, d, m: NgramDrafter(), "prompt lookup, no model"),
+    "both": DrafterKind(True, lambda v, d, m: BothDrafter(NgramDrafter(), ModelDrafter(d, v, m)),
+                        "prompt lookup when it matches, else the draft model"),
+}
+
+
+def build_drafter(spec: str | Drafter | None, target_vocab: int, draft: Runtime | None,
+                  id_map: np.ndarray | None) -> Drafter | None:
+    """The drafter named `spec` (None: the draft model if given, else no drafting)."""
+    if isinstance(spec, Drafter):
+        if draft is not None or id_map is not None:
+            raise ConfigError("give the draft model inside the drafter or as draft=, not both")
+        return spec
+    if spec is None:
+        if draft is None:
+            if id_map is not None:
+                raise ConfigError("id_map given without a draft model; pass draft= or drop id_map")
+            return None
+        spec = "model"
+    kind = DRAFTERS.get(spec)
+    if kind is None:
+        raise ConfigError(f"unknown drafter {spec!r}; choose one of: {', '.join(DRAFTERS)}")
+    if kind.needs_model and draft is None:
+        raise ConfigError(f"drafter {spec!r} needs a draft model; pass draft= or use drafter='ngram'")
+    if not kind.needs_model and (draft is not None or id_map is not None):
+        raise ConfigError(f"drafter {spec!r} uses no draft model; drop draft= and id_map=")
+    return kind.build(target_vocab, draft, id_map)

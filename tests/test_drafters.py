@@ -1,0 +1,230 @@
+"""Drafters: prompt lookup proposes copied continuations; every drafter × policy stays lossless."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from edgespec.api import resolve_drafting
+from edgespec.decoding import (
+    POLICIES,
+    FixedK,
+    NgramDrafter,
+    SamplingParams,
+    SpeculativeDecoder,
+    accept_point_masses,
+    accept_sampled,
+    make_policy,
+    probabilities,
+)
+from edgespec.decoding.drafters import NgramIndex, overlapping_copy
+from edgespec.errors import ConfigError
+from tests.toy import ToyRuntime, naive_greedy
+
+V = 50
+GREEDY = SamplingParams()
+# repeats a phrase, so prompt lookup finds matches from the first step
+PROMPT = [3, 14, 15, 9, 26, 5, 35, 8, 3, 14, 15, 9, 26]
+
+
+def lookup(tokens, limit=4, **kw):
+    return NgramIndex(kw.get("min_n", 1), kw.get("max_n", 3)).lookup(list(tokens), limit)
+
+
+# ---------------------------------------------------------------- prompt lookup
+
+
+def test_lookup_copies_what_followed_the_suffix():
+    assert lookup([1, 2, 3, 4, 5, 9, 1, 2, 3]) == ([4, 5, 9, 1], 3)
+    assert lookup([1, 2, 3, 4, 5, 9, 1, 2, 3], limit=2) == ([4, 5], 3)
+    assert lookup([7, 8, 9]) == ([], 0)  # nothing repeats
+
+
+def test_lookup_prefers_the_longest_then_the_latest_match():
+    # "2" alone last occurred before 6, but "1 2" occurred before 4
+    assert lookup([1, 2, 4, 0, 2, 6, 0, 1, 2], limit=1) == ([4], 2)
+    # the latest occurrence of "5 5" wins
+    assert lookup([5, 5, 1, 0, 5, 5, 2, 9, 5, 5], limit=1) == ([2], 2)
+    assert lookup([1, 2, 4, 0, 2, 6, 0, 1, 2], limit=1, min_n=3) == ([], 0)
+
+
+def test_lookup_continues_a_repeating_cycle():
+    assert lookup([9, 5, 6, 5, 6, 5], limit=5) == ([6, 5, 6, 5, 6], 3)
+    assert overlapping_copy([1, 2, 3], 2, 4) == [3, 3, 3, 3]
+
+
+def test_index_updates_incrementally_and_restarts_on_another_sequence():
+    index, seq = NgramIndex(1, 3), [4, 1, 2, 3]
+    assert index.lookup(seq, 2) == ([], 0)
+    seq += [7, 1, 2]
+    assert index.lookup(seq, 2) == ([3, 7], 2)
+    seq += [3]
+    assert index.lookup(seq, 2) == ([7, 1], 3)
+    other = [1, 2, 8, 1, 2]  # not an extension: the index starts over
+    assert index.lookup(other, 2) == lookup(other, 2) == ([8, 1], 2)
+
+
+def test_ngram_drafter_validation_and_sources():
+    with pytest.raises(ConfigError, match="min_ngram"):
+        NgramDrafter(max_ngram=2, min_ngram=3)
+    with pytest.raises(ConfigError, match="max_ngram must be an integer >= 1"):
+        NgramDrafter(max_ngram=0)
+    d = NgramDrafter()
+    draft = d.propose([1, 2, 3, 4, 1, 2], 3, FixedK(2), GREEDY, np.random.default_rng(0))
+    assert draft.tokens == [3, 4] and draft.source == "ngram:2" and draft.probs is None
+    assert d.propose([1, 2, 3, 4, 1, 2], 3, FixedK(0), GREEDY, np.random.default_rng(0)).tokens == []
+
+
+# ---------------------------------------------------------------- lossless under every drafter and policy
+
+
+def plain_greedy(prompt, n):
+    return naive_greedy(ToyRuntime(V, seed=0), prompt, n)
+
+
+def make_decoder(drafter: str, policy: str, k: int = 4) -> SpeculativeDecoder:
+    draft = ToyRuntime(V, seed=0, noise=0.7) if drafter in ("model", "both") else None
+    return SpeculativeDecoder(ToyRuntime(V, seed=0), draft, drafter=drafter, policy=make_policy(policy, k))
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("drafter", ["model", "ngram", "both"])
+def test_greedy_identity_under_every_policy_and_drafter(drafter, policy):
+    dec = make_decoder(drafter, policy)
+    expected = plain_greedy(PROMPT, 60)
+    for _ in range(2):  # a second generation reuses the policy's learned state
+        tokens = list(PROMPT)
+        steps = list(dec.stream(tokens, GREEDY, 60))
+        assert tokens[len(PROMPT):] == expected
+        assert all(s.accepted <= s.drafted for s in steps)
+        for rt in filter(None, (dec.target, dec.draft)):
+            assert rt.n_past <= len(tokens) - 1 and rt.cache == tokens[: rt.n_past]
+    sources = {s.source.split(":")[0] for s in steps if s.drafted}
+    if policy == "fixed":
+        assert sources == {"model": {"model"}, "ngram": {"ngram"}, "both": {"model", "ngram"}}[drafter]
+
+
+class LoopingRuntime(ToyRuntime):
+    """Logits depend on the last token only, so greedy decoding soon cycles (as small models do)."""
+
+    def _logits(self) -> np.ndarray:
+        return self.w[0, self.cache[-1]]
+
+
+def test_lookup_drafts_whole_cycles_of_a_repeating_target():
+    dec = SpeculativeDecoder(LoopingRuntime(V, seed=0), drafter="ngram", policy=FixedK(6))
+    tokens = [1, 2]
+    steps = list(dec.stream(tokens, GREEDY, 120))
+    assert tokens[2:] == naive_greedy(LoopingRuntime(V, seed=0), [1, 2], 120)
+    late = steps[len(steps) // 2:]
+    assert all(s.drafted == 6 and s.accepted == 6 for s in late[:-1])  # every draft accepted whole
+    assert len(steps) < 120 / 4
+
+
+def test_confidence_stop_shortens_model_drafts():
+    draft = ToyRuntime(V, seed=0, noise=0.7)
+    dec = SpeculativeDecoder(ToyRuntime(V, seed=0), draft, policy=FixedK(8, min_joint=0.5))
+    tokens = list(PROMPT)
+    steps = list(dec.stream(tokens, GREEDY, 60))
+    assert tokens[len(PROMPT):] == plain_greedy(PROMPT, 60)
+    assert max(s.drafted for s in steps) <= 8 and np.mean([s.drafted for s in steps[:-1]]) < 4
+
+
+# ---------------------------------------------------------------- sampling with point-mass drafts
+
+
+def test_point_mass_acceptance_equals_rejection_sampling_with_one_hot_q():
+    p = np.random.default_rng(0).dirichlet(np.ones(6), size=4)  # (k + 1, V)
+    drafts = [2, 0, 5]
+    one_hot = np.eye(6)[drafts]
+    for seed in range(300):
+        a = accept_point_masses(drafts, p, np.random.default_rng(seed))
+        b = accept_sampled(drafts, one_hot, p, np.random.default_rng(seed))
+        assert a == b
+
+
+def test_sampling_with_lookup_drafts_matches_the_target():
+    params = SamplingParams(temperature=1.0)
+    target = ToyRuntime(V, seed=0)
+
+    def prompt_and_p(x: int):  # lookup after the repeated phrase proposes x
+        prompt = PROMPT[:5] + [x] + PROMPT[6:]
+        p = probabilities(target.forward(prompt)[-1], params)
+        target.reset()
+        return prompt, p
+
+    # the x the target itself finds most likely there, so both accept and reject happen often
+    prompt, p = max((prompt_and_p(x) for x in range(V)), key=lambda pp: pp[1][pp[0][5]])
+    assert 0.1 < p[prompt[5]] < 0.9
+    dec = SpeculativeDecoder(target, drafter="ngram", policy=FixedK(1))
+    n, counts, drafted, accepted = 3000, np.zeros(V), 0, 0
+    for i in range(n):
+        tokens = list(prompt)
+        step = next(dec.stream(tokens, SamplingParams(1.0, seed=i), 2))
+        drafted, accepted = drafted + step.drafted, accepted + step.accepted
+        counts[tokens[len(prompt)]] += 1
+    assert drafted == n and 0.05 * n < accepted < 0.95 * n  # both branches ran, every time a lookup draft
+    assert counts[p == 0].sum() == 0
+    expected = p * n
+    big, rare = expected >= 5, (expected > 0) & (expected < 5)
+    obs = np.append(counts[big], counts[rare].sum())
+    exp = np.append(expected[big], expected[rare].sum())
+    assert chisquare(obs, exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "confidence"])
+def test_seeded_sampling_is_reproducible_under_timing_free_policies(policy):
+    # (the cost policy decides from measured timings, so its drafts, and with them which random
+    # numbers go where, differ from run to run: its samples follow the target but do not repeat)
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    outs = []
+    for _ in range(2):
+        dec = make_decoder("both", policy)
+        tokens = list(PROMPT)
+        list(dec.stream(tokens, params, 40))
+        outs.append(tokens)
+    assert outs[0] == outs[1]
+
+
+# ---------------------------------------------------------------- configuration
+
+
+def test_decoder_rejects_bad_drafter_combinations():
+    target, draft = ToyRuntime(V, seed=0), ToyRuntime(V, seed=0, noise=0.5)
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        SpeculativeDecoder(target, drafter="both")
+    with pytest.raises(ConfigError, match="uses no draft model"):
+        SpeculativeDecoder(target, draft, drafter="ngram")
+    with pytest.raises(ConfigError, match="unknown drafter 'psychic'"):
+        SpeculativeDecoder(target, drafter="psychic")
+    with pytest.raises(ConfigError, match="not both"):
+        SpeculativeDecoder(target, draft, drafter=NgramDrafter())
+    assert SpeculativeDecoder(target, drafter=NgramDrafter(2, 2)).policy.next_k() == 4
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("auto", None, None, True, True), ("both", "cost", 4)),
+    (("auto", None, None, False, True), ("ngram", "cost", 4)),
+    (("auto", None, None, True, False), (None, "cost", 4)),  # --no-draft: plain decoding
+    (("ngram", None, None, True, False), ("ngram", "cost", 4)),  # lookup needs no draft model
+    (("auto", None, 3, True, True), ("both", "fixed", 3)),  # an explicit k asks for that length
+    (("model", "heuristic", 6, True, True), ("model", "heuristic", 6)),
+    (("both", None, 0, True, True), (None, "fixed", 0)),  # k = 0: plain decoding
+    (("none", None, None, True, True), (None, "cost", 4)),
+])
+def test_resolve_drafting(args, expected):
+    drafter, policy, k, has_draft, use_draft = args
+    assert resolve_drafting(drafter, policy, k, has_draft=has_draft, use_draft=use_draft) == expected
+
+
+@pytest.mark.parametrize("args, match", [
+    (("model", None, None, False, True), "the bundle has no draft model"),
+    (("both", None, None, True, False), "--no-draft was given"),
+    (("lookup", None, None, True, True), "unknown drafter 'lookup'"),
+    (("auto", "psychic", None, True, True), "unknown draft policy"),
+    (("auto", None, -1, True, True), "k must be an integer >= 0"),
+])
+def test_resolve_drafting_errors(args, match):
+    drafter, policy, k, has_draft, use_draft = args
+    with pytest.raises(ConfigError, match=match):
+        resolve_drafting(drafter, policy, k, has_draft=has_draft, use_draft=use_draft)

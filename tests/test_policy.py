@@ -1,0 +1,256 @@
+"""Draft-length policies as pure functions, on synthetic costs and acceptances."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgespec.cli.chat import k_over_time
+from edgespec.cli.common import DRAFTER_CHOICES, POLICY_CHOICES
+from edgespec.decoding import DEFAULT_POLICY, DRAFTERS, POLICIES, CostAwareK, FixedK, HeuristicK, make_policy
+from edgespec.decoding.policy import (
+    best_k,
+    confidence_stop,
+    decayed_counts,
+    expected_tokens,
+    heuristic_k,
+    verify_table,
+)
+from edgespec.errors import ConfigError
+
+TARGET_MS = 30.0
+
+
+def verify_ms(width: int, slope: float = 0.2) -> float:
+    """A synthetic target: one-token step 30 ms, each extra verified token +20 %."""
+    return TARGET_MS * (1 + slope * (width - 1))
+
+
+def table(k_max: int, slope: float = 0.2) -> list[float]:
+    return [verify_ms(w, slope) for w in range(1, k_max + 2)]
+
+
+# ---------------------------------------------------------------- pure rules
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0  # only the target's own token
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.8, 0) == 1.0
+    ks = [expected_tokens(0.7, k) for k in range(10)]
+    assert ks == sorted(ks) and ks[-1] < 1 / (1 - 0.7)  # grows, bounded by 1 / (1 - alpha)
+
+
+def test_best_k_plain_when_the_draft_costs_as_much_as_the_target():
+    assert best_k(0.3, TARGET_MS, table(8)) == 0
+    assert best_k(0.9, TARGET_MS, table(8)) == 0  # even a good draft cannot pay at that price
+    assert best_k(0.0, 0.0, table(8)) == 0  # a free draft that is never right only widens the verify
+
+
+def test_best_k_drafts_long_when_cheap_and_accepted():
+    k = best_k(0.9, 1.0, table(8))
+    assert k >= 5
+    assert best_k(0.95, 0.5, table(16)) > k
+    assert best_k(0.6, 0.05, table(8)) in range(1, 5)  # prompt lookup, moderate acceptance: a short draft
+    # the chosen k beats every other k on expected tokens per ms
+    rates = [expected_tokens(0.9, j) / (j * 1.0 + table(8)[j]) for j in range(9)]
+    assert rates[k] == max(rates)
+
+
+def test_best_k_shrinks_as_drafting_gets_dearer():
+    ks = [best_k(0.85, c, table(8)) for c in (0.0, 2.0, 5.0, 10.0, 20.0, 30.0)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > 0 and ks[-1] == 0
+
+
+def test_verify_table_interpolates_extrapolates_and_never_decreases():
+    t = verify_table({1: 30.0, 5: 50.0}, 7, slope=0.2)
+    assert t[:5] == pytest.approx([30, 35, 40, 45, 50])
+    assert t[5:] == pytest.approx([56, 62])  # beyond the data: +0.2 × the one-token cost per token
+    only_wide = verify_table({3: 42.0}, 4, slope=0.2)  # implies 30 ms for one token
+    assert only_wide == pytest.approx([30, 36, 42, 48])
+    noisy = verify_table({1: 30.0, 2: 60.0, 3: 33.0}, 3, slope=0.2)
+    assert noisy == [30.0, 60.0, 60.0]  # a cheap wide sample cannot undercut a narrower one
+    with pytest.raises(ValueError):
+        verify_table({}, 3, 0.2)
+
+
+def test_heuristic_plus_two_minus_one():
+    assert heuristic_k(4, 4, 4, 1, 10) == 6
+    assert heuristic_k(4, 4, 2, 1, 10) == 3
+    assert heuristic_k(9, 9, 9, 1, 10) == 10  # capped
+    assert heuristic_k(1, 1, 0, 1, 10) == 1  # floored
+    assert heuristic_k(4, 0, 0, 1, 10) == 4  # nothing drafted: nothing learned
+
+
+def test_confidence_stop_uses_the_joint_probability():
+    assert not confidence_stop([0.9], 0.5)
+    assert not confidence_stop([0.9, 0.8], 0.5)  # 0.72
+    assert confidence_stop([0.9, 0.8, 0.6], 0.5)  # 0.432: a rejection has become likely
+    assert confidence_stop([0.3], 0.5)
+    assert not confidence_stop([0.01, 0.01], 0.0)  # 0 disables the stop
+
+
+def test_acceptance_counts():
+    assert decayed_counts(0.0, 0.0, 4, 4, 0.8) == (4, 4)  # fully accepted: no failure observed
+    assert decayed_counts(0.0, 0.0, 4, 1, 0.8) == (1, 2)  # one success, then the first rejection
+    h, t = decayed_counts(10.0, 10.0, 3, 0, 0.5)
+    assert (h, t) == (5.0, 6.0)
+
+
+# ---------------------------------------------------------------- policy objects
+
+
+def test_fixed_and_heuristic_policies():
+    assert FixedK(3).next_k() == FixedK(3).next_k("ngram:2") == 3
+    h = HeuristicK(4, k_min=1, k_max=8)
+    h.update(4, 4, 1.0, 1.0, source="model")
+    h.update(4, 0, 1.0, 1.0, source="ngram:3")
+    assert h.next_k("model") == 6 and h.next_k("ngram:3") == 3 and h.next_k("ngram:1") == 4
+    for _ in range(5):
+        h.update(6, 6, 1.0, 1.0, source="model")
+    assert h.next_k("model") == 8
+    with pytest.raises(ConfigError, match="k_min <= k <= k_max"):
+        HeuristicK(9, k_max=8)
+
+
+def test_confidence_policy_stops_drafts():
+    p = make_policy("confidence", 3)
+    assert p.uses_confidence and p.next_k() == 6
+    assert p.keep_drafting([0.95, 0.9]) and not p.keep_drafting([0.5, 0.5])
+    assert not FixedK(4).uses_confidence and FixedK(4).keep_drafting([0.01])
+    with pytest.raises(ConfigError, match="confidence threshold"):
+        FixedK(4, min_joint=1.5)
+
+
+def simulate(policy, draft_ms: float, alpha: float, steps: int = 400, source: str = "model", seed: int = 0):
+    """Drive a policy with a synthetic device; returns (tokens per ms, k per step)."""
+    rng = np.random.default_rng(seed)
+    tokens, ms, ks = 0, 0.0, []
+    for _ in range(steps):
+        k = policy.next_k(source)
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        step_draft, step_verify = k * draft_ms, verify_ms(k + 1)
+        policy.update(k, accepted, step_draft, step_verify, source=source, ms_per_token=draft_ms if k else None)
+        tokens, ms = tokens + accepted + 1, ms + step_draft + step_verify
+        ks.append(k)
+    return tokens / ms, ks
+
+
+PLAIN_RATE = 1 / TARGET_MS
+
+
+def test_cost_policy_falls_back_to_plain_when_drafting_cannot_pay():
+    rate, ks = simulate(CostAwareK(k_max=8), draft_ms=TARGET_MS, alpha=0.3)
+    assert ks[0] == 0  # the first step measures a plain step
+    assert sum(k > 0 for k in ks) <= 8  # a few probes, spaced further and further apart
+    assert rate > 0.97 * PLAIN_RATE
+    probes = [i for i, k in enumerate(ks) if k > 0]
+    gaps = np.diff(probes[1:])
+    assert (np.diff(gaps) >= 0).all()  # the probe interval doubles while probes keep losing
+
+
+def test_cost_policy_drafts_long_for_a_cheap_accurate_draft():
+    rate, ks = simulate(CostAwareK(k_max=8), draft_ms=1.0, alpha=0.9)
+    assert np.median(ks[20:]) >= 5
+    # the best possible here is k = 8: 6.1 tokens for 86 ms, 2.14× plain
+    assert rate > 1.9 * PLAIN_RATE
+
+
+def test_cost_policy_uses_a_free_lookup_at_moderate_acceptance():
+    rate, ks = simulate(CostAwareK(k_max=8), draft_ms=0.01, alpha=0.6, source="ngram:2")
+    assert 1 <= np.median(ks[20:]) <= 4 and rate > 1.2 * PLAIN_RATE
+    rate, ks = simulate(CostAwareK(k_max=8), draft_ms=0.01, alpha=0.02, source="ngram:1")
+    assert rate > 0.95 * PLAIN_RATE  # lookup that never matches the target is abandoned
+
+
+def test_cost_policy_adapts_when_acceptance_changes():
+    p = CostAwareK(k_max=8)
+    _, before = simulate(p, draft_ms=2.0, alpha=0.95, steps=200)
+    _, after = simulate(p, draft_ms=2.0, alpha=0.05, steps=200, seed=1)
+    assert np.median(before[50:]) >= 4
+    assert sum(k > 0 for k in after[50:]) <= 5
+
+
+def test_cost_policy_recovers_from_an_outlier_measurement():
+    # a busy neighbour makes the first 3-token verify look three times dearer than it is
+    p = CostAwareK(k_max=8)
+    p.update(0, 0, 0.0, verify_ms(1))
+    p.update(2, 2, 2.0, 3 * verify_ms(3), source="model", ms_per_token=1.0)
+    assert p.plan("model") <= 1  # fooled at first ...
+    _, ks = simulate(p, draft_ms=1.0, alpha=0.9, steps=200)
+    assert np.median(ks[100:]) >= 5  # ... but exploring one token further keeps widths measured
+
+
+def test_cost_policy_is_unmoved_by_a_neighbour_slowing_everything_alike():
+    # wide verifies measured while the machine was three times slower, plain steps since then
+    # fast again: costs are kept relative to a plain step at the time, so the plan holds
+    calm, busy = CostAwareK(k_max=8), CostAwareK(k_max=8)
+    for p, load in ((calm, 1.0), (busy, 3.0)):
+        p.update(0, 0, 0.0, load * verify_ms(1))
+        for w in range(2, 10):
+            p.update(w - 1, 2, 0.0, load * verify_ms(w), source="model", ms_per_token=load * 3.0)
+    for _ in range(5):
+        busy.update(0, 0, 0.0, verify_ms(1))
+    assert busy.plan("model") == calm.plan("model") > 0
+    assert busy.snapshot()["verify"] == pytest.approx(calm.snapshot()["verify"])
+
+
+def test_cost_policy_explores_one_token_further_now_and_then():
+    p = CostAwareK(k_max=8, explore_every=4)
+    p.update(0, 0, 0.0, verify_ms(1))
+    for w in range(2, 10):
+        p.update(w - 1, 2, 0.0, verify_ms(w), source="model", ms_per_token=3.0)  # alpha about 0.67
+    planned = p.plan("model")
+    assert 0 < planned < 8
+    assert [p.next_k("model") for _ in range(8)] == [planned] * 3 + [planned + 1] + [planned] * 3 + [planned + 1]
+
+
+def test_cost_policy_keeps_sources_apart():
+    p = CostAwareK(k_max=8)
+    simulate(p, draft_ms=0.01, alpha=0.95, source="ngram:3", steps=100)
+    simulate(p, draft_ms=0.01, alpha=0.05, source="ngram:1", steps=100)
+    assert p.acceptance("ngram:3") > 0.8 > 0.2 > p.acceptance("ngram:1")
+    assert p.plan("ngram:3") >= 4 and p.plan("ngram:1") == 0
+    assert p.plan("model") is None  # never drafted: unknown cost
+    assert p.next_k("model") == p.probe_k  # so it gets a try
+
+
+def test_cost_policy_validation():
+    with pytest.raises(ConfigError, match="probe_every"):
+        CostAwareK(probe_every=0)
+    with pytest.raises(ConfigError, match="accept_decay"):
+        CostAwareK(accept_decay=0)
+    with pytest.raises(ConfigError, match="window"):
+        CostAwareK(window=0)
+    assert CostAwareK(k_max=0).next_k() == 0
+
+
+# ---------------------------------------------------------------- registry, CLI
+
+
+def test_registry():
+    assert list(POLICIES) == ["fixed", "heuristic", "confidence", "cost"] and DEFAULT_POLICY in POLICIES
+    assert isinstance(make_policy("fixed", 2), FixedK) and make_policy("fixed", 2).next_k() == 2
+    assert isinstance(make_policy("cost", 6), CostAwareK) and make_policy("cost", 6).k_max == 12
+    assert make_policy("heuristic", 3).k_max == 6
+    for name in POLICIES:
+        assert make_policy(name, 0).next_k() == 0  # k = 0 is plain decoding under every policy
+    with pytest.raises(ConfigError, match="unknown draft policy 'nope'; choose one of: fixed"):
+        make_policy("nope", 2)
+    with pytest.raises(ConfigError, match="k must be an integer >= 0"):
+        make_policy("cost", -1)
+
+
+def test_cli_choices_match_the_registries():
+    assert POLICY_CHOICES == tuple(POLICIES)
+    assert DRAFTER_CHOICES == ("auto", *DRAFTERS, "none")
+
+
+def test_k_over_time_is_run_length_encoded():
+    ks = [0, 0, 0, 2, 4, 4, 4, 0]
+    src = ["", "", "", "model", "ngram:3", "ngram:2", "ngram:3", ""]
+    assert k_over_time(ks, src) == "0×3 2 4L×3 0"
+    long = k_over_time([i % 2 for i in range(100)], ["model"] * 100, max_runs=5)
+    assert long == "0 1 0 1 0 ... (+95 runs)"
