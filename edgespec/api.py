@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 from .bundle import Bundle, load_bundle
 from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError
-from .runtimes import BACKENDS, open_runtime
+from .runtimes import BACKENDS, open_runtime, pick_backend
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = ["load", "Engine", "Response", "GenerationStats", "default_bundle", "resolve_drafting"]
@@ -130,28 +130,36 @@ def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
 class Engine:
     """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder."""
 
-    def __init__(self, bundle: Bundle, *, backend: str = "onnxruntime", use_draft: bool = True,
+    def __init__(self, bundle: Bundle, *, backend: str | None = None, device: str | None = None,
+                 draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
                  k: int | None = None, policy: str | None = None, drafter: str = "auto",
                  threads: int | None = None) -> None:
-        if backend not in BACKENDS:
-            raise ConfigError(f"unknown backend '{backend}' (available: {', '.join(BACKENDS)})")
-        fmt = BACKENDS[backend].bundle_format
         m = bundle.manifest
+        backend = pick_backend(m.target.formats, backend)
+        fmt = BACKENDS[backend].bundle_format
         self.drafter_name, self.policy_name, self.k = resolve_drafting(
             drafter, policy, k, has_draft=m.draft is not None, use_draft=use_draft)
         if fmt not in m.target.formats:
             raise ConfigError(f"bundle has no {fmt} artifacts for backend {backend} (it has: {', '.join(bundle.formats())})")
         self.bundle = bundle
+        self.backend = backend
         self.tokenizer = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
         self._stack = ExitStack()
         self.target = self._stack.enter_context(
-            open_runtime(backend, bundle.file(m.target.formats[fmt].file), threads=threads))
+            open_runtime(backend, bundle.file(m.target.formats[fmt].file), threads=threads, device=device))
         self.draft = None
+        self.draft_backend = None
         if self.drafter_name is not None and DRAFTERS[self.drafter_name].needs_model:
-            if fmt not in m.draft.formats:
-                raise ConfigError(f"the bundle's draft has no {fmt} artifact; use --drafter ngram or --no-draft")
+            # the draft may run on another backend/device; its id map is one per bundle, so it agrees
+            dback = draft_backend or (backend if fmt in m.draft.formats else pick_backend(m.draft.formats))
+            dfmt = BACKENDS[pick_backend(m.draft.formats, dback)].bundle_format
+            if dfmt not in m.draft.formats:
+                raise ConfigError(f"the bundle's draft has no {dfmt} artifact for backend {dback} (it has: "
+                                  f"{', '.join(m.draft.formats)}); use --drafter ngram or --no-draft")
+            self.draft_backend = dback
             self.draft = self._stack.enter_context(
-                open_runtime(backend, bundle.file(m.draft.formats[fmt].file), threads=threads))
+                open_runtime(dback, bundle.file(m.draft.formats[dfmt].file), threads=threads,
+                             device=draft_device or device))
         self.decoder = SpeculativeDecoder(
             self.target, self.draft, id_map=bundle.id_map() if self.draft else None, drafter=self.drafter_name,
             policy=make_policy(self.policy_name, self.k) if self.drafter_name is not None else None)
@@ -237,15 +245,20 @@ class Engine:
         self.close()
 
 
-def load(bundle: str | Path | None = None, *, backend: str = "onnxruntime", use_draft: bool = True,
+def load(bundle: str | Path | None = None, *, backend: str | None = None, device: str | None = None,
+         draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
          k: int | None = None, policy: str | None = None, drafter: str = "auto",
          threads: int | None = None) -> Engine:
     """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use).
 
+    backend: a name from edgespec.runtimes.BACKENDS (default: the first installed one that runs a
+    format the bundle has); device: e.g. "CPU", "GPU", "NPU", "AUTO" where the backend has them;
+    draft_backend / draft_device: run the draft elsewhere (default: as the target).
     drafter: "auto", "model", "ngram" (prompt lookup, no draft model needed), "both" or "none";
     policy: a draft-length policy from edgespec.decoding.POLICIES; k: the draft length (adaptive
     policies range up to 2k). See `resolve_drafting` for the defaults.
     """
     path = Path(bundle) if bundle is not None else default_bundle()
-    return Engine(load_bundle(path), backend=backend, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
+    return Engine(load_bundle(path), backend=backend, device=device, draft_backend=draft_backend,
+                  draft_device=draft_device, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
                   threads=threads)

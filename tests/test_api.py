@@ -230,3 +230,21 @@ def test_an_empty_prompt_is_refused(engine):
 def test_bad_engine_options_raise_config_error(zoo, kw, match):
     with pytest.raises(ConfigError, match=match):
         load(zoo.bundle("llama"), **kw)
+
+
+def test_backend_is_picked_from_bundle_formats_and_devices_are_checked():
+    from edgespec.runtimes import BACKENDS, pick_backend
+
+    assert pick_backend({"onnx": None}) == "onnxruntime"
+    with pytest.raises(ConfigError, match="no installed backend runs"):
+        pick_backend({"no-such-format": None})
+    with pytest.raises(ConfigError, match="unknown backend"):
+        pick_backend({"onnx": None}, "tensorrt")
+    assert "onnxruntime" in BACKENDS
+
+
+def test_unknown_device_names_the_available_ones(zoo):
+    from edgespec.errors import BackendError
+
+    with pytest.raises(BackendError, match="device 'NPU' is not available.*CPU"):
+        load(zoo.bundle("llama"), device="NPU")

@@ -20,7 +20,11 @@ POLICY_CHOICES = ("fixed", "heuristic", "confidence", "cost")
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--backend", default="onnxruntime", help="runtime backend (default: onnxruntime)")
+    g.add_argument("--backend", default=None,
+                   help="runtime backend (default: the first installed one that runs the bundle; see `edgespec info`)")
+    g.add_argument("--device", default=None, help="device for the target, e.g. CPU, GPU, NPU, AUTO (default: CPU)")
+    g.add_argument("--draft-backend", default=None, help="run the draft on another backend (default: as the target)")
+    g.add_argument("--draft-device", default=None, help="device for the draft (default: as the target)")
     g.add_argument("--no-draft", action="store_true",
                    help="do not load the draft model: plain decoding, or prompt lookup with --drafter ngram")
     g.add_argument("--drafter", choices=DRAFTER_CHOICES, default="auto",
@@ -66,7 +70,8 @@ def open_engine(args: argparse.Namespace):
 
     if args.k is not None and args.k < 0:
         raise ConfigError(f"-k must be >= 0, got {args.k}")
-    return load(args.bundle, backend=args.backend, use_draft=not args.no_draft, k=args.k, policy=args.policy,
+    return load(args.bundle, backend=args.backend, device=args.device, draft_backend=args.draft_backend,
+                draft_device=args.draft_device, use_draft=not args.no_draft, k=args.k, policy=args.policy,
                 drafter=args.drafter, threads=args.threads)
 
 

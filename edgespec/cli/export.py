@@ -25,6 +25,16 @@ def _layers(text: str) -> int | tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected a count or comma-separated layer indices, got '{text}'") from None
 
 
+def _formats(known: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        out = [f.strip() for f in text.split(",") if f.strip()]
+        bad = [f for f in out if f not in known]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"unknown format '{bad[0] if bad else text}' (available: {', '.join(known)})")
+        return out
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     from ..exporters.export import DRAFT_PRECISIONS, FORMATS, TARGET_PRECISIONS
 
@@ -33,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Hugging Face model folder or .gguf file (default: the embedded Gemma 3 270M)")
     p.add_argument("--draft", default="self",
                    help="'self' (a quantized copy of the target, default), 'none', or a model folder/.gguf")
-    p.add_argument("--format", dest="formats", action="append", choices=FORMATS, default=None,
-                   help="output format (repeatable; default: onnx)")
+    p.add_argument("--format", dest="formats", action="extend", type=_formats(FORMATS), default=None,
+                   metavar="|".join(FORMATS),
+                   help="output format(s): repeat the flag or separate with commas; one bundle may hold "
+                        "several (default: onnx)")
     p.add_argument("--target-precision", default="fp32", choices=TARGET_PRECISIONS)
     p.add_argument("--draft-precision", default="int8", choices=DRAFT_PRECISIONS)
     p.add_argument("--draft-vocab", type=_vocab, default="auto", metavar="K|auto|full",
@@ -63,7 +75,7 @@ def main(argv: list[str]) -> int:
         output=args.output or default_bundle_path(),
         target=args.target,
         draft=draft,
-        formats=tuple(args.formats or ("onnx",)),
+        formats=tuple(dict.fromkeys(args.formats or ("onnx",))),
         target_precision=args.target_precision,
         draft_precision=args.draft_precision,
         draft_vocab=args.draft_vocab,

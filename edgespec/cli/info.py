@@ -11,16 +11,28 @@ __all__ = ["main"]
 
 
 def _backends() -> list[str]:
-    from ..runtimes import BACKENDS
+    from ..runtimes import BACKENDS, backend_devices
 
     lines = []
     for name, info in BACKENDS.items():
-        pkg = info.module.rsplit(".", 1)[-1]
-        if importlib.util.find_spec(pkg) is None:
+        if importlib.util.find_spec(info.package) is None:
             lines.append(f"  {name:<12} not installed (pip install 'edgespec[{info.extra}]')")
-        else:
-            lines.append(f"  {name:<12} {metadata.version(pkg)}  devices: CPU  runs: {info.bundle_format}")
+            continue
+        try:
+            devices = ", ".join(backend_devices(name))
+        except Exception as e:  # a broken install should not hide the other backends
+            devices = f"unavailable ({str(e).splitlines()[0]})"
+        lines.append(f"  {name:<12} {_version(info.package)}  devices: {devices}  runs: {info.bundle_format}")
     return lines
+
+
+def _version(package: str) -> str:
+    for dist in (package, package.replace("_", "-")):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return "?"
 
 
 def _bundle(path: str) -> list[str]:

@@ -1,6 +1,7 @@
 """`edgespec export`: source model(s) → one bundle folder with a manifest."""
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,11 +19,30 @@ from .sources import Source, check_source, load_source
 from .spec import ModelSpec, spec_from_hf
 from .tokenizer_export import export_tokenizer
 
-__all__ = ["ExportConfig", "export_bundle", "auto_draft_vocab", "FORMATS", "TARGET_PRECISIONS", "DRAFT_PRECISIONS"]
+__all__ = ["ExportConfig", "ModelJob", "export_bundle", "auto_draft_vocab", "FORMATS", "FORMAT_WRITERS",
+           "TARGET_PRECISIONS", "DRAFT_PRECISIONS"]
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("onnx",)
+
+@dataclass(frozen=True)
+class ModelJob:
+    """One model (target or draft) to write in some format; what every format writer gets."""
+
+    role: str  # "target" or "draft": the artifact goes in bundle_dir / role
+    spec: ModelSpec
+    weights: dict  # name -> float32 numpy array, transformers' state-dict names
+    precision: str  # fp32 | fp16 | int8 | int4; each format maps it to its own quantizer
+    opts: GraphOptions  # layers kept, VocabTrim rows kept (vocab_keep), tied or untied head
+    source: Source
+    bundle_dir: Path  # the staging folder; artifacts are named relative to it
+
+
+# format -> "module:function(job, bar) -> Artifact", imported only when that format is asked for
+FORMAT_WRITERS: dict[str, str] = {
+    "onnx": "edgespec.exporters.export:write_onnx",
+}
+FORMATS = tuple(FORMAT_WRITERS)
 TARGET_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 DRAFT_PRECISIONS = ("fp32", "int8", "int4")
 
@@ -44,6 +64,8 @@ class ExportConfig:
     force: bool = False
 
     def __post_init__(self) -> None:
+        if not self.formats:
+            raise ConfigError("--format needs at least one format")
         bad = [f for f in self.formats if f not in FORMATS]
         if bad:
             raise ConfigError(f"format '{bad[0]}' is not supported yet (available: {', '.join(FORMATS)})")
@@ -84,25 +106,34 @@ def _weights(source: Source) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy() for k, v in source.model.state_dict().items()}
 
 
-def _write_model(spec: ModelSpec, weights, precision: str, path: Path, bar, opts: GraphOptions) -> Artifact:
-    """Build, optionally quantize, and save one decoder; return its manifest entry."""
-    opts = replace(opts, weight_dtype="fp16" if precision == "fp16" else "fp32")
-    model = build_decoder(spec, weights, opts)
+def write_onnx(job: ModelJob, bar) -> Artifact:
+    """Build, optionally quantize, and save one decoder graph; return its manifest entry."""
+    path = job.bundle_dir / job.role / "model.onnx"
+    opts = replace(job.opts, weight_dtype="fp16" if job.precision == "fp16" else "fp32")
+    model = build_decoder(job.spec, job.weights, opts)
     quant = None
-    if precision in SCHEMES:
-        bar.set_postfix_str(f"quantizing {path.parent.name} to {precision}")
-        model = quantize_model(model, SCHEMES[precision])
-        quant = SCHEMES[precision].describe()
-    bar.set_postfix_str(f"writing {path.parent.name}")
+    if job.precision in SCHEMES:
+        bar.set_postfix_str(f"quantizing {job.role} to {job.precision}")
+        model = quantize_model(model, SCHEMES[job.precision])
+        quant = SCHEMES[job.precision].describe()
+    bar.set_postfix_str(f"writing {job.role}")
     _save(model, path)
-    return Artifact(file=str(path.relative_to(path.parent.parent)), precision=precision, quantization=quant)
+    return Artifact(file=str(path.relative_to(job.bundle_dir)), precision=job.precision, quantization=quant)
 
 
-def _entry(spec: ModelSpec, artifact: Artifact, source: Source, shape: DraftShape | None = None,
+def _write_formats(formats: tuple[str, ...], job: ModelJob, bar) -> dict[str, Artifact]:
+    out = {}
+    for fmt in formats:
+        module, fn = FORMAT_WRITERS[fmt].split(":")
+        out[fmt] = getattr(importlib.import_module(module), fn)(job, bar)
+    return out
+
+
+def _entry(spec: ModelSpec, artifacts: dict[str, Artifact], source: Source, shape: DraftShape | None = None,
            id_map: str | None = None) -> ModelEntry:
     layers = shape.layers if shape and shape.layers is not None else None
     vocab = len(shape.vocab_keep) if shape and shape.vocab_keep is not None else spec.vocab_size
-    return ModelEntry(formats={"onnx": artifact}, n_layers=len(layers) if layers else spec.n_layers,
+    return ModelEntry(formats=artifacts, n_layers=len(layers) if layers else spec.n_layers,
                       n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, vocab_size=vocab,
                       source=source.describe(), layers=list(layers) if layers else None, id_map=id_map,
                       vocab_info=shape.vocab_info if shape else None)
@@ -131,13 +162,13 @@ def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: Model
                         calibration=cfg.calibration)
     # an untied head lets the quantizer shrink the LM head too, the draft's costliest matmul
     opts = GraphOptions(layers=shape.layers, vocab_keep=shape.vocab_keep, tie_head=False)
-    art = _write_model(spec, weights, cfg.draft_precision, tmp / "draft" / "model.onnx", bar, opts)
+    arts = _write_formats(cfg.formats, ModelJob("draft", spec, weights, cfg.draft_precision, opts, source, tmp), bar)
     id_map = None
     if shape.vocab_keep is not None:
         id_map = "draft/id_map.npy"
         np.save(tmp / id_map, shape.vocab_keep)
     bar.update()
-    return _entry(spec, art, source, shape, id_map)
+    return _entry(spec, arts, source, shape, id_map)
 
 
 def export_bundle(cfg: ExportConfig) -> Path:
@@ -158,8 +189,8 @@ def export_bundle(cfg: ExportConfig) -> Path:
         weights = _weights(source)
         bar.update()
         # the target keeps a tied embedding as one tensor (Gather and Gemm share it)
-        target_art = _write_model(spec, weights, cfg.target_precision, tmp / "target" / "model.onnx", bar,
-                                  GraphOptions(tie_head=True))
+        target_arts = _write_formats(cfg.formats, ModelJob("target", spec, weights, cfg.target_precision,
+                                                           GraphOptions(tie_head=True), source, tmp), bar)
         bar.update()
         bar.set_postfix_str("tokenizer")
         tok_info = export_tokenizer(source, spec.family, tmp)
@@ -173,7 +204,7 @@ def export_bundle(cfg: ExportConfig) -> Path:
             family=spec.family.name,
             base_model=tok_info.chat_template_source != "model",
             tokenizer=tok_info,
-            target=_entry(spec, target_art, source),
+            target=_entry(spec, target_arts, source),
             draft=draft_entry,
         )
         (tmp / MANIFEST).write_text(manifest.to_json())

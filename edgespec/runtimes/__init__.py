@@ -1,14 +1,19 @@
-"""Backends behind one interface; looked up by name and imported only when used."""
+"""Backends behind one interface; looked up by name and imported only when used.
+
+Each backend module defines its Runtime class and `available_devices() -> list[str]`.
+"""
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
 from .base import Capabilities, Runtime
 
-__all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "open_runtime"]
+__all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "open_runtime", "installed_backends",
+           "backend_devices", "pick_backend"]
 
 
 @dataclass(frozen=True)
@@ -18,17 +23,50 @@ class BackendInfo:
     module: str
     cls: str
     extra: str  # pip extra that installs it
+    package: str  # the import name of the library it wraps (checked without importing it)
 
 
+# order = preference when a bundle holds several formats and no backend is named
 BACKENDS: dict[str, BackendInfo] = {
-    "onnxruntime": BackendInfo("onnxruntime", "onnx", "edgespec.runtimes.onnxruntime", "OnnxRuntime", "onnx"),
+    "onnxruntime": BackendInfo("onnxruntime", "onnx", "edgespec.runtimes.onnxruntime", "OnnxRuntime", "onnx",
+                               "onnxruntime"),
 }
 
 
-def open_runtime(backend: str, model_path: Path, **kwargs) -> Runtime:
-    """Instantiate `backend` on one model file."""
+def installed_backends() -> list[str]:
+    """Backends whose library is importable here, in preference order."""
+    return [n for n, b in BACKENDS.items() if importlib.util.find_spec(b.package) is not None]
+
+
+def backend_devices(backend: str) -> list[str]:
+    """Devices `backend` sees on this machine (imports the backend)."""
+    return list(importlib.import_module(_info(backend).module).available_devices())
+
+
+def pick_backend(formats, backend: str | None = None) -> str:
+    """`backend` if given (checked), else the first installed backend that runs one of `formats`."""
+    if backend is not None:
+        _info(backend)
+        return backend
+    installed = installed_backends()
+    for name in installed:
+        if BACKENDS[name].bundle_format in formats:
+            return name
+    need = ", ".join(f"{n} (pip install 'edgespec[{b.extra}]')" for n, b in BACKENDS.items()
+                     if b.bundle_format in formats)
+    raise ConfigError(f"no installed backend runs this bundle's formats ({', '.join(formats)}); install one of: "
+                      f"{need or 'none known'}")
+
+
+def _info(backend: str) -> BackendInfo:
     info = BACKENDS.get(backend)
     if info is None:
         raise ConfigError(f"unknown backend '{backend}' (available: {', '.join(BACKENDS)})")
+    return info
+
+
+def open_runtime(backend: str, model_path: Path, **kwargs) -> Runtime:
+    """Instantiate `backend` on one model file; kwargs: threads, device, and backend options."""
+    info = _info(backend)
     cls = getattr(importlib.import_module(info.module), info.cls)
     return cls(model_path, **kwargs)

@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import BackendError
 from .base import Capabilities, Runtime
 
-__all__ = ["OnnxRuntime"]
+__all__ = ["OnnxRuntime", "available_devices"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,19 @@ def _import_ort():
     return ort
 
 
+def available_devices() -> list[str]:
+    """edgespec runs onnxruntime on the CPU execution provider only."""
+    return ["CPU"]
+
+
 class OnnxRuntime(Runtime):
     """One edgespec decoder graph in an onnxruntime InferenceSession."""
 
-    def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None) -> None:
+    def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None) -> None:
         ort = _import_ort()
+        if device not in (None, "CPU", "cpu"):
+            raise BackendError(f"onnxruntime: device '{device}' is not available (available: "
+                               f"{', '.join(available_devices())})")
         path = Path(model_path)
         if not path.is_file():
             raise BackendError(f"ONNX model not found: {path}")
