@@ -96,8 +96,11 @@ class ChatWindow(QMainWindow):
                     self.signals.delta.emit(r.text)
                 self.signals.status.emit(f"{r.tokens_per_s:.1f} tok/s, {r.memory_bytes / 2**20:.0f} MiB")
                 reason = r.finish_reason
-        except edgespec.EdgespecError as e:
+        except edgespec.EdgespecError as e:  # e.g. BusyError when another window holds the engine
             self.signals.failed.emit(str(e))
+            return
+        except Exception as e:  # keep the window usable whatever happened
+            self.signals.failed.emit(f"{type(e).__name__}: {e}")
             return
         self.signals.finished.emit(reason or "stop")
 

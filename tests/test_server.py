@@ -183,8 +183,9 @@ def test_stop_strings_and_default_length(server, engine):
     body = {"prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "stop": stop}
     out = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
     assert out["choices"][0] == {"index": 0, "text": full[: full.find(stop)], "logprobs": None, "finish_reason": "stop"}
-    # OpenAI's default for /v1/completions is 16 tokens
-    out = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[1], "temperature": 0}, timeout=60).json()
+    # OpenAI's default for /v1/completions is 16 tokens; null means "not set"
+    out = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[1], "temperature": 0, "max_tokens": None,
+                                                    "stop": None, "seed": None}, timeout=60).json()
     assert out["usage"]["completion_tokens"] == 16 and out["choices"][0]["text"] == full
 
 
@@ -355,6 +356,28 @@ def test_a_client_that_times_out_on_a_plain_request_frees_the_engine(server, slo
                    timeout=1.0)
     wait_idle(app, engine)
     assert app.state.worker.cancelled == cancelled + 1 and engine.last_stats.new_tokens < 400
+
+
+def test_a_client_that_leaves_while_queued_is_skipped(server, slow_engine, monkeypatch):
+    url, app = server
+    engine = slow_engine
+    started: list[int] = []
+    stream_ids = engine.stream_ids
+    monkeypatch.setattr(engine, "stream_ids", lambda tokens, *a, **kw: started.append(len(tokens)) or
+                        stream_ids(tokens, *a, **kw))
+    cancelled = app.state.worker.cancelled
+    first = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                             kwargs=dict(json={"prompt": LONG_PROMPT, "max_tokens": 120, "temperature": 0}, timeout=60))
+    first.start()
+    while not started:
+        time.sleep(0.005)
+    body = {"messages": MESSAGES, "max_tokens": 40, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert json.loads(next(r.iter_lines())[6:])["choices"][0]["delta"]["role"] == "assistant"  # sent at once
+        assert app.state.worker.queued == 1
+    first.join(60)
+    wait_idle(app, engine)
+    assert len(started) == 1 and app.state.worker.cancelled == cancelled + 1  # the chat never ran
 
 
 def test_requests_are_served_in_arrival_order(server, slow_engine, monkeypatch):

@@ -113,7 +113,7 @@ def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
             raise APIError(503, f"The server is busy: {e}", type="server_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
 
-    async def finish(request: Request, job: Job, body) -> JSONResponse:
+    async def finish(request: Request, job: Job, body, prefix: str) -> JSONResponse:
         watcher = asyncio.create_task(_watch_client(request, job, cfg.disconnect_poll_s))
         try:
             text, reason, st = await out.collect(job.responses())
@@ -121,8 +121,7 @@ def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
             watcher.cancel()
             with suppress(asyncio.CancelledError):
                 await watcher
-        return JSONResponse(body(new_id("chatcmpl" if body is out.chat_completion else "cmpl"), cfg.model_id,
-                                 now(), text, reason, st))
+        return JSONResponse(body(new_id(prefix), cfg.model_id, now(), text, reason, st))
 
 
     @v1.get("/models")
@@ -144,7 +143,7 @@ def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
         tokens = engine.tokenizer.encode_chat(req.conversation())
         job = submit(tokens, req, req.token_limit() or cfg.max_tokens)
         if not req.stream:
-            return await finish(request, job, out.chat_completion)
+            return await finish(request, job, out.chat_completion, "chatcmpl")
         return _JobStream(job, _chat_events(job, new_id("chatcmpl"), cfg.model_id, now(), req.include_usage()))
 
     @v1.post("/completions")
@@ -153,7 +152,7 @@ def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
         tokens = _prompt_tokens(engine, req.prompt)
         job = submit(tokens, req, req.token_limit())
         if not req.stream:
-            return await finish(request, job, out.completion)
+            return await finish(request, job, out.completion, "cmpl")
         return _JobStream(job, _completion_events(job, new_id("cmpl"), cfg.model_id, now(), req.include_usage()))
 
     @app.get("/health")

@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from ..api import GenerationStats, Response
 
 __all__ = ["usage", "finish_reason", "chat_completion", "chat_chunk", "completion", "completion_chunk",
-           "sse", "sse_done", "collect"]
+           "sse", "sse_done", "sse_error", "collect"]
 
 DONE = b"data: [DONE]\n\n"
 

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "Usage",
@@ -29,6 +29,12 @@ def now() -> int:
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # clients send "temperature": null for "not set", as OpenAI accepts
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class TextPart(_Request):
