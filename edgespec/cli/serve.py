@@ -90,6 +90,10 @@ def main(argv: list[str]) -> int:
         with open_engine(args) as engine:
             cfg = dataclasses.replace(cfg, model_id=args.model_name or engine.bundle.path.name)
             app = create_app(engine, cfg)
+            m = engine.bundle.manifest
+            if m.base_model and m.tokenizer.chat_template_source == "family":
+                print(f"note: a base model without a chat template; /v1/chat/completions uses the {m.family} "
+                      "family's chat format, and replies follow the text, not instructions", file=sys.stderr)
             if not _is_loopback(args.host) and api_key is None:
                 print(f"warning: listening on {args.host} without --api-key: anyone on the network can use it",
                       file=sys.stderr)
