@@ -7,12 +7,15 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "load", "Engine", "Response", "GenerationStats", "ChatSession", "SamplingParams",
-           "EdgespecError"]
+__all__ = ["__version__", "load", "default_bundle", "Engine", "Response", "GenerationStats", "ChatSession",
+           "SamplingParams", "EdgespecError", "ConfigError", "BundleError", "BackendError", "BusyError",
+           "EngineClosedError"]
 
 _LAZY = {
-    "load": "edgespec.api", "Engine": "edgespec.api", "Response": "edgespec.api", "GenerationStats": "edgespec.api",
-    "ChatSession": "edgespec.session", "SamplingParams": "edgespec.decoding", "EdgespecError": "edgespec.errors",
+    "load": "edgespec.api", "default_bundle": "edgespec.api", "Engine": "edgespec.api", "Response": "edgespec.api",
+    "GenerationStats": "edgespec.api", "ChatSession": "edgespec.session", "SamplingParams": "edgespec.decoding",
+    **{name: "edgespec.errors" for name in ("EdgespecError", "ConfigError", "BundleError", "BackendError",
+                                             "BusyError", "EngineClosedError")},
 }
 
 

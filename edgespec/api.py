@@ -4,12 +4,18 @@
     print(engine.generate("The capital of France is", max_tokens=16))
     for r in engine.stream("Once upon a time"):  # Response objects with metrics
         print(r.text, end="")
+
+Threads: one generation runs per engine at a time. Another caller is refused with BusyError
+(wait=False, the default), waits for its turn (wait=True) or waits at most `wait` seconds.
+A generation stops early when its `stop_event` (a threading.Event) is set, when the consumer
+leaves the iterator, or when the engine is closed; the caches are rewound in every case.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +23,7 @@ from typing import Iterator, Sequence
 
 from .bundle import Bundle, load_bundle
 from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
-from .errors import BusyError, ConfigError
+from .errors import BusyError, ConfigError, EngineClosedError
 from .runtimes import BACKENDS, open_runtime, pick_backend
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -34,8 +40,14 @@ class Response:
     token_ids: list[int]
     from_draft: int  # how many of token_ids were accepted drafts
     tokens_per_s: float  # running decode speed of this generation
-    finish_reason: str | None = None  # "stop", "length" or None while running
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or None while running
     stats: "GenerationStats | None" = None
+    memory: dict[str, dict[str, int]] = field(default_factory=dict)  # bytes per model: weights, kv
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by the models (weights and KV caches) after this step."""
+        return sum(sum(parts.values()) for parts in self.memory.values())
 
 
 @dataclass
@@ -127,6 +139,17 @@ def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
     return max(len(text) - hold, 0), False
 
 
+def _wait_timeout(wait: bool | float) -> float | None:
+    """Lock timeout for `wait`: 0 = refuse at once, None = wait as long as it takes."""
+    if wait is True:
+        return None
+    if wait is False:
+        return 0.0
+    if isinstance(wait, (int, float)) and wait >= 0:
+        return float(wait)
+    raise ConfigError(f"wait must be True, False or a number of seconds >= 0, got {wait!r}")
+
+
 class Engine:
     """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder."""
 
@@ -163,23 +186,61 @@ class Engine:
         self.decoder = SpeculativeDecoder(
             self.target, self.draft, id_map=bundle.id_map() if self.draft else None, drafter=self.drafter_name,
             policy=make_policy(self.policy_name, self.k) if self.drafter_name is not None else None)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one generation at a time
+        self._owner: int | None = None  # thread id of the running generation's consumer
+        self._active: "weakref.ref | None" = None  # the running generation, for close()
+        self._closing = threading.Event()  # tells a running generation to stop
+        self._closed = False
         self.last_stats = GenerationStats()
 
     # -- layered API: step (ids) → stream (Response) → generate (text) -----------------
     def stream_ids(self, tokens: list[int], params: SamplingParams, max_tokens: int,
-                   stop: Sequence[str] = (), stats: GenerationStats | None = None) -> Iterator[Response]:
+                   stop: Sequence[str] = (), stats: GenerationStats | None = None, *,
+                   stop_event: threading.Event | None = None, wait: bool | float = False) -> Iterator[Response]:
         """Extend `tokens` in place, yielding Responses; the caches stay a prefix of `tokens`.
 
-        One generation per engine at a time: a second concurrent call raises BusyError."""
-        if not self._lock.acquire(blocking=False):
-            raise BusyError("the engine is already generating; wait for it or stop it first")
+        One generation per engine at a time, taken when iteration starts: if another runs,
+        wait=False raises BusyError, wait=True waits for it, a number waits that many seconds at
+        most. Setting `stop_event` ends the stream after the current step with a last Response
+        whose finish_reason is "cancelled"."""
+        timeout = _wait_timeout(wait)
+        if self._closed:
+            raise EngineClosedError("the engine is closed; load the bundle again")
+        holder: list[weakref.ref] = []
+        gen = self._generation(tokens, params, max_tokens, list(stop), stats or GenerationStats(),
+                               stop_event, timeout, holder)
+        holder.append(weakref.ref(gen))
+        return gen
+
+    def _acquire(self, timeout: float | None) -> None:
+        if self._owner == threading.get_ident():
+            # waiting here would wait for ourselves
+            raise BusyError("this thread is still iterating another generation of this engine; "
+                            "finish or close it first")
+        got = self._lock.acquire(blocking=False) if timeout == 0 else \
+            self._lock.acquire(timeout=-1 if timeout is None else timeout)
+        if not got:
+            waited = f" after waiting {timeout:g} s" if timeout else ""
+            raise BusyError(f"the engine is already generating{waited}; wait for it (wait=True) or stop it first")
+        if self._closed:
+            self._lock.release()
+            raise EngineClosedError("the engine is closed; load the bundle again")
+        self._owner = threading.get_ident()
+
+    def _generation(self, tokens, params, max_tokens, stop, st, stop_event, timeout, holder) -> Iterator[Response]:
+        self._acquire(timeout)
+        self._active = holder[0]
         try:
-            yield from self._stream(tokens, params, max_tokens, list(stop), stats or GenerationStats())
+            yield from self._stream(tokens, params, max_tokens, stop, st, stop_event)
         finally:
+            self._owner = self._active = None
             self._lock.release()
 
-    def _stream(self, tokens, params, max_tokens, stop, st: GenerationStats) -> Iterator[Response]:
+    def _stream(self, tokens, params, max_tokens, stop, st: GenerationStats,
+                stop_event: threading.Event | None) -> Iterator[Response]:
+        def cancelled() -> bool:
+            return self._closing.is_set() or (stop_event is not None and stop_event.is_set())
+
         self.last_stats = st
         st.prompt_tokens = len(tokens)
         dec = IncrementalDecoder(self.tokenizer)
@@ -187,7 +248,10 @@ class Engine:
         t0 = time.perf_counter()
         steps = self.decoder.stream(tokens, params, max_tokens, self.tokenizer.stop_ids)
         try:
-            for step in steps:
+            while not cancelled():
+                step = next(steps, None)
+                if step is None:  # the decoder ended on its own (it always gives a reason first)
+                    return
                 st.add(step, time.perf_counter() - t0)
                 ended = step.tokens[-1] in self.tokenizer.stop_ids
                 text += dec.push([t for t in step.tokens if t not in self.tokenizer.stop_ids])
@@ -199,25 +263,29 @@ class Engine:
                     cut = len(text)
                 reason = "stop" if (ended or hit) else ("length" if done else None)
                 yield Response(text[sent:cut], step.tokens, min(step.accepted, len(step.tokens) - 1),
-                               st.tokens_per_s, reason, st)
+                               st.tokens_per_s, reason, st, self.memory())
                 sent = cut
                 if reason:
                     return
+            # stopped from outside: hand over the text held back for stop strings, then end
+            yield Response(text[sent:] + dec.flush(), [], 0, st.tokens_per_s, "cancelled", st, self.memory())
         finally:
             steps.close()  # rewinds caches if we stopped early
             st.elapsed_s = time.perf_counter() - t0
 
     def stream(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-               stop: Sequence[str] = ()) -> Iterator[Response]:
-        """Plain completion of `prompt` (text, or token ids), streamed."""
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+               stop_event: threading.Event | None = None, wait: bool | float = False) -> Iterator[Response]:
+        """Plain completion of `prompt` (text, or token ids), streamed.
+
+        stop: strings that end the text (not included); stop_event / wait: see stream_ids."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if max_tokens < 1:
             raise ConfigError(f"max-tokens must be >= 1, got {max_tokens}")
         tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise ConfigError("the prompt is empty")
-        return self.stream_ids(tokens, params, max_tokens, stop)
+        return self.stream_ids(tokens, params, max_tokens, stop, stop_event=stop_event, wait=wait)
 
     def generate(self, prompt: str | list[int], **kwargs) -> str:
         """Plain completion of `prompt`, returned as text."""
@@ -235,8 +303,37 @@ class Engine:
             out["draft"] = self.draft.memory_bytes()
         return out
 
-    def close(self) -> None:
-        self._stack.close()
+    @property
+    def busy(self) -> bool:
+        """Whether a generation is running (a hint: it may end or start any moment)."""
+        return self._lock.locked()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, timeout: float | None = None) -> None:
+        """Free the runtimes; idempotent.
+
+        A running generation is cancelled at its next step (its consumer gets a last Response
+        with finish_reason "cancelled") and awaited, at most `timeout` seconds (BusyError then).
+        """
+        if self._closed:
+            return
+        self._closing.set()
+        if self._owner == threading.get_ident():  # our own suspended stream: end it here
+            gen = self._active() if self._active is not None else None
+            if gen is not None:
+                gen.close()
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            self._closing.clear()
+            raise BusyError(f"a generation did not stop within {timeout:g} s; the engine stays open")
+        try:
+            if not self._closed:
+                self._closed = True
+                self._stack.close()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> "Engine":
         return self

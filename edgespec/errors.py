@@ -1,7 +1,7 @@
 """Typed, user-facing errors: the CLI prints their message on one line and exits non-zero."""
 from __future__ import annotations
 
-__all__ = ["EdgespecError", "ConfigError", "BundleError", "ExportError", "BackendError", "BusyError"]
+__all__ = ["EdgespecError", "ConfigError", "BundleError", "ExportError", "BackendError", "BusyError", "EngineClosedError"]
 
 
 class EdgespecError(Exception):
@@ -26,3 +26,7 @@ class BackendError(EdgespecError):
 
 class BusyError(EdgespecError):
     """The engine is already generating; one generation per engine at a time."""
+
+
+class EngineClosedError(EdgespecError):
+    """The engine was closed; load the bundle again to generate."""

@@ -3,12 +3,14 @@ prefills what is new (the decoder reuses the cached common prefix)."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .decoding import SamplingParams
 from .errors import ConfigError
 
 if TYPE_CHECKING:
+    import threading
+
     from .api import Engine, GenerationStats, Response
 
 __all__ = ["ChatSession"]
@@ -36,28 +38,37 @@ class ChatSession:
         self.turn_stats = []
 
     def send(self, message: str, *, max_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int | None = None) -> Iterator["Response"]:
+             top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+             stop_event: "threading.Event | None" = None, wait: bool | float = False) -> Iterator["Response"]:
         """Add a user message and stream the reply. The reply is recorded in the history
-        even when the stream is stopped early (a Stop button, Ctrl-C)."""
+        even when the stream is stopped early (a Stop button setting `stop_event`, leaving the
+        loop, Ctrl-C); a turn refused before its first token (BusyError) leaves no trace.
+        stop, stop_event, wait: as in Engine.stream."""
         if not message.strip():
             raise ConfigError("empty message")
+        if max_tokens < 1:
+            raise ConfigError(f"max-tokens must be >= 1, got {max_tokens}")
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        return self._turn(message, params, max_tokens)
+        return self._turn(message, params, max_tokens, tuple(stop), stop_event, wait)
 
-    def _turn(self, message: str, params: SamplingParams, max_tokens: int) -> Iterator["Response"]:
+    def _turn(self, message: str, params: SamplingParams, max_tokens: int, stop: tuple[str, ...],
+              stop_event, wait) -> Iterator["Response"]:
         from .api import GenerationStats
 
         self.messages.append({"role": "user", "content": message})
-        tokens = self.engine.tokenizer.encode_chat(self.messages)
         reply, stats = [], GenerationStats()
+        tokens = None
         try:
-            for r in self.engine.stream_ids(tokens, params, max_tokens, stats=stats):
+            tokens = self.engine.tokenizer.encode_chat(self.messages)
+            for r in self.engine.stream_ids(tokens, params, max_tokens, stop, stats=stats,
+                                            stop_event=stop_event, wait=wait):
                 reply.append(r.text)
                 yield r
         finally:
             if stats.steps:  # answered, fully or in part: keep what was said
                 self.messages.append({"role": "assistant", "content": "".join(reply)})
-            else:  # stopped before the first token: the turn did not happen
+                self.turn_stats.append(stats)
+            else:  # refused, failed or stopped before the first token: the turn did not happen
                 self.messages.pop()
-            self.tokens = tokens
-            self.turn_stats.append(stats)
+            if tokens is not None and stats.steps:
+                self.tokens = tokens

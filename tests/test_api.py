@@ -9,7 +9,7 @@ import pytest
 from edgespec.api import Engine, GenerationStats, Response, load
 from edgespec.bundle import load_bundle
 from edgespec.decoding import SamplingParams
-from edgespec.errors import BusyError, ConfigError
+from edgespec.errors import BusyError, ConfigError, EngineClosedError
 from tests.zoo import DISAGREEING
 from tests.tiny import LONG_PROMPT, PROMPTS
 
@@ -248,3 +248,119 @@ def test_unknown_device_names_the_available_ones(zoo):
 
     with pytest.raises(BackendError, match="device 'NPU' is not available.*CPU"):
         load(zoo.bundle("llama"), device="NPU")
+
+
+# -- threads, cancellation and closing -------------------------------------------------------
+
+def test_responses_carry_memory_and_speed(engine):
+    rs = list(engine.stream(PROMPT, max_tokens=12))
+    for r in rs:
+        assert set(r.memory) == {"target", "draft"} and r.memory["target"]["weights"] > 0
+        assert r.memory_bytes == sum(sum(m.values()) for m in r.memory.values())
+    assert rs[-1].memory["target"]["kv"] > rs[0].memory["target"]["kv"] > 0  # the cache grew
+    assert rs[-1].tokens_per_s > 0
+
+
+def test_a_stop_event_cancels_and_rewinds(engine, fresh):
+    import threading
+
+    stop = threading.Event()
+    rs = []
+    for r in engine.stream(PROMPT, max_tokens=24, stop_event=stop):
+        rs.append(r)
+        if len(rs) == 2:
+            stop.set()  # a Stop button; the stream ends after this step
+    assert [r.finish_reason for r in rs] == [None, None, "cancelled"]
+    assert rs[-1].token_ids == [] and rs[-1].stats.new_tokens < 24
+    text = "".join(r.text for r in rs)
+    assert fresh().startswith(text) and text  # what was said so far, held-back text included
+    assert not engine.busy
+    assert engine.generate(PROMPT, max_tokens=24) == fresh()  # caches rewound
+    # an event already set: nothing is generated
+    assert [r.finish_reason for r in engine.stream(PROMPT, stop_event=stop)] == ["cancelled"]
+
+
+def test_other_threads_wait_or_are_refused(engine, fresh):
+    import threading
+
+    first = engine.stream(PROMPT, max_tokens=24)
+    head = next(first)
+    assert engine.busy
+    errors: list = []
+
+    def try_(wait):
+        try:
+            engine.generate(PROMPT, max_tokens=4, wait=wait)
+        except BusyError as e:
+            errors.append(str(e))
+
+    for wait in (False, 0.05):
+        t = threading.Thread(target=try_, args=(wait,))
+        t.start()
+        t.join(10)
+    assert len(errors) == 2 and "already generating" in errors[0] and "after waiting 0.05 s" in errors[1]
+    with pytest.raises(BusyError, match="this thread"):  # waiting on ourselves would never end
+        engine.generate(PROMPT, max_tokens=4, wait=True)
+    with pytest.raises(ConfigError, match="wait"):
+        engine.generate(PROMPT, wait=-1)
+    out: dict = {}
+    waiter = threading.Thread(target=lambda: out.setdefault("text", engine.generate(LONG_PROMPT, max_tokens=8, wait=True)))
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and "text" not in out  # it waits for its turn
+    rest = "".join(r.text for r in first)
+    waiter.join(30)
+    assert out["text"] == fresh(LONG_PROMPT, max_tokens=8)
+    assert head.text + rest == fresh()
+
+
+def test_close_cancels_a_generation_in_another_thread(zoo):
+    import threading
+    import time
+
+    e = load(zoo.bundle("llama", DISAGREEING), k=3, drafter="model")
+    started, reasons = threading.Event(), []
+
+    def consume():
+        for r in e.stream(PROMPT, max_tokens=400):
+            started.set()
+            reasons.append(r.finish_reason)
+            time.sleep(0.01)  # a slow consumer, e.g. a GUI
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    assert started.wait(30)
+    e.close()
+    worker.join(30)
+    assert reasons[-1] == "cancelled" and len(reasons) < 400 and e.closed
+    with pytest.raises(EngineClosedError):
+        e.generate(PROMPT)
+    e.close()  # idempotent
+
+
+def test_close_ends_a_suspended_stream_of_the_same_thread(zoo):
+    with load(zoo.bundle("llama", DISAGREEING), k=3, drafter="model") as e:
+        stream = e.stream(PROMPT, max_tokens=24)
+        next(stream)
+    assert e.closed and not e.busy  # __exit__ did not wait for ourselves
+    assert list(stream) == []
+
+
+def test_chat_stop_event_keeps_the_conversation_and_a_refused_turn_leaves_no_trace(chat_engine):
+    import threading
+
+    session = chat_engine.chat()
+    stop = threading.Event()
+    for i, r in enumerate(session.send("hello world", max_tokens=30, stop_event=stop)):
+        if i == 1:
+            stop.set()
+    assert r.finish_reason == "cancelled"
+    assert [m["role"] for m in session.messages] == ["user", "assistant"] and session.messages[1]["content"]
+    busy = chat_engine.stream(PROMPT, max_tokens=8)
+    next(busy)
+    with pytest.raises(BusyError):
+        list(session.send("one two three"))
+    busy.close()
+    assert [m["role"] for m in session.messages] == ["user", "assistant"] and len(session.turn_stats) == 1
+    reply = "".join(r.text for r in session.send("one two three", max_tokens=6))
+    assert session.messages[-1] == {"role": "assistant", "content": reply}

@@ -1,0 +1,168 @@
+"""OpenAI request and response bodies (the subset edgespec serves), as pydantic models.
+
+Requests are validated when parsed: a bad field becomes a 400 in OpenAI's error shape
+(errors.py). Unknown fields are ignored, as OpenAI-compatible servers do, but known features
+edgespec does not implement (n > 1, tools, logprobs, penalties...) are refused by name
+rather than dropped silently.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "Usage",
+    "ModelCard", "ModelList", "unsupported_features", "new_id", "now",
+]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # clients send "temperature": null for "not set", as OpenAI accepts
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class _Sampling(_Request):
+    """Fields shared by both endpoints; defaults are OpenAI's."""
+
+    model: str | None = None  # any name is accepted: the server runs one model
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)  # an extension, as in llama.cpp's and vLLM's servers
+    stop: Stop = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    n: int = Field(default=1, ge=1)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: Stop) -> Stop:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        """Messages for the chat template ("developer" is OpenAI's newer name for "system")."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] = Field(min_length=1)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
+
+
+def unsupported_features(req: _Sampling) -> list[tuple[str, str]]:
+    """(param, message) for every feature asked for that edgespec does not implement."""
+    out = []
+    if req.n != 1:
+        out.append(("n", "only n=1 is supported"))
+    if req.presence_penalty or req.frequency_penalty:
+        out.append(("presence_penalty" if req.presence_penalty else "frequency_penalty",
+                    "presence and frequency penalties are not supported (they would change the target's "
+                    "distribution that speculative decoding keeps exactly)"))
+    if req.logit_bias:
+        out.append(("logit_bias", "logit_bias is not supported"))
+    if req.logprobs not in (None, False, 0):
+        out.append(("logprobs", "logprobs are not supported"))
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools or req.tool_choice not in (None, "none"):
+            out.append(("tools", "tools and function calling are not supported"))
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            out.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
+    if isinstance(req, CompletionRequest):
+        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) > 1:
+            out.append(("prompt", "one prompt per request is supported"))
+        if req.echo:
+            out.append(("echo", "echo is not supported"))
+        if req.suffix:
+            out.append(("suffix", "suffix (insertion) is not supported"))
+        if req.best_of not in (None, 1):
+            out.append(("best_of", "only best_of=1 is supported"))
+    return out
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "edgespec"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
