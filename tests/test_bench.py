@@ -258,20 +258,31 @@ def test_cli_bench_on_a_tiny_bundle_without_torch(zoo, tmp_path):
     assert png_ok(tmp_path / "rep" / "speed.png")
 
 
-def test_cli_errors_are_one_line(zoo, tmp_path):
+def test_cli_errors_are_one_line(zoo, tmp_path, capsys):
+    from edgespec.cli import main
+
+    def check(args, *needles):
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse
+            code = e.code
+        err = capsys.readouterr().err
+        assert_one_line_error(subprocess.CompletedProcess(args, code, "", err), *needles)
+
     bundle = str(zoo.bundle("llama"))
-    assert_one_line_error(run_cli("bench", bundle, "--prompts", "poems"), "unknown prompt suite poems")
-    assert_one_line_error(run_cli("bench", bundle, "--repeat", "0"), "--repeat must be an integer >= 1")
-    assert_one_line_error(run_cli("bench", bundle, "--bogus"), "unrecognized arguments: --bogus")
-    assert_one_line_error(run_cli("bench", bundle, "--k-sweep", "1,x"), "--k-sweep")
-    assert_one_line_error(run_cli("bench", bundle, "--drafter", "none"), "nothing to compare")
-    assert_one_line_error(run_cli("bench", str(tmp_path / "nope")), "bundle not found")
-    assert_one_line_error(run_cli("bench", "compare", str(tmp_path / "x.json"), "--report", str(tmp_path)),
-                          "bench result not found")
+    check(["bench", bundle, "--prompts", "poems"], "unknown prompt suite poems")
+    check(["bench", bundle, "--repeat", "0"], "--repeat must be an integer >= 1")
+    check(["bench", bundle, "--bogus"], "unrecognized arguments: --bogus")
+    check(["bench", bundle, "--k-sweep", "1,x"], "--k-sweep")
+    check(["bench", bundle, "--drafter", "none"], "nothing to compare")
+    check(["bench", str(tmp_path / "nope")], "bundle not found")
+    check(["bench", "compare", str(tmp_path / "x.json"), "--report", str(tmp_path)], "bench result not found")
     (tmp_path / "other.json").write_text('{"hello": 1}')
-    assert_one_line_error(run_cli("bench", "compare", str(tmp_path / "other.json"), "--report", str(tmp_path)),
-                          "not an edgespec bench result")
-    assert_one_line_error(run_cli("bench", "compare", "--report", str(tmp_path)), "required")
+    check(["bench", "compare", str(tmp_path / "other.json"), "--report", str(tmp_path)], "not an edgespec bench result")
+    check(["bench", "compare", "--report", str(tmp_path)], "required")
+    # and as a user runs it
+    assert_one_line_error(run_cli("bench", bundle, "--prompts", "poems"), "unknown prompt suite poems")
 
 
 def test_memory_budget_flag(zoo, tmp_path):

@@ -58,6 +58,23 @@ def _running(runs: list[RunRecord], configs: list[str]) -> dict:
     return out
 
 
+def _prompt_line(runs: list[RunRecord], done: int, total: int) -> str:
+    """One prompt's runs in one repeat: speeds of every configuration and whether outputs agree."""
+    by = {r.config: r for r in runs}
+    plain = by.get(PLAIN)
+    parts = []
+    for c, r in by.items():
+        part = f"{c} {r.tok_s:.1f}"
+        if c != PLAIN and plain is not None and plain.tok_s:
+            acc = f", acc {r.accepted / r.drafted:.0%}" if r.drafted else ""
+            part += f" ({r.tok_s / plain.tok_s:.2f}x{acc})"
+        parts.append(part)
+    same = plain is None or all(r.tokens == plain.tokens for r in runs)
+    r0 = runs[0]
+    return (f"[{done}/{total}] {r0.cls}/{r0.prompt} #{r0.repeat + 1} ({r0.prompt_tokens} prompt tokens): "
+            f"{'; '.join(parts)} tok/s{'' if same else '  OUTPUT DIFFERS FROM PLAIN!'}")
+
+
 class LiveTable:
     """`update(record, done, total)` after each run; `close()` at the end."""
 
@@ -74,7 +91,7 @@ class LiveTable:
                          dynamic_ncols=True, leave=True)
         if self.live:
             n_rows = 1 + len(classes) * len([c for c in configs if c in (PLAIN, SPECULATIVE)] or configs)
-            self._rows = [tqdm(total=0, bar_format="{desc}", position=i + 1, file=self.file, leave=True)
+            self._rows = [tqdm(total=0, bar_format="{desc}", position=i + 1, file=self.file, leave=False)
                           for i in range(n_rows)]
             self._rows[0].set_description_str(HEADER)
 
@@ -86,7 +103,11 @@ class LiveTable:
         self._bar.set_postfix_str(f"{rec.cls}/{rec.prompt} {rec.config} {rec.tok_s:.1f} tok/s", refresh=False)
         if self.live:
             self._refresh_rows()
-        elif done % self.per_pass == 0 or done == total:
+            return
+        same = [r for r in self.runs if (r.cls, r.prompt, r.repeat) == (rec.cls, rec.prompt, rec.repeat)]
+        if len(same) == len(self.configs):  # every configuration ran on this prompt: one line for it
+            print(_prompt_line(same, done, total), file=self.file, flush=True)
+        if done % self.per_pass == 0 or done == total:
             self._print_pass(done, total)
 
     def _table(self) -> list[str]:
