@@ -141,6 +141,24 @@ def test_configs_share_the_loaded_runtimes(zoo):
         build_decoders(engine)
 
 
+def test_context_limit_skips_prompts_and_limits_reach_every_decoder(zoo, caplog):
+    """Under a memory budget (edgespec.memory) the engine fixes a context limit on its decoder."""
+    with load(zoo.bundle("llama"), drafter="model", k=2) as engine:
+        short, long_ = SMALL[2], Prompt("long", "code", text="the cat and the dog " * 40)
+        engine.context_limit = len(encode_prompt(engine.tokenizer, short)) + 6
+        engine.decoder.context_limit = engine.context_limit
+        decs = build_decoders(engine, (1,))
+        assert all(getattr(d, "context_limit", None) == engine.context_limit for d in decs.values())
+        cfg = BenchConfig(repeat=1, max_tokens=6, warmup=0)
+        runs = run_bench(engine, [short, long_], cfg)
+        assert {r.prompt for r in runs} == {"raw"} and "skipping code/long" in caplog.text
+        doc = build_document(engine, runs, cfg, prompts_spec="t", configs=list(decs)[:2], backend={},
+                             memory={}, prompts=[short, long_])
+        assert doc["skipped"] == ["code/long"]
+        with pytest.raises(ConfigError, match="no prompt fits"):
+            run_bench(engine, [long_], cfg)
+
+
 def _rec(config, cls, prompt, rep, n, ttft, total, tokens=None, drafted=0, accepted=0):
     return RunRecord(config, cls, prompt, rep, 5, tokens or list(range(n)), ttft, total, steps=n, drafted=drafted,
                      accepted=accepted, draft_ms=1.0, verify_ms=3.0, peak_rss=100 + rep)

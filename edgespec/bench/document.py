@@ -1,7 +1,7 @@
 """Assemble one run's JSON document (schema.py) from the engine, the settings and the runs."""
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, is_dataclass
 from datetime import datetime, timezone
 
 from .. import __version__
@@ -28,6 +28,19 @@ def _entry(e, fmt: str | None) -> dict | None:
     return out
 
 
+def _jsonable(obj):
+    """A memory plan (or any dataclass) as plain JSON values."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        obj = asdict(obj)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
 def bundle_summary(engine) -> dict:
     """The manifest in short: what model and draft were measured (no local paths)."""
     from ..runtimes import BACKENDS
@@ -43,8 +56,13 @@ def bundle_summary(engine) -> dict:
 def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_spec: str, configs: list[str],
                    backend: dict, memory: dict, machine: dict | None = None, label: str | None = None,
                    memory_budget: str | None = None, started: datetime | None = None,
-                   duration_s: float = 0.0) -> dict:
+                   duration_s: float = 0.0, prompts: list | None = None) -> dict:
     machine = machine or machine_info()
+    ran = {(r.cls, r.prompt) for r in runs}
+    skipped = [f"{p.cls}/{p.id}" for p in prompts or [] if (p.cls, p.id) not in ran]
+    plan = getattr(engine, "memory_plan", None)
+    if plan is not None:
+        memory = {**memory, "plan": _jsonable(plan)}
     summary = summarise(runs, configs)
     started = started or datetime.now(timezone.utc)
     return {
@@ -62,6 +80,7 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
                    "memory_budget": memory_budget},
         "memory": memory,
         "configs": configs,
+        "skipped": skipped,  # prompts that do not fit the context limit
         **summary,
         "identical": not summary["mismatches"],
     }

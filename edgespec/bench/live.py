@@ -79,11 +79,11 @@ class LiveTable:
     """`update(record, done, total)` after each run; `close()` at the end."""
 
     def __init__(self, configs: list[str], classes: list[str], *, file: TextIO | None = None,
-                 per_pass: int = 1, live: bool | None = None) -> None:
+                 repeat: int = 1, live: bool | None = None) -> None:
         from tqdm import tqdm
 
         self.file = file or sys.stderr
-        self.configs, self.classes, self.per_pass = configs, classes, max(per_pass, 1)
+        self.configs, self.classes, self.repeat = configs, classes, max(repeat, 1)
         self.runs: list[RunRecord] = []
         self.live = self.file.isatty() if live is None else live
         self._rows = []
@@ -107,7 +107,7 @@ class LiveTable:
         same = [r for r in self.runs if (r.cls, r.prompt, r.repeat) == (rec.cls, rec.prompt, rec.repeat)]
         if len(same) == len(self.configs):  # every configuration ran on this prompt: one line for it
             print(_prompt_line(same, done, total), file=self.file, flush=True)
-        if done % self.per_pass == 0 or done == total:
+        if done % max(total // self.repeat, 1) == 0 or done == total:  # a repeat pass is complete
             self._print_pass(done, total)
 
     def _table(self) -> list[str]:

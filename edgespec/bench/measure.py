@@ -18,11 +18,12 @@ from .runner import PeakRSS
 from .suites import Prompt, encode_prompt
 
 __all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "build_decoders", "measure_run", "run_bench",
-           "rotated"]
+           "rotated", "fits"]
 
 logger = logging.getLogger(__name__)
 
 PLAIN, SPECULATIVE = "plain", "speculative"
+LIMITS = ("context_limit", "max_draft")  # decoder attributes an engine may set from its memory plan
 WARMUP_TOKENS = 16
 
 
@@ -85,6 +86,9 @@ def _source_kind(source: str) -> str:
 def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, SpeculativeDecoder]:
     """plain, the engine's own speculative decoder, and one fixed-k decoder per swept k."""
     if engine.drafter_name is None:
+        if getattr(engine, "memory_plan", None) is not None:
+            raise ConfigError("nothing to compare: the memory budget leaves no room for drafting; raise "
+                              "--memory-budget or use --drafter ngram")
         raise ConfigError("nothing to compare: this configuration drafts nothing (--drafter none, -k 0, "
                           "or --no-draft); use --drafter ngram for prompt lookup without a draft model")
     decoders = {PLAIN: SpeculativeDecoder(engine.target), SPECULATIVE: engine.decoder}
@@ -92,7 +96,17 @@ def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, Speculative
     for k in k_sweep:
         decoders[f"k={k}"] = SpeculativeDecoder(engine.target, engine.draft, id_map=id_map,
                                                 drafter=engine.drafter_name, policy=FixedK(k))
+    for dec in decoders.values():  # limits the engine set on its decoder (a memory plan's KV capacity) hold for all
+        for attr in LIMITS:
+            if hasattr(engine.decoder, attr):
+                setattr(dec, attr, getattr(engine.decoder, attr))
     return decoders
+
+
+def fits(engine, n_prompt: int, max_tokens: int) -> bool:
+    """Whether prompt + reply fit the engine's context (a memory budget may fix one)."""
+    limit = getattr(engine, "context_limit", None)
+    return limit is None or n_prompt + max_tokens <= limit
 
 
 def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_tokens: int, stop_ids,
@@ -142,10 +156,19 @@ def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
     decoders = build_decoders(engine, cfg.k_sweep)
     runtimes = [rt for rt in (engine.target, engine.draft) if rt is not None]
     stop_ids = engine.tokenizer.stop_ids if cfg.stop_at_eos else ()
-    encoded = [(p, encode_prompt(engine.tokenizer, p)) for p in prompts]
-    for p, ids in encoded:
+    encoded = []
+    for p in prompts:
+        ids = encode_prompt(engine.tokenizer, p)
         if not ids:
             raise ConfigError(f"prompt {p.cls}/{p.id} encodes to no tokens")
+        if fits(engine, len(ids), cfg.max_tokens):
+            encoded.append((p, ids))
+        else:
+            logger.warning("skipping %s/%s: %d prompt tokens + %d new exceed the context limit of %d", p.cls, p.id,
+                           len(ids), cfg.max_tokens, engine.context_limit)
+    if not encoded:
+        raise ConfigError(f"no prompt fits the engine's context limit ({engine.context_limit} tokens) with "
+                          f"--max-tokens {cfg.max_tokens}")
     names = list(decoders)
     for w in range(cfg.warmup):  # first runs pay for allocations; adaptive policies get first measurements
         for name in names:

@@ -130,6 +130,8 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
         load = r["machine"].get("load_avg_1min")
         lines += [f"## {r['label']}", ""]
         lines += _mismatch_lines(r)
+        if r.get("skipped"):
+            lines += [f"Skipped (prompt + reply exceed the context limit): {', '.join(r['skipped'])}.", ""]
         lines += _results_table(r) + _sweep_table(r)
         lines += ["", f"Prompts: {r['config']['prompts']} ({r['bundle']['chat_format']} for chat prompts). "
                   f"Load average at the start: {_f(load, '.2f')}; run took {r['duration_s']:.0f} s. "
@@ -167,18 +169,19 @@ def _plot_speed(runs: list[dict], out: Path) -> None:
     n = len(runs)
     width = 0.8 / (2 * n)
     for i, r in enumerate(runs):
-        plain, spec = [], []
+        plain, spec, ups = [], [], []
         for cls in classes:
             block = r["overall"] if cls == "overall" else r["classes"].get(cls, {})
             plain.append(block.get(PLAIN, {}).get("tok_s", 0.0))
             spec.append((_spec(block) or {}).get("tok_s", 0.0))
+            ups.append((_spec(block) or {}).get("speedup"))
         xs = [j + (2 * i) * width - 0.4 + width / 2 for j in range(len(classes))]
         tag = f" ({r['label']})" if n > 1 else ""
         ax.bar(xs, plain, width, label=f"plain{tag}", color=f"C{i}", alpha=0.45)
         bars = ax.bar([x + width for x in xs], spec, width, label=f"speculative{tag}", color=f"C{i}")
-        for bar, p, s in zip(bars, plain, spec):
-            if p and s:
-                ax.annotate(f"{s / p:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+        for bar, up in zip(bars, ups):
+            if up:
+                ax.annotate(f"{up:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(classes)), classes)
     ax.set_ylabel("decode tokens / s (median)")

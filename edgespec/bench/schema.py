@@ -10,8 +10,10 @@ Version 1 (`"kind": "edgespec-bench"`), one run on one device:
                 vocab_size, source}, draft (same, plus vocab_info) or null
     config      prompts, repeat, max_tokens, warmup, stop_at_eos, sampling, drafter, policy, k, k_sweep,
                 memory_budget
-    memory      rss_before_load, rss_after_load, engine {target|draft: {weights, kv, ...}} (bytes)
+    memory      rss_before_load, rss_after_load, engine {target|draft: {weights, kv, ...}} (bytes),
+                plan (the engine's memory plan under --memory-budget, when it has one)
     configs     configuration names: "plain", "speculative", then "k=N" of a sweep
+    skipped     ["class/id"]: prompts that did not fit the engine's context limit (optional)
     classes     {class: {config: metrics}}; overall: {config: metrics} over every prompt
     prompts     [{class, id, prompt_tokens, new_tokens, configs: {config: per-repeat figures}}]
     mismatches  [{class, prompt, config, repeat, first_difference}]: greedy speculative != plain

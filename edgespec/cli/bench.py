@@ -137,7 +137,7 @@ def _run(argv: list[str]) -> int:
                   f"{engine.policy_name}, k={engine.k}; {len(prompts)} prompts in {len(classes)} classes × "
                   f"{cfg.repeat} repeats × {len(configs)} configurations, {cfg.max_tokens} tokens each",
                   file=sys.stderr)
-            table = LiveTable(configs, classes, per_pass=len(prompts) * len(configs))
+            table = LiveTable(configs, classes, repeat=cfg.repeat)
             started, t0 = datetime.now(timezone.utc), time.perf_counter()
             try:
                 runs = run_bench(engine, prompts, cfg, on_run=table.update, rss=rss)
@@ -145,6 +145,7 @@ def _run(argv: list[str]) -> int:
                 table.close()
             doc = build_document(
                 engine, runs, cfg, prompts_spec=args.prompts, configs=configs, machine=machine, label=args.label,
+                prompts=prompts,
                 backend={"name": engine.backend, "device": args.device, "draft_backend": engine.draft_backend,
                          "draft_device": args.draft_device or (args.device if engine.draft_backend else None),
                          "threads": args.threads},
