@@ -1,4 +1,24 @@
-"""Benchmark helpers: timed decoding runs that compare configurations side by side."""
-from .runner import RunResult, PeakRSS, timed_decode
+"""Benchmarks: plain vs speculative decoding measured side by side (`edgespec bench`).
 
-__all__ = ["RunResult", "PeakRSS", "timed_decode"]
+suites    built-in prompt suites (data/*.jsonl) and their encoding
+measure   the interleaved measuring loop on an engine's runtimes
+summary   medians, per-class figures, exactness check
+schema    the versioned JSON result document; document builds it
+live      the console table; report writes Markdown + PNG plots; compare merges runs
+runner    one timed decode and the peak-RSS sampler (used by examples/ too)
+
+No torch or transformers on this path; matplotlib only when a report is written.
+"""
+from .compare import merge_runs
+from .document import build_document
+from .measure import PLAIN, SPECULATIVE, BenchConfig, RunRecord, build_decoders, measure_run, run_bench
+from .runner import PeakRSS, RunResult, timed_decode
+from .schema import SCHEMA_VERSION, load_runs, save, validate
+from .suites import SUITES, Prompt, encode_prompt, load_prompts
+from .summary import summarise
+
+__all__ = [
+    "PLAIN", "SPECULATIVE", "SCHEMA_VERSION", "SUITES", "BenchConfig", "PeakRSS", "Prompt", "RunRecord", "RunResult",
+    "build_decoders", "build_document", "encode_prompt", "load_prompts", "load_runs", "measure_run", "merge_runs",
+    "run_bench", "save", "summarise", "timed_decode", "validate",
+]

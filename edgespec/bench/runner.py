@@ -65,7 +65,8 @@ def timed_decode(target: Runtime, draft: Runtime | None, prompt: list[int], max_
 
 
 class PeakRSS(threading.Thread):
-    """Samples this process's resident set size every few milliseconds; `stop()` → peak bytes."""
+    """Samples this process's resident set size every few milliseconds; `stop()` → peak bytes,
+    `mark()` → peak bytes since the previous mark (one measured run)."""
 
     def __init__(self, interval_s: float = 0.005) -> None:
         super().__init__(daemon=True)
@@ -74,10 +75,24 @@ class PeakRSS(threading.Thread):
         self._proc, self._interval, self.peak = psutil.Process(), interval_s, 0
         self._done = threading.Event()
 
+        self._window = 0  # peak since the last mark()
+
     def run(self) -> None:
         while not self._done.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._sample()
             time.sleep(self._interval)
+
+    def _sample(self) -> int:
+        rss = self._proc.memory_info().rss
+        self.peak = max(self.peak, rss)
+        self._window = max(self._window, rss)
+        return rss
+
+    def mark(self) -> int:
+        """Peak RSS since the previous mark (or the start); starts a new window."""
+        self._sample()  # a window shorter than the interval still gets a reading
+        peak, self._window = self._window, 0
+        return peak
 
     def stop(self) -> int:
         self._done.set()

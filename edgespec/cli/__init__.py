@@ -14,6 +14,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("edgespec.cli.generate", "complete a prompt (plain text, streamed)"),
     "info": ("edgespec.cli.info", "show a bundle's manifest and the installed backends"),
     "serve": ("edgespec.cli.serve", "serve a bundle over an OpenAI-compatible HTTP API"),
+    "bench": ("edgespec.cli.bench", "measure plain vs speculative decoding; `bench compare` merges runs"),
 }
 
 

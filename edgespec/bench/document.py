@@ -1,0 +1,86 @@
+"""Assemble one run's JSON document (schema.py) from the engine, the settings and the runs."""
+from __future__ import annotations
+
+from dataclasses import asdict, is_dataclass
+from datetime import datetime, timezone
+
+from .. import __version__
+from .machine import library_versions, machine_info, run_label
+from .measure import BenchConfig, RunRecord
+from .schema import KIND, SCHEMA_VERSION
+from .suites import prompt_format
+from .summary import summarise
+
+__all__ = ["bundle_summary", "build_document"]
+
+
+def _entry(e, fmt: str | None) -> dict | None:
+    if e is None:
+        return None
+    art = e.formats.get(fmt) if fmt else None
+    out = {"format": fmt if art else ", ".join(e.formats), "precision": art.precision if art else None,
+           "quantization": art.quantization if art else None, "n_layers": e.n_layers, "vocab_size": e.vocab_size,
+           "source": e.source.get("name")}
+    if e.vocab_info:
+        out["vocab_info"] = e.vocab_info
+    if e.layers:
+        out["layers"] = e.layers
+    return out
+
+
+def _jsonable(obj):
+    """A memory plan (or any dataclass) as plain JSON values."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        obj = asdict(obj)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return str(obj)
+
+
+def bundle_summary(engine) -> dict:
+    """The manifest in short: what model and draft were measured (no local paths)."""
+    from ..runtimes import BACKENDS
+
+    m = engine.bundle.manifest
+    fmt = BACKENDS[engine.backend].bundle_format
+    dfmt = BACKENDS[engine.draft_backend].bundle_format if engine.draft_backend else None
+    return {"name": engine.bundle.path.name, "model_type": m.model_type, "family": m.family,
+            "base_model": m.base_model, "chat_format": prompt_format(engine.tokenizer),
+            "target": _entry(m.target, fmt), "draft": _entry(m.draft, dfmt)}
+
+
+def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_spec: str, configs: list[str],
+                   backend: dict, memory: dict, machine: dict | None = None, label: str | None = None,
+                   memory_budget: str | None = None, started: datetime | None = None,
+                   duration_s: float = 0.0, prompts: list | None = None) -> dict:
+    machine = machine or machine_info()
+    ran = {(r.cls, r.prompt) for r in runs}
+    skipped = [f"{p.cls}/{p.id}" for p in prompts or [] if (p.cls, p.id) not in ran]
+    plan = getattr(engine, "memory_plan", None)
+    if plan is not None:
+        memory = {**memory, "plan": _jsonable(plan)}
+    summary = summarise(runs, configs)
+    started = started or datetime.now(timezone.utc)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": KIND,
+        "label": label or run_label(machine, engine.backend),
+        "created": started.isoformat(timespec="seconds"),
+        "duration_s": round(duration_s, 2),
+        "machine": machine,
+        "libraries": {**library_versions(), "edgespec": __version__},
+        "backend": backend,
+        "bundle": bundle_summary(engine),
+        "config": {"prompts": prompts_spec, **asdict(cfg), "k_sweep": list(cfg.k_sweep), "sampling": "greedy",
+                   "drafter": engine.drafter_name, "policy": engine.policy_name, "k": engine.k,
+                   "memory_budget": memory_budget},
+        "memory": memory,
+        "configs": configs,
+        "skipped": skipped,  # prompts that do not fit the context limit
+        **summary,
+        "identical": not summary["mismatches"],
+    }

@@ -1,0 +1,189 @@
+"""The `edgespec bench` loop: plain and speculative decoding, interleaved on the same runtimes.
+
+Both decoders share the engine's loaded target (and draft) runtimes, so nothing is loaded twice
+and both see the same memory, threads and weights. Every run starts from empty caches. The order
+rotates per prompt and repeat, so neither configuration always runs first, and a busy neighbour
+slows all of them alike; the summary then compares medians (summary.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ..decoding import FixedK, SamplingParams, SpeculativeDecoder
+from ..errors import ConfigError
+from .runner import PeakRSS
+from .suites import Prompt, encode_prompt
+
+__all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "build_decoders", "measure_run", "run_bench",
+           "rotated", "fits"]
+
+logger = logging.getLogger(__name__)
+
+PLAIN, SPECULATIVE = "plain", "speculative"
+LIMITS = ("context_limit", "max_draft")  # decoder attributes an engine may set from its memory plan
+WARMUP_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """How much to measure. Greedy decoding (so speculative output must equal plain output)."""
+
+    repeat: int = 3
+    max_tokens: int = 64
+    warmup: int = 1  # unmeasured passes of every configuration before the first measured one
+    stop_at_eos: bool = False  # default: fixed-length runs (as llama-bench), comparable across devices
+    k_sweep: tuple[int, ...] = ()  # extra fixed-k speculative configurations, "k=2", "k=4", ...
+
+    def __post_init__(self) -> None:
+        for name, value, low in (("--repeat", self.repeat, 1), ("--max-tokens", self.max_tokens, 2),
+                                 ("--warmup", self.warmup, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value}")
+        if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.k_sweep):
+            raise ConfigError(f"--k-sweep takes draft lengths >= 1, got {list(self.k_sweep)}")
+        if len(set(self.k_sweep)) != len(self.k_sweep):
+            raise ConfigError(f"--k-sweep repeats a draft length: {list(self.k_sweep)}")
+
+
+@dataclass
+class RunRecord:
+    """One measured generation of one configuration on one prompt."""
+
+    config: str
+    cls: str
+    prompt: str
+    repeat: int
+    prompt_tokens: int
+    tokens: list[int]
+    ttft_s: float  # prefill (draft catch-up included) and the first committed step
+    total_s: float
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    peak_rss: int = 0
+    by_k: dict[str, list[int]] = field(default_factory=dict)  # "model:4" -> [steps, accepted]
+
+    @property
+    def decode_s(self) -> float:
+        return max(self.total_s - self.ttft_s, 0.0)
+
+    @property
+    def tok_s(self) -> float:
+        """Decode speed after the first token."""
+        n = len(self.tokens)
+        return (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else 0.0
+
+
+def _source_kind(source: str) -> str:
+    return source.split(":", 1)[0] if source else "none"
+
+
+def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, SpeculativeDecoder]:
+    """plain, the engine's own speculative decoder, and one fixed-k decoder per swept k."""
+    if engine.drafter_name is None:
+        if getattr(engine, "memory_plan", None) is not None:
+            raise ConfigError("nothing to compare: the memory budget leaves no room for drafting; raise "
+                              "--memory-budget or use --drafter ngram")
+        raise ConfigError("nothing to compare: this configuration drafts nothing (--drafter none, -k 0, "
+                          "or --no-draft); use --drafter ngram for prompt lookup without a draft model")
+    decoders = {PLAIN: SpeculativeDecoder(engine.target), SPECULATIVE: engine.decoder}
+    id_map = engine.bundle.id_map() if engine.draft is not None else None
+    for k in k_sweep:
+        decoders[f"k={k}"] = SpeculativeDecoder(engine.target, engine.draft, id_map=id_map,
+                                                drafter=engine.drafter_name, policy=FixedK(k))
+    for dec in decoders.values():  # limits the engine set on its decoder (a memory plan's KV capacity) hold for all
+        for attr in LIMITS:
+            if hasattr(engine.decoder, attr):
+                setattr(dec, attr, getattr(engine.decoder, attr))
+    return decoders
+
+
+def fits(engine, n_prompt: int, max_tokens: int) -> bool:
+    """Whether prompt + reply fit the engine's context (a memory budget may fix one)."""
+    limit = getattr(engine, "context_limit", None)
+    return limit is None or n_prompt + max_tokens <= limit
+
+
+def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_tokens: int, stop_ids,
+                rss: PeakRSS | None = None) -> RunRecord:
+    """Decode `ids` from empty caches and time it; config/class/prompt fields are left blank."""
+    for rt in runtimes:
+        rt.reset()
+    if rss is not None:
+        rss.mark()
+    tokens = list(ids)
+    rec = RunRecord("", "", "", 0, len(ids), [], 0.0, 0.0)
+    t0 = time.perf_counter()
+    first = None
+    for step in decoder.stream(tokens, SamplingParams(), max_tokens, stop_ids):
+        if first is None:
+            first = time.perf_counter() - t0
+        rec.steps += 1
+        rec.drafted += step.drafted
+        rec.accepted += step.accepted
+        rec.draft_ms += step.draft_ms
+        rec.verify_ms += step.verify_ms
+        if step.drafted:
+            slot = rec.by_k.setdefault(f"{_source_kind(step.source)}:{step.drafted}", [0, 0])
+            slot[0] += 1
+            slot[1] += step.accepted
+    rec.total_s = time.perf_counter() - t0
+    rec.ttft_s = rec.total_s if first is None else first
+    rec.tokens = tokens[len(ids):]
+    if rss is not None:
+        rec.peak_rss = rss.mark()
+    return rec
+
+
+def rotated(names: list[str], shift: int) -> list[str]:
+    s = shift % len(names)
+    return names[s:] + names[:s]
+
+
+def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
+              on_run: Callable[[RunRecord, int, int], None] | None = None,
+              rss: PeakRSS | None = None) -> list[RunRecord]:
+    """Every configuration on every prompt, `cfg.repeat` times, interleaved; returns all runs.
+
+    `on_run(record, done, total)` is called after each measured run (the live table)."""
+    if not prompts:
+        raise ConfigError("no prompts to run")
+    decoders = build_decoders(engine, cfg.k_sweep)
+    runtimes = [rt for rt in (engine.target, engine.draft) if rt is not None]
+    stop_ids = engine.tokenizer.stop_ids if cfg.stop_at_eos else ()
+    encoded = []
+    for p in prompts:
+        ids = encode_prompt(engine.tokenizer, p)
+        if not ids:
+            raise ConfigError(f"prompt {p.cls}/{p.id} encodes to no tokens")
+        if fits(engine, len(ids), cfg.max_tokens):
+            encoded.append((p, ids))
+        else:
+            logger.warning("skipping %s/%s: %d prompt tokens + %d new exceed the context limit of %d", p.cls, p.id,
+                           len(ids), cfg.max_tokens, engine.context_limit)
+    if not encoded:
+        raise ConfigError(f"no prompt fits the engine's context limit ({engine.context_limit} tokens) with "
+                          f"--max-tokens {cfg.max_tokens}")
+    names = list(decoders)
+    for w in range(cfg.warmup):  # first runs pay for allocations; adaptive policies get first measurements
+        for name in names:
+            measure_run(decoders[name], runtimes, encoded[w % len(encoded)][1], min(WARMUP_TOKENS, cfg.max_tokens),
+                        stop_ids)
+    total = cfg.repeat * len(encoded) * len(names)
+    runs: list[RunRecord] = []
+    for rep in range(cfg.repeat):  # repeats outermost: a slow patch of the machine hits every class
+        for i, (p, ids) in enumerate(encoded):
+            for name in rotated(names, rep + i):
+                rec = measure_run(decoders[name], runtimes, ids, cfg.max_tokens, stop_ids, rss)
+                rec.config, rec.cls, rec.prompt, rec.repeat = name, p.cls, p.id, rep
+                runs.append(rec)
+                if on_run is not None:
+                    on_run(rec, len(runs), total)
+    for rt in runtimes:  # leave the engine as a fresh one: nothing cached from the bench
+        rt.reset()
+    return runs

@@ -1,0 +1,278 @@
+"""Markdown + PNG report for one or more bench runs (one device, or several merged by `compare`).
+
+Plots use matplotlib's object API (Figure + Agg, no pyplot state), imported only here, so the
+bench runs without matplotlib unless a report is asked for.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..errors import ConfigError
+from .measure import PLAIN, SPECULATIVE
+
+__all__ = ["write_report", "require_matplotlib", "markdown", "PLOTS"]
+
+logger = logging.getLogger(__name__)
+
+PLOTS = ("speed.png", "acceptance.png", "draft_length.png")
+MIB = 2**20
+
+
+def require_matplotlib() -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("reports need matplotlib: pip install 'edgespec[bench]'")
+
+
+def _f(x, spec: str, none: str = "–") -> str:
+    return none if x is None else format(x, spec)
+
+
+def _classes(runs: list[dict]) -> list[str]:
+    return list(dict.fromkeys(c for r in runs for c in r["classes"]))
+
+
+def _spec(block: dict) -> dict | None:
+    return block.get(SPECULATIVE) or next((m for c, m in block.items() if c != PLAIN), None)
+
+
+# ---------------------------------------------------------------- markdown
+
+
+def _runs_table(runs: list[dict]) -> list[str]:
+    rows = ["| run | CPU | arch | cores | RAM | OS | Python | backend | libraries | bundle (target / draft) | "
+            "drafting | prompts × repeat × max tokens |", "|" + " --- |" * 12]
+    for r in runs:
+        m, b, c = r["machine"], r["bundle"], r["config"]
+        t, d = b.get("target") or {}, b.get("draft") or {}
+        draft = f"{d.get('precision')} {d.get('format')}" if d else "none"
+        if d.get("vocab_info"):
+            draft += f", VocabTrim K={d['vocab_info'].get('k', '?')}"
+        libs = ", ".join(f"{k} {v}" for k, v in r["libraries"].items() if k in ("edgespec", "onnxruntime", "openvino",
+                                                                             "llama-cpp-python", "numpy"))
+        rows.append(
+            f"| {r['label']} | {m['cpu']} | {m['arch']} | {m.get('cores_usable') or m['cores_logical']} | "
+            f"{m['ram_bytes'] / 2**30:.0f} GiB | {m['os']} | {m['python']} | {r['backend'].get('name')} "
+            f"{r['backend'].get('device') or 'CPU'} | {libs} | {b['name']}: {t.get('precision')} {t.get('format')} / "
+            f"{draft} | {c.get('drafter')}, {c.get('policy')}, k={c.get('k')} | {c['prompts']} × {c['repeat']} × "
+            f"{c['max_tokens']} |")
+    return rows
+
+
+def _results_table(run: dict) -> list[str]:
+    rows = ["| class | plain tok/s | speculative tok/s | speed-up | TTFT plain / spec (ms) | prefill tok/s | "
+            "acceptance | tokens / step | draft time | peak RSS (MiB) | identical |", "|" + " --- |" * 11]
+    for cls, block in [*run["classes"].items(), ("**overall**", run["overall"])]:
+        p, s = block[PLAIN], _spec(block) or {}
+        same = "yes" if s.get("identical", True) else "**NO**"
+        rows.append(
+            f"| {cls} | {p['tok_s']:.1f} | {_f(s.get('tok_s'), '.1f')} | **{_f(s.get('speedup'), '.2f')}×** | "
+            f"{p['ttft_ms']:.0f} / {_f(s.get('ttft_ms'), '.0f')} | {p['prefill_tok_s']:.0f} | "
+            f"{_f(s.get('acceptance'), '.0%')} | {_f(s.get('mean_accepted_length'), '.2f')} | "
+            f"{_f(s.get('draft_share'), '.0%')} | {max(p['peak_rss_bytes'], s.get('peak_rss_bytes', 0)) / MIB:.0f} | "
+            f"{same} |")
+    return rows
+
+
+def _sweep_table(run: dict) -> list[str]:
+    sweep = [c for c in run["configs"] if c not in (PLAIN, SPECULATIVE)]
+    if not sweep:
+        return []
+    rows = ["", "Fixed draft lengths (all prompts):", "",
+            "| configuration | tok/s | speed-up | acceptance | tokens / step | draft time |", "|" + " --- |" * 6]
+    for c in [PLAIN, SPECULATIVE, *sweep]:
+        m = run["overall"].get(c)
+        if m:
+            rows.append(f"| {c} | {m['tok_s']:.1f} | {_f(m.get('speedup'), '.2f')} | {_f(m.get('acceptance'), '.0%')} "
+                        f"| {m['mean_accepted_length']:.2f} | {m['draft_share']:.0%} |")
+    return rows
+
+
+def _mismatch_lines(run: dict) -> list[str]:
+    bad = run["mismatches"]
+    if not bad:
+        return []
+    shown = ", ".join(f"{b['class']}/{b['prompt']} ({b['config']}, repeat {b['repeat'] + 1}, token "
+                      f"{b['first_difference']})" for b in bad[:10])
+    return ["", f"> **WARNING: greedy speculative output differed from plain decoding in {len(bad)} run(s)**: "
+            f"{shown}{' …' if len(bad) > 10 else ''}. Speculative decoding must be lossless; please report this.", ""]
+
+
+def _compare_table(runs: list[dict]) -> list[str]:
+    classes = _classes(runs)
+    head = "| run | " + " | ".join(f"{c} plain → spec tok/s (speed-up)" for c in [*classes, "overall"]) + " |"
+    rows = ["## Comparison", "", head, "|" + " --- |" * (len(classes) + 2)]
+    for r in runs:
+        cells = []
+        for cls in [*classes, "overall"]:
+            block = r["overall"] if cls == "overall" else r["classes"].get(cls)
+            if not block:
+                cells.append("–")
+                continue
+            s = _spec(block) or {}
+            cells.append(f"{block[PLAIN]['tok_s']:.1f} → {_f(s.get('tok_s'), '.1f')} "
+                         f"(**{_f(s.get('speedup'), '.2f')}×**)")
+        rows.append(f"| {r['label']} | " + " | ".join(cells) + " |")
+    return rows + [""]
+
+
+def markdown(runs: list[dict], plots: list[str]) -> str:
+    title = "edgespec bench" if len(runs) == 1 else f"edgespec bench: {len(runs)} runs compared"
+    lines = [f"# {title}", "",
+             f"Generated {datetime.now(timezone.utc).isoformat(timespec='seconds')} from run(s) made "
+             + ", ".join(r["created"] for r in runs) + ".", "", "## Runs", "", *_runs_table(runs), ""]
+    if len(runs) > 1:
+        lines += _compare_table(runs)
+    for r in runs:
+        mem = r.get("memory", {})
+        load = r["machine"].get("load_avg_1min")
+        lines += [f"## {r['label']}", ""]
+        lines += _mismatch_lines(r)
+        if r.get("skipped"):
+            lines += [f"Skipped (prompt + reply exceed the context limit): {', '.join(r['skipped'])}.", ""]
+        lines += _results_table(r) + _sweep_table(r)
+        lines += ["", f"Prompts: {r['config']['prompts']} ({r['bundle']['chat_format']} for chat prompts). "
+                  f"Load average at the start: {_f(load, '.2f')}; run took {r['duration_s']:.0f} s. "
+                  f"RSS {_f(mem.get('rss_before_load'), ',')} B before loading, "
+                  f"{_f(mem.get('rss_after_load'), ',')} B after.", ""]
+    lines += ["## Plots", ""] + [f"![{p.split('.')[0]}]({p})" for p in plots] + [""]
+    lines += ["## How this was measured", "",
+              "Plain and speculative decoding ran in one process on the same loaded model runtimes, alternating per "
+              "prompt and repeat (rotating which goes first), each from empty KV caches, after a warm-up. Greedy "
+              "decoding; runs are fixed-length unless `--stop-at-eos` was given. Per prompt, the median over "
+              "repeats; a class's tok/s is its prompts' decoded tokens (after the first) over the sum of their "
+              "median decode times. The speed-up is speculative tok/s divided by plain tok/s, both measured; "
+              "it is never computed from the acceptance rate. TTFT covers the prompt's prefill (and the draft "
+              "model's catch-up) and the first step; prefill tok/s = prompt tokens / TTFT of plain decoding. "
+              "Acceptance = accepted / drafted tokens; tokens/step = tokens committed per target forward. "
+              "Draft time = share of the step time spent drafting. Peak RSS is the whole process (both models "
+              "loaded), sampled every 5 ms with psutil.", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def _figure(w: float, h: float, ncols: int = 1):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(w, h), dpi=110, layout="constrained")
+    axes = fig.subplots(1, ncols)
+    return fig, (list(axes) if ncols > 1 else [axes])
+
+
+def _plot_speed(runs: list[dict], out: Path) -> None:
+    classes = [*_classes(runs), "overall"]
+    fig, (ax,) = _figure(max(6.0, 1.3 * len(classes) * max(len(runs), 1) + 2), 4.2)
+    n = len(runs)
+    width = 0.8 / (2 * n)
+    for i, r in enumerate(runs):
+        plain, spec, ups = [], [], []
+        for cls in classes:
+            block = r["overall"] if cls == "overall" else r["classes"].get(cls, {})
+            plain.append(block.get(PLAIN, {}).get("tok_s", 0.0))
+            spec.append((_spec(block) or {}).get("tok_s", 0.0))
+            ups.append((_spec(block) or {}).get("speedup"))
+        xs = [j + (2 * i) * width - 0.4 + width / 2 for j in range(len(classes))]
+        tag = f" ({r['label']})" if n > 1 else ""
+        ax.bar(xs, plain, width, label=f"plain{tag}", color=f"C{i}", alpha=0.45)
+        bars = ax.bar([x + width for x in xs], spec, width, label=f"speculative{tag}", color=f"C{i}")
+        for bar, up in zip(bars, ups):
+            if up:
+                ax.annotate(f"{up:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(classes)), classes)
+    ax.set_ylabel("decode tokens / s (median)")
+    ax.set_title("Plain vs speculative decoding per prompt class")
+    ax.legend(fontsize=8)
+    fig.savefig(out)
+
+
+def _plot_acceptance(runs: list[dict], out: Path) -> None:
+    classes = [*_classes(runs), "overall"]
+    fig, (ax1, ax2) = _figure(max(8.0, 1.2 * len(classes) * len(runs) + 4), 4.0, ncols=2)
+    width = 0.8 / len(runs)
+    for i, r in enumerate(runs):
+        acc, tps = [], []
+        for cls in classes:
+            s = _spec(r["overall"] if cls == "overall" else r["classes"].get(cls, {})) or {}
+            acc.append(s.get("acceptance") or 0.0)
+            tps.append(s.get("mean_accepted_length") or 0.0)
+        xs = [j + i * width - 0.4 + width / 2 for j in range(len(classes))]
+        ax1.bar(xs, acc, width, label=r["label"], color=f"C{i}")
+        ax2.bar(xs, tps, width, label=r["label"], color=f"C{i}")
+    ax1.set_ylim(0, 1)
+    ax1.set_ylabel("acceptance (accepted / drafted)")
+    ax2.set_ylabel("tokens per target forward")
+    ax2.axhline(1.0, color="grey", lw=0.8, ls="--")
+    for ax, title in ((ax1, "Acceptance per class"), (ax2, "Mean accepted length per class")):
+        ax.set_xticks(range(len(classes)), classes)
+        ax.set_title(title)
+    if len(runs) > 1:
+        ax1.legend(fontsize=8)
+    fig.savefig(out)
+
+
+def _plot_draft_length(runs: list[dict], out: Path) -> None:
+    fig, (ax1, ax2) = _figure(10.0, 4.0, ncols=2)
+    swept = any(c not in (PLAIN, SPECULATIVE) for r in runs for c in r["configs"])
+    for i, r in enumerate(runs):
+        tag = f" {r['label']}" if len(runs) > 1 else ""
+        rows = (_spec(r["overall"]) or {}).get("by_draft_length", [])
+        for j, drafter in enumerate(dict.fromkeys(x["drafter"] for x in rows)):
+            pts = sorted((x["k"], x["acceptance"], x["steps"]) for x in rows if x["drafter"] == drafter)
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{i}", ls=["-", "--", ":"][j % 3],
+                     label=f"{drafter}{tag}")
+            # marker area ~ steps: a point from two steps should not look as sure as one from two hundred
+            ax1.scatter([p[0] for p in pts], [p[1] for p in pts], s=[12 + 4 * p[2] ** 0.5 for p in pts],
+                        color=f"C{i}", zorder=3)
+            if not swept:
+                total = sum(p[2] for p in pts) or 1
+                ax2.plot([p[0] for p in pts], [p[2] / total for p in pts], marker="o", color=f"C{i}",
+                         ls=["-", "--", ":"][j % 3], label=f"{drafter}{tag}")
+        if swept:
+            ks = sorted((int(c[2:]), r["overall"][c]["tok_s"]) for c in r["configs"]
+                        if c.startswith("k=") and c in r["overall"])
+            ax2.plot([k for k, _ in ks], [t for _, t in ks], marker="o", color=f"C{i}", label=f"fixed k{tag}")
+            ax2.axhline(r["overall"][PLAIN]["tok_s"], color=f"C{i}", ls=":", lw=1, label=f"plain{tag}")
+            if SPECULATIVE in r["overall"]:
+                ax2.axhline(r["overall"][SPECULATIVE]["tok_s"], color=f"C{i}", ls="--", lw=1,
+                            label=f"speculative ({r['config'].get('policy')}){tag}")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax1.set_xlabel("draft length k (tokens drafted in a step; marker size ~ steps)")
+    ax1.set_ylabel("acceptance")
+    ax1.set_ylim(0, 1.05)
+    ax1.set_title("Acceptance per draft length")
+    ax2.set_xlabel("draft length k")
+    if swept:
+        ax2.set_ylabel("decode tokens / s")
+        ax2.set_title("Speed per fixed draft length (--k-sweep)")
+    else:
+        ax2.set_ylabel("share of drafted steps")
+        ax2.set_title("Draft lengths the policy chose")
+    for ax in (ax1, ax2):
+        if ax.has_data():
+            ax.legend(fontsize=8)
+    fig.savefig(out)
+
+
+def write_report(runs: list[dict], out_dir: str | Path) -> Path:
+    """Write report.md and the PNG plots into `out_dir`; returns the Markdown file's path."""
+    require_matplotlib()
+    if not runs:
+        raise ConfigError("nothing to report: no runs")
+    out = Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--report needs a folder, but {out} is a file")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, plot in zip(PLOTS, (_plot_speed, _plot_acceptance, _plot_draft_length)):
+        plot(runs, out / name)
+    md = out / "report.md"
+    md.write_text(markdown(runs, list(PLOTS)), encoding="utf-8")
+    logger.info("report written to %s", md)
+    return md

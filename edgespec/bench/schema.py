@@ -1,0 +1,158 @@
+"""The bench JSON document: built, written, read and validated.
+
+Version 1 (`"kind": "edgespec-bench"`), one run on one device:
+
+    schema_version, kind, label, created (UTC ISO 8601), duration_s
+    machine     cpu, arch, cores_physical, cores_logical, cores_usable, ram_bytes, os, python, load_avg_1min
+    libraries   {distribution: version} (edgespec, onnxruntime, numpy, tokenizers, ...)
+    backend     name, device, draft_backend, draft_device, threads
+    bundle      name, model_type, family, base_model, chat_format, target {format, precision, n_layers,
+                vocab_size, source}, draft (same, plus vocab_info) or null
+    config      prompts, repeat, max_tokens, warmup, stop_at_eos, sampling, drafter, policy, k, k_sweep,
+                memory_budget
+    memory      rss_before_load, rss_after_load, engine {target|draft: {weights, kv, ...}} (bytes),
+                plan (the engine's memory plan under --memory-budget, when it has one)
+    configs     configuration names: "plain", "speculative", then "k=N" of a sweep
+    skipped     ["class/id"]: prompts that did not fit the engine's context limit (optional)
+    classes     {class: {config: metrics}}; overall: {config: metrics} over every prompt
+    prompts     [{class, id, prompt_tokens, new_tokens, configs: {config: per-repeat figures}}]
+    mismatches  [{class, prompt, config, repeat, first_difference}]: greedy speculative != plain
+    identical   true when there are no mismatches
+
+metrics: prompts, runs, new_tokens, prompt_tokens, tok_s (decode, after the first token),
+tok_s_per_repeat, e2e_tok_s, ttft_ms, prefill_tok_s, acceptance (null for plain),
+mean_accepted_length (tokens per target forward), mean_draft_length, draft_ms_per_token,
+verify_ms_per_token, draft_share, peak_rss_bytes, by_draft_length [{drafter, k, steps, accepted,
+acceptance}], identical; and for every configuration but plain: speedup (measured decode tok/s over
+plain's), e2e_speedup.
+
+`compare` may write `"kind": "edgespec-bench-compare"` with `runs`: a list of version-1 run documents.
+New fields may be added within a version; removing or changing one bumps the version.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from ..errors import ConfigError
+
+__all__ = ["SCHEMA_VERSION", "KIND", "COMPARE_KIND", "validate", "save", "save_compare", "load_runs", "compare_document"]
+
+SCHEMA_VERSION = 1
+KIND = "edgespec-bench"
+COMPARE_KIND = "edgespec-bench-compare"
+
+NUMBER = (int, float)
+TOP: dict[str, type | tuple] = {
+    "schema_version": int, "kind": str, "label": str, "created": str, "duration_s": NUMBER,
+    "machine": dict, "libraries": dict, "backend": dict, "bundle": dict, "config": dict, "memory": dict,
+    "configs": list, "classes": dict, "overall": dict, "prompts": list, "mismatches": list, "identical": bool,
+}
+MACHINE = {"cpu": str, "arch": str, "cores_logical": int, "ram_bytes": int, "os": str, "python": str}
+CONFIG = {"repeat": int, "max_tokens": int, "prompts": str}
+METRICS = {
+    "prompts": int, "runs": int, "new_tokens": int, "tok_s": NUMBER, "e2e_tok_s": NUMBER, "ttft_ms": NUMBER,
+    "prefill_tok_s": NUMBER, "mean_accepted_length": NUMBER, "draft_share": NUMBER, "peak_rss_bytes": int,
+    "by_draft_length": list, "identical": bool,
+}
+
+
+def _check(obj: dict, spec: dict, where: str) -> None:
+    for key, typ in spec.items():
+        if key not in obj:
+            raise ConfigError(f"{where}: missing field '{key}'")
+        v = obj[key]
+        if isinstance(v, bool) and typ is not bool:
+            raise ConfigError(f"{where}: field '{key}' has the wrong type")
+        if not isinstance(v, typ):
+            raise ConfigError(f"{where}: field '{key}' has the wrong type ({type(v).__name__})")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{where}: field '{key}' is not a finite number")
+
+
+def _check_metrics(m: object, where: str, plain: bool) -> None:
+    if not isinstance(m, dict):
+        raise ConfigError(f"{where}: expected an object")
+    _check(m, METRICS, where)
+    acc = m.get("acceptance")
+    if acc is not None and not (isinstance(acc, NUMBER) and 0 <= acc <= 1):
+        raise ConfigError(f"{where}: acceptance must be null or in [0, 1]")
+    if not plain and not isinstance(m.get("speedup"), (*NUMBER, type(None))):
+        raise ConfigError(f"{where}: missing field 'speedup'")
+
+
+def validate(doc: object, where: str = "bench result") -> dict:
+    """`doc` if it is a valid version-1 run document, else a one-line ConfigError saying what is wrong."""
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{where}: not a JSON object")
+    if doc.get("kind") != KIND:
+        raise ConfigError(f"{where}: not an edgespec bench result (kind {doc.get('kind')!r})")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise ConfigError(f"{where}: schema version {doc.get('schema_version')!r} is not supported "
+                          f"(this edgespec reads version {SCHEMA_VERSION})")
+    _check(doc, TOP, where)
+    _check(doc["machine"], MACHINE, f"{where}: machine")
+    _check(doc["config"], CONFIG, f"{where}: config")
+    configs = doc["configs"]
+    if not configs or configs[0] != "plain" or not all(isinstance(c, str) for c in configs):
+        raise ConfigError(f"{where}: 'configs' must list 'plain' first")
+    if not doc["classes"]:
+        raise ConfigError(f"{where}: no prompt classes")
+    for cls, block in [*doc["classes"].items(), ("overall", doc["overall"])]:
+        if not isinstance(block, dict) or "plain" not in block:
+            raise ConfigError(f"{where}: class '{cls}' has no plain results")
+        for c, m in block.items():
+            if c not in configs:
+                raise ConfigError(f"{where}: class '{cls}' has results for an unlisted configuration '{c}'")
+            _check_metrics(m, f"{where}: {cls}/{c}", plain=c == "plain")
+    if doc["identical"] != (not doc["mismatches"]):
+        raise ConfigError(f"{where}: 'identical' disagrees with 'mismatches'")
+    return doc
+
+
+def save(doc: dict, path: str | Path) -> Path:
+    """Validate and write one run's document."""
+    return _write(validate(doc), path)
+
+
+def save_compare(doc: dict, path: str | Path) -> Path:
+    """Validate and write a compare document (runs merged by `edgespec bench compare`)."""
+    if doc.get("kind") != COMPARE_KIND or not doc.get("runs"):
+        raise ConfigError("not a compare document")
+    for i, r in enumerate(doc["runs"]):
+        validate(r, f"run {i + 1}")
+    return _write(doc, path)
+
+
+def _write(doc: dict, path: str | Path) -> Path:
+    """Write JSON atomically: a crash leaves no half-written file."""
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"--json needs a file name, but {path} is a folder")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def load_runs(path: str | Path) -> list[dict]:
+    """The validated run documents in a result file (one run, or a compare file's runs)."""
+    path = Path(path).expanduser()
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"bench result not found: {path}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read bench result {path}: {e}") from None
+    if isinstance(doc, dict) and doc.get("kind") == COMPARE_KIND:
+        runs = doc.get("runs")
+        if not isinstance(runs, list) or not runs:
+            raise ConfigError(f"{path.name}: a compare file with no runs")
+        return [validate(r, f"{path.name} run {i + 1}") for i, r in enumerate(runs)]
+    return [validate(doc, path.name)]
+
+
+def compare_document(runs: list[dict]) -> dict:
+    return {"schema_version": SCHEMA_VERSION, "kind": COMPARE_KIND, "runs": runs}

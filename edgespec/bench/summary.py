@@ -1,0 +1,156 @@
+"""From measured runs to per-prompt and per-class figures (pure functions).
+
+Per prompt and configuration, the median over repeats of each time. A class's decode speed is
+the sum of its prompts' tokens over the sum of their median decode times, so long replies weigh
+as they should; the speed-up is that measured speed divided by plain decoding's measured speed,
+never a figure derived from acceptance. Greedy speculative output must equal plain output token
+for token; every prompt where it does not is listed as a mismatch.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from statistics import median
+
+from .measure import PLAIN, RunRecord
+
+__all__ = ["summarise", "group_runs", "class_metrics", "prompt_rows", "mismatches", "first_difference"]
+
+
+def group_runs(runs: list[RunRecord]) -> dict[tuple[str, str, str], list[RunRecord]]:
+    """(class, prompt, config) -> its repeats, in run order."""
+    out: dict[tuple[str, str, str], list[RunRecord]] = defaultdict(list)
+    for r in runs:
+        out[(r.cls, r.prompt, r.config)].append(r)
+    return dict(out)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def class_metrics(groups: list[list[RunRecord]], plain: dict | None = None) -> dict:
+    """Figures for one configuration over a set of prompts (`groups`: one list of repeats per prompt)."""
+    groups = [g for g in groups if g]
+    if not groups:
+        return {}
+    flat = [r for g in groups for r in g]
+    n_tok = [median(len(r.tokens) for r in g) for g in groups]
+    dec_s = [median(r.decode_s for r in g) for g in groups]
+    tot_s = [median(r.total_s for r in g) for g in groups]
+    ttft = [median(r.ttft_s for r in g) for g in groups]
+    decoded = sum(max(n - 1, 0) for n in n_tok)
+    drafted, accepted, steps = (sum(getattr(r, f) for r in flat) for f in ("drafted", "accepted", "steps"))
+    draft_ms, verify_ms = sum(r.draft_ms for r in flat), sum(r.verify_ms for r in flat)
+    made = sum(len(r.tokens) for r in flat)
+    n_rep = max(len(g) for g in groups)
+    per_rep = []  # the class speed in each repeat alone: how noisy the medians are
+    for i in range(n_rep):
+        reps = [g[i] for g in groups if i < len(g)]
+        s = sum(r.decode_s for r in reps)
+        per_rep.append(sum(max(len(r.tokens) - 1, 0) for r in reps) / s if s > 0 else 0.0)
+    by_k: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for r in flat:
+        for key, (n, a) in r.by_k.items():
+            by_k[key][0] += n
+            by_k[key][1] += a
+    m = {
+        "prompts": len(groups),
+        "runs": len(flat),
+        "new_tokens": int(sum(n_tok)),
+        "prompt_tokens": int(sum(g[0].prompt_tokens for g in groups)),
+        "tok_s": decoded / sum(dec_s) if sum(dec_s) > 0 else 0.0,
+        "tok_s_per_repeat": per_rep,
+        "e2e_tok_s": sum(n_tok) / sum(tot_s) if sum(tot_s) > 0 else 0.0,
+        "ttft_ms": 1e3 * median(ttft),
+        "prefill_tok_s": sum(g[0].prompt_tokens for g in groups) / sum(ttft) if sum(ttft) > 0 else 0.0,
+        "acceptance": accepted / drafted if drafted else None,
+        "mean_accepted_length": made / steps if steps else 0.0,  # tokens committed per target forward
+        "mean_draft_length": drafted / steps if steps else 0.0,
+        "draft_ms_per_token": draft_ms / made if made else 0.0,
+        "verify_ms_per_token": verify_ms / made if made else 0.0,
+        "draft_share": draft_ms / (draft_ms + verify_ms) if draft_ms + verify_ms > 0 else 0.0,
+        # from the first repeat, where classes run in suite order: the allocator keeps what it took, so a
+        # later repeat would show every class at the whole run's peak
+        "peak_rss_bytes": max(r.peak_rss for r in flat if r.repeat == min(x.repeat for x in flat)),
+        "by_draft_length": [
+            {"drafter": key.split(":")[0], "k": int(key.split(":")[1]), "steps": n, "accepted": a,
+             "acceptance": a / (n * int(key.split(":")[1]))}
+            for key, (n, a) in sorted(by_k.items(), key=lambda kv: (kv[0].split(":")[0], int(kv[0].split(":")[1])))
+        ],
+    }
+    if plain is not None:
+        m["speedup"] = _ratio(m["tok_s"], plain.get("tok_s"))
+        m["e2e_speedup"] = _ratio(m["e2e_tok_s"], plain.get("e2e_tok_s"))
+    return m
+
+
+def mismatches(groups: dict[tuple[str, str, str], list[RunRecord]]) -> list[dict]:
+    """Every (prompt, configuration, repeat) whose greedy tokens differ from plain decoding's first run."""
+    out = []
+    for (cls, prompt, config), runs in sorted(groups.items()):
+        ref = groups.get((cls, prompt, PLAIN))
+        if not ref:
+            continue
+        for r in runs:
+            if r is ref[0]:
+                continue
+            at = first_difference(ref[0].tokens, r.tokens)
+            if at is not None:
+                out.append({"class": cls, "prompt": prompt, "config": config, "repeat": r.repeat,
+                            "first_difference": at})
+    return out
+
+
+def prompt_rows(groups: dict[tuple[str, str, str], list[RunRecord]], configs: list[str]) -> list[dict]:
+    """One row per prompt: its sizes, and per configuration the per-repeat speeds and medians."""
+    keys = list(dict.fromkeys((cls, prompt) for cls, prompt, _ in groups))
+    rows = []
+    for cls, prompt in keys:
+        ref = groups.get((cls, prompt, PLAIN), [])
+        row = {"class": cls, "id": prompt, "prompt_tokens": ref[0].prompt_tokens if ref else None,
+               "new_tokens": len(ref[0].tokens) if ref else None, "configs": {}}
+        for c in configs:
+            rs = groups.get((cls, prompt, c), [])
+            if not rs:
+                continue
+            drafted = sum(r.drafted for r in rs)
+            row["configs"][c] = {
+                "tok_s": [r.tok_s for r in rs],
+                "ttft_ms": [1e3 * r.ttft_s for r in rs],
+                "total_s": [r.total_s for r in rs],
+                "median_tok_s": median(r.tok_s for r in rs),
+                "acceptance": sum(r.accepted for r in rs) / drafted if drafted else None,
+                "identical": all(first_difference(ref[0].tokens, r.tokens) is None for r in rs) if ref else None,
+            }
+        rows.append(row)
+    return rows
+
+
+def summarise(runs: list[RunRecord], configs: list[str]) -> dict:
+    """{"classes": {cls: {config: metrics}}, "overall": {config: metrics}, "prompts": [...], "mismatches": [...]}"""
+    groups = group_runs(runs)
+    classes = list(dict.fromkeys(r.cls for r in runs))
+
+    def block(selected: list[str]) -> dict:
+        out: dict = {}
+        for c in [PLAIN] + [c for c in configs if c != PLAIN]:
+            per_prompt = [rs for (cls, _, cfg), rs in groups.items() if cfg == c and cls in selected]
+            m = class_metrics(per_prompt, out.get(PLAIN))
+            if m:
+                out[c] = m
+        return out
+
+    bad = mismatches(groups)
+    result = {"classes": {cls: block([cls]) for cls in classes}, "overall": block(classes),
+              "prompts": prompt_rows(groups, configs), "mismatches": bad}
+    for cls, block_ in [*result["classes"].items(), (None, result["overall"])]:
+        for c, m in block_.items():
+            m["identical"] = not any(b["config"] == c and cls in (None, b["class"]) for b in bad)
+    return result

@@ -1,0 +1,325 @@
+"""`edgespec bench`: prompt suites, the interleaved measuring loop on one set of runtimes, the
+versioned JSON schema (round trip), reports with real PNG plots, `compare`, and the CLI as a
+user runs it (with torch and transformers blocked: the bench path must not need them)."""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from edgespec.api import load
+from edgespec.bench import (
+    PLAIN, SPECULATIVE, SUITES, BenchConfig, Prompt, RunRecord, build_decoders, build_document, encode_prompt,
+    load_prompts, load_runs, merge_runs, run_bench, save, summarise, validate,
+)
+from edgespec.bench.machine import cpu_model
+from edgespec.bench.schema import SCHEMA_VERSION
+from edgespec.errors import ConfigError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL = [Prompt("story", "chat", messages=(("user", "the cat and the dog"),)),
+         Prompt("repeat", "grounded", messages=(("user", "a b c d a b c d a b c d. Repeat it:"),)),
+         Prompt("raw", "code", text="the dog and the")]
+# runs torch-free: the CLI as an aarch64 box with only the runtime extras would run it
+NO_TORCH = ("import sys\nfor m in ('torch', 'transformers', 'optimum', 'accelerate'): sys.modules[m] = None\n"
+            "from edgespec.cli import main\nrc = main(sys.argv[1:])\n"
+            "assert not [m for m in ('torch', 'transformers') if sys.modules.get(m)], 'torch was imported'\n"
+            "sys.exit(rc)\n")
+
+
+def run_cli(*args: str, block_torch: bool = False) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", NO_TORCH, *args] if block_torch else [sys.executable, "-m", "edgespec", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ))
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("edgespec: error:"), proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def png_ok(path: Path) -> bool:
+    from matplotlib.image import imread
+
+    data = path.read_bytes()
+    return data[:8] == PNG_MAGIC and imread(path).shape[0] > 100
+
+
+@pytest.fixture(scope="module")
+def doc(zoo) -> dict:
+    """One real bench run on the tiny llama bundle (int8 self-draft), as its JSON document."""
+    cfg = BenchConfig(repeat=2, max_tokens=12, warmup=1, k_sweep=(2,))
+    with load(zoo.bundle("llama"), drafter="both") as engine:
+        runs = run_bench(engine, SMALL, cfg)
+        configs = list(build_decoders(engine, cfg.k_sweep))
+        return build_document(engine, runs, cfg, prompts_spec="test", configs=configs,
+                              backend={"name": engine.backend}, memory={"engine": engine.memory()})
+
+
+# ---------------------------------------------------------------- suites
+
+
+def test_builtin_suites_are_varied_data():
+    for name in SUITES:
+        prompts = load_prompts(name)
+        assert 6 <= len(prompts) <= 10, name
+        assert {p.cls for p in prompts} == {name}
+        assert len({p.id for p in prompts}) == len(prompts)
+    everything = load_prompts("all")
+    assert [p.cls for p in everything] == sorted([p.cls for p in everything], key=SUITES.index)
+    assert any(p.is_chat and len(p.messages) > 2 for p in everything)  # multi-turn
+    assert any(p.is_chat and p.messages[0][0] == "system" for p in everything)
+    assert any(not p.is_chat for p in load_prompts("code"))  # raw completions
+    assert min(sum(len(c) for _, c in p.messages) for p in load_prompts("long")) > 2000  # ~500+ tokens
+    assert [p.cls for p in load_prompts("code,chat")] == ["code"] * 8 + ["chat"] * 8
+
+
+def test_prompt_file_and_bad_specs(tmp_path):
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"id": "a", "text": "hello"}\n\n{"id": "b", "class": "x", "messages": [{"role": "user", "content": "hi"}]}\n')
+    ps = load_prompts(str(f))
+    assert [(p.cls, p.id, p.is_chat) for p in ps] == [("mine", "a", False), ("x", "b", True)]
+    with pytest.raises(ConfigError, match="unknown prompt suite nope"):
+        load_prompts("chat,nope")
+    with pytest.raises(ConfigError, match="not found"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
+    for bad, msg in (('{"id": "a"}', "exactly one"), ("{not json", "not valid JSON"),
+                     ('{"id": "a", "messages": [{"role": "assistant", "content": "x"}]}', "last message"),
+                     ('{"id": "a", "text": "x"}\n{"id": "a", "text": "y"}', "repeat")):
+        f.write_text(bad)
+        with pytest.raises(ConfigError, match=msg):
+            load_prompts(str(f))
+
+
+def test_chat_prompts_use_the_template_or_plain_text(zoo):
+    chat = Prompt("q", "chat", messages=(("system", "be brief"), ("user", "the cat")))
+    with load(zoo.bundle("qwen2")) as qwen, load(zoo.bundle("llama")) as llama:
+        assert encode_prompt(qwen.tokenizer, chat) == qwen.tokenizer.encode_chat(
+            [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat"}])
+        assert not llama.tokenizer.has_chat_template  # falls back to a plain rendering
+        assert llama.tokenizer.decode(encode_prompt(llama.tokenizer, chat)).endswith("Assistant:")
+
+
+def test_cpu_model_names():
+    assert cpu_model("processor\t: 0\nmodel name\t: AMD Ryzen 7 5800U\n") == "AMD Ryzen 7 5800U"
+    pi = "processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd08\n\nHardware\t: BCM2835\nModel\t: Raspberry Pi 4 Model B Rev 1.4\n"
+    assert cpu_model(pi) == "Raspberry Pi 4 Model B Rev 1.4"
+    assert cpu_model("processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd05\nCPU part\t: 0xd0d\n") == \
+        "ARM implementer 0x41 part 0xd05/0xd0d"
+
+
+# ---------------------------------------------------------------- measuring and summarising
+
+
+def test_configs_share_the_loaded_runtimes(zoo):
+    with load(zoo.bundle("llama"), drafter="model", k=3) as engine:
+        decs = build_decoders(engine, (1, 2))
+        assert list(decs) == [PLAIN, SPECULATIVE, "k=1", "k=2"]
+        assert decs[SPECULATIVE] is engine.decoder
+        assert all(d.target is engine.target for d in decs.values())  # the model is loaded once
+        assert decs[PLAIN].drafter is None and decs["k=2"].policy.k == 2
+        before = engine.generate("the cat", max_tokens=10)
+        runs = run_bench(engine, SMALL[:1], BenchConfig(repeat=2, max_tokens=8, warmup=0))
+        assert engine.generate("the cat", max_tokens=10) == before  # the engine is left usable
+    assert len(runs) == 2 * 2  # repeats x (plain, speculative)
+    firsts = [runs[i].config for i in (0, 2)]
+    assert firsts[0] != firsts[1]  # the order rotates between repeats
+    for r in runs:
+        assert len(r.tokens) == 8 and r.ttft_s > 0 and r.total_s >= r.ttft_s
+        assert r.tokens == runs[0].tokens  # greedy: every configuration commits the same tokens
+        assert (r.drafted == 0) == (r.config == PLAIN)
+    with load(zoo.bundle("llama"), drafter="none") as engine, pytest.raises(ConfigError, match="nothing to compare"):
+        build_decoders(engine)
+
+
+def test_context_limit_skips_prompts_and_limits_reach_every_decoder(zoo, caplog):
+    """Under a memory budget (edgespec.memory) the engine fixes a context limit on its decoder."""
+    with load(zoo.bundle("llama"), drafter="model", k=2) as engine:
+        short, long_ = SMALL[2], Prompt("long", "code", text="the cat and the dog " * 40)
+        engine.context_limit = len(encode_prompt(engine.tokenizer, short)) + 6
+        engine.decoder.context_limit = engine.context_limit
+        decs = build_decoders(engine, (1,))
+        assert all(getattr(d, "context_limit", None) == engine.context_limit for d in decs.values())
+        cfg = BenchConfig(repeat=1, max_tokens=6, warmup=0)
+        runs = run_bench(engine, [short, long_], cfg)
+        assert {r.prompt for r in runs} == {"raw"} and "skipping code/long" in caplog.text
+        doc = build_document(engine, runs, cfg, prompts_spec="t", configs=list(decs)[:2], backend={},
+                             memory={}, prompts=[short, long_])
+        assert doc["skipped"] == ["code/long"]
+        with pytest.raises(ConfigError, match="no prompt fits"):
+            run_bench(engine, [long_], cfg)
+
+
+def _rec(config, cls, prompt, rep, n, ttft, total, tokens=None, drafted=0, accepted=0):
+    return RunRecord(config, cls, prompt, rep, 5, tokens or list(range(n)), ttft, total, steps=n, drafted=drafted,
+                     accepted=accepted, draft_ms=1.0, verify_ms=3.0, peak_rss=100 + rep)
+
+
+def test_summary_speedup_is_a_ratio_of_measured_medians():
+    runs = [
+        # plain: decode times 1.0, 1.2, 5.0 (an outlier) -> median 1.2; 11 tokens -> 10 decoded
+        _rec(PLAIN, "c", "p", 0, 11, 0.1, 1.1), _rec(PLAIN, "c", "p", 1, 11, 0.1, 1.3), _rec(PLAIN, "c", "p", 2, 11, 0.1, 5.1),
+        # speculative: decode 0.5, 0.6, 0.4 -> median 0.5
+        _rec(SPECULATIVE, "c", "p", 0, 11, 0.2, 0.7, drafted=8, accepted=6),
+        _rec(SPECULATIVE, "c", "p", 1, 11, 0.2, 0.8, drafted=8, accepted=6),
+        _rec(SPECULATIVE, "c", "p", 2, 11, 0.2, 0.6, tokens=[0, 1, 2, 9] + list(range(4, 11)), drafted=8, accepted=6),
+    ]
+    s = summarise(runs, [PLAIN, SPECULATIVE])
+    plain, spec = s["classes"]["c"][PLAIN], s["classes"]["c"][SPECULATIVE]
+    assert plain["tok_s"] == pytest.approx(10 / 1.2) and spec["tok_s"] == pytest.approx(10 / 0.5)
+    assert spec["speedup"] == pytest.approx(1.2 / 0.5)
+    assert spec["acceptance"] == pytest.approx(0.75) and plain["acceptance"] is None
+    assert plain["ttft_ms"] == pytest.approx(100) and plain["prefill_tok_s"] == pytest.approx(50)
+    assert spec["draft_share"] == pytest.approx(0.25)
+    assert plain["peak_rss_bytes"] == 100  # first repeat only
+    assert s["mismatches"] == [{"class": "c", "prompt": "p", "config": SPECULATIVE, "repeat": 2, "first_difference": 3}]
+    assert spec["identical"] is False and plain["identical"] is True
+    assert s["prompts"][0]["configs"][SPECULATIVE]["identical"] is False
+
+
+# ---------------------------------------------------------------- schema, report, compare
+
+
+def test_json_schema_round_trip(doc, tmp_path):
+    assert doc["schema_version"] == SCHEMA_VERSION and doc["identical"] is True
+    assert doc["configs"] == [PLAIN, SPECULATIVE, "k=2"]
+    assert set(doc["classes"]) == {"chat", "grounded", "code"}
+    for key in ("cpu", "cores_logical", "ram_bytes", "arch", "os", "python"):
+        assert doc["machine"][key]
+    assert "onnxruntime" in doc["libraries"] and doc["bundle"]["draft"]["precision"] == "int8"
+    spec = doc["overall"][SPECULATIVE]
+    assert spec["speedup"] > 0 and 0 <= spec["acceptance"] <= 1 and spec["by_draft_length"]
+    assert doc["overall"]["k=2"]["by_draft_length"][-1]["k"] <= 2
+    path = save(doc, tmp_path / "out" / "run.json")
+    (loaded,) = load_runs(path)
+    assert loaded == json.loads(json.dumps(doc))
+    broken = copy.deepcopy(loaded)
+    del broken["classes"]["chat"][SPECULATIVE]["tok_s"]
+    for bad, msg in ((broken, "chat/speculative: missing field 'tok_s'"),
+                     ({**loaded, "schema_version": 99}, "schema version 99"),
+                     ({**loaded, "kind": "other"}, "not an edgespec bench result"),
+                     ({**loaded, "identical": False}, "disagrees")):
+        with pytest.raises(ConfigError, match=msg):
+            validate(bad)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_runs(tmp_path / "bad.json")
+
+
+def test_report_and_compare_merge_two_runs(doc, tmp_path):
+    from edgespec.bench.report import PLOTS, write_report
+
+    other = copy.deepcopy(doc)
+    other["label"] = "raspberry-pi"
+    other["machine"].update(cpu="Raspberry Pi 4 Model B", arch="aarch64")
+    for block in [*other["classes"].values(), other["overall"]]:
+        block[SPECULATIVE]["tok_s"] *= 0.5
+    a, b = save(doc, tmp_path / "a.json"), save(other, tmp_path / "b.json")
+    b_same_label = save({**doc}, tmp_path / "c.json")
+
+    md = write_report([doc], tmp_path / "single")
+    assert "| chat |" in md.read_text() and "WARNING" not in md.read_text()
+    assert all(png_ok(tmp_path / "single" / p) for p in PLOTS)
+
+    runs = merge_runs([a, b, b_same_label])
+    assert [r["label"] for r in runs] == [doc["label"], "raspberry-pi", f"{doc['label']} [c]"]
+    proc = run_cli("bench", "compare", str(a), str(b), "--report", str(tmp_path / "cmp"),
+                   "--json", str(tmp_path / "merged.json"))
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "cmp" / "report.md").read_text()
+    assert "## Comparison" in text and doc["label"] in text and "raspberry-pi" in text and "aarch64" in text
+    for p in PLOTS:
+        assert png_ok(tmp_path / "cmp" / p), p
+    assert [r["label"] for r in load_runs(tmp_path / "merged.json")] == [doc["label"], "raspberry-pi"]
+
+
+def test_report_warns_loudly_on_a_mismatch(doc, tmp_path):
+    from edgespec.bench.report import markdown
+
+    bad = copy.deepcopy(doc)
+    bad["mismatches"] = [{"class": "chat", "prompt": "story", "config": SPECULATIVE, "repeat": 0, "first_difference": 4}]
+    bad["identical"] = False
+    bad["classes"]["chat"][SPECULATIVE]["identical"] = False
+    text = markdown([validate(bad)], [])
+    assert "WARNING: greedy speculative output differed" in text and "chat/story" in text and "**NO**" in text
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def test_cli_bench_on_a_tiny_bundle_without_torch(zoo, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "text": "the cat and"}\n'
+                       '{"id": "b", "class": "chat", "messages": [{"role": "user", "content": "the dog"}]}\n')
+    out = tmp_path / "r.json"
+    proc = run_cli("bench", str(zoo.bundle("qwen2")), "--prompts", str(prompts), "--repeat", "2",
+                   "--max-tokens", "10", "--json", str(out), "--report", str(tmp_path / "rep"), "-k", "3",
+                   "--label", "tiny", block_torch=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "speculative" in proc.stdout and "overall" in proc.stdout and "speed-up" in proc.stdout
+    assert "running medians" in proc.stderr  # the live table, printed per pass when piped
+    (doc,) = load_runs(out)
+    assert doc["label"] == "tiny" and set(doc["classes"]) == {"p", "chat"} and doc["identical"]
+    assert doc["config"]["k"] == 3 and doc["config"]["policy"] == "fixed" and doc["config"]["repeat"] == 2
+    assert doc["bundle"]["chat_format"].startswith("chat template")
+    assert all(len(p["configs"][PLAIN]["tok_s"]) == 2 for p in doc["prompts"])
+    assert (tmp_path / "rep" / "report.md").stat().st_size > 500
+    assert png_ok(tmp_path / "rep" / "speed.png")
+
+
+def test_cli_errors_are_one_line(zoo, tmp_path, capsys):
+    from edgespec.cli import main
+
+    def check(args, *needles):
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse
+            code = e.code
+        err = capsys.readouterr().err
+        assert_one_line_error(subprocess.CompletedProcess(args, code, "", err), *needles)
+
+    bundle = str(zoo.bundle("llama"))
+    check(["bench", bundle, "--prompts", "poems"], "unknown prompt suite poems")
+    check(["bench", bundle, "--repeat", "0"], "--repeat must be an integer >= 1")
+    check(["bench", bundle, "--bogus"], "unrecognized arguments: --bogus")
+    check(["bench", bundle, "--k-sweep", "1,x"], "--k-sweep")
+    check(["bench", bundle, "--drafter", "none"], "nothing to compare")
+    check(["bench", str(tmp_path / "nope")], "bundle not found")
+    check(["bench", "compare", str(tmp_path / "x.json"), "--report", str(tmp_path)], "bench result not found")
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    check(["bench", "compare", str(tmp_path / "other.json"), "--report", str(tmp_path)], "not an edgespec bench result")
+    check(["bench", "compare", "--report", str(tmp_path)], "required")
+    # and as a user runs it
+    assert_one_line_error(run_cli("bench", bundle, "--prompts", "poems"), "unknown prompt suite poems")
+
+
+def test_memory_budget_flag(zoo, tmp_path):
+    """Passed to edgespec.load only when given; a load without memory budgets says so in one line."""
+    args = ("bench", str(zoo.bundle("llama")), "--prompts", "chat", "--repeat", "1", "--max-tokens", "4",
+            "--warmup", "0", "--memory-budget", "1GB", "--json", str(tmp_path / "m.json"))
+    proc = run_cli(*args)
+    if "memory_budget" not in inspect.signature(load).parameters:
+        assert_one_line_error(proc, "--memory-budget is not supported")
+    else:
+        assert proc.returncode == 0, proc.stderr
+        assert load_runs(tmp_path / "m.json")[0]["config"]["memory_budget"] == "1GB"
+
+
+def test_bench_imports_without_torch():
+    code = ("import sys\nfor m in ('torch', 'transformers', 'optimum'): sys.modules[m] = None\n"
+            "import edgespec.bench, edgespec.cli.bench, edgespec.bench.report, edgespec.bench.live\n"
+            "edgespec.cli.bench.build_parser(); edgespec.cli.bench.build_compare_parser()\n"
+            "print(sorted(m for m in ('onnxruntime', 'matplotlib') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"  # no backend and no matplotlib until they are used
