@@ -1,7 +1,8 @@
 """Typed, user-facing errors: the CLI prints their message on one line and exits non-zero."""
 from __future__ import annotations
 
-__all__ = ["EdgespecError", "ConfigError", "BundleError", "ExportError", "BackendError", "BusyError"]
+__all__ = ["EdgespecError", "ConfigError", "BundleError", "ExportError", "BackendError", "BusyError",
+           "MemoryBudgetError", "ContextFullError"]
 
 
 class EdgespecError(Exception):
@@ -26,3 +27,11 @@ class BackendError(EdgespecError):
 
 class BusyError(EdgespecError):
     """The engine is already generating; one generation per engine at a time."""
+
+
+class MemoryBudgetError(ConfigError):
+    """A memory budget is malformed or too small to run the model at all."""
+
+
+class ContextFullError(EdgespecError):
+    """A forward would write past the KV cache's fixed capacity."""

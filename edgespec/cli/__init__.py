@@ -13,6 +13,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "chat": ("edgespec.cli.chat", "chat with a bundle, streaming, with speculative decoding"),
     "generate": ("edgespec.cli.generate", "complete a prompt (plain text, streamed)"),
     "info": ("edgespec.cli.info", "show a bundle's manifest and the installed backends"),
+    "plan": ("edgespec.cli.plan", "show how a bundle fits a memory budget (--memory-budget 1.5GB)"),
 }
 
 
