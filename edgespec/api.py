@@ -171,7 +171,7 @@ class Engine:
             open_draft = functools.partial(open_runtime, dback, bundle.file(m.draft.formats[dfmt].file),
                                            threads=threads, device=draft_device or device, **ctx_kw)
             self.draft = self._stack.enter_context(budget.open_draft(open_draft) if budget else open_draft())
-        self.memory_plan = budget.finish() if budget else None
+        self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
         if self.memory_plan is not None:
             self._apply_plan(self.memory_plan)
         self.decoder = SpeculativeDecoder(

@@ -288,13 +288,13 @@ def test_completion_past_the_context_stops_with_length(zoo):
 
 
 def test_a_long_chat_past_the_context_keeps_answering(zoo):
-    with load(zoo.bundle("qwen2", DISAGREEING), k=3, drafter="model", max_context=96) as e:
+    with load(zoo.bundle("qwen2", DISAGREEING), k=3, drafter="model", max_context=160) as e:
         chat = e.chat(system="be brief")
         for i in range(14):
-            reply = list(chat.send(f"{PROMPTS[i % 2]} turn {i}", max_tokens=12))
+            reply = list(chat.send(f"{PROMPTS[1]} turn {i}", max_tokens=12))
             assert reply and reply[-1].finish_reason in ("stop", "length")
             assert sum(len(r.token_ids) for r in reply) >= 1
-            assert e.target.n_past < 96
+            assert e.target.n_past < 160
         assert chat.notices and all("dropped" in n for n in chat.notices)
         assert chat.messages[0] == {"role": "system", "content": "be brief"}
         assert chat.messages[-1]["role"] == "assistant" and "turn 13" in chat.messages[-2]["content"]

@@ -15,7 +15,7 @@ from typing import Callable
 from ..runtimes.base import Runtime
 from .footprint import KV_DTYPE_BYTES, ModelMemory, Shapes, estimate_fixed, kv_bytes_per_token
 from .measure import rss_bytes
-from .planner import Plan, plan_memory
+from .planner import MIN_CONTEXT, Plan, plan_memory
 
 __all__ = ["estimated_memory", "measured_memory", "BudgetedLoad", "warm_up"]
 
@@ -84,14 +84,39 @@ class BudgetedLoad:
         setattr(self, role, mem)
         return rt
 
-    def final(self, draft_estimate: ModelMemory | None) -> Plan:
-        """The plan from measured numbers (the draft's estimate stands in if it was not loaded)."""
+    def final(self, draft_estimate: ModelMemory | None, runtimes: dict[str, Runtime] | None = None) -> Plan:
+        """The plan from measured numbers (the draft's estimate stands in if it was not loaded).
+
+        With `runtimes`, each one kept runs one probe forward at the planned prompt chunk and
+        context, and the scratch it really took replaces the estimate in the final plan."""
         if self.target is None:
             raise RuntimeError("open the target first")
         draft = self.draft or draft_estimate
         if draft is not None and self.draft is None:
             draft = replace(draft, measured=False)
-        return self.plan(self.target, draft)
+        caps = [rt.kv_capacity for rt in (runtimes or {}).values() if rt.kv_capacity]
+        if caps:  # never plan past the buffers the runtimes hold
+            self.max_context = min([*caps, *([self.max_context] if self.max_context else [])])
+        plan = self.plan(self.target, draft)
+        probed = False
+        for role, rt in (runtimes or {}).items():
+            mem = getattr(self, role)
+            if mem is None or (role == "draft" and not plan.use_draft):
+                continue
+            # probe below the planned context: the allocator keeps what a probe takes, and the
+            # estimate may be low, so measure a quarter of it and scale the estimate to that
+            ctx = min(plan.kv_capacity, max(MIN_CONTEXT, plan.kv_capacity // 4))
+            chunk = min(plan.prefill_chunk, ctx)
+            before = rss_bytes()
+            if ctx > 0 and rt.probe_scratch(chunk, ctx):
+                took = max(0, rss_bytes() - before)
+                setattr(self, role, replace(mem, scratch=(chunk, ctx, took)))
+                logger.info("%s scratch of a %d-token forward over %d positions: %d MiB", role, chunk, ctx,
+                            took >> 20)
+                probed = True
+        if probed:
+            plan = self.plan(self.target, self.draft if plan.use_draft else draft)
+        return plan
 
 
 def _files_bytes(path) -> int:
@@ -135,8 +160,8 @@ class EngineBudget:
     def open_draft(self, opener: Callable[..., Runtime]) -> Runtime:
         return self.load.open("draft", lambda: opener(**self._kwargs()))
 
-    def finish(self) -> Plan:
-        self.plan = self.load.final(self._d_est)
+    def finish(self, runtimes: dict[str, Runtime] | None = None) -> Plan:
+        self.plan = self.load.final(self._d_est, runtimes)
         for n in self.plan.notes:
             logger.warning(n)
         return self.plan

@@ -7,7 +7,7 @@ alone. Between them the draft model is dropped; below the plain bound nothing ru
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import MemoryBudgetError
 from .budget import format_bytes
@@ -22,6 +22,7 @@ MIN_CONTEXT = 512  # a useful context: a system prompt and a few chat turns
 WANT_CONTEXT = 4096  # the most exact KV dtype is kept while it still gives this much context
 MAX_CONTEXT = 32768  # capacity is capped here unless the caller allows more
 PREFILL_CHUNK = 256  # prompt tokens per forward under a budget: bounds the attention scratch
+MIN_CHUNK = 32  # the planner halves the chunk down to this; the lower bounds assume it
 
 
 @dataclass(frozen=True)
@@ -50,18 +51,12 @@ class Plan:
         return sum(b for _, b in self.parts)
 
 
-def _ws_line(models: list[ModelMemory], chunk: int) -> tuple[int, int]:
-    """Workspace of the models' largest forwards as a + b x context (workspace_bytes is linear)."""
-    a = sum(m.workspace(chunk, 0) for m in models)
-    b = sum(m.workspace(chunk, 1) for m in models) - a
-    return a, b
-
-
 def _need(base: int, models: list[ModelMemory], dtypes: list[str], k: int, draft_vocab: int | None,
           target_vocab: int, ctx: int, chunk: int, sampling: bool) -> int:
-    a, b = _ws_line(models, min(chunk, ctx))
+    """Bytes the process needs with `ctx` positions of context and prompts fed `chunk` at a time."""
     kv = sum(m.kv(d, ctx) for m, d in zip(models, dtypes))
-    return base + sum(m.fixed for m in models) + kv + a + b * ctx + candidate_bytes(k, target_vocab, draft_vocab, sampling)
+    ws = sum(m.workspace(min(chunk, max(ctx, 1)), ctx) for m in models)
+    return base + sum(m.fixed for m in models) + kv + ws + candidate_bytes(k, target_vocab, draft_vocab, sampling)
 
 
 def _dtypes(models: list[ModelMemory], dtype: str) -> list[str]:
@@ -73,8 +68,13 @@ def _smallest_dtype(m: ModelMemory) -> str:
 
 
 def lower_bounds(base: int, target: ModelMemory, draft: ModelMemory | None, k: int,
-                 min_context: int = MIN_CONTEXT, chunk: int = PREFILL_CHUNK, sampling: bool = True) -> Bounds:
-    """Least memory for speculative decoding (draft model, k drafts) and for plain decoding."""
+                 min_context: int = MIN_CONTEXT, chunk: int = MIN_CHUNK, sampling: bool = True) -> Bounds:
+    """Least memory for speculative decoding (draft model, k drafts) and for plain decoding.
+
+    Scratch comes from the estimate here: a probe measures this process's allocator at one
+    context, not the least any process needs."""
+    target = replace(target, scratch=None)
+    draft = None if draft is None else replace(draft, scratch=None)
     small = _smallest_dtype(target)
     plain = _need(base, [target], [small], 0, None, target.vocab, min_context, chunk, sampling)
     spec = None
@@ -86,22 +86,28 @@ def lower_bounds(base: int, target: ModelMemory, draft: ModelMemory | None, k: i
 
 def _capacity(budget: int, base: int, models: list[ModelMemory], dtypes: list[str], k: int,
               draft_vocab: int | None, target_vocab: int, chunk: int, sampling: bool, max_context: int) -> int:
-    a, b = _ws_line(models, chunk)
-    free = budget - base - sum(m.fixed for m in models) - a - candidate_bytes(k, target_vocab, draft_vocab, sampling)
-    per_pos = sum(m.kv_per_token[d] for m, d in zip(models, dtypes)) + b
-    return max(0, min(max_context, free // per_pos))
+    """The most positions that fit (need grows with the context, so bisect)."""
+    def fits(n: int) -> bool:
+        return _need(base, models, dtypes, k, draft_vocab, target_vocab, n, chunk, sampling) <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, max_context
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
 
 
 def _pick_chunk(budget: int, base: int, models: list[ModelMemory], dvocab: int | None, target_vocab: int,
                 chunk: int, sampling: bool, max_context: int) -> int:
-    """The largest prefill chunk (halving from `chunk`, down to 32) whose attention scratch at the
+    """The largest prefill chunk (halving from `chunk`, down to MIN_CHUNK) whose attention scratch at the
     resulting capacity stays within what the KV cache itself takes: long contexts get small
     chunks, so the budget goes to context rather than to scratch."""
     dtypes = [m.kv_dtypes[0] for m in models]
-    while chunk > 32:
+    while chunk > MIN_CHUNK:
         n = _capacity(budget, base, models, dtypes, 0, dvocab, target_vocab, chunk, sampling, max_context)
-        a, b = _ws_line(models, chunk)
-        if a + b * n <= sum(m.kv(d, n) for m, d in zip(models, dtypes)):
+        if sum(m.workspace(chunk, n) for m in models) <= sum(m.kv(d, n) for m, d in zip(models, dtypes)):
             break
         chunk //= 2
     return chunk
@@ -120,18 +126,36 @@ def plan_memory(budget: int, base: int, target: ModelMemory, draft: ModelMemory 
         raise ValueError("need k >= 0, min_context >= 1 and max_context >= 1")
     min_context = min(min_context, max_context)  # a context capped on purpose is still useful
     max_k = max(k, max_k or k)
-    bounds = lower_bounds(base, target, draft, k, min_context, chunk, sampling)
+    bounds = lower_bounds(base, target, draft, k, min_context, min(chunk, MIN_CHUNK), sampling)
     if budget < bounds.plain:
         spec = f", {format_bytes(bounds.speculative)} with the draft model" if bounds.speculative else ""
         raise MemoryBudgetError(
             f"memory budget {format_bytes(budget)} is below the least this bundle needs: "
             f"{format_bytes(bounds.plain)} for plain decoding{spec} ({min_context}-token context)")
-    notes = []
     use_draft = draft is not None and bounds.speculative is not None and budget >= bounds.speculative
+    plan = _plan(budget, base, target, draft if use_draft else None, k if use_draft or draft is None else 0,
+                 max_k, min_context, max_context, chunk, sampling, bounds)
+    if plan.kv_capacity < min_context and use_draft:  # measured scratch can exceed the bound's estimate
+        use_draft = False
+        plan = _plan(budget, base, target, None, 0, 0, min_context, max_context, chunk, sampling, bounds)
+    if plan.kv_capacity < min_context:
+        need = _need(base, [target], [_smallest_dtype(target)], 0, None, target.vocab, min_context,
+                     min(chunk, MIN_CHUNK), sampling)
+        raise MemoryBudgetError(
+            f"memory budget {format_bytes(budget)} leaves room for only {plan.kv_capacity} tokens of context "
+            f"once loaded; plain decoding with a {min_context}-token context needs {format_bytes(need)} here")
     if draft is not None and k > 0 and not use_draft:
-        notes.append(f"memory budget {format_bytes(budget)} is below the speculative bound "
-                     f"{format_bytes(bounds.speculative)}: the draft model is dropped, decoding plainly")
-        k = max_k = 0
+        note = (f"memory budget {format_bytes(budget)} is below the speculative bound "
+                f"{format_bytes(bounds.speculative)}: the draft model is dropped, decoding plainly")
+        plan = replace(plan, notes=(note, *plan.notes))
+    return plan
+
+
+def _plan(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None, k: int, max_k: int,
+          min_context: int, max_context: int, chunk: int, sampling: bool, bounds: Bounds) -> Plan:
+    notes: list[str] = []
+    use_draft = draft is not None
+    max_k = max_k if k else 0
     models = [target] + ([draft] if use_draft else [])
     dvocab = draft.vocab if use_draft else None
     chunk = _pick_chunk(budget, base, models, dvocab, target.vocab, min(chunk, max_context), sampling, max_context)
@@ -152,14 +176,16 @@ def plan_memory(budget: int, base: int, target: ModelMemory, draft: ModelMemory 
         notes.append(f"KV cache in {dtype} (not {target.kv_dtypes[0]}) to fit a longer context")
     capacity = cap(dtype, kk)
     dts = _dtypes(models, dtype)
-    a, b = _ws_line(models, min(chunk, capacity))
+    scratch = sum(m.workspace(min(chunk, max(capacity, 1)), capacity) for m in models)
+    probed = all(m.scratch is not None for m in models)
     parts = [("runtime + tokenizer (measured)", base)]
     for m, d in zip(models, dts):
         parts.append((f"{m.role} weights + runtime ({'measured' if m.measured else 'estimated'})", m.fixed))
         parts.append((f"{m.role} KV cache ({capacity} positions x {format_bytes(m.kv_per_token[d])}, {d})",
                       m.kv(d, capacity)))
     parts.append((f"candidates and logits (k <= {kk})", candidate_bytes(kk, target.vocab, dvocab, sampling)))
-    parts.append((f"scratch of a {min(chunk, capacity)}-token forward over the context", a + b * capacity))
+    parts.append((f"scratch of a {min(chunk, capacity)}-token forward over the context "
+                  f"({'measured' if probed else 'estimated'})", scratch))
     return Plan(budget, use_draft, capacity, kk, dtype, min(chunk, capacity), bounds, tuple(parts), tuple(notes))
 
 

@@ -48,6 +48,12 @@ class Runtime(abc.ABC):
         knows them (memory planning estimates scratch memory from them); {} if unknown."""
         return {}
 
+    def probe_scratch(self, n_new: int, n_ctx: int) -> bool:
+        """Run one throwaway forward of `n_new` tokens over `n_ctx` positions (as if the cache held
+        n_ctx - n_new), so the allocator reaches the scratch size of the largest forward now and a
+        planner can measure it; the cache is empty afterwards. False if the backend cannot."""
+        return False
+
     def fixed_bytes(self) -> int:
         """Bytes held whatever the context length: the weights as the backend holds them plus
         buffers sized at load (not the KV cache). Planners measure the process as a whole; this

@@ -177,6 +177,17 @@ class OnnxRuntime(Runtime):
         self._past = [OrtValue.ortvalue_from_numpy(v.numpy()[:, :, :n_past].copy()) for v in self._past]
         self._n_past = n_past
 
+    def probe_scratch(self, n_new: int, n_ctx: int) -> bool:
+        if not self._append or n_new < 1 or n_ctx > self.kv_capacity:
+            return False
+        # the buffers' prefix stands in for a cached context: its contents do not matter here
+        self._n_past = max(0, n_ctx - n_new)
+        try:
+            self._forward_fixed([0] * min(n_new, n_ctx), 1)
+        finally:
+            self.reset()
+        return True
+
     def model_sizes(self) -> dict[str, int]:
         meta = self._sess.get_modelmeta().custom_metadata_map if self._sess is not None else {}
         keys = ("hidden_size", "n_heads", "intermediate_size")
