@@ -34,14 +34,19 @@ def estimated_memory(role: str, entry, file_bytes: int, kv_dtypes: tuple[str, ..
     return ModelMemory(role, estimate_fixed(file_bytes), _kv_table(per_tok, kv_dtypes), entry.vocab_size)
 
 
-def measured_memory(role: str, rt: Runtime, fixed: int) -> ModelMemory:
-    """After loading: `fixed` as measured, KV and sizes as the runtime reports them."""
+def measured_memory(role: str, rt: Runtime, fixed: int, estimate: ModelMemory | None = None) -> ModelMemory:
+    """After loading: `fixed` as measured, KV and sizes as the runtime reports them (the
+    manifest-based `estimate` stands in for what a backend does not report)."""
     sizes = rt.model_sizes()
-    shapes = Shapes(**sizes) if sizes else None
+    shapes = Shapes(**sizes) if sizes else (estimate.shapes if estimate else None)
     per_tok = rt.kv_bytes_per_token
-    if per_tok <= 0:  # a backend that does not report it: assume fp32 rows of the manifest's size
+    if per_tok > 0:
+        table = _kv_table(per_tok, rt.kv_dtypes)
+    elif estimate is not None:
+        table = dict(estimate.kv_per_token)
+    else:
         raise ValueError(f"the {role} runtime does not report kv_bytes_per_token")
-    return ModelMemory(role, max(0, fixed), _kv_table(per_tok, rt.kv_dtypes), rt.vocab_size, shapes, measured=True)
+    return ModelMemory(role, max(0, fixed), table, rt.vocab_size, shapes, measured=True)
 
 
 def warm_up(rt: Runtime) -> None:
@@ -70,7 +75,7 @@ class BudgetedLoad:
     def plan(self, target: ModelMemory, draft: ModelMemory | None) -> Plan:
         return plan_memory(self.budget, self.base, target, draft, k=self.k, max_k=self.max_k, **self._kw())
 
-    def open(self, role: str, opener: Callable[[], Runtime]) -> Runtime:
+    def open(self, role: str, opener: Callable[[], Runtime], estimate: ModelMemory | None = None) -> Runtime:
         """Open one runtime, warm it up, and record its measured fixed bytes."""
         before = rss_bytes()
         rt = opener()
@@ -79,7 +84,7 @@ class BudgetedLoad:
         except Exception:
             rt.close()
             raise
-        mem = measured_memory(role, rt, rss_bytes() - before)
+        mem = measured_memory(role, rt, rss_bytes() - before, estimate)
         logger.info("%s loaded: %d MiB resident (weights and runtime)", role, mem.fixed >> 20)
         setattr(self, role, mem)
         return rt
@@ -155,10 +160,10 @@ class EngineBudget:
         return kw
 
     def open_target(self, opener: Callable[..., Runtime]) -> Runtime:
-        return self.load.open("target", lambda: opener(**self._kwargs()))
+        return self.load.open("target", lambda: opener(**self._kwargs()), self._t_est)
 
     def open_draft(self, opener: Callable[..., Runtime]) -> Runtime:
-        return self.load.open("draft", lambda: opener(**self._kwargs()))
+        return self.load.open("draft", lambda: opener(**self._kwargs()), self._d_est)
 
     def finish(self, runtimes: dict[str, Runtime] | None = None) -> Plan:
         self.plan = self.load.final(self._d_est, runtimes)
