@@ -301,3 +301,12 @@ def test_a_long_chat_past_the_context_keeps_answering(zoo):
         with pytest.raises(ContextFullError):  # one message longer than the context: refused, history kept
             list(chat.send(" ".join([LONG_PROMPT] * 8)))
         assert "turn 13" in chat.messages[-2]["content"]
+
+
+def test_generate_prints_the_plan_with_v(zoo):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-m", "edgespec", "generate", str(zoo.bundle("llama", AGREEING)), "hello",
+                        "--memory-budget", "4GB", "--max-tokens", "4", "-v"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "memory budget" in r.stderr and "plan: speculative" in r.stderr

@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..runtimes.base import Runtime
 from .footprint import KV_DTYPE_BYTES, ModelMemory, Shapes, estimate_fixed, kv_bytes_per_token
-from .measure import rss_bytes
+from .measure import anon_bytes, rss_bytes
 from .planner import MIN_CONTEXT, Plan, plan_memory
 
 __all__ = ["estimated_memory", "measured_memory", "BudgetedLoad", "warm_up"]
@@ -49,6 +49,16 @@ def measured_memory(role: str, rt: Runtime, fixed: int, estimate: ModelMemory | 
     return ModelMemory(role, max(0, fixed), table, rt.vocab_size, shapes, measured=True)
 
 
+def held_bytes(rt: Runtime, rss_delta: int, anon_before: int | None) -> int:
+    """What a loaded model will hold: backends map weight files, and pages not read at load (an
+    embedding row is read when its token first appears) become resident later. So: the private
+    memory the load allocated plus every byte of the weight files, or the RSS growth if larger."""
+    anon_after = anon_bytes()
+    if anon_before is None or anon_after is None:
+        return max(rss_delta, int(rt.memory_bytes().get("weights", 0)))
+    return max(rss_delta, anon_after - anon_before + int(rt.memory_bytes().get("weights", 0)))
+
+
 def warm_up(rt: Runtime) -> None:
     """One forward, then an empty cache: pages of the weights and the allocator get touched now."""
     rt.forward([0], n_logits=1)
@@ -77,14 +87,14 @@ class BudgetedLoad:
 
     def open(self, role: str, opener: Callable[[], Runtime], estimate: ModelMemory | None = None) -> Runtime:
         """Open one runtime, warm it up, and record its measured fixed bytes."""
-        before = rss_bytes()
+        before, anon_before = rss_bytes(), anon_bytes()
         rt = opener()
         try:
             warm_up(rt)
         except Exception:
             rt.close()
             raise
-        mem = measured_memory(role, rt, rss_bytes() - before, estimate)
+        mem = measured_memory(role, rt, held_bytes(rt, rss_bytes() - before, anon_before), estimate)
         logger.info("%s loaded: %d MiB resident (weights and runtime)", role, mem.fixed >> 20)
         setattr(self, role, mem)
         return rt

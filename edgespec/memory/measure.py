@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 import time
 
-__all__ = ["rss_bytes", "PeakRSS"]
+__all__ = ["rss_bytes", "anon_bytes", "PeakRSS"]
 
 
 def rss_bytes() -> int:
@@ -12,6 +12,16 @@ def rss_bytes() -> int:
     import psutil
 
     return int(psutil.Process().memory_info().rss)
+
+
+def anon_bytes() -> int | None:
+    """Resident memory not backed by files (RSS minus resident file pages), where the platform
+    tells them apart (Linux); None elsewhere."""
+    import psutil
+
+    info = psutil.Process().memory_info()
+    shared = getattr(info, "shared", None)
+    return None if shared is None else int(info.rss - shared)
 
 
 class PeakRSS:
