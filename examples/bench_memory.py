@@ -29,22 +29,50 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
         "so far that students, merchants and artisans could own them. ")
 
 
+class PeakAnon:
+    """Peak of private (not file-backed) resident memory: what the process allocated, without the
+    pages of memory-mapped weight files read in as tokens first appear."""
+
+    def __init__(self, interval_s: float) -> None:
+        import threading
+
+        self.interval_s, self.peak, self._stop = interval_s, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import time
+
+        from edgespec.memory.measure import anon_bytes
+
+        while not self._stop.is_set():
+            self.peak = max(self.peak, anon_bytes() or 0)
+            time.sleep(self.interval_s)
+
+    def __enter__(self) -> "PeakAnon":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def child(cfg: dict) -> dict:
     """One measurement in this (fresh) process."""
     import edgespec
-    from edgespec.memory.measure import PeakRSS, rss_bytes
+    from edgespec.memory.measure import PeakRSS, anon_bytes, rss_bytes
 
     kw = dict(k=4, drafter="model", policy="fixed")
     if cfg.get("budget"):
         kw["memory_budget"] = cfg["budget"]
     with edgespec.load(cfg["bundle"], **kw) as e:
-        after_load = rss_bytes()
+        after_load, anon_load = rss_bytes(), anon_bytes()
         ids = e.tokenizer.encode(TEXT * 40)[: cfg["prompt_tokens"]]
-        with PeakRSS(0.002) as peak:
+        with PeakRSS(0.002) as peak, PeakAnon(0.002) as anon:
             rs = list(e.stream(ids, max_tokens=cfg["new_tokens"]))
         st = rs[-1].stats
         plan = e.memory_plan
-        return dict(after_load=after_load, peak=peak.peak, tok_s=st.tokens_per_s, new=st.new_tokens,
+        return dict(after_load=after_load, peak=peak.peak, anon_load=anon_load, anon_peak=anon.peak, tok_s=st.tokens_per_s, new=st.new_tokens,
                     tokens=[t for r in rs for t in r.token_ids], draft=e.draft is not None,
                     capacity=e.context_limit, plan_total=plan.total if plan else None,
                     bounds=[plan.bounds.speculative, plan.bounds.plain] if plan else None)
@@ -153,7 +181,9 @@ def main() -> None:
         gen = statistics.median(r["peak"] - r["after_load"] for r in ok)
         peak = med(ok, "peak")
         fits = all(r["peak"] <= budget for r in ok) if budget else None
+        anon = [r["anon_peak"] - r["anon_load"] for r in ok if r.get("anon_load") is not None]
         summary[name] = dict(budget=budget, peak=peak, gen=gen, tok_s=med(ok, "tok_s"), draft=ok[0]["draft"],
+                             gen_private=statistics.median(anon) if anon else None,
                              fits=fits, same_tokens=all(r["tokens"] == ok[0]["tokens"] for r in ok))
         b = f"{budget / MiB:.0f}M" if budget else "-"
         print(f"{name:<14} {b:>8} {peak / MiB:>7.0f}M {str(fits):>8} {gen / MiB:>7.0f}M "
