@@ -12,6 +12,7 @@ leaves the iterator, or when the engine is closed; the caches are rewound in eve
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Iterator, Sequence
 
 from .bundle import Bundle, load_bundle
 from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
-from .errors import BusyError, ConfigError, EngineClosedError
+from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
 from .runtimes import BACKENDS, open_runtime, pick_backend
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -156,7 +157,8 @@ class Engine:
     def __init__(self, bundle: Bundle, *, backend: str | None = None, device: str | None = None,
                  draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
                  k: int | None = None, policy: str | None = None, drafter: str = "auto",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, memory_budget: str | int | None = None,
+                 max_context: int | None = None) -> None:
         m = bundle.manifest
         backend = pick_backend(m.target.formats, backend)
         fmt = BACKENDS[backend].bundle_format
@@ -168,10 +170,19 @@ class Engine:
         self.backend = backend
         self.tokenizer = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
         self._stack = ExitStack()
-        self.target = self._stack.enter_context(
-            open_runtime(backend, bundle.file(m.target.formats[fmt].file), threads=threads, device=device))
+        wants_draft = self.drafter_name is not None and DRAFTERS[self.drafter_name].needs_model
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 2):
+            raise ConfigError(f"max_context must be an integer >= 2, got {max_context!r}")
+        budget = self._budget(memory_budget, bundle, backend, fmt, wants_draft, max_context)  # None: no budget
+        ctx_kw = {"kv_capacity": max_context} if max_context is not None and budget is None else {}
+        open_target = functools.partial(open_runtime, backend, bundle.file(m.target.formats[fmt].file),
+                                        threads=threads, device=device, **ctx_kw)
+        self.target = self._stack.enter_context(budget.open_target(open_target) if budget else open_target())
         self.draft = None
         self.draft_backend = None
+        if wants_draft and budget is not None and not budget.load_draft:
+            self.drafter_name = None  # the draft model does not fit; finish() says so once
         if self.drafter_name is not None and DRAFTERS[self.drafter_name].needs_model:
             # the draft may run on another backend/device; its id map is one per bundle, so it agrees
             dback = draft_backend or (backend if fmt in m.draft.formats else pick_backend(m.draft.formats))
@@ -180,18 +191,55 @@ class Engine:
                 raise ConfigError(f"the bundle's draft has no {dfmt} artifact for backend {dback} (it has: "
                                   f"{', '.join(m.draft.formats)}); use --drafter ngram or --no-draft")
             self.draft_backend = dback
-            self.draft = self._stack.enter_context(
-                open_runtime(dback, bundle.file(m.draft.formats[dfmt].file), threads=threads,
-                             device=draft_device or device))
+            open_draft = functools.partial(open_runtime, dback, bundle.file(m.draft.formats[dfmt].file),
+                                           threads=threads, device=draft_device or device, **ctx_kw)
+            self.draft = self._stack.enter_context(budget.open_draft(open_draft) if budget else open_draft())
+        self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
+        if self.memory_plan is not None:
+            self._apply_plan(self.memory_plan)
         self.decoder = SpeculativeDecoder(
             self.target, self.draft, id_map=bundle.id_map() if self.draft else None, drafter=self.drafter_name,
             policy=make_policy(self.policy_name, self.k) if self.drafter_name is not None else None)
+        caps = [rt.kv_capacity for rt in (self.target, self.draft) if rt is not None and rt.kv_capacity]
+        caps += [max_context] if max_context is not None else []
+        if self.memory_plan is not None:
+            caps.append(self.memory_plan.kv_capacity)
+        # most tokens a sequence may hold (prompt + reply); None: no fixed limit
+        self.context_limit: int | None = min(caps) if caps else None
+        self.decoder.context_limit = self.context_limit
+        if self.memory_plan is not None:
+            self.decoder.max_draft = self.memory_plan.max_draft
         self._lock = threading.Lock()  # one generation at a time
         self._owner: int | None = None  # thread id of the running generation's consumer
         self._active: "weakref.ref | None" = None  # the running generation, for close()
         self._closing = threading.Event()  # tells a running generation to stop
         self._closed = False
         self.last_stats = GenerationStats()
+
+    def _budget(self, memory_budget, bundle: Bundle, backend: str, fmt: str, wants_draft: bool,
+                max_context: int | None):
+        """The budgeted-load helper (edgespec.memory), or None when no budget is given."""
+        if memory_budget is None:
+            return None
+        from .memory import parse_bytes
+        from .memory.loading import EngineBudget
+        from .runtimes import runtime_class
+
+        m = bundle.manifest
+        dfmt = fmt if m.draft is not None and fmt in m.draft.formats else None
+        max_k = self.k if self.policy_name == "fixed" else 2 * self.k
+        k = self.k if self.drafter_name is not None else 0
+        return EngineBudget(parse_bytes(memory_budget), bundle, fmt, dfmt, runtime_class(backend).kv_dtypes, k,
+                            max_k if k else 0, wants_draft, max_context)
+
+    def _apply_plan(self, plan) -> None:
+        from .memory.loading import apply_plan
+
+        if self.draft is not None and not plan.use_draft:  # measured, it does not fit after all
+            self.draft.close()
+            self.draft = self.draft_backend = None
+            self.drafter_name = None
+        apply_plan(plan, [rt for rt in (self.target, self.draft) if rt is not None])
 
     # -- layered API: step (ids) → stream (Response) → generate (text) -----------------
     def stream_ids(self, tokens: list[int], params: SamplingParams, max_tokens: int,
@@ -243,6 +291,7 @@ class Engine:
 
         self.last_stats = st
         st.prompt_tokens = len(tokens)
+        max_tokens = self._fit_context(tokens, max_tokens)
         dec = IncrementalDecoder(self.tokenizer)
         text, sent = "", 0
         t0 = time.perf_counter()
@@ -272,6 +321,16 @@ class Engine:
         finally:
             steps.close()  # rewinds caches if we stopped early
             st.elapsed_s = time.perf_counter() - t0
+
+    def _fit_context(self, tokens: list[int], max_tokens: int) -> int:
+        """New tokens that fit the context: a reply that reaches the limit ends with "length"."""
+        if self.context_limit is None:
+            return max_tokens
+        room = self.context_limit - len(tokens)
+        if room < 1:
+            raise ContextFullError(f"the prompt has {len(tokens)} tokens but the context holds {self.context_limit}"
+                                   f"{' (memory budget)' if self.memory_plan else ''}; shorten it")
+        return min(max_tokens, room)
 
     def stream(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
@@ -345,7 +404,8 @@ class Engine:
 def load(bundle: str | Path | None = None, *, backend: str | None = None, device: str | None = None,
          draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
          k: int | None = None, policy: str | None = None, drafter: str = "auto",
-         threads: int | None = None) -> Engine:
+         threads: int | None = None, memory_budget: str | int | None = None,
+         max_context: int | None = None) -> Engine:
     """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use).
 
     backend: a name from edgespec.runtimes.BACKENDS (default: the first installed one that runs a
@@ -354,8 +414,13 @@ def load(bundle: str | Path | None = None, *, backend: str | None = None, device
     drafter: "auto", "model", "ngram" (prompt lookup, no draft model needed), "both" or "none";
     policy: a draft-length policy from edgespec.decoding.POLICIES; k: the draft length (adaptive
     policies range up to 2k). See `resolve_drafting` for the defaults.
+    memory_budget: bytes, or a size such as "1.5GB" or "900MiB", for the whole process: the KV
+    capacity, draft length and whether the draft model loads are planned to fit it
+    (edgespec.memory); below what plain decoding needs, a MemoryBudgetError names the bound.
+    max_context: most tokens (prompt + reply) a sequence may hold (default: the backend's, 4096
+    for onnxruntime, or what the budget allows); a chat drops its oldest turns to stay inside it.
     """
     path = Path(bundle) if bundle is not None else default_bundle()
     return Engine(load_bundle(path), backend=backend, device=device, draft_backend=draft_backend,
                   draft_device=draft_device, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
-                  threads=threads)
+                  threads=threads, memory_budget=memory_budget, max_context=max_context)

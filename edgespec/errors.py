@@ -1,7 +1,8 @@
 """Typed, user-facing errors: the CLI prints their message on one line and exits non-zero."""
 from __future__ import annotations
 
-__all__ = ["EdgespecError", "ConfigError", "BundleError", "ExportError", "BackendError", "BusyError", "EngineClosedError"]
+__all__ = ["EdgespecError", "ConfigError", "BundleError", "ExportError", "BackendError", "BusyError",
+           "EngineClosedError", "MemoryBudgetError", "ContextFullError"]
 
 
 class EdgespecError(Exception):
@@ -30,3 +31,11 @@ class BusyError(EdgespecError):
 
 class EngineClosedError(EdgespecError):
     """The engine was closed; load the bundle again to generate."""
+
+
+class MemoryBudgetError(ConfigError):
+    """A memory budget is malformed or too small to run the model at all."""
+
+
+class ContextFullError(EdgespecError):
+    """A forward would write past the KV cache's fixed capacity."""

@@ -6,7 +6,7 @@ import logging
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .decoding import SamplingParams
-from .errors import ConfigError
+from .errors import ConfigError, ContextFullError
 
 if TYPE_CHECKING:
     import threading
@@ -29,6 +29,7 @@ class ChatSession:
         self.messages: list[dict[str, str]] = []
         self.tokens: list[int] = []  # what the last turn left in the caches
         self.turn_stats: list["GenerationStats"] = []
+        self.notices: list[str] = []  # one line per time old turns were dropped to fit the context
         self.reset()
 
     def reset(self) -> None:
@@ -59,7 +60,8 @@ class ChatSession:
         reply, stats = [], GenerationStats()
         tokens = None
         try:
-            tokens = self.engine.tokenizer.encode_chat(self.messages)
+            # may drop the oldest turns; a message too long for the context raises ContextFullError
+            tokens = self._fit_context(max_tokens)
             for r in self.engine.stream_ids(tokens, params, max_tokens, stop, stats=stats,
                                             stop_event=stop_event, wait=wait):
                 reply.append(r.text)
@@ -72,3 +74,31 @@ class ChatSession:
                 self.messages.pop()
             if tokens is not None and stats.steps:
                 self.tokens = tokens
+
+    def _fit_context(self, max_tokens: int) -> list[int]:
+        """Tokens of the conversation, dropping its oldest turns (never the system prompt) while
+        it leaves less than a reply's room in the context; says so once per drop."""
+        encode = self.engine.tokenizer.encode_chat
+        tokens = encode(self.messages)
+        limit = getattr(self.engine, "context_limit", None)
+        if limit is None:
+            return tokens
+        room = max(1, min(max_tokens, limit // 4))  # the reply may still end early with "length"
+        first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        kept = list(self.messages)
+        dropped = 0
+        while len(tokens) + room > limit and len(kept) - first > 1:
+            n = 2 if len(kept) - first > 2 and kept[first + 1]["role"] == "assistant" else 1
+            del kept[first:first + n]
+            dropped += 1
+            tokens = encode(kept)
+        if len(tokens) + room > limit:
+            raise ContextFullError(f"the message is too long: {len(tokens)} tokens, and the context holds "
+                                   f"{limit} including {room} for the reply")
+        if dropped:
+            self.messages = kept
+            note = (f"context full ({limit} tokens): dropped the {dropped} oldest turn{'s' * (dropped > 1)}"
+                    f"{', kept the system prompt' if first else ''}")
+            self.notices.append(note)
+            logger.info(note)
+        return tokens

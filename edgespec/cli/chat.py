@@ -8,7 +8,8 @@ import argparse
 import sys
 
 from ..errors import EdgespecError
-from .common import add_engine_args, add_sampling_args, cli_entry, open_engine, sampling_kwargs, setup_logging, validate_sampling
+from .common import (add_engine_args, add_sampling_args, cli_entry, open_engine, print_memory_plan, sampling_kwargs,
+                     setup_logging, validate_sampling)
 from .generate import _format_stats
 
 __all__ = ["main", "build_parser", "k_over_time"]
@@ -58,6 +59,7 @@ def _session_stats(session) -> str:
 
 
 def _reply(session, text: str, sampling: dict, out) -> None:
+    seen = len(session.notices)
     stream = session.send(text, **sampling)
     try:
         for r in stream:
@@ -69,6 +71,8 @@ def _reply(session, text: str, sampling: dict, out) -> None:
         stream.close()  # rewinds the caches and records the (partial) reply
         out.write("\n")
         out.flush()
+        for note in session.notices[seen:]:
+            print(f"[{note}]", file=sys.stderr)
 
 
 def _read(interactive: bool) -> str | None:
@@ -121,5 +125,6 @@ def main(argv: list[str]) -> int:
     setup_logging(args.verbose)
     validate_sampling(args)
     with open_engine(args) as engine:
+        print_memory_plan(engine, args.verbose)
         repl(engine, args, interactive=sys.stdin.isatty())
     return 0

@@ -9,7 +9,8 @@ from typing import Callable
 
 from ..errors import EdgespecError
 
-__all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "cli_entry", "setup_logging", "open_engine"]
+__all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "cli_entry", "setup_logging", "open_engine",
+           "print_memory_plan"]
 
 
 # listed here, not imported, so `--help` loads no decoding code; tests/test_policy.py keeps them
@@ -37,6 +38,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-k", "--draft-tokens", type=int, default=None, dest="k",
                    help="draft length per step; adaptive policies range up to twice this (default: 4)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: backend's choice)")
+    g.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="memory for the whole process, e.g. 1.5GB or 900MiB: sizes the KV cache and draft length, "
+                        "drops the draft model if it does not fit (see `edgespec plan`)")
+    g.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="most tokens a conversation holds (default: 4096, or what --memory-budget allows); "
+                        "chat drops its oldest turns beyond it")
     g.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
 
 
@@ -72,7 +79,30 @@ def open_engine(args: argparse.Namespace):
         raise ConfigError(f"-k must be >= 0, got {args.k}")
     return load(args.bundle, backend=args.backend, device=args.device, draft_backend=args.draft_backend,
                 draft_device=args.draft_device, use_draft=not args.no_draft, k=args.k, policy=args.policy,
-                drafter=args.drafter, threads=args.threads)
+                drafter=args.drafter, threads=args.threads, **_memory_kwargs(args))
+
+
+def _memory_kwargs(args: argparse.Namespace) -> dict:
+    """--memory-budget, validated before any model loads; absent for verbs without it."""
+    out = {}
+    if getattr(args, "max_context", None) is not None:
+        out["max_context"] = args.max_context
+    budget = getattr(args, "memory_budget", None)
+    if budget is not None:
+        from ..memory import parse_bytes
+
+        parse_bytes(budget)
+        out["memory_budget"] = budget
+    return out
+
+
+def print_memory_plan(engine, verbose: int) -> None:
+    """With -v, the memory plan of an engine loaded under a budget, on stderr."""
+    plan = getattr(engine, "memory_plan", None)
+    if verbose and plan is not None:
+        from ..memory import describe_plan
+
+        print(describe_plan(plan), file=sys.stderr)
 
 
 def setup_logging(verbose: int) -> None:

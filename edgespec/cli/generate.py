@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_engine_args, add_sampling_args, cli_entry, open_engine, sampling_kwargs, setup_logging, validate_sampling
+from .common import (add_engine_args, add_sampling_args, cli_entry, open_engine, print_memory_plan, sampling_kwargs,
+                     setup_logging, validate_sampling)
 
 __all__ = ["main", "build_parser"]
 
@@ -31,6 +32,7 @@ def main(argv: list[str]) -> int:
     setup_logging(args.verbose)
     validate_sampling(args)
     with open_engine(args) as engine:
+        print_memory_plan(engine, args.verbose)
         stats = None
         for r in engine.stream(prompt, **sampling_kwargs(args)):
             sys.stdout.write(r.text)

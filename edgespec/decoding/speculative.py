@@ -95,6 +95,9 @@ class SpeculativeDecoder:
         self.target, self.draft, self.id_map = target, draft, id_map
         self.policy = policy if policy is not None else FixedK(DEFAULT_K if self.drafter is not None else 0)
         self._target = TrackedCache(target)
+        # set by a memory plan (edgespec.memory): most positions a sequence may reach, most drafts per step
+        self.context_limit: int | None = None
+        self.max_draft: int | None = None
 
     def stream(
         self,
@@ -157,6 +160,10 @@ class SpeculativeDecoder:
         limit = budget - 1  # verify always adds one token of its own
         if (cap := batch_limit(self.target)) is not None:
             limit = min(limit, cap - 1)
+        if self.max_draft is not None:
+            limit = min(limit, self.max_draft)
+        if self.context_limit is not None:  # the verify writes len(tokens) + drafts positions
+            limit = min(limit, self.context_limit - len(tokens))
         if self.drafter is None or limit <= 0:
             return Draft([])
         return self.drafter.propose(tokens, limit, self.policy, params, rng)

@@ -109,7 +109,8 @@ def _weights(source: Source) -> dict[str, np.ndarray]:
 def write_onnx(job: ModelJob, bar) -> Artifact:
     """Build, optionally quantize, and save one decoder graph; return its manifest entry."""
     path = job.bundle_dir / job.role / "model.onnx"
-    opts = replace(job.opts, weight_dtype="fp16" if job.precision == "fp16" else "fp32")
+    # "append" KV: the runtime keeps fixed preallocated cache buffers (edgespec/memory, issue 6)
+    opts = replace(job.opts, weight_dtype="fp16" if job.precision == "fp16" else "fp32", kv_layout="append")
     model = build_decoder(job.spec, job.weights, opts)
     quant = None
     if job.precision in SCHEMES:

@@ -9,6 +9,12 @@ KV layout the runtime wants (past/present per layer, logits only for the last
 Graph I/O (batch 1):
   input_ids (1, S) int64, n_logits (1,) int64, past_key_<i>/past_value_<i> (1, kvh, P, hd)
   → logits (1, n_logits, V), present_key_<i>/present_value_<i> (1, kvh, P+S, hd)
+
+With GraphOptions(kv_layout="append") (what `edgespec export` writes) the cache is
+sequence-major and the graph returns only the new positions:
+  past_key_<i>/past_value_<i> (1, P, kvh, hd) → new_key_<i>/new_value_<i> (1, S, kvh, hd)
+so a runtime can keep one preallocated (capacity, kvh, hd) buffer per tensor, bind its
+prefix as the past and write the new rows straight after it (no growth, no copies).
 """
 from __future__ import annotations
 
@@ -22,11 +28,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .spec import ModelSpec
 
-__all__ = ["GraphOptions", "build_decoder", "OPSET"]
+__all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
 
 logger = logging.getLogger(__name__)
 OPSET = 21
 _NEG = float(np.finfo(np.float32).min)
+KV_LAYOUTS = ("present", "append")
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,13 @@ class GraphOptions:
     vocab_keep: np.ndarray | None = None  # target ids of a trimmed LM head (VocabTrim)
     tie_head: bool = True  # reuse the embedding for the head when the model ties them
     weight_dtype: str = "fp32"  # "fp16" stores weights in half precision, computes in fp32
+    # "present": past/present (1, kvh, T, hd), the cache grows by concatenation;
+    # "append": sequence-major past (1, P, kvh, hd) in, only the new rows out (see _append_kv)
+    kv_layout: str = "present"
+
+    def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
 
 
 class _G:
@@ -138,8 +152,11 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
     lt = spec.layer_types[li]
     cos, sin = ctx["rope"][lt]
     q, k = _rope(g, q, cos, sin, hd // 2), _rope(g, k, cos, sin, hd // 2)
-    present_k = g.op("Concat", [past[0], k], axis=2)  # (1, KVH, T, hd)
-    present_v = g.op("Concat", [past[1], v], axis=2)
+    if ctx["append"]:
+        present_k, present_v, out_k, out_v = _append_kv(g, past, k, v, KVH)
+    else:
+        present_k = out_k = g.op("Concat", [past[0], k], axis=2)  # (1, KVH, T, hd)
+        present_v = out_v = g.op("Concat", [past[1], v], axis=2)
     rep = H // KVH
     # Group query heads under their KV head so MatMul broadcasts instead of copying K/V.
     q5 = g.op("Reshape", [q, g.const([1, KVH, rep, -1, hd], dtype=np.int64)])  # (1, KVH, rep, S, hd)
@@ -153,13 +170,31 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
     out = g.op("Reshape", [out, g.const([1, H, -1, hd], dtype=np.int64)])
     out = g.op("Transpose", [out], perm=[0, 2, 1, 3])
     out = g.op("Reshape", [out, g.const([1, -1, H * hd], dtype=np.int64)])
-    return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), present_k, present_v
+    return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
 
 
-def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str) -> dict:
+def _to_heads_major(g: _G, x: str, kvh: int) -> str:
+    """(1, T, kvh, hd) -> (1, kvh, T, hd); a free Reshape when there is one KV head."""
+    if kvh == 1:
+        return g.op("Reshape", [x, g.const([1, 1, -1, 0], dtype=np.int64)])
+    return g.op("Transpose", [x], perm=[0, 2, 1, 3])
+
+
+def _append_kv(g: _G, past: tuple[str, str], k: str, v: str, kvh: int):
+    """Sequence-major cache: attend over past + new, output only the new rows (1, S, kvh, hd).
+
+    Returns (present_k, present_v) in the (1, kvh, T, hd) layout attention uses, and the outputs."""
+    new_k = g.op("Transpose", [k], perm=[0, 2, 1, 3])  # (1, S, kvh, hd)
+    new_v = g.op("Transpose", [v], perm=[0, 2, 1, 3])
+    present_k = _to_heads_major(g, g.op("Concat", [past[0], new_k], axis=1), kvh)
+    present_v = _to_heads_major(g, g.op("Concat", [past[1], new_v], axis=1), kvh)
+    return present_k, present_v, new_k, new_v
+
+
+def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str, seq_axis: int = 2) -> dict:
     """Positions P..P+S-1, RoPE cos/sin per layer type, additive causal (and sliding) masks."""
     i64 = dict(dtype=np.int64)
-    p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(2, **i64)])  # scalar P
+    p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(seq_axis, **i64)])  # scalar P
     s_len = g.op("Gather", [g.op("Shape", [ids]), g.const(1, **i64)])  # scalar S
     t_len = g.op("Add", [p_len, s_len])
     qpos = g.op("Range", [p_len, t_len, g.const(1, **i64)])  # (S,)
@@ -205,12 +240,16 @@ def build_decoder(
     n_vocab = len(options.vocab_keep) if options.vocab_keep is not None else spec.vocab_size
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "N", n_vocab])]
     past = []
-    kv_shape = [1, spec.n_kv_heads, "P", spec.head_dim]
+    append = options.kv_layout == "append"
+    kv_shape = [1, "P", spec.n_kv_heads, spec.head_dim] if append else [1, spec.n_kv_heads, "P", spec.head_dim]
     for j in range(len(layers)):
         pk, pv = f"past_key_{j}", f"past_value_{j}"
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (pk, pv)]
         past.append((pk, pv))
-    ctx = _positions_and_masks(g, spec, past[0][0], ids)
+    ctx = _positions_and_masks(g, spec, past[0][0], ids, seq_axis=1 if append else 2)
+    ctx["append"] = append
+    out_names, out_shape = (("new", [1, "S", spec.n_kv_heads, spec.head_dim]) if append
+                            else ("present", [1, spec.n_kv_heads, "T", spec.head_dim]))
 
     embed = w["model.embed_tokens.weight"]
     emb_name = g.weight(embed, "model.embed_tokens.weight")
@@ -223,9 +262,9 @@ def build_decoder(
         p = f"model.layers.{li}."
         h = _rms_norm(g, x, w[p + "input_layernorm.weight"], p + "input_layernorm", spec.rms_eps, fam.norm_offset)
         attn, pk, pv = _attention(g, spec, w, p, h, li, past[j], ctx)
-        g.nodes.append(helper.make_node("Identity", [pk], [f"present_key_{j}"]))
-        g.nodes.append(helper.make_node("Identity", [pv], [f"present_value_{j}"]))
-        outputs += [helper.make_tensor_value_info(f"present_{n}_{j}", TensorProto.FLOAT, [1, spec.n_kv_heads, "T", spec.head_dim]) for n in ("key", "value")]
+        g.nodes.append(helper.make_node("Identity", [pk], [f"{out_names}_key_{j}"]))
+        g.nodes.append(helper.make_node("Identity", [pv], [f"{out_names}_value_{j}"]))
+        outputs += [helper.make_tensor_value_info(f"{out_names}_{n}_{j}", TensorProto.FLOAT, out_shape) for n in ("key", "value")]
         if fam.sandwich_norm:
             attn = _rms_norm(g, attn, w[p + "post_attention_layernorm.weight"], p + "post_attention_layernorm", spec.rms_eps, fam.norm_offset)
             x = g.op("Add", [x, attn])
@@ -264,4 +303,14 @@ def build_decoder(
     graph = helper.make_graph(g.nodes, "edgespec_decoder", inputs, outputs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="edgespec")
     model.ir_version = 10
+    helper.set_model_props(model, _shape_metadata(spec, w, layers, n_vocab, options))
     return model
+
+
+def _shape_metadata(spec: ModelSpec, w, layers, n_vocab: int, options: GraphOptions) -> dict[str, str]:
+    """Sizes a runtime needs to estimate its scratch memory without reading the weights."""
+    gate = w.get(f"model.layers.{layers[0]}.mlp.gate_proj.weight") if layers else None
+    return {"edgespec.kv_layout": options.kv_layout, "edgespec.hidden_size": str(spec.hidden_size),
+            "edgespec.n_heads": str(spec.n_heads), "edgespec.n_layers": str(len(layers)),
+            "edgespec.intermediate_size": str(gate.shape[0] if gate is not None else 4 * spec.hidden_size),
+            "edgespec.vocab": str(n_vocab)}

@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from .base import Capabilities, Runtime
 
 __all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "open_runtime", "installed_backends",
-           "backend_devices", "pick_backend"]
+           "backend_devices", "pick_backend", "runtime_class"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,12 @@ def _info(backend: str) -> BackendInfo:
     if info is None:
         raise ConfigError(f"unknown backend '{backend}' (available: {', '.join(BACKENDS)})")
     return info
+
+
+def runtime_class(backend: str) -> type[Runtime]:
+    """The Runtime class of `backend` (imports the backend), e.g. to read its kv_dtypes."""
+    info = _info(backend)
+    return getattr(importlib.import_module(info.module), info.cls)
 
 
 def open_runtime(backend: str, model_path: Path, **kwargs) -> Runtime:

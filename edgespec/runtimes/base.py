@@ -2,6 +2,12 @@
 
 A runtime owns one model and its KV cache. The cache always holds a prefix of the
 sequence the caller is building; `forward` appends to it, `trim` rolls it back.
+
+Constructor contract shared by every backend (memory planning relies on it):
+    Runtime(model_path, *, threads=None, device=None, kv_capacity=None)
+kv_capacity is the most positions the cache may hold (None: the backend's default); a
+backend with fixed buffers allocates them once for that many positions, and a forward
+past it raises ContextFullError.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ class Capabilities:
     static_shapes: bool = False
     max_batch_tokens: int | None = None
     devices: tuple[str, ...] = ("CPU",)
+    fixed_kv: bool = False  # KV lives in buffers preallocated for kv_capacity positions (no growth)
     extra: dict = field(default_factory=dict)
 
 
@@ -31,6 +38,27 @@ class Runtime(abc.ABC):
 
     capabilities: Capabilities
     vocab_size: int
+    # KV dtypes the backend can be asked for (constructor kwarg kv_dtype); the first is the default
+    kv_dtypes: tuple[str, ...] = ("float32",)
+    kv_capacity: int | None = None  # most positions the cache holds; None: grows until memory runs out
+    kv_bytes_per_token: int = 0  # bytes one cached position takes, all layers, K and V
+
+    def model_sizes(self) -> dict[str, int]:
+        """hidden, n_heads, intermediate, n_layers, n_kv_heads, head_dim, vocab where the backend
+        knows them (memory planning estimates scratch memory from them); {} if unknown."""
+        return {}
+
+    def probe_scratch(self, n_new: int, n_ctx: int) -> bool:
+        """Run one throwaway forward of `n_new` tokens over `n_ctx` positions (as if the cache held
+        n_ctx - n_new), so the allocator reaches the scratch size of the largest forward now and a
+        planner can measure it; the cache is empty afterwards. False if the backend cannot."""
+        return False
+
+    def fixed_bytes(self) -> int:
+        """Bytes held whatever the context length: the weights as the backend holds them plus
+        buffers sized at load (not the KV cache). Planners measure the process as a whole; this
+        is the backend's own account, for reports."""
+        return int(self.memory_bytes().get("weights", 0))
 
     @property
     @abc.abstractmethod
@@ -40,7 +68,10 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> np.ndarray:
         """Append `token_ids` to the cache; return float32 logits `(n_logits, vocab)`
-        for the last `n_logits` new positions (n_logits <= len(token_ids))."""
+        for the last `n_logits` new positions (n_logits <= len(token_ids)).
+
+        The result may be a view of a buffer the runtime reuses: valid until the next
+        forward (copy it to keep it). Past kv_capacity: ContextFullError, cache unchanged."""
 
     @abc.abstractmethod
     def trim(self, n_past: int) -> None:
@@ -51,7 +82,7 @@ class Runtime(abc.ABC):
 
     @abc.abstractmethod
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes held now: at least `weights` and `kv`."""
+        """Bytes held now: at least `weights` and `kv` (for fixed buffers: their full size)."""
 
     def close(self) -> None:  # noqa: B027 - optional for backends with nothing to free
         """Free native resources."""

@@ -1,9 +1,16 @@
 """onnxruntime backend for edgespec's decoder graphs (see exporters/onnx_graph.py).
 
-The KV cache is the list of `present_*` OrtValues the last run returned; they stay in
-onnxruntime's memory and are bound straight back as the next run's `past_*` inputs
-(IOBinding), so the host never copies the cache. Rolling back slices them on the
-sequence axis, which is one copy of the kept prefix, done only after a rejection.
+Graphs exported with the "append" KV layout (every current export) run on fixed buffers:
+one preallocated (capacity, kv_heads, head_dim) array per layer for K and one for V. Each
+forward binds the filled prefix of every buffer as the past input and the rows right after
+it as the output for the new positions (IOBinding on raw pointers), so the cache never
+grows, is never copied, and a rollback just lowers n_past. Logits go into a reused buffer
+as well: a step allocates nothing per candidate, accepted or rejected.
+
+Older bundles ("present" layout) still run: the cache is then the list of `present_*`
+OrtValues the last run returned, bound back as the next past (it grows by reallocation
+every step; rolling back copies the kept prefix). This is also the naive baseline that
+examples/bench_memory.py compares against.
 """
 from __future__ import annotations
 
@@ -14,12 +21,17 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import BackendError
+from ..errors import BackendError, ContextFullError
 from .base import Capabilities, Runtime
 
-__all__ = ["OnnxRuntime", "available_devices"]
+__all__ = ["OnnxRuntime", "available_devices", "DEFAULT_KV_CAPACITY"]
 
 logger = logging.getLogger(__name__)
+
+# positions preallocated when no capacity is planned; numpy's zeroed buffers are committed
+# page by page as they fill, so an unused tail costs address space, not memory
+DEFAULT_KV_CAPACITY = 4096
+_LOGIT_ROWS = 17  # logits buffer rows kept ready: verify width for drafts up to 16 tokens
 
 
 def _import_ort():
@@ -38,11 +50,17 @@ def available_devices() -> list[str]:
 class OnnxRuntime(Runtime):
     """One edgespec decoder graph in an onnxruntime InferenceSession."""
 
-    def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None) -> None:
+    def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
+                 kv_capacity: int | None = None, kv_dtype: str | None = None) -> None:
         ort = _import_ort()
         if device not in (None, "CPU", "cpu"):
             raise BackendError(f"onnxruntime: device '{device}' is not available (available: "
                                f"{', '.join(available_devices())})")
+        if kv_dtype not in (None, *self.kv_dtypes):
+            raise BackendError(f"onnxruntime: KV dtype {kv_dtype!r} is not available (available: "
+                               f"{', '.join(self.kv_dtypes)})")
+        if kv_capacity is not None and kv_capacity < 1:
+            raise BackendError(f"kv_capacity must be >= 1, got {kv_capacity}")
         path = Path(model_path)
         if not path.is_file():
             raise BackendError(f"ONNX model not found: {path}")
@@ -59,16 +77,31 @@ class OnnxRuntime(Runtime):
         if names[:3] != ["input_ids", "n_logits", "past_key_0"]:
             raise BackendError(f"{path.name} is not an edgespec decoder graph (inputs: {', '.join(names[:4])})")
         self._n_layers = sum(1 for n in names if n.startswith("past_key_"))
-        kv = self._sess.get_inputs()[2].shape  # (1, kvh, P, hd)
-        self._kv_heads, self._head_dim = int(kv[1]), int(kv[3])
+        self._append = any(o.name == "new_key_0" for o in self._sess.get_outputs())
+        kv = self._sess.get_inputs()[2].shape  # present: (1, kvh, P, hd); append: (1, P, kvh, hd)
+        self._kv_heads, self._head_dim = (int(kv[2]), int(kv[3])) if self._append else (int(kv[1]), int(kv[3]))
         vocab = self._sess.get_outputs()[0].shape[2]  # (1, n_logits, vocab)
         if not isinstance(vocab, int):
             raise BackendError(f"{path.name} is not an edgespec decoder graph (no fixed vocabulary size)")
         self.vocab_size = vocab
         self._weight_bytes = _file_bytes(path)
-        self._past: list = []
+        self.kv_bytes_per_token = 2 * self._n_layers * self._kv_heads * self._head_dim * 4
         self._n_past = 0
-        self.capabilities = Capabilities(backend="onnxruntime", can_trim=True, devices=("CPU",))
+        self._past: list = []
+        if self._append:
+            self.kv_capacity = int(kv_capacity or DEFAULT_KV_CAPACITY)
+            shape = (self.kv_capacity, self._kv_heads, self._head_dim)
+            # zeroed pages are committed as they are written: RSS follows the context actually used
+            self._kv = [np.zeros(shape, dtype=np.float32) for _ in range(2 * self._n_layers)]
+            self._logits = np.zeros((_LOGIT_ROWS, vocab), dtype=np.float32)
+            self._ids = np.zeros((1, self.kv_capacity), dtype=np.int64)
+            self._n_logits = np.zeros(1, dtype=np.int64)
+            self._binding = self._sess.io_binding()
+        else:
+            logger.info("%s uses the old growing KV layout; export the bundle again for fixed KV buffers", path.name)
+            self.kv_capacity = kv_capacity  # enforced as a limit only
+        self.capabilities = Capabilities(backend="onnxruntime", can_trim=True, devices=("CPU",),
+                                         fixed_kv=self._append)
         self.reset()
 
     @property
@@ -76,14 +109,43 @@ class OnnxRuntime(Runtime):
         return self._n_past
 
     def reset(self) -> None:
-        empty = np.zeros((1, self._kv_heads, 0, self._head_dim), dtype=np.float32)
-        self._past = [self._ort.OrtValue.ortvalue_from_numpy(empty) for _ in range(2 * self._n_layers)]
+        if not self._append:
+            empty = np.zeros((1, self._kv_heads, 0, self._head_dim), dtype=np.float32)
+            self._past = [self._ort.OrtValue.ortvalue_from_numpy(empty) for _ in range(2 * self._n_layers)]
         self._n_past = 0
 
     def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> np.ndarray:
         if not token_ids:
             raise ValueError("forward needs at least one token")
         n_logits = min(n_logits, len(token_ids))
+        if self.kv_capacity is not None and self._n_past + len(token_ids) > self.kv_capacity:
+            raise ContextFullError(f"the context is full: {self._n_past} + {len(token_ids)} positions exceed "
+                                   f"the KV capacity of {self.kv_capacity}")
+        if self._append:
+            return self._forward_fixed(token_ids, n_logits)
+        return self._forward_growing(token_ids, n_logits)
+
+    def _forward_fixed(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
+        s, p = len(token_ids), self._n_past
+        if n_logits > len(self._logits):  # a wider verify than planned: grow once, keep it
+            self._logits = np.zeros((n_logits, self.vocab_size), dtype=np.float32)
+        b, f32, i64 = self._binding, np.float32, np.int64
+        ids = self._ids[:, :s]
+        ids[0] = token_ids
+        self._n_logits[0] = n_logits
+        b.bind_input("input_ids", "cpu", 0, i64, [1, s], ids.ctypes.data)
+        b.bind_input("n_logits", "cpu", 0, i64, [1], self._n_logits.ctypes.data)
+        row = self._kv_heads * self._head_dim * 4
+        for i, (kind, buf) in enumerate(zip(("key", "value") * self._n_layers, self._kv)):
+            j, base = i // 2, buf.ctypes.data
+            b.bind_input(f"past_{kind}_{j}", "cpu", 0, f32, [1, p, self._kv_heads, self._head_dim], base)
+            b.bind_output(f"new_{kind}_{j}", "cpu", 0, f32, [1, s, self._kv_heads, self._head_dim], base + p * row)
+        b.bind_output("logits", "cpu", 0, f32, [1, n_logits, self.vocab_size], self._logits.ctypes.data)
+        self._sess.run_with_iobinding(b)
+        self._n_past = p + s
+        return self._logits[:n_logits]
+
+    def _forward_growing(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
         binding = self._sess.io_binding()
         binding.bind_cpu_input("input_ids", np.asarray([token_ids], dtype=np.int64))
         binding.bind_cpu_input("n_logits", np.asarray([n_logits], dtype=np.int64))
@@ -106,18 +168,50 @@ class OnnxRuntime(Runtime):
         if n_past <= 0:
             self.reset()
             return
+        if self._append:  # rows past n_past are simply overwritten by the next forward
+            self._n_past = n_past
+            return
         OrtValue = self._ort.OrtValue
         # copy: with one KV head the slice is contiguous, and a view would outlive the buffer it
         # points into once the OrtValue that owns it is dropped (garbage after a second trim)
         self._past = [OrtValue.ortvalue_from_numpy(v.numpy()[:, :, :n_past].copy()) for v in self._past]
         self._n_past = n_past
 
+    def probe_scratch(self, n_new: int, n_ctx: int) -> bool:
+        if not self._append or n_new < 1 or n_ctx > self.kv_capacity:
+            return False
+        # the buffers' prefix stands in for a cached context: its contents do not matter here
+        self._n_past = max(0, n_ctx - n_new)
+        try:
+            self._forward_fixed([0] * min(n_new, n_ctx), 1)
+        finally:
+            self.reset()
+        return True
+
+    def model_sizes(self) -> dict[str, int]:
+        meta = self._sess.get_modelmeta().custom_metadata_map if self._sess is not None else {}
+        keys = ("hidden_size", "n_heads", "intermediate_size")
+        if not all(f"edgespec.{k}" in meta for k in keys):  # bundles exported before the sizes were recorded
+            return {}
+        hidden, heads, inter = (int(meta[f"edgespec.{k}"]) for k in keys)
+        return {"hidden": hidden, "n_heads": heads, "intermediate": inter, "n_layers": self._n_layers,
+                "n_kv_heads": self._kv_heads, "head_dim": self._head_dim, "vocab": self.vocab_size}
+
+    def kv_buffers(self) -> list[np.ndarray]:
+        """The preallocated K/V arrays (empty for the growing layout): for tests and reports."""
+        return list(self._kv) if self._append else []
+
     def memory_bytes(self) -> dict[str, int]:
-        kv = 2 * self._n_layers * self._kv_heads * self._head_dim * 4 * self._n_past
-        return {"weights": self._weight_bytes, "kv": kv}
+        if self._append:
+            return {"weights": self._weight_bytes, "kv": sum(a.nbytes for a in self._kv),
+                    "kv_used": self.kv_bytes_per_token * self._n_past, "logits": self._logits.nbytes}
+        return {"weights": self._weight_bytes, "kv": self.kv_bytes_per_token * self._n_past}
 
     def close(self) -> None:
         self._past = []
+        if self._append:
+            self._binding = None
+            self._kv = []
         self._sess = None
 
 

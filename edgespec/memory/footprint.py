@@ -1,0 +1,123 @@
+"""The memory model of speculative decoding (after SpecMemo, arXiv 2506.01986).
+
+A process running a target and a draft holds:
+  base        the interpreter, libraries and tokenizer (measured before the models load)
+  fixed       per model: its weights as the backend holds them plus the runtime's own buffers
+              (measured at load: RSS before/after opening it and one warm-up forward)
+  kv          per model: positions x layers x KV heads x head dim x 2 (K and V) x dtype bytes
+  candidates  logits of one step: (k+1) x vocab for the target's verify, k x K for a draft with
+              a K-token (VocabTrim) head; sampling adds float64 probabilities of the same rows
+  workspace   per model: scratch activations of its largest forward (a prefill chunk over the
+              whole context), held by the backend's allocator once touched
+All functions here are pure; numbers are bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ALLOCATOR_SLACK", "KV_DTYPE_BYTES", "Shapes", "ModelMemory", "kv_bytes_per_token", "workspace_bytes",
+           "candidate_bytes", "estimate_fixed"]
+
+# prompts fed in chunks over a growing context ask the allocator for ever larger blocks, which
+# fragments it beyond what one probe forward touches: measured up to ~30% on onnxruntime's arena
+ALLOCATOR_SLACK = 0.3
+
+# bytes per cached element; block-quantized llama.cpp types include their scales
+KV_DTYPE_BYTES: dict[str, float] = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "f32": 4.0, "f16": 2.0,
+                                    "q8_0": 34 / 32, "q4_0": 18 / 32}
+
+
+def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, dtype: str = "float32") -> int:
+    """layers x KV heads x head dim x 2 (K and V) x dtype bytes."""
+    return int(round(n_layers * n_kv_heads * head_dim * 2 * KV_DTYPE_BYTES[dtype]))
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """A decoder's sizes, enough to bound the scratch memory of one forward."""
+
+    hidden: int
+    n_heads: int
+    intermediate: int
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+
+    def __post_init__(self) -> None:
+        if min(self.hidden, self.n_heads, self.intermediate, self.n_layers, self.n_kv_heads, self.head_dim,
+               self.vocab) < 1:
+            raise ValueError(f"model sizes must be positive: {self}")
+
+
+def workspace_bytes(s: Shapes, n_new: int, n_ctx: int) -> int:
+    """Peak scratch of one fp32 forward of `n_new` tokens attending over `n_ctx` positions.
+
+    Activations live one layer at a time: the residual stream and norms (~6 x hidden per token),
+    the MLP (gate, up, product: 3 x intermediate), query/attention output (2 x heads x head dim),
+    attention scores, masked scores and softmax (3 x heads x n_ctx), the additive masks (2 layer
+    types x n_ctx) and the layer's K/V over the whole context in the layout attention reads
+    (concatenated and transposed: 4 x KV heads x head dim x n_ctx)."""
+    per_token = 6 * s.hidden + 3 * s.intermediate + 2 * s.n_heads * s.head_dim + (3 * s.n_heads + 2) * n_ctx
+    floats = n_new * per_token + 4 * s.n_kv_heads * s.head_dim * n_ctx
+    return 4 * floats
+
+
+def candidate_bytes(k: int, target_vocab: int, draft_vocab: int | None, sampling: bool = True) -> int:
+    """Logits (and, when sampling, probabilities) of one speculative step with up to k drafts.
+
+    Target: (k+1) x vocab fp32 logits (a reused buffer), plus float64 probabilities of those rows
+    and of the k draft rows scattered to the full vocabulary when sampling. Draft: k x K rows."""
+    rows = k + 1
+    b = 4 * rows * target_vocab
+    if draft_vocab is not None and k > 0:
+        b += 4 * k * draft_vocab
+        if sampling:
+            b += 8 * k * draft_vocab + 8 * k * target_vocab
+    if sampling:
+        b += 8 * rows * target_vocab
+    return b
+
+
+def estimate_fixed(file_bytes: int, fp32_matmul_fraction: float = 0.0) -> int:
+    """A model's fixed bytes before it is loaded: its files, plus the packed copies onnxruntime
+    makes of fp32 matmul weights (`fp32_matmul_fraction` of the file). Loading measures it."""
+    return int(file_bytes * (1.0 + fp32_matmul_fraction))
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """One model (target or draft) as the planner sees it."""
+
+    role: str
+    fixed: int  # weights as held + runtime overhead
+    kv_per_token: dict[str, int]  # per KV dtype the backend allows, preferred first
+    vocab: int  # logits row width (K for a trimmed draft)
+    shapes: Shapes | None = None
+    measured: bool = False  # fixed was measured at load (else estimated from files)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    # (n_new, n_ctx, bytes): scratch measured by one probe forward at load, or None
+    scratch: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.fixed < 0 or not self.kv_per_token or min(self.kv_per_token.values()) <= 0:
+            raise ValueError(f"bad memory figures for the {self.role}: {self}")
+
+    @property
+    def kv_dtypes(self) -> tuple[str, ...]:
+        return tuple(self.kv_per_token)
+
+    def kv(self, dtype: str, positions: int) -> int:
+        return self.kv_per_token[dtype] * positions
+
+    def workspace(self, n_new: int, n_ctx: int) -> int:
+        """Scratch held for forwards of up to n_new tokens over n_ctx positions: the estimate,
+        or once probed, the estimate scaled to the probe's measurement (never below it: the
+        allocator keeps what it took), with ALLOCATOR_SLACK for fragmentation."""
+        est = workspace_bytes(self.shapes, n_new, n_ctx) if self.shapes else 0
+        if self.scratch is None:
+            return est
+        p_new, p_ctx, measured = self.scratch
+        at_probe = workspace_bytes(self.shapes, p_new, p_ctx) if self.shapes else 0
+        scaled = measured * est / at_probe if at_probe else measured
+        return int(max(measured, scaled) * (1 + ALLOCATOR_SLACK))

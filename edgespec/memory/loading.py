@@ -1,0 +1,193 @@
+"""Open a bundle's runtimes inside a memory budget, measuring each one as it loads.
+
+The process's RSS is read before the models load (interpreter, libraries, tokenizer) and
+around each runtime's opening plus one warm-up forward (weights as the backend really holds
+them: mapped pages touched, packed copies made, allocator primed). A first plan from file
+sizes decides whether the draft is worth loading and sizes the KV buffers; the final plan,
+from the measured numbers, sets the context limit (never above the buffers).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ..runtimes.base import Runtime
+from .footprint import KV_DTYPE_BYTES, ModelMemory, Shapes, estimate_fixed, kv_bytes_per_token
+from .measure import anon_bytes, rss_bytes
+from .planner import MIN_CONTEXT, Plan, plan_memory
+
+__all__ = ["estimated_memory", "measured_memory", "BudgetedLoad", "warm_up"]
+
+logger = logging.getLogger(__name__)
+
+
+def _kv_table(per_token_default: int, dtypes: tuple[str, ...]) -> dict[str, int]:
+    first = KV_DTYPE_BYTES.get(dtypes[0], 4.0)
+    return {d: int(round(per_token_default * KV_DTYPE_BYTES.get(d, first) / first)) for d in dtypes}
+
+
+def estimated_memory(role: str, entry, file_bytes: int, kv_dtypes: tuple[str, ...]) -> ModelMemory:
+    """Before loading: fixed bytes from the artifact's files, KV from the manifest's sizes."""
+    per_tok = kv_bytes_per_token(entry.n_layers, entry.n_kv_heads, entry.head_dim, "float32")
+    per_tok = int(per_tok * KV_DTYPE_BYTES.get(kv_dtypes[0], 4.0) / 4.0)
+    return ModelMemory(role, estimate_fixed(file_bytes), _kv_table(per_tok, kv_dtypes), entry.vocab_size)
+
+
+def measured_memory(role: str, rt: Runtime, fixed: int, estimate: ModelMemory | None = None) -> ModelMemory:
+    """After loading: `fixed` as measured, KV and sizes as the runtime reports them (the
+    manifest-based `estimate` stands in for what a backend does not report)."""
+    sizes = rt.model_sizes()
+    shapes = Shapes(**sizes) if sizes else (estimate.shapes if estimate else None)
+    per_tok = rt.kv_bytes_per_token
+    if per_tok > 0:
+        table = _kv_table(per_tok, rt.kv_dtypes)
+    elif estimate is not None:
+        table = dict(estimate.kv_per_token)
+    else:
+        raise ValueError(f"the {role} runtime does not report kv_bytes_per_token")
+    return ModelMemory(role, max(0, fixed), table, rt.vocab_size, shapes, measured=True)
+
+
+def held_bytes(rt: Runtime, rss_delta: int, anon_before: int | None) -> int:
+    """What a loaded model will hold: backends map weight files, and pages not read at load (an
+    embedding row is read when its token first appears) become resident later. So: the private
+    memory the load allocated plus every byte of the weight files, or the RSS growth if larger."""
+    anon_after = anon_bytes()
+    if anon_before is None or anon_after is None:
+        return max(rss_delta, int(rt.memory_bytes().get("weights", 0)))
+    return max(rss_delta, anon_after - anon_before + int(rt.memory_bytes().get("weights", 0)))
+
+
+def warm_up(rt: Runtime) -> None:
+    """One forward, then an empty cache: pages of the weights and the allocator get touched now."""
+    rt.forward([0], n_logits=1)
+    rt.reset()
+
+
+@dataclass
+class BudgetedLoad:
+    """The steps of a budgeted load; the Engine and `edgespec plan` drive it the same way."""
+
+    budget: int
+    k: int  # drafts per step the engine will use (0: plain)
+    max_k: int  # the adaptive policies' range
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        self.base = rss_bytes()
+        self.target: ModelMemory | None = None
+        self.draft: ModelMemory | None = None
+
+    def _kw(self) -> dict:
+        return {} if self.max_context is None else {"max_context": self.max_context}
+
+    def plan(self, target: ModelMemory, draft: ModelMemory | None) -> Plan:
+        return plan_memory(self.budget, self.base, target, draft, k=self.k, max_k=self.max_k, **self._kw())
+
+    def open(self, role: str, opener: Callable[[], Runtime], estimate: ModelMemory | None = None) -> Runtime:
+        """Open one runtime, warm it up, and record its measured fixed bytes."""
+        before, anon_before = rss_bytes(), anon_bytes()
+        rt = opener()
+        try:
+            warm_up(rt)
+        except Exception:
+            rt.close()
+            raise
+        mem = measured_memory(role, rt, held_bytes(rt, rss_bytes() - before, anon_before), estimate)
+        logger.info("%s loaded: %d MiB resident (weights and runtime)", role, mem.fixed >> 20)
+        setattr(self, role, mem)
+        return rt
+
+    def final(self, draft_estimate: ModelMemory | None, runtimes: dict[str, Runtime] | None = None) -> Plan:
+        """The plan from measured numbers (the draft's estimate stands in if it was not loaded).
+
+        With `runtimes`, each one kept runs one probe forward at the planned prompt chunk and
+        context, and the scratch it really took replaces the estimate in the final plan."""
+        if self.target is None:
+            raise RuntimeError("open the target first")
+        draft = self.draft or draft_estimate
+        if draft is not None and self.draft is None:
+            draft = replace(draft, measured=False)
+        caps = [rt.kv_capacity for rt in (runtimes or {}).values() if rt.kv_capacity]
+        if caps:  # never plan past the buffers the runtimes hold
+            self.max_context = min([*caps, *([self.max_context] if self.max_context else [])])
+        plan = self.plan(self.target, draft)
+        probed = False
+        for role, rt in (runtimes or {}).items():
+            mem = getattr(self, role)
+            if mem is None or (role == "draft" and not plan.use_draft):
+                continue
+            # probe below the planned context: the allocator keeps what a probe takes, and the
+            # estimate may be low, so measure a quarter of it and scale the estimate to that
+            ctx = min(plan.kv_capacity, max(MIN_CONTEXT, plan.kv_capacity // 4))
+            chunk = min(plan.prefill_chunk, ctx)
+            before = rss_bytes()
+            if ctx > 0 and rt.probe_scratch(chunk, ctx):
+                took = max(0, rss_bytes() - before)
+                setattr(self, role, replace(mem, scratch=(chunk, ctx, took)))
+                logger.info("%s scratch of a %d-token forward over %d positions: %d MiB", role, chunk, ctx,
+                            took >> 20)
+                probed = True
+        if probed:
+            plan = self.plan(self.target, self.draft if plan.use_draft else draft)
+        return plan
+
+
+def _files_bytes(path) -> int:
+    return sum(p.stat().st_size for p in path.parent.glob(path.name + "*") if p.is_file())
+
+
+class EngineBudget:
+    """What an Engine does under a memory budget, step by step:
+
+        eb = EngineBudget(budget, bundle, fmt, draft_fmt, kv_dtypes, k, max_k, wants_draft)
+        target = eb.open_target(lambda **kw: open_runtime(..., **kw))
+        if eb.load_draft: draft = eb.open_draft(lambda **kw: open_runtime(..., **kw))
+        plan = eb.finish()      # plan.use_draft False: close the draft, decode plainly
+    """
+
+    def __init__(self, budget: int, bundle, fmt: str, draft_fmt: str | None, kv_dtypes: tuple[str, ...], k: int,
+                 max_k: int, wants_draft: bool, max_context: int | None = None) -> None:
+        m = bundle.manifest
+        self.load = BudgetedLoad(budget, k, max_k, max_context)
+        self._kv_dtypes = kv_dtypes
+        self._t_est = estimated_memory("target", m.target, _files_bytes(bundle.file(m.target.formats[fmt].file)),
+                                       kv_dtypes)
+        self._d_est = None
+        if wants_draft and m.draft is not None and draft_fmt is not None:
+            self._d_est = estimated_memory("draft", m.draft, _files_bytes(bundle.file(m.draft.formats[draft_fmt].file)),
+                                           kv_dtypes)
+        # file sizes under-count what a backend holds, so this plan's capacity is an upper bound
+        self.first = self.load.plan(self._t_est, self._d_est)
+        self.load_draft = self.first.use_draft
+        self.plan: Plan | None = None
+
+    def _kwargs(self) -> dict:
+        kw = {"kv_capacity": self.first.kv_capacity}
+        if self.first.kv_dtype != self._kv_dtypes[0]:
+            kw["kv_dtype"] = self.first.kv_dtype
+        return kw
+
+    def open_target(self, opener: Callable[..., Runtime]) -> Runtime:
+        return self.load.open("target", lambda: opener(**self._kwargs()), self._t_est)
+
+    def open_draft(self, opener: Callable[..., Runtime]) -> Runtime:
+        return self.load.open("draft", lambda: opener(**self._kwargs()), self._d_est)
+
+    def finish(self, runtimes: dict[str, Runtime] | None = None) -> Plan:
+        self.plan = self.load.final(self._d_est, runtimes)
+        for n in self.plan.notes:
+            logger.warning(n)
+        return self.plan
+
+
+def apply_plan(plan: Plan, runtimes: list[Runtime]) -> None:
+    """Prompts are prefilled in chunks the plan sized the scratch memory for."""
+    from dataclasses import replace as _replace
+
+    for rt in runtimes:
+        caps = rt.capabilities
+        limit = caps.max_batch_tokens
+        chunk = plan.prefill_chunk if limit is None else min(limit, plan.prefill_chunk)
+        rt.capabilities = _replace(caps, max_batch_tokens=max(chunk, plan.max_draft + 1, 2))

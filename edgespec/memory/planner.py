@@ -1,0 +1,207 @@
+"""From a memory budget to a plan: KV capacity, maximum draft length, KV dtype, draft or not.
+
+Two lower bounds (SpecMemo): the least memory that runs speculative decoding with a useful
+context (both models, k drafts, MIN_CONTEXT positions), and the least that runs the target
+alone. Between them the draft model is dropped; below the plain bound nothing runs.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+
+from ..errors import MemoryBudgetError
+from .budget import format_bytes
+from .footprint import ModelMemory, candidate_bytes
+
+__all__ = ["MIN_CONTEXT", "MAX_CONTEXT", "PREFILL_CHUNK", "WANT_CONTEXT", "Plan", "Bounds", "lower_bounds",
+           "plan_memory", "describe_plan"]
+
+logger = logging.getLogger(__name__)
+
+MIN_CONTEXT = 512  # a useful context: a system prompt and a few chat turns
+WANT_CONTEXT = 4096  # the most exact KV dtype is kept while it still gives this much context
+MAX_CONTEXT = 32768  # capacity is capped here unless the caller allows more
+PREFILL_CHUNK = 256  # prompt tokens per forward under a budget: bounds the attention scratch
+MIN_CHUNK = 32  # the planner halves the chunk down to this; the lower bounds assume it
+
+
+@dataclass(frozen=True)
+class Bounds:
+    speculative: int | None  # None: nothing to draft with
+    plain: int
+    min_context: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What fits in `budget`, and where the bytes go."""
+
+    budget: int
+    use_draft: bool
+    kv_capacity: int
+    max_draft: int  # most tokens drafted per step (0: plain decoding)
+    kv_dtype: str
+    prefill_chunk: int
+    bounds: Bounds
+    parts: tuple[tuple[str, int], ...]  # (label, bytes), in order; they sum to `total`
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.parts)
+
+
+def _need(base: int, models: list[ModelMemory], dtypes: list[str], k: int, draft_vocab: int | None,
+          target_vocab: int, ctx: int, chunk: int, sampling: bool) -> int:
+    """Bytes the process needs with `ctx` positions of context and prompts fed `chunk` at a time."""
+    kv = sum(m.kv(d, ctx) for m, d in zip(models, dtypes))
+    ws = sum(m.workspace(min(chunk, max(ctx, 1)), ctx) for m in models)
+    return base + sum(m.fixed for m in models) + kv + ws + candidate_bytes(k, target_vocab, draft_vocab, sampling)
+
+
+def _dtypes(models: list[ModelMemory], dtype: str) -> list[str]:
+    return [dtype if dtype in m.kv_per_token else m.kv_dtypes[0] for m in models]
+
+
+def _smallest_dtype(m: ModelMemory) -> str:
+    return min(m.kv_per_token, key=m.kv_per_token.get)
+
+
+def lower_bounds(base: int, target: ModelMemory, draft: ModelMemory | None, k: int,
+                 min_context: int = MIN_CONTEXT, chunk: int = MIN_CHUNK, sampling: bool = True) -> Bounds:
+    """Least memory for speculative decoding (draft model, k drafts) and for plain decoding.
+
+    Scratch comes from the estimate here: a probe measures this process's allocator at one
+    context, not the least any process needs."""
+    target = replace(target, scratch=None)
+    draft = None if draft is None else replace(draft, scratch=None)
+    small = _smallest_dtype(target)
+    plain = _need(base, [target], [small], 0, None, target.vocab, min_context, chunk, sampling)
+    spec = None
+    if draft is not None and k > 0:
+        models = [target, draft]
+        spec = _need(base, models, _dtypes(models, small), k, draft.vocab, target.vocab, min_context, chunk, sampling)
+    return Bounds(spec, plain, min_context)
+
+
+def _capacity(budget: int, base: int, models: list[ModelMemory], dtypes: list[str], k: int,
+              draft_vocab: int | None, target_vocab: int, chunk: int, sampling: bool, max_context: int) -> int:
+    """The most positions that fit (need grows with the context, so bisect)."""
+    def fits(n: int) -> bool:
+        return _need(base, models, dtypes, k, draft_vocab, target_vocab, n, chunk, sampling) <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, max_context
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def _pick_chunk(budget: int, base: int, models: list[ModelMemory], dvocab: int | None, target_vocab: int,
+                chunk: int, sampling: bool, max_context: int) -> int:
+    """The largest prefill chunk (halving from `chunk`, down to MIN_CHUNK) whose attention scratch at the
+    resulting capacity stays within what the KV cache itself takes: long contexts get small
+    chunks, so the budget goes to context rather than to scratch."""
+    dtypes = [m.kv_dtypes[0] for m in models]
+    while chunk > MIN_CHUNK:
+        n = _capacity(budget, base, models, dtypes, 0, dvocab, target_vocab, chunk, sampling, max_context)
+        if sum(m.workspace(chunk, n) for m in models) <= sum(m.kv(d, n) for m, d in zip(models, dtypes)):
+            break
+        chunk //= 2
+    return chunk
+
+
+def plan_memory(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None = None, *, k: int = 4,
+                max_k: int | None = None, min_context: int = MIN_CONTEXT, max_context: int = MAX_CONTEXT,
+                chunk: int = PREFILL_CHUNK, sampling: bool = True) -> Plan:
+    """The plan for `budget` bytes: the draft stays if speculative decoding fits, the draft length
+    goes up to max_k (the adaptive policies' range) while min_context still fits, and the rest of
+    the budget becomes KV capacity, in the most exact KV dtype that still gives WANT_CONTEXT.
+
+    `k` drafts per step (prompt lookup drafts too when `draft` is None; 0 = plain decoding).
+    Raises MemoryBudgetError, naming both bounds, when even plain decoding does not fit."""
+    if k < 0 or min_context < 1 or max_context < 1:
+        raise ValueError("need k >= 0, min_context >= 1 and max_context >= 1")
+    min_context = min(min_context, max_context)  # a context capped on purpose is still useful
+    max_k = max(k, max_k or k)
+    bounds = lower_bounds(base, target, draft, k, min_context, min(chunk, MIN_CHUNK), sampling)
+    if budget < bounds.plain:
+        spec = f", {format_bytes(bounds.speculative)} with the draft model" if bounds.speculative else ""
+        raise MemoryBudgetError(
+            f"memory budget {format_bytes(budget)} is below the least this bundle needs: "
+            f"{format_bytes(bounds.plain)} for plain decoding{spec} ({min_context}-token context)")
+    use_draft = draft is not None and bounds.speculative is not None and budget >= bounds.speculative
+    plan = _plan(budget, base, target, draft if use_draft else None, k if use_draft or draft is None else 0,
+                 max_k, min_context, max_context, chunk, sampling, bounds)
+    if plan.kv_capacity < min_context and use_draft:  # measured scratch can exceed the bound's estimate
+        use_draft = False
+        plan = _plan(budget, base, target, None, 0, 0, min_context, max_context, chunk, sampling, bounds)
+    if plan.kv_capacity < min_context:
+        need = _need(base, [target], [_smallest_dtype(target)], 0, None, target.vocab, min_context,
+                     min(chunk, MIN_CHUNK), sampling)
+        raise MemoryBudgetError(
+            f"memory budget {format_bytes(budget)} leaves room for only {plan.kv_capacity} tokens of context "
+            f"once loaded; plain decoding with a {min_context}-token context needs {format_bytes(need)} here")
+    if draft is not None and k > 0 and not use_draft:
+        note = (f"memory budget {format_bytes(budget)} is below the speculative bound "
+                f"{format_bytes(bounds.speculative)}: the draft model is dropped, decoding plainly")
+        plan = replace(plan, notes=(note, *plan.notes))
+    return plan
+
+
+def _plan(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None, k: int, max_k: int,
+          min_context: int, max_context: int, chunk: int, sampling: bool, bounds: Bounds) -> Plan:
+    notes: list[str] = []
+    use_draft = draft is not None
+    max_k = max_k if k else 0
+    models = [target] + ([draft] if use_draft else [])
+    dvocab = draft.vocab if use_draft else None
+    chunk = _pick_chunk(budget, base, models, dvocab, target.vocab, min(chunk, max_context), sampling, max_context)
+
+    def cap(dtype: str, kk: int) -> int:
+        return _capacity(budget, base, models, _dtypes(models, dtype), kk, dvocab, target.vocab, chunk, sampling,
+                         max_context)
+
+    smallest = _smallest_dtype(target)
+    kk = next((c for c in range(max_k, k, -1) if cap(smallest, c) >= min_context), k)
+    if kk < max_k:
+        notes.append(f"draft length capped at {kk} (of {max_k}) to keep a {min_context}-token context")
+    want = min(WANT_CONTEXT, max_context)
+    dtype = next((d for d in target.kv_dtypes if cap(d, kk) >= want), None)
+    if dtype is None:  # none reaches the wanted context: the one that holds the most
+        dtype = max(target.kv_dtypes, key=lambda d: cap(d, kk))
+    if dtype != target.kv_dtypes[0]:
+        notes.append(f"KV cache in {dtype} (not {target.kv_dtypes[0]}) to fit a longer context")
+    capacity = cap(dtype, kk)
+    dts = _dtypes(models, dtype)
+    scratch = sum(m.workspace(min(chunk, max(capacity, 1)), capacity) for m in models)
+    probed = all(m.scratch is not None for m in models)
+    parts = [("runtime + tokenizer (measured)", base)]
+    for m, d in zip(models, dts):
+        parts.append((f"{m.role} weights + runtime ({'measured' if m.measured else 'estimated'})", m.fixed))
+        parts.append((f"{m.role} KV cache ({capacity} positions x {format_bytes(m.kv_per_token[d])}, {d})",
+                      m.kv(d, capacity)))
+    parts.append((f"candidates and logits (k <= {kk})", candidate_bytes(kk, target.vocab, dvocab, sampling)))
+    parts.append((f"scratch of a {min(chunk, capacity)}-token forward over the context "
+                  f"({'measured' if probed else 'estimated'})", scratch))
+    return Plan(budget, use_draft, capacity, kk, dtype, min(chunk, capacity), bounds, tuple(parts), tuple(notes))
+
+
+def describe_plan(plan: Plan) -> str:
+    """The plan as a small table, for `edgespec plan` and `-v`."""
+    width = max(len(label) for label, _ in plan.parts)
+    lines = [f"memory budget {format_bytes(plan.budget)}"]
+    lines += [f"  {label:<{width}}  {format_bytes(n):>10}" for label, n in plan.parts]
+    lines.append(f"  {'total':<{width}}  {format_bytes(plan.total):>10}")
+    b = plan.bounds
+    spec = f"speculative {format_bytes(b.speculative)}, " if b.speculative else ""
+    lines.append(f"lower bounds ({b.min_context}-token context): {spec}plain {format_bytes(b.plain)}")
+    mode = f"speculative, up to {plan.max_draft} drafts per step" if plan.max_draft else "plain decoding"
+    if plan.max_draft and not plan.use_draft:
+        mode = f"prompt lookup, up to {plan.max_draft} drafts per step"
+    lines.append(f"plan: {mode}; context {plan.kv_capacity} tokens ({plan.kv_dtype} KV); "
+                 f"prompts prefilled {plan.prefill_chunk} tokens at a time")
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,312 @@
+"""Memory budgets: size parsing, the footprint model and planner (pure), the fixed preallocated
+KV buffers of the onnxruntime runtime (exact, never reallocated, measured against RSS), and the
+budget through the API, the CLI and a chat that outgrows its context."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from edgespec.api import load
+from edgespec.decoding import SamplingParams
+from edgespec.errors import ContextFullError, MemoryBudgetError
+from edgespec.memory import (
+    ModelMemory,
+    Shapes,
+    candidate_bytes,
+    describe_plan,
+    format_bytes,
+    kv_bytes_per_token,
+    lower_bounds,
+    parse_bytes,
+    plan_memory,
+    workspace_bytes,
+)
+from edgespec.runtimes.onnxruntime import OnnxRuntime
+from tests.tiny import LONG_PROMPT, PROMPTS
+from tests.zoo import AGREEING, DISAGREEING
+
+MiB = 2**20
+
+
+# -- sizes ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, expected", [
+    ("1.5GB", 1_500_000_000), ("900MiB", 900 * MiB), ("2g", 2 * 2**30), ("512 MB", 512_000_000),
+    ("64k", 64 * 1024), (" 3GiB ", 3 * 2**30), ("1048576", MiB), (".5G", 2**29), (4096, 4096),
+])
+def test_parse_bytes_reads_the_usual_spellings(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GB", "1.5XB", "-1GB", "0", "1,5GB", "one gig", True, "1e9"])
+def test_parse_bytes_rejects_nonsense_in_one_line(text):
+    with pytest.raises(MemoryBudgetError) as e:
+        parse_bytes(text)
+    assert "\n" not in str(e.value) and "memory budget" in str(e.value)
+
+
+def test_format_bytes():
+    assert format_bytes(1536 * MiB) == "1.5 GiB"
+    assert format_bytes(900 * MiB) == "900 MiB"
+    assert format_bytes(36864) == "36 KiB"
+    assert format_bytes(12) == "12 B"
+
+
+# -- the footprint model -------------------------------------------------------------------
+
+def test_kv_bytes_per_token_is_layers_heads_dim_two_dtype():
+    assert kv_bytes_per_token(18, 1, 256, "float32") == 36864  # Gemma 3 270M
+    assert kv_bytes_per_token(18, 1, 256, "float16") == 18432
+    assert kv_bytes_per_token(32, 8, 128, "q8_0") == 32 * 8 * 128 * 2 * 34 // 32
+
+
+def test_candidate_bytes_counts_target_and_trimmed_draft_rows():
+    V, K = 262144, 16384
+    assert candidate_bytes(4, V, K, sampling=False) == 5 * V * 4 + 4 * K * 4
+    assert candidate_bytes(0, V, None, sampling=False) == V * 4
+    # sampling adds float64 probabilities: target rows, draft rows, and draft rows scattered to V
+    assert candidate_bytes(4, V, K) == 5 * V * 4 + 4 * K * 4 + 8 * (5 * V + 4 * K + 4 * V)
+
+
+def test_workspace_grows_with_chunk_times_context():
+    s = Shapes(hidden=640, n_heads=4, intermediate=2048, n_layers=18, n_kv_heads=1, head_dim=256, vocab=262144)
+    a, b = workspace_bytes(s, 256, 1000), workspace_bytes(s, 256, 2000)
+    assert b > a > workspace_bytes(s, 64, 1000) > 0
+    assert workspace_bytes(s, 256, 3000) - b == b - a  # linear in the context
+
+
+def mem(role, fixed, per_tok, vocab, dtypes=("float32",), shapes=None):
+    table = {d: int(per_tok * {"float32": 1, "float16": 0.5, "q8_0": 34 / 128}[d]) for d in dtypes}
+    return ModelMemory(role, fixed, table, vocab, shapes)
+
+
+TARGET = mem("target", 1000 * MiB, 36864, 262144)
+DRAFT = mem("draft", 300 * MiB, 36864, 16384)
+BASE = 80 * MiB
+
+
+def test_bounds_order_and_error_names_both():
+    b = lower_bounds(BASE, TARGET, DRAFT, k=4)
+    assert b.plain < b.speculative
+    assert b.plain >= BASE + TARGET.fixed + 512 * 36864
+    with pytest.raises(MemoryBudgetError) as e:
+        plan_memory(b.plain - 1, BASE, TARGET, DRAFT, k=4)
+    msg = str(e.value)
+    assert "\n" not in msg and format_bytes(b.plain) in msg and format_bytes(b.speculative) in msg
+
+
+def test_between_the_bounds_the_draft_is_dropped_once():
+    b = lower_bounds(BASE, TARGET, DRAFT, k=4)
+    plan = plan_memory((b.plain + b.speculative) // 2, BASE, TARGET, DRAFT, k=4, max_k=8)
+    assert not plan.use_draft and plan.max_draft == 0 and plan.kv_capacity >= 512
+    assert len(plan.notes) == 1 and "speculative bound" in plan.notes[0]
+    kept = plan_memory(b.speculative, BASE, TARGET, DRAFT, k=4, max_k=8)
+    assert kept.use_draft and kept.max_draft >= 4 and kept.kv_capacity >= 512
+
+
+@pytest.mark.parametrize("budget_mib", [1500, 2000, 4000, 8000])
+def test_plan_fits_the_budget_and_grows_with_it(budget_mib):
+    plan = plan_memory(budget_mib * MiB, BASE, TARGET, DRAFT, k=4, max_k=8)
+    assert plan.total <= plan.budget
+    assert plan.use_draft and plan.max_draft == 8
+    bigger = plan_memory(budget_mib * MiB * 2, BASE, TARGET, DRAFT, k=4, max_k=8)
+    assert bigger.kv_capacity >= plan.kv_capacity
+    assert "total" in describe_plan(plan) and "lower bounds" in describe_plan(plan)
+
+
+def test_capacity_is_capped_and_kv_dtype_chosen_where_allowed():
+    assert plan_memory(64 * 2**30, BASE, TARGET, DRAFT, k=4, max_context=8192).kv_capacity == 8192
+    t = mem("target", 1000 * MiB, 36864, 262144, dtypes=("float16", "q8_0"))
+    d = mem("draft", 300 * MiB, 36864, 16384, dtypes=("float16", "q8_0"))
+    roomy = plan_memory(4 * 2**30, BASE, t, d, k=4)
+    assert roomy.kv_dtype == "float16" and not roomy.notes
+    b = lower_bounds(BASE, t, d, k=4)
+    tight = plan_memory(b.speculative + 300 * 18432, BASE, t, d, k=4)
+    assert tight.kv_dtype == "q8_0" and any("q8_0" in n for n in tight.notes)
+
+
+def test_draft_length_is_capped_before_the_context():
+    b = lower_bounds(BASE, TARGET, DRAFT, k=2, sampling=True)
+    plan = plan_memory(b.speculative + 10 * 36864 * 2, BASE, TARGET, DRAFT, k=2, max_k=16)
+    assert plan.use_draft and 2 <= plan.max_draft < 16 and plan.kv_capacity >= 512
+
+
+# -- the fixed KV buffers of the onnxruntime runtime ----------------------------------------
+
+def target_runtime(bundle, **kw) -> OnnxRuntime:
+    from edgespec.bundle import load_bundle
+
+    b = load_bundle(bundle)
+    return OnnxRuntime(b.file(b.manifest.target.formats["onnx"].file), **kw)
+
+
+def test_kv_model_equals_the_allocated_buffers(zoo):
+    bundle = zoo.bundle("gemma3", AGREEING)
+    from edgespec.bundle import load_bundle
+
+    m = load_bundle(bundle).manifest
+    with target_runtime(bundle, kv_capacity=300) as rt:
+        assert rt.capabilities.fixed_kv and rt.kv_capacity == 300
+        per_tok = kv_bytes_per_token(m.target.n_layers, m.target.n_kv_heads, m.target.head_dim)
+        assert rt.kv_bytes_per_token == per_tok
+        bufs = rt.kv_buffers()
+        assert len(bufs) == 2 * m.target.n_layers
+        assert sum(b.nbytes for b in bufs) == per_tok * 300 == rt.memory_bytes()["kv"]
+        sizes = rt.model_sizes()
+        assert sizes["n_layers"] == m.target.n_layers and sizes["vocab"] == m.target.vocab_size
+
+
+def test_kv_buffers_never_move_and_logits_reuse_one_buffer(zoo):
+    with load(zoo.bundle("llama", DISAGREEING), k=3, drafter="model", max_context=200) as e:
+        runtimes = [e.target, e.draft]
+        before = [[(b.ctypes.data, b.nbytes) for b in rt.kv_buffers()] for rt in runtimes]
+        logits_at = [rt._logits.ctypes.data for rt in runtimes]
+        tokens = e.tokenizer.encode(PROMPTS[1])
+        seen = []
+        for step in e.decoder.stream(tokens, SamplingParams(), 120):
+            seen.append(step.drafted - step.accepted)
+        assert sum(seen) > 0  # some drafts were rejected and rolled back
+        assert [[(b.ctypes.data, b.nbytes) for b in rt.kv_buffers()] for rt in runtimes] == before
+        assert [rt._logits.ctypes.data for rt in runtimes] == logits_at
+        out = e.target.forward([5, 6, 7], n_logits=3)
+        assert np.shares_memory(out, e.target._logits)
+
+
+def test_fixed_path_matches_transformers_and_chunked_prefill(zoo):
+    """Greedy identity on the preallocated path: a budgeted engine, prefill in small chunks,
+    equals transformers' greedy decoding token for token."""
+    from tests.test_export_onnx import decode, hf_greedy
+
+    name = "gemma3"
+    ids = zoo.hf_tokenizer(name)(LONG_PROMPT)["input_ids"]
+    ref = hf_greedy(zoo.hf_model(name), ids, 30)
+    with load(zoo.bundle(name, DISAGREEING), k=3, drafter="model", memory_budget="8GB") as e:
+        assert e.memory_plan is not None and e.memory_plan.use_draft
+        for rt in (e.target, e.draft):  # prefill 5 tokens at a time: exercises the chunked path
+            from dataclasses import replace
+
+            rt.capabilities = replace(rt.capabilities, max_batch_tokens=5)
+        got, drafted, accepted = decode(e, ids, 30)
+    assert got == ref
+    assert drafted > accepted > 0
+
+
+def test_forward_past_capacity_is_refused_and_leaves_the_cache(zoo):
+    with target_runtime(zoo.bundle("llama", AGREEING), kv_capacity=8) as rt:
+        rt.forward([1, 2, 3, 4, 5])
+        with pytest.raises(ContextFullError):
+            rt.forward([6, 7, 8, 9])
+        assert rt.n_past == 5
+        rt.trim(2)
+        rt.forward([6, 7, 8, 9, 10, 11])
+        assert rt.n_past == 8
+
+
+# -- measured against the process's memory ---------------------------------------------------
+
+MEASURE = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    from edgespec.memory.measure import PeakRSS, rss_bytes
+    import edgespec
+    bundle, budget = sys.argv[1], sys.argv[2]
+    with edgespec.load(bundle, k=3, drafter="model", memory_budget=budget) as e:
+        plan = e.memory_plan
+        after_load = rss_bytes()
+        rng = np.random.default_rng(0)
+        n = plan.kv_capacity - 40
+        prompt = rng.integers(5, e.target.vocab_size, n).tolist()
+        with PeakRSS(0.001) as peak:
+            out = list(e.stream(prompt, max_tokens=64))
+        print(json.dumps(dict(budget=plan.budget, total=plan.total, capacity=plan.kv_capacity, n=n,
+                              chunk=plan.prefill_chunk, parts=dict(plan.parts), after_load=after_load,
+                              peak=peak.peak, finish=out[-1].finish_reason, used=e.target.n_past,
+                              base=e.memory_plan.parts[0][1])))
+""")
+
+
+def run_measure(bundle, budget) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-c", MEASURE, str(bundle), budget], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_model_matches_measured_memory_within_ten_percent(zoo):
+    """A tiny model filled to its planned context: the plan's total is what the process peaks at
+    (within 10%), and the peak stays under the budget."""
+    m = run_measure(zoo.bundle("llama", AGREEING), "110MB")
+    assert m["finish"] == "length" and m["used"] <= m["capacity"]
+    assert m["peak"] <= m["budget"]
+    assert abs(m["peak"] - m["total"]) <= 0.10 * m["total"], m
+
+
+# -- API, CLI, chat ------------------------------------------------------------------------
+
+def test_budget_below_the_bound_is_one_line_with_the_bounds(zoo):
+    bundle = zoo.bundle("llama", AGREEING)
+    with pytest.raises(MemoryBudgetError) as e:
+        load(bundle, memory_budget="10MB")
+    assert "\n" not in str(e.value) and "plain decoding" in str(e.value) and "draft model" in str(e.value)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    for verb in (["plan", str(bundle)], ["generate", str(bundle), "hello"]):
+        r = subprocess.run([sys.executable, "-m", "edgespec", *verb, "--memory-budget", "10MB"],
+                           capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 2
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "plain decoding" in lines[0] and "MiB" in lines[0], r.stderr
+    r = subprocess.run([sys.executable, "-m", "edgespec", "plan", str(bundle), "--memory-budget", "lots"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and "1.5GB" in r.stderr
+
+
+def test_plan_verb_prints_the_breakdown(zoo):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-m", "edgespec", "plan", str(zoo.bundle("llama", AGREEING)),
+                        "--memory-budget", "2GB"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for part in ("target weights", "draft KV cache", "candidates", "scratch", "total", "lower bounds", "plan:"):
+        assert part in r.stdout
+
+
+def test_completion_past_the_context_stops_with_length(zoo):
+    with load(zoo.bundle("llama", DISAGREEING), k=3, drafter="model", max_context=40) as e:
+        prompt = e.tokenizer.encode(PROMPTS[1])
+        rs = list(e.stream(prompt, max_tokens=100))
+        assert rs[-1].finish_reason == "length"
+        assert len(prompt) + sum(len(r.token_ids) for r in rs) == 40
+        with pytest.raises(ContextFullError):
+            e.generate(list(range(5, 50)), max_tokens=4)
+        assert e.generate(PROMPTS[1], max_tokens=4)  # and the engine still works
+
+
+def test_a_long_chat_past_the_context_keeps_answering(zoo):
+    with load(zoo.bundle("qwen2", DISAGREEING), k=3, drafter="model", max_context=160) as e:
+        chat = e.chat(system="be brief")
+        for i in range(14):
+            reply = list(chat.send(f"{PROMPTS[1]} turn {i}", max_tokens=12))
+            assert reply and reply[-1].finish_reason in ("stop", "length")
+            assert sum(len(r.token_ids) for r in reply) >= 1
+            assert e.target.n_past < 160
+        assert chat.notices and all("dropped" in n for n in chat.notices)
+        assert chat.messages[0] == {"role": "system", "content": "be brief"}
+        assert chat.messages[-1]["role"] == "assistant" and "turn 13" in chat.messages[-2]["content"]
+        with pytest.raises(ContextFullError):  # one message longer than the context: refused, history kept
+            list(chat.send(" ".join([LONG_PROMPT] * 8)))
+        assert "turn 13" in chat.messages[-2]["content"]
+
+
+def test_generate_prints_the_plan_with_v(zoo):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-m", "edgespec", "generate", str(zoo.bundle("llama", AGREEING)), "hello",
+                        "--memory-budget", "4GB", "--max-tokens", "4", "-v"], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "memory budget" in r.stderr and "plan: speculative" in r.stderr
