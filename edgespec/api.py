@@ -47,8 +47,9 @@ class Response:
 
     @property
     def memory_bytes(self) -> int:
-        """Bytes held by the models (weights and KV caches) after this step."""
-        return sum(sum(parts.values()) for parts in self.memory.values())
+        """Bytes held by the models (weights, KV caches, buffers) after this step; `kv_used`, the
+        filled part of a preallocated cache, is already inside `kv`."""
+        return sum(v for parts in self.memory.values() for k, v in parts.items() if k != "kv_used")
 
 
 @dataclass

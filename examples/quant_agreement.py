@@ -91,7 +91,6 @@ def main() -> None:
     args = ap.parse_args()
 
     engine = edgespec.load(args.bundle, use_draft=False, drafter="none")
-    m = engine.bundle.manifest
     id_map = engine.bundle.id_map()
     prompts = builtin_prompts()[: args.prompts]
     t0 = time.perf_counter()

@@ -7,8 +7,7 @@ import sys
 import time
 from datetime import datetime, timezone
 
-from ..errors import ConfigError
-from .common import add_engine_args, cli_entry, setup_logging
+from .common import add_engine_args, cli_entry, open_engine, setup_logging
 
 __all__ = ["main", "build_parser", "build_compare_parser"]
 
@@ -47,8 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="end a run at the model's end-of-turn/EOS token (default: fixed-length runs, as llama-bench)")
     g.add_argument("--k-sweep", type=_k_list, default=(), metavar="K1,K2,...",
                    help="also measure fixed draft lengths, e.g. 1,2,4,8 (plotted as speed per draft length)")
-    g.add_argument("--memory-budget", default=None, metavar="X",
-                   help="memory budget for the engine, as `edgespec chat --memory-budget` takes it")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results (versioned schema) here")
     g.add_argument("--report", default=None, metavar="DIR", help="write report.md and PNG plots into DIR")
     g.add_argument("--label", default=None, help="name of this run in reports (default: CPU, cores, backend)")
@@ -67,22 +64,7 @@ def build_compare_parser() -> argparse.ArgumentParser:
 
 
 def _load_engine(args: argparse.Namespace):
-    from ..api import load
-
-    if args.k is not None and args.k < 0:
-        raise ConfigError(f"-k must be >= 0, got {args.k}")
-    kwargs = dict(backend=args.backend, device=args.device, draft_backend=args.draft_backend,
-                  draft_device=args.draft_device, use_draft=not args.no_draft, k=args.k, policy=args.policy,
-                  drafter=args.drafter, threads=args.threads)
-    if args.memory_budget is not None:  # only when given, so bench works with or without memory budgets
-        kwargs["memory_budget"] = args.memory_budget
-    try:
-        return load(args.bundle, **kwargs)
-    except TypeError as e:
-        if "memory_budget" in str(e):
-            raise ConfigError("--memory-budget is not supported by this edgespec build (edgespec.load takes "
-                              "no memory_budget)") from None
-        raise
+    return open_engine(args)  # the shared engine flags, --memory-budget and --max-context included
 
 
 def _compare(argv: list[str]) -> int:
