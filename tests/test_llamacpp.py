@@ -27,7 +27,7 @@ from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
 
 N_NEW = 40
 GGUF = ("gguf",)
-ATOL = 2e-3  # llama.cpp's fp32 kernels sum in another order than torch
+ATOL = 2e-3  # llama.cpp sums in another order than torch (fp32 model, fp32 cache)
 
 
 def hf_logits(model, ids):

@@ -205,6 +205,12 @@ class LlamaCppRuntime(Runtime):
         # a sliding-window cache reuses cells that left the window; after a rollback the
         # window reaches back into them, so keep a full-size cache (llama.cpp PR 13194)
         cparams.swa_full = True
+        # an fp32 model (what exactness needs) gets an fp32 cache and no flash attention (its CPU
+        # kernel rounds Q and K to f16: 1e-3 logit errors); others get llama.cpp's defaults
+        self._kv_f32 = self._meta("general.file_type") == "0"
+        if self._kv_f32:
+            cparams.type_k = cparams.type_v = 0  # GGML_TYPE_F32
+            cparams.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._ctx = lib.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise BackendError(f"llama.cpp cannot create a context for {path.name} (kv_capacity={cap}; "
@@ -219,7 +225,11 @@ class LlamaCppRuntime(Runtime):
         n = min(MAX_BATCH, cap)
         self._batch = lib.llama_batch_init(n, self._n_embd if self._embd is not None else 0, 1)
         self._batch_cap = n
+        for i in range(n):  # every position belongs to sequence 0
+            self._batch.n_seq_id[i] = 1
+            self._batch.seq_id[i][0] = 0
         self._n_past = 0
+        self._max_outputs = 1
         self._file_bytes = path.stat().st_size
 
     def _meta(self, key: str) -> str | None:
@@ -255,6 +265,7 @@ class LlamaCppRuntime(Runtime):
             raise BackendError(f"token id out of range [0, {limit})")
         if n_logits > self._batch_cap:
             raise ValueError(f"n_logits must be <= {self._batch_cap}")
+        self._max_outputs = max(self._max_outputs, n_logits)
         for start, end in _chunks(len(ids), self._batch_cap, n_logits):
             self._decode(ids[start:end], end - start - n_logits if end == len(ids) else end - start)
         ptr = self._lib.llama_get_logits(self._ctx)
@@ -267,12 +278,12 @@ class LlamaCppRuntime(Runtime):
             rows = np.ascontiguousarray(self._embd.rows(chunk), dtype=np.float32)
             ctypes.memmove(b.embd, rows.ctypes.data, rows.nbytes)
         else:
-            b.token[0:n] = chunk  # ctypes slice assignment: one C-level copy
-        for i in range(n):
-            b.pos[i] = self._n_past + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = 1 if i >= out_from else 0
+            arr = np.asarray(chunk, dtype=np.int32)
+            ctypes.memmove(b.token, arr.ctypes.data, arr.nbytes)
+        pos = np.arange(self._n_past, self._n_past + n, dtype=np.int32)
+        ctypes.memmove(b.pos, pos.ctypes.data, pos.nbytes)
+        outs = (np.arange(n) >= out_from).astype(np.int8)
+        ctypes.memmove(b.logits, outs.ctypes.data, outs.nbytes)
         b.n_tokens = n
         rc = self._lib.llama_decode(self._ctx, b)
         if rc != 0:
@@ -299,20 +310,20 @@ class LlamaCppRuntime(Runtime):
             "weights": int(lib.llama_model_size(self._model)),
             "kv": per_token * self.kv_capacity,  # llama.cpp allocates the whole cache up front
             "kv_used": per_token * self._n_past,
-            "logits": 4 * self.vocab_size * self._batch_cap,
+            "logits": 4 * self.vocab_size * self._max_outputs,  # llama.cpp grows it to the widest request
         }
         if self._embd is not None:
             out["input_embedding"] = self._embd.nbytes  # memory-mapped: resident only where read
         return out
 
     def _kv_bytes_per_token(self) -> int:
-        """f16 K and V per layer (llama.cpp's default cache type)."""
+        """K and V per layer, f16 (llama.cpp's default) or f32 for fp32 models."""
         arch = self._meta("general.architecture") or ""
         kv_heads = int(self._lib.llama_model_n_head_kv(self._model))
         head = int(self._lib.llama_model_n_embd(self._model)) // max(1, int(self._lib.llama_model_n_head(self._model)))
         k = int(self._meta(f"{arch}.attention.key_length") or head)
         v = int(self._meta(f"{arch}.attention.value_length") or head)
-        return int(self._lib.llama_model_n_layer(self._model)) * kv_heads * (k + v) * 2
+        return int(self._lib.llama_model_n_layer(self._model)) * kv_heads * (k + v) * (4 if self._kv_f32 else 2)
 
     def close(self) -> None:
         lib = getattr(self, "_lib", None)
