@@ -144,7 +144,7 @@ def test_manifest_records_llamacpp_quantization(zoo):
 def test_trimmed_draft_is_fed_embeddings_and_matches_the_target_head(zoo, name):
     """An fp32 VocabTrim draft with every layer is the target restricted to K tokens: its K
     logits must equal the target's at the kept ids (checks the embd path and Gemma's scale)."""
-    path = zoo.bundle(name, None, formats=GGUF, draft="self", draft_precision="fp32", draft_vocab=64)
+    path = zoo.bundle(name, "fp32", formats=GGUF, draft_vocab=64)
     b = load_bundle(path)
     keep = b.id_map()
     assert b.manifest.draft.vocab_size == 64 and len(keep) == 64
@@ -162,7 +162,7 @@ def test_trimmed_draft_is_fed_embeddings_and_matches_the_target_head(zoo, name):
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen2"])
 def test_trimmed_layer_cut_int8_draft_stays_exact(zoo, references, name):
-    path = zoo.bundle(name, None, formats=GGUF, draft="self", draft_vocab=96, draft_layers=1)
+    path = zoo.bundle(name, AGREEING, formats=GGUF, draft_vocab=96, draft_layers=1)
     m = load_bundle(path).manifest
     assert m.draft.n_layers == 1 and m.draft.vocab_size == 96
     assert m.draft.formats["gguf"].quantization["type"] == "Q8_0"

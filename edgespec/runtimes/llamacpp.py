@@ -215,7 +215,8 @@ class LlamaCppRuntime(Runtime):
         if not self._ctx:
             raise BackendError(f"llama.cpp cannot create a context for {path.name} (kv_capacity={cap}; "
                                "out of memory?)")
-        self.kv_capacity = int(lib.llama_n_ctx(self._ctx))
+        self.kv_capacity = cap  # enforced as asked; llama.cpp pads its allocation (to 256)
+        self._n_ctx = int(lib.llama_n_ctx(self._ctx))
         self._mem = lib.llama_get_memory(self._ctx)
         self._threads = cparams.n_threads
         vocab = lib.llama_model_get_vocab(self._model)
@@ -308,7 +309,7 @@ class LlamaCppRuntime(Runtime):
         per_token = self._kv_bytes_per_token()
         out = {
             "weights": int(lib.llama_model_size(self._model)),
-            "kv": per_token * self.kv_capacity,  # llama.cpp allocates the whole cache up front
+            "kv": per_token * self._n_ctx,  # llama.cpp allocates the whole cache up front
             "kv_used": per_token * self._n_past,
             "logits": 4 * self.vocab_size * self._max_outputs,  # llama.cpp grows it to the widest request
         }
