@@ -66,8 +66,12 @@ def run_high_level(llm, ids: list[int], n: int) -> float:
     return (count - 1) / (time.perf_counter() - t_first)
 
 
+OUTPUTS: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> the first engine's greedy tokens
+
+
 def run_engine(engine, ids: list[int], n: int) -> tuple[float, float]:
-    """Decode tok/s and tokens per target step of one greedy generation (no stop ids)."""
+    """Decode tok/s and tokens per target step of one greedy generation (no stop ids); checks
+    that every engine produced the same tokens for the same prompt (lossless greedy)."""
     tokens = list(ids)
     steps, t_first, n_first = 0, None, 0
     for step in engine.decoder.stream(tokens, SamplingParams(), n):
@@ -75,6 +79,8 @@ def run_engine(engine, ids: list[int], n: int) -> tuple[float, float]:
         if t_first is None:  # the first step includes the prompt: time the rest
             t_first, n_first = time.perf_counter(), len(step.tokens)
     new = len(tokens) - len(ids)
+    first = OUTPUTS.setdefault(tuple(ids), tokens[len(ids):])
+    assert first == tokens[len(ids):], "speculative output differs from plain greedy"
     return (new - n_first) / (time.perf_counter() - t_first), new / steps
 
 
