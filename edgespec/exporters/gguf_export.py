@@ -29,6 +29,7 @@ import numpy as np
 
 from ..bundle import Artifact
 from ..errors import ExportError
+from ..runtimes.llamacpp import EMBD_KEYS  # the metadata the runtime reads (imports no llama_cpp)
 
 __all__ = ["write_gguf", "LLAMA_FTYPES", "precision_of_gguf", "EMBD_FILE"]
 
@@ -37,8 +38,6 @@ logger = logging.getLogger(__name__)
 # edgespec precision -> (llama.cpp file type name, llama_ftype value); fp32/fp16 need no quantizer
 LLAMA_FTYPES = {"fp32": ("F32", 0), "fp16": ("F16", 1), "int8": ("Q8_0", 7), "int4": ("Q4_K_M", 15)}
 EMBD_FILE = "model.embd.gguf"
-EMBD_KEYS = {"file": "edgespec.input_embedding.file", "tensor": "edgespec.input_embedding.tensor",
-             "scale": "edgespec.input_embedding.scale"}  # read by runtimes/llamacpp.py
 _NORM_SUFFIXES = ("norm.weight",)
 
 
@@ -148,7 +147,9 @@ def _hparams(w, job, arch: str, n_layers: int, layers: tuple[int, ...]) -> None:
     base, scale = _rope(spec, full)
     w.add_rope_freq_base(base)
     if scale != 1.0:
-        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.LINEAR)
+        from gguf import RopeScalingType
+
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(1.0 / scale)
     if spec.sliding_window and "sliding_attention" in spec.rope:
         swa_base, swa_scale = _rope(spec, "sliding_attention")

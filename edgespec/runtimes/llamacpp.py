@@ -25,7 +25,8 @@ import numpy as np
 from ..errors import BackendError
 from .base import Capabilities, Runtime
 
-__all__ = ["LlamaCppRuntime", "available_devices", "DEFAULT_KV_CAPACITY", "EMBD_KEYS"]
+__all__ = ["LlamaCppRuntime", "available_devices", "system_info", "use_extra_buffer_types", "DEFAULT_KV_CAPACITY",
+           "EMBD_KEYS", "EXTRA_BUFTS_ENV"]
 
 logger = logging.getLogger(__name__)
 native_logger = logging.getLogger(__name__ + ".native")
