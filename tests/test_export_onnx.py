@@ -278,7 +278,7 @@ def test_failed_forced_export_keeps_the_old_bundle(zoo, tmp_path, monkeypatch):
 @pytest.mark.parametrize("kw, match", [
     (dict(target_precision="int3"), "target-precision"),
     (dict(draft_precision="fp16"), "draft-precision"),
-    (dict(formats=("gguf",)), "format"),
+    (dict(formats=("tflite",)), "format"),
     (dict(draft="self", draft_precision="fp32"), "draft"),
 ])
 def test_export_config_rejects_bad_options(tmp_path, kw, match):

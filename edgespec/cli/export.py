@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="|".join(FORMATS),
                    help="output format(s): repeat the flag or separate with commas; one bundle may hold "
                         "several (default: onnx)")
-    p.add_argument("--target-precision", default="fp32", choices=TARGET_PRECISIONS)
+    p.add_argument("--target-precision", default=None, choices=TARGET_PRECISIONS,
+                   help="default: fp32; a GGUF source exported to GGUF is copied as it is")
     p.add_argument("--draft-precision", default="int8", choices=DRAFT_PRECISIONS)
     p.add_argument("--draft-vocab", type=_vocab, default="auto", metavar="K|auto|full",
                    help="VocabTrim: keep the K tokens the target generates most often in the draft's head "

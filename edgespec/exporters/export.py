@@ -32,7 +32,7 @@ class ModelJob:
     role: str  # "target" or "draft": the artifact goes in bundle_dir / role
     spec: ModelSpec
     weights: dict  # name -> float32 numpy array, transformers' state-dict names
-    precision: str  # fp32 | fp16 | int8 | int4; each format maps it to its own quantizer
+    precision: str | None  # fp32 | fp16 | int8 | int4 (None: as the source, fp32 if it must convert)
     opts: GraphOptions  # layers kept, VocabTrim rows kept (vocab_keep), tied or untied head
     source: Source
     bundle_dir: Path  # the staging folder; artifacts are named relative to it
@@ -41,6 +41,7 @@ class ModelJob:
 # format -> "module:function(job, bar) -> Artifact", imported only when that format is asked for
 FORMAT_WRITERS: dict[str, str] = {
     "onnx": "edgespec.exporters.export:write_onnx",
+    "gguf": "edgespec.exporters.gguf_export:write_gguf",
 }
 FORMATS = tuple(FORMAT_WRITERS)
 TARGET_PRECISIONS = ("fp32", "fp16", "int8", "int4")
@@ -55,7 +56,8 @@ class ExportConfig:
     target: Path | None = None  # None: the default preset's GGUF
     draft: str | Path | None = "self"  # "self": a quantized copy of the target; None: no draft
     formats: tuple[str, ...] = ("onnx",)
-    target_precision: str = "fp32"
+    # None: as the source where the format can keep it (GGUF source → GGUF copied), else fp32
+    target_precision: str | None = None
     draft_precision: str = "int8"
     # VocabTrim: keep K tokens in the draft's head; "auto" trims large vocabularies (see auto_draft_vocab)
     draft_vocab: int | str | None = "auto"
@@ -69,14 +71,14 @@ class ExportConfig:
         bad = [f for f in self.formats if f not in FORMATS]
         if bad:
             raise ConfigError(f"format '{bad[0]}' is not supported yet (available: {', '.join(FORMATS)})")
-        if self.target_precision not in TARGET_PRECISIONS:
+        if self.target_precision is not None and self.target_precision not in TARGET_PRECISIONS:
             raise ConfigError(f"--target-precision must be one of {', '.join(TARGET_PRECISIONS)}")
         if self.draft_precision not in DRAFT_PRECISIONS:
             raise ConfigError(f"--draft-precision must be one of {', '.join(DRAFT_PRECISIONS)}")
         if isinstance(self.draft_vocab, str) and self.draft_vocab != "auto":
             raise ConfigError(f"--draft-vocab takes a number, 'auto' or 'full', got {self.draft_vocab!r}")
         shaped = self.draft_vocab not in (None, "auto") or self.draft_layers is not None
-        if self.draft == "self" and not shaped and self.draft_precision == "fp32" and self.target_precision == "fp32":
+        if self.draft == "self" and not shaped and self.draft_precision == "fp32" and self.target_precision in (None, "fp32"):
             raise ConfigError("a 'self' draft in fp32 is the target itself; give --draft-precision int8 or int4")
         if self.draft is None and (shaped or self.calibration):
             raise ConfigError("--draft-vocab, --draft-layers and --calibration shape a draft; drop --draft none")
@@ -109,6 +111,7 @@ def _weights(source: Source) -> dict[str, np.ndarray]:
 def write_onnx(job: ModelJob, bar) -> Artifact:
     """Build, optionally quantize, and save one decoder graph; return its manifest entry."""
     path = job.bundle_dir / job.role / "model.onnx"
+    job = replace(job, precision=job.precision or "fp32")
     # "append" KV: the runtime keeps fixed preallocated cache buffers (edgespec/memory, issue 6)
     opts = replace(job.opts, weight_dtype="fp16" if job.precision == "fp16" else "fp32", kv_layout="append")
     model = build_decoder(job.spec, job.weights, opts)

@@ -47,13 +47,16 @@ class Family:
     fallback_chat_template: str | None = None  # for checkpoints that ship none
     stop_tokens: tuple[str, ...] = ()  # end-of-turn tokens besides EOS
     reserved_token_pattern: str | None = None  # placeholder specials never emitted (not kept by VocabTrim)
+    gguf_arch: str | None = None  # llama.cpp architecture name (None: no GGUF writer for it)
+    gguf_permute_qk: bool = False  # llama.cpp's LLAMA rope pairs adjacent dims: q/k rows are reordered
 
 
 FAMILIES: dict[str, Family] = {
-    "llama": Family("llama", reserved_token_pattern=r"<\|reserved_special_token_\d+\|>"),
-    "mistral": Family("mistral"),
-    "qwen2": Family("qwen2", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",)),
-    "qwen3": Family("qwen3", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",)),
+    "llama": Family("llama", reserved_token_pattern=r"<\|reserved_special_token_\d+\|>", gguf_arch="llama",
+                    gguf_permute_qk=True),
+    "mistral": Family("mistral", gguf_arch="llama", gguf_permute_qk=True),
+    "qwen2": Family("qwen2", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",), gguf_arch="qwen2"),
+    "qwen3": Family("qwen3", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",), gguf_arch="qwen3"),
     "phi3": Family("phi3", fused_qkv=True, stop_tokens=("<|end|>",)),
     "gemma3_text": Family(
         "gemma3",
@@ -63,6 +66,7 @@ FAMILIES: dict[str, Family] = {
         fallback_chat_template=GEMMA_CHAT_TEMPLATE,
         stop_tokens=("<end_of_turn>",),
         reserved_token_pattern=r"<unused\d+>",
+        gguf_arch="gemma3",
     ),
 }
 FAMILIES["gemma3"] = FAMILIES["gemma3_text"]

