@@ -127,15 +127,28 @@ def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
     return max(len(text) - hold, 0), False
 
 
+# static shapes: the target verifies k drafts plus its own token in one fixed-width forward; the
+# draft mostly feeds one token, two when it catches up after a fully accepted draft
+STATIC_DRAFT_WIDTH = 2
+
+
+def _static_options(backend: str, static: bool, width: int) -> dict:
+    """Runtime options for the static-shape mode, which only the openvino backend has (it also
+    gets the width when not asked: an NPU device turns the mode on by itself)."""
+    return {"static": static, "width": width} if backend == "openvino" else {}
+
+
 class Engine:
     """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder."""
 
     def __init__(self, bundle: Bundle, *, backend: str | None = None, device: str | None = None,
                  draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
                  k: int | None = None, policy: str | None = None, drafter: str = "auto",
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, static: bool = False) -> None:
         m = bundle.manifest
         backend = pick_backend(m.target.formats, backend)
+        if static and "openvino" not in (backend, draft_backend):
+            raise ConfigError(f"static shapes need the openvino backend, not {backend} (add --backend openvino)")
         fmt = BACKENDS[backend].bundle_format
         self.drafter_name, self.policy_name, self.k = resolve_drafting(
             drafter, policy, k, has_draft=m.draft is not None, use_draft=use_draft)
@@ -146,7 +159,8 @@ class Engine:
         self.tokenizer = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
         self._stack = ExitStack()
         self.target = self._stack.enter_context(
-            open_runtime(backend, bundle.file(m.target.formats[fmt].file), threads=threads, device=device))
+            open_runtime(backend, bundle.file(m.target.formats[fmt].file), threads=threads, device=device,
+                         **_static_options(backend, static, self.k + 1)))
         self.draft = None
         self.draft_backend = None
         if self.drafter_name is not None and DRAFTERS[self.drafter_name].needs_model:
@@ -159,7 +173,7 @@ class Engine:
             self.draft_backend = dback
             self.draft = self._stack.enter_context(
                 open_runtime(dback, bundle.file(m.draft.formats[dfmt].file), threads=threads,
-                             device=draft_device or device))
+                             device=draft_device or device, **_static_options(dback, static, STATIC_DRAFT_WIDTH)))
         self.decoder = SpeculativeDecoder(
             self.target, self.draft, id_map=bundle.id_map() if self.draft else None, drafter=self.drafter_name,
             policy=make_policy(self.policy_name, self.k) if self.drafter_name is not None else None)
@@ -248,7 +262,7 @@ class Engine:
 def load(bundle: str | Path | None = None, *, backend: str | None = None, device: str | None = None,
          draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
          k: int | None = None, policy: str | None = None, drafter: str = "auto",
-         threads: int | None = None) -> Engine:
+         threads: int | None = None, static: bool = False) -> Engine:
     """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use).
 
     backend: a name from edgespec.runtimes.BACKENDS (default: the first installed one that runs a
@@ -257,8 +271,10 @@ def load(bundle: str | Path | None = None, *, backend: str | None = None, device
     drafter: "auto", "model", "ngram" (prompt lookup, no draft model needed), "both" or "none";
     policy: a draft-length policy from edgespec.decoding.POLICIES; k: the draft length (adaptive
     policies range up to 2k). See `resolve_drafting` for the defaults.
+    static: OpenVINO's static-shape mode (as NPUs need; an NPU device turns it on by itself):
+    fixed KV capacity and a fixed verify width k+1, so adaptive policies draft at most k.
     """
     path = Path(bundle) if bundle is not None else default_bundle()
     return Engine(load_bundle(path), backend=backend, device=device, draft_backend=draft_backend,
                   draft_device=draft_device, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
-                  threads=threads)
+                  threads=threads, static=static)

@@ -43,9 +43,11 @@ class TinyZoo:
         return self._once(("source", name, seed),
                           lambda: make_model(out=self.root / f"{name}-seed{seed}", seed=seed, **VARIANTS[name]))
 
-    def bundle(self, name: str, draft: str | None = AGREEING) -> Path:
+    def bundle(self, name: str, draft: str | None = AGREEING, formats: tuple[str, ...] = ("onnx",),
+               **export_kw) -> Path:
         """Bundle of the seed-0 target with `draft`: a precision ("int8", "int4") for a self-draft,
-        OTHER_SEED for the seed-1 model of the same variant, or None for no draft."""
+        OTHER_SEED for the seed-1 model of the same variant, or None for no draft; in `formats`,
+        with further ExportConfig arguments (draft_vocab=, draft_layers=...) if given."""
 
         def build() -> Path:
             from edgespec.exporters.export import ExportConfig, export_bundle
@@ -56,10 +58,13 @@ class TinyZoo:
                 kw = dict(draft=self.source(name, seed=1))
             else:
                 kw = dict(draft_precision=draft)
-            out = self.root / f"{name}-{draft or 'nodraft'}.bundle"
-            return export_bundle(ExportConfig(output=out, target=self.source(name), **kw))
+            extra = "".join(f"-{k}{v}" for k, v in sorted(export_kw.items()))
+            out = self.root / f"{name}-{draft or 'nodraft'}{'-' + '-'.join(formats) if formats != ('onnx',) else ''}{extra}.bundle"
+            return export_bundle(ExportConfig(output=out, target=self.source(name), formats=formats, **kw, **export_kw))
 
-        return self._once(("bundle", name, draft), build)
+        key = ("bundle", name, draft) if formats == ("onnx",) and not export_kw else (
+            "bundle", name, draft, formats, tuple(sorted(export_kw.items())))
+        return self._once(key, build)
 
     def hf_model(self, name: str):
         def build():

@@ -41,6 +41,7 @@ class ModelJob:
 # format -> "module:function(job, bar) -> Artifact", imported only when that format is asked for
 FORMAT_WRITERS: dict[str, str] = {
     "onnx": "edgespec.exporters.export:write_onnx",
+    "openvino": "edgespec.exporters.openvino_export:write_openvino",
 }
 FORMATS = tuple(FORMAT_WRITERS)
 TARGET_PRECISIONS = ("fp32", "fp16", "int8", "int4")
