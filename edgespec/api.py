@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 from .bundle import Bundle, load_bundle
 from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError
-from .runtimes import BACKENDS, open_runtime, pick_backend
+from .runtimes import BACKENDS, installed_backends, open_runtime, pick_backend
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = ["load", "Engine", "Response", "GenerationStats", "default_bundle", "resolve_drafting"]
@@ -138,6 +138,13 @@ def _static_options(backend: str, static: bool, width: int) -> dict:
     return {"static": static, "width": width} if backend == "openvino" else {}
 
 
+def _backend_for_device(device: str | None, formats) -> str | None:
+    """A device only OpenVINO drives (GPU, NPU, AUTO) picks it when no backend is named."""
+    if device is None or device.upper() == "CPU" or "openvino" not in formats:
+        return None
+    return "openvino" if "openvino" in installed_backends() else None
+
+
 class Engine:
     """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder."""
 
@@ -146,7 +153,7 @@ class Engine:
                  k: int | None = None, policy: str | None = None, drafter: str = "auto",
                  threads: int | None = None, static: bool = False) -> None:
         m = bundle.manifest
-        backend = pick_backend(m.target.formats, backend)
+        backend = pick_backend(m.target.formats, backend or _backend_for_device(device, m.target.formats))
         if static and "openvino" not in (backend, draft_backend):
             raise ConfigError(f"static shapes need the openvino backend, not {backend} (add --backend openvino)")
         fmt = BACKENDS[backend].bundle_format
@@ -173,7 +180,8 @@ class Engine:
             self.draft_backend = dback
             self.draft = self._stack.enter_context(
                 open_runtime(dback, bundle.file(m.draft.formats[dfmt].file), threads=threads,
-                             device=draft_device or device, **_static_options(dback, static, STATIC_DRAFT_WIDTH)))
+                             device=draft_device or (device if dback == backend else None),
+                             **_static_options(dback, static, STATIC_DRAFT_WIDTH)))
         self.decoder = SpeculativeDecoder(
             self.target, self.draft, id_map=bundle.id_map() if self.draft else None, drafter=self.drafter_name,
             policy=make_policy(self.policy_name, self.k) if self.drafter_name is not None else None)

@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     p.add_argument("-k", type=int, default=4, help="draft length (fixed policy) for every speculative run")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--no-genai", action="store_true")
+    p.add_argument("--genai-draft", type=Path, default=None,
+                   help="a bundle whose (full-vocabulary) target IR serves as GenAI's draft_model")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
@@ -222,6 +224,17 @@ def main(argv=None) -> int:
             except Exception as e:  # report what GenAI refused, keep the rest
                 logger.warning("OpenVINO GenAI plain: %s", str(e).splitlines()[0])
                 report.setdefault("errors", []).append(f"genai plain: {str(e).splitlines()[0]}")
+            if args.genai_draft is not None:  # GenAI needs a full-vocabulary draft: another bundle's target
+                try:
+                    import openvino_genai as og
+
+                    ddir = _genai_dir(args.genai_draft, "target", tmp)
+                    gs = og.LLMPipeline(str(tdir), "CPU", draft_model=og.draft_model(str(ddir), "CPU"))
+                    gs.edgespec_k = args.k
+                    configs["genai spec"] = lambda ids, g=gs: _genai_run(g, ids, args.tokens)
+                except Exception as e:
+                    logger.warning("OpenVINO GenAI speculative: %s", str(e).splitlines()[0])
+                    report.setdefault("errors", []).append(f"genai spec: {str(e).splitlines()[0]}")
         ids_list = [spec.tokenizer.encode(t) for t in PROMPTS]
         times: dict[str, list[float]] = {k: [] for k in configs}
         outs: dict[str, list] = {k: [] for k in configs}
