@@ -118,6 +118,11 @@ class OpenVinoRuntime(Runtime):
         config = {"CACHE_DIR": _model_cache(), "PERFORMANCE_HINT": "LATENCY"}
         if device.split(":")[0].split(".")[0] in ("CPU", "GPU"):
             config["INFERENCE_PRECISION_HINT"] = self.precision
+        if self.precision == "f32" and device.startswith("CPU"):
+            # f32 is the exact mode: the CPU plugin would otherwise quantize activations to int8
+            # for int8/int4 weights, in groups that differ between a 1-token and a k+1-token
+            # forward, and speculative greedy output drifted from plain greedy (Gemma 3 270M int8)
+            config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
         if threads and device.startswith("CPU"):
             config["INFERENCE_NUM_THREADS"] = int(threads)
         try:
