@@ -87,6 +87,8 @@ class StatefulRuntime:
 
         self._ov = ov
         cfg = {"INFERENCE_PRECISION_HINT": precision, "PERFORMANCE_HINT": "LATENCY"}
+        if precision == "f32":  # as edgespec's runtime: the same kernels, so only the KV handling differs
+            cfg["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
         if threads:
             cfg["INFERENCE_NUM_THREADS"] = threads
         self._req = ov.Core().compile_model(model, "CPU", cfg).create_infer_request()
