@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 from .bundle import Bundle, load_bundle
 from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
-from .runtimes import BACKENDS, open_runtime, pick_backend
+from .runtimes import BACKENDS, installed_backends, open_runtime, pick_backend
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = ["load", "Engine", "Response", "GenerationStats", "default_bundle", "resolve_drafting"]
@@ -152,6 +152,24 @@ def _wait_timeout(wait: bool | float) -> float | None:
     raise ConfigError(f"wait must be True, False or a number of seconds >= 0, got {wait!r}")
 
 
+# static shapes: the target verifies k drafts plus its own token in one fixed-width forward; the
+# draft mostly feeds one token, two when it catches up after a fully accepted draft
+STATIC_DRAFT_WIDTH = 2
+
+
+def _static_options(backend: str, static: bool, width: int) -> dict:
+    """Runtime options for the static-shape mode, which only the openvino backend has (it also
+    gets the width when not asked: an NPU device turns the mode on by itself)."""
+    return {"static": static, "width": width} if backend == "openvino" else {}
+
+
+def _backend_for_device(device: str | None, formats) -> str | None:
+    """A device only OpenVINO drives (GPU, NPU, AUTO) picks it when no backend is named."""
+    if device is None or device.upper() == "CPU" or "openvino" not in formats:
+        return None
+    return "openvino" if "openvino" in installed_backends() else None
+
+
 class Engine:
     """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder."""
 
@@ -159,9 +177,11 @@ class Engine:
                  draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
                  k: int | None = None, policy: str | None = None, drafter: str = "auto",
                  threads: int | None = None, memory_budget: str | int | None = None,
-                 max_context: int | None = None) -> None:
+                 max_context: int | None = None, static: bool = False) -> None:
         m = bundle.manifest
-        backend = pick_backend(m.target.formats, backend)
+        backend = pick_backend(m.target.formats, backend or _backend_for_device(device, m.target.formats))
+        if static and "openvino" not in (backend, draft_backend):
+            raise ConfigError(f"static shapes need the openvino backend, not {backend} (add --backend openvino)")
         fmt = BACKENDS[backend].bundle_format
         self.drafter_name, self.policy_name, self.k = resolve_drafting(
             drafter, policy, k, has_draft=m.draft is not None, use_draft=use_draft)
@@ -178,7 +198,8 @@ class Engine:
         budget = self._budget(memory_budget, bundle, backend, fmt, wants_draft, max_context)  # None: no budget
         ctx_kw = {"kv_capacity": max_context} if max_context is not None and budget is None else {}
         open_target = functools.partial(open_runtime, backend, bundle.file(m.target.formats[fmt].file),
-                                        threads=threads, device=device, **ctx_kw)
+                                        threads=threads, device=device, **ctx_kw,
+                                        **_static_options(backend, static, self.k + 1))
         self.target = self._stack.enter_context(budget.open_target(open_target) if budget else open_target())
         self.draft = None
         self.draft_backend = None
@@ -193,7 +214,8 @@ class Engine:
                                   f"{', '.join(m.draft.formats)}); use --drafter ngram or --no-draft")
             self.draft_backend = dback
             open_draft = functools.partial(open_runtime, dback, bundle.file(m.draft.formats[dfmt].file),
-                                           threads=threads, device=draft_device or device, **ctx_kw)
+                                           threads=threads, device=draft_device or (device if dback == backend else None),
+                                           **ctx_kw, **_static_options(dback, static, STATIC_DRAFT_WIDTH))
             self.draft = self._stack.enter_context(budget.open_draft(open_draft) if budget else open_draft())
         self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
         if self.memory_plan is not None:
@@ -406,7 +428,7 @@ def load(bundle: str | Path | None = None, *, backend: str | None = None, device
          draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
          k: int | None = None, policy: str | None = None, drafter: str = "auto",
          threads: int | None = None, memory_budget: str | int | None = None,
-         max_context: int | None = None) -> Engine:
+         max_context: int | None = None, static: bool = False) -> Engine:
     """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use).
 
     backend: a name from edgespec.runtimes.BACKENDS (default: the first installed one that runs a
@@ -420,8 +442,10 @@ def load(bundle: str | Path | None = None, *, backend: str | None = None, device
     (edgespec.memory); below what plain decoding needs, a MemoryBudgetError names the bound.
     max_context: most tokens (prompt + reply) a sequence may hold (default: the backend's, 4096
     for onnxruntime, or what the budget allows); a chat drops its oldest turns to stay inside it.
+    static: OpenVINO's static-shape mode (as NPUs need; an NPU device turns it on by itself):
+    fixed KV capacity and a fixed verify width k+1, so adaptive policies draft at most k.
     """
     path = Path(bundle) if bundle is not None else default_bundle()
     return Engine(load_bundle(path), backend=backend, device=device, draft_backend=draft_backend,
                   draft_device=draft_device, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
-                  threads=threads, memory_budget=memory_budget, max_context=max_context)
+                  threads=threads, memory_budget=memory_budget, max_context=max_context, static=static)

@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "decoding when drafting does not pay). Default: cost, or fixed when -k is given")
     g.add_argument("-k", "--draft-tokens", type=int, default=None, dest="k",
                    help="draft length per step; adaptive policies range up to twice this (default: 4)")
+    g.add_argument("--static-shapes", action="store_true", dest="static",
+                   help="OpenVINO: fixed KV capacity and verify width k+1, as NPUs need (NPU turns it on)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: backend's choice)")
     g.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="memory for the whole process, e.g. 1.5GB or 900MiB: sizes the KV cache and draft length, "
@@ -79,7 +81,8 @@ def open_engine(args: argparse.Namespace):
         raise ConfigError(f"-k must be >= 0, got {args.k}")
     return load(args.bundle, backend=args.backend, device=args.device, draft_backend=args.draft_backend,
                 draft_device=args.draft_device, use_draft=not args.no_draft, k=args.k, policy=args.policy,
-                drafter=args.drafter, threads=args.threads, **_memory_kwargs(args))
+                drafter=args.drafter, threads=args.threads, static=getattr(args, "static", False),
+                **_memory_kwargs(args))
 
 
 def _memory_kwargs(args: argparse.Namespace) -> dict:

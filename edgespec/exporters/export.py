@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,8 +43,11 @@ class ModelJob:
 FORMAT_WRITERS: dict[str, str] = {
     "onnx": "edgespec.exporters.export:write_onnx",
     "gguf": "edgespec.exporters.gguf_export:write_gguf",
+    "openvino": "edgespec.exporters.openvino_export:write_openvino",
 }
 FORMATS = tuple(FORMAT_WRITERS)
+# format -> (import name, pip extra) its writer needs, checked before any work
+FORMAT_PACKAGES: dict[str, tuple[str, str]] = {"openvino": ("nncf", "openvino-export")}
 TARGET_PRECISIONS = ("fp32", "fp16", "int8", "int4")
 DRAFT_PRECISIONS = ("fp32", "int8", "int4")
 
@@ -71,6 +75,10 @@ class ExportConfig:
         bad = [f for f in self.formats if f not in FORMATS]
         if bad:
             raise ConfigError(f"format '{bad[0]}' is not supported yet (available: {', '.join(FORMATS)})")
+        for fmt in self.formats:
+            package, extra = FORMAT_PACKAGES.get(fmt, (None, None))
+            if package and importlib.util.find_spec(package) is None:
+                raise ConfigError(f"--format {fmt} needs {package}: pip install 'edgespec[{extra}]'")
         if self.target_precision is not None and self.target_precision not in TARGET_PRECISIONS:
             raise ConfigError(f"--target-precision must be one of {', '.join(TARGET_PRECISIONS)}")
         if self.draft_precision not in DRAFT_PRECISIONS:

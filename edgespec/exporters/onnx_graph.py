@@ -15,6 +15,14 @@ sequence-major and the graph returns only the new positions:
   past_key_<i>/past_value_<i> (1, P, kvh, hd) → new_key_<i>/new_value_<i> (1, S, kvh, hd)
 so a runtime can keep one preallocated (capacity, kvh, hd) buffer per tensor, bind its
 prefix as the past and write the new rows straight after it (no growth, no copies).
+
+With GraphOptions(kv_layout="buffer") (what the OpenVINO export writes; every size is a shape, no
+size is a value, so the graph can be reshaped to fixed sizes for an NPU):
+  input_ids (1, S), position_ids (1, S), attention_mask (1, P+S) int64, logits_index (N,) int64,
+  past_key_<i>/past_value_<i> (1, kvh, P, hd) — a KV buffer whose slot j holds position j
+  → logits (1, N, V), new_key_<i>/new_value_<i> (1, kvh, S, hd) — only the new rows
+The caller owns the buffer: it writes the new rows at their positions and rolls back by
+masking slots out (attention_mask 0) instead of reallocating.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ __all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
 logger = logging.getLogger(__name__)
 OPSET = 21
 _NEG = float(np.finfo(np.float32).min)
-KV_LAYOUTS = ("present", "append")
+KV_LAYOUTS = ("present", "append", "buffer")
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,8 @@ class GraphOptions:
     tie_head: bool = True  # reuse the embedding for the head when the model ties them
     weight_dtype: str = "fp32"  # "fp16" stores weights in half precision, computes in fp32
     # "present": past/present (1, kvh, T, hd), the cache grows by concatenation;
-    # "append": sequence-major past (1, P, kvh, hd) in, only the new rows out (see _append_kv)
+    # "append": sequence-major past (1, P, kvh, hd) in, only the new rows out (see _append_kv);
+    # "buffer": the static-shape layout described above (OpenVINO)
     kv_layout: str = "present"
 
     def __post_init__(self) -> None:
@@ -221,6 +230,37 @@ def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str, seq_axis:
     return {"mask": masks, "rope": rope}
 
 
+def _buffer_positions_and_masks(g: _G, spec: ModelSpec, past0: str) -> dict:
+    """As `_positions_and_masks`, for the buffer layout: query positions come from position_ids,
+    buffer slot j holds position j, and attention_mask says which keys exist."""
+    i64 = dict(dtype=np.int64)
+    p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(2, **i64)])
+    qpos = g.op("Squeeze", ["position_ids", g.const([0], **i64)])  # (S,)
+    kpos = g.op("Concat", [g.op("Range", [g.const(0, **i64), p_len, g.const(1, **i64)]), qpos], axis=0)  # (T,)
+    qcol = g.op("Unsqueeze", [qpos, g.const([1], **i64)])  # (S, 1)
+    krow = g.op("Unsqueeze", [kpos, g.const([0], **i64)])  # (1, T)
+    present = g.op("Unsqueeze", [g.op("Cast", [g.op("Squeeze", ["attention_mask", g.const([0], **i64)])],
+                                               to=TensorProto.BOOL), g.const([0], **i64)])  # (1, T)
+    causal = g.op("And", [g.op("LessOrEqual", [krow, qcol]), present])  # (S, T)
+    zero, neg = g.const(0.0, dtype=np.float32), g.const(_NEG, dtype=np.float32)
+    masks, rope = {}, {}
+    qf = g.op("Cast", [qcol], to=TensorProto.FLOAT)
+    for lt in sorted(set(spec.layer_types)):
+        allowed = causal
+        if lt == "sliding_attention" and spec.sliding_window:
+            near = g.op("Less", [g.op("Sub", [qcol, krow]), g.const(spec.sliding_window, **i64)])
+            allowed = g.op("And", [causal, near])
+        m = g.op("Where", [allowed, zero, neg])
+        masks[lt] = g.op("Unsqueeze", [m, g.const([0, 1, 2], **i64)])  # (1, 1, 1, S, T)
+        inv_freq, scale = spec.rope[lt]
+        freqs = g.op("Mul", [qf, g.const(inv_freq[None, :], dtype=np.float32)])
+        emb = g.op("Concat", [freqs, freqs], axis=-1)
+        cos = g.op("Mul", [g.op("Cos", [emb]), g.const(scale, dtype=np.float32)])
+        sin = g.op("Mul", [g.op("Sin", [emb]), g.const(scale, dtype=np.float32)])
+        rope[lt] = tuple(g.op("Unsqueeze", [t, g.const([0, 1], **i64)]) for t in (cos, sin))
+    return {"mask": masks, "rope": rope}
+
+
 def build_decoder(
     spec: ModelSpec,
     weights: dict[str, np.ndarray],
@@ -237,6 +277,11 @@ def build_decoder(
         helper.make_tensor_value_info(ids, TensorProto.INT64, [1, "S"]),
         helper.make_tensor_value_info(n_logits, TensorProto.INT64, [1]),
     ]
+    buffer = options.kv_layout == "buffer"
+    if buffer:
+        inputs[1:] = [helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "S"]),
+                      helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "T"]),
+                      helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["N"])]
     n_vocab = len(options.vocab_keep) if options.vocab_keep is not None else spec.vocab_size
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "N", n_vocab])]
     past = []
@@ -246,9 +291,11 @@ def build_decoder(
         pk, pv = f"past_key_{j}", f"past_value_{j}"
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (pk, pv)]
         past.append((pk, pv))
-    ctx = _positions_and_masks(g, spec, past[0][0], ids, seq_axis=1 if append else 2)
+    ctx = (_buffer_positions_and_masks(g, spec, past[0][0]) if buffer
+           else _positions_and_masks(g, spec, past[0][0], ids, seq_axis=1 if append else 2))
     ctx["append"] = append
     out_names, out_shape = (("new", [1, "S", spec.n_kv_heads, spec.head_dim]) if append
+                            else ("new", [1, spec.n_kv_heads, "S", spec.head_dim]) if buffer
                             else ("present", [1, spec.n_kv_heads, "T", spec.head_dim]))
 
     embed = w["model.embed_tokens.weight"]
@@ -262,6 +309,10 @@ def build_decoder(
         p = f"model.layers.{li}."
         h = _rms_norm(g, x, w[p + "input_layernorm.weight"], p + "input_layernorm", spec.rms_eps, fam.norm_offset)
         attn, pk, pv = _attention(g, spec, w, p, h, li, past[j], ctx)
+        if buffer:  # only the new rows leave the graph: the caller's buffer holds the rest
+            pk, pv = (g.op("Slice", [t, g.op("Neg", [g.op("Shape", [ids], start=1, end=2)]),
+                                     g.const([np.iinfo(np.int64).max], dtype=np.int64), g.const([2], dtype=np.int64)])
+                      for t in (pk, pv))
         g.nodes.append(helper.make_node("Identity", [pk], [f"{out_names}_key_{j}"]))
         g.nodes.append(helper.make_node("Identity", [pv], [f"{out_names}_value_{j}"]))
         outputs += [helper.make_tensor_value_info(f"{out_names}_{n}_{j}", TensorProto.FLOAT, out_shape) for n in ("key", "value")]
@@ -282,8 +333,11 @@ def build_decoder(
 
     x = _rms_norm(g, x, w["model.norm.weight"], "model.norm", spec.rms_eps, fam.norm_offset)
     # Only the last n_logits positions reach the head: prefill of a long prompt stays cheap.
-    start = g.op("Neg", [n_logits])
-    x = g.op("Slice", [x, start, g.const([np.iinfo(np.int64).max], dtype=np.int64), g.const([1], dtype=np.int64)])
+    if buffer:  # a shape, not a value, picks how many rows reach the head
+        x = g.op("Gather", [x, "logits_index"], axis=1)
+    else:
+        start = g.op("Neg", [n_logits])
+        x = g.op("Slice", [x, start, g.const([np.iinfo(np.int64).max], dtype=np.int64), g.const([1], dtype=np.int64)])
     x2 = g.op("Reshape", [x, g.const([-1, spec.hidden_size], dtype=np.int64)])  # (N, hidden)
     head_w = w.get("lm_head.weight")
     tied = head_w is None or spec.tie_embeddings

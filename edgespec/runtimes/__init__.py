@@ -30,6 +30,8 @@ class BackendInfo:
 BACKENDS: dict[str, BackendInfo] = {
     "onnxruntime": BackendInfo("onnxruntime", "onnx", "edgespec.runtimes.onnxruntime", "OnnxRuntime", "onnx",
                                "onnxruntime"),
+    "openvino": BackendInfo("openvino", "openvino", "edgespec.runtimes.openvino", "OpenVinoRuntime", "openvino",
+                            "openvino"),
     "llamacpp": BackendInfo("llamacpp", "gguf", "edgespec.runtimes.llamacpp", "LlamaCppRuntime", "llamacpp",
                             "llama_cpp"),
 }

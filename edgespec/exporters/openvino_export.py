@@ -1,0 +1,128 @@
+"""`--format openvino`: edgespec's decoder graph → OpenVINO IR, weights compressed with NNCF.
+
+Why not optimum-intel: optimum-intel 2.2.0 requires transformers < 5.6 (and torchvision),
+while only transformers >= 5.23 reads the default Gemma 3 GGUF and its tokenizer; pip cannot
+resolve both in one environment. So the same graph the ONNX path builds from the weights
+transformers loaded (trimmed VocabTrim head and layer cut already applied by GraphOptions) is
+converted with OpenVINO's own converter (`openvino.convert_model`), and NNCF — the library
+optimum-intel itself calls — compresses its weights to int8 / int4.
+
+The IR uses the graph's buffer KV layout (see onnx_graph.py): position ids, an attention
+mask and only the new KV rows as outputs, with every size a shape. The runtime keeps the KV
+buffer, so one IR serves the dynamic mode and the static-shape (NPU) mode, where it is
+reshaped to a fixed KV capacity and verify width at load time.
+"""
+from __future__ import annotations
+
+import logging
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..bundle import Artifact
+from ..errors import ExportError
+from .onnx_graph import build_decoder
+
+__all__ = ["OVScheme", "OV_SCHEMES", "INFERENCE_PRECISION", "write_openvino", "compress"]
+
+logger = logging.getLogger(__name__)
+
+# The precision the runtime asks the CPU plugin to compute in, stored in the IR's rt_info (the
+# runtime applies it at compile time) and in the manifest. f32, because on CPUs with AMX or
+# AVX512-BF16 the plugin defaults to bf16, whose rounding flips greedy near-ties against the
+# fp32 reference; `precision="bf16"` at load time trades that for speed.
+INFERENCE_PRECISION = "f32"
+
+
+@dataclass(frozen=True)
+class OVScheme:
+    """One NNCF weight-compression scheme."""
+
+    mode: str  # nncf.CompressWeightsMode member name
+    group_size: int = -1  # -1: per output channel
+    ratio: float = 1.0  # share of layers in `mode`; the rest stay int8
+    all_layers: bool = False  # also the embedding and the head in `mode` (else int8)
+
+    def describe(self) -> dict:
+        return {"method": "nncf.compress_weights", "mode": self.mode.lower(), "group_size": self.group_size,
+                "ratio": self.ratio, "all_layers": self.all_layers}
+
+
+OV_SCHEMES: dict[str, OVScheme] = {
+    "int8": OVScheme("INT8_ASYM"),
+    # group 64 divides every hidden size we know (640 for Gemma 3 270M); NNCF keeps the
+    # embedding and the head in int8 unless all_layers
+    "int4": OVScheme("INT4_SYM", group_size=64),
+}
+
+
+def _import_ov():
+    try:
+        import openvino as ov
+    except ImportError as e:
+        raise ExportError("--format openvino needs OpenVINO and NNCF: pip install 'edgespec[openvino-export]'") from e
+    return ov
+
+
+def compress(model, precision: str, group_size: int | None = None):
+    """Compress `model`'s weights with NNCF (int8 / int4); the scheme's description."""
+    scheme = OV_SCHEMES[precision]
+    if group_size is not None:
+        scheme = replace(scheme, group_size=group_size)
+    try:
+        import nncf
+    except ImportError as e:
+        raise ExportError("int8/int4 OpenVINO weights need NNCF: pip install 'edgespec[openvino-export]'") from e
+    kw = dict(mode=getattr(nncf.CompressWeightsMode, scheme.mode))
+    if scheme.mode.startswith("INT4"):
+        kw.update(group_size=scheme.group_size, ratio=scheme.ratio, all_layers=scheme.all_layers)
+    _quiet_nncf()
+    return nncf.compress_weights(model, **kw), scheme.describe()
+
+
+def _quiet_nncf() -> None:
+    # NNCF prints a statistics table and progress at INFO; keep the export's own bar readable
+    logging.getLogger("nncf").setLevel(logging.WARNING)
+
+
+def _group_size(hidden: int, wanted: int) -> int:
+    """The largest of wanted, wanted/2, ... that divides the hidden size (NNCF needs that)."""
+    g = wanted
+    while g > 8 and hidden % g:
+        g //= 2
+    return g if hidden % g == 0 else -1
+
+
+def write_openvino(job, bar) -> Artifact:
+    """Build the buffer-layout graph, convert it, compress its weights, save the IR."""
+    import onnx
+
+    ov = _import_ov()
+    out = job.bundle_dir / job.role / "openvino" / "model.xml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # the graph computes in fp32; weights go to the IR as fp32 or fp16 (save_model compresses)
+    opts = replace(job.opts, weight_dtype="fp32", kv_layout="buffer")
+    bar.set_postfix_str(f"converting {job.role} to OpenVINO")
+    graph = build_decoder(job.spec, job.weights, opts)
+    with tempfile.TemporaryDirectory(dir=job.bundle_dir) as scratch:
+        path = Path(scratch) / "model.onnx"
+        onnx.save_model(graph, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="model.onnx.data", size_threshold=1024)
+        del graph
+        try:
+            model = ov.convert_model(str(path))
+        except Exception as e:  # OpenVINO raises its own types; keep one line
+            raise ExportError(f"OpenVINO could not convert the {job.role} graph: {str(e).splitlines()[0]}") from e
+    quant = None
+    if job.precision in OV_SCHEMES:
+        bar.set_postfix_str(f"compressing {job.role} to {job.precision} (NNCF)")
+        gs = _group_size(job.spec.hidden_size, OV_SCHEMES[job.precision].group_size) \
+            if OV_SCHEMES[job.precision].group_size > 0 else None
+        model, quant = compress(model, job.precision, gs)
+    quant = dict(quant or {}, inference_precision=INFERENCE_PRECISION, kv_layout="buffer")
+    model.set_rt_info(INFERENCE_PRECISION, ["runtime_options", "INFERENCE_PRECISION_HINT"])
+    model.set_rt_info("buffer", ["edgespec", "kv_layout"])
+    bar.set_postfix_str(f"writing {job.role} IR")
+    ov.save_model(model, str(out), compress_to_fp16=job.precision == "fp16")
+    return Artifact(file=str(out.relative_to(job.bundle_dir)), precision=job.precision, quantization=quant)
+

