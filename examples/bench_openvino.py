@@ -20,7 +20,6 @@ import json
 import logging
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np

@@ -98,6 +98,7 @@ def write_openvino(job, bar) -> Artifact:
     import onnx
 
     ov = _import_ov()
+    job = replace(job, precision=job.precision or "fp32")  # None: as the source, which is float here
     out = job.bundle_dir / job.role / "openvino" / "model.xml"
     out.parent.mkdir(parents=True, exist_ok=True)
     # the graph computes in fp32; weights go to the IR as fp32 or fp16 (save_model compresses)
