@@ -210,7 +210,27 @@ def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str, seq_axis:
     kpos = g.op("Range", [g.const(0, **i64), t_len, g.const(1, **i64)])  # (T,)
     qcol = g.op("Unsqueeze", [qpos, g.const([1], **i64)])  # (S, 1)
     krow = g.op("Unsqueeze", [kpos, g.const([0], **i64)])  # (1, T)
-    causal = g.op("LessOrEqual", [krow, qcol])  # (S, T)
+    return _masks_and_rope(g, spec, qcol, krow, g.op("LessOrEqual", [krow, qcol]))
+
+
+def _buffer_positions_and_masks(g: _G, spec: ModelSpec, past0: str) -> dict:
+    """As `_positions_and_masks`, for the buffer layout: query positions come from position_ids,
+    buffer slot j holds position j, and attention_mask says which keys exist."""
+    i64 = dict(dtype=np.int64)
+    p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(2, **i64)])
+    qpos = g.op("Squeeze", ["position_ids", g.const([0], **i64)])  # (S,)
+    kpos = g.op("Concat", [g.op("Range", [g.const(0, **i64), p_len, g.const(1, **i64)]), qpos], axis=0)  # (T,)
+    qcol = g.op("Unsqueeze", [qpos, g.const([1], **i64)])  # (S, 1)
+    krow = g.op("Unsqueeze", [kpos, g.const([0], **i64)])  # (1, T)
+    present = g.op("Unsqueeze", [g.op("Cast", [g.op("Squeeze", ["attention_mask", g.const([0], **i64)])],
+                                               to=TensorProto.BOOL), g.const([0], **i64)])  # (1, T)
+    return _masks_and_rope(g, spec, qcol, krow, g.op("And", [g.op("LessOrEqual", [krow, qcol]), present]))
+
+
+def _masks_and_rope(g: _G, spec: ModelSpec, qcol: str, krow: str, causal: str) -> dict:
+    """Additive masks (causal, and sliding where a layer type has a window) and RoPE cos/sin per
+    layer type, from query positions (S, 1), key positions (1, T) and the causal pattern (S, T)."""
+    i64 = dict(dtype=np.int64)
     zero, neg = g.const(0.0, dtype=np.float32), g.const(_NEG, dtype=np.float32)
     masks, rope = {}, {}
     qf = g.op("Cast", [qcol], to=TensorProto.FLOAT)
@@ -227,37 +247,6 @@ def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str, seq_axis:
         cos = g.op("Mul", [g.op("Cos", [emb]), g.const(scale, dtype=np.float32)])
         sin = g.op("Mul", [g.op("Sin", [emb]), g.const(scale, dtype=np.float32)])
         rope[lt] = tuple(g.op("Unsqueeze", [t, g.const([0, 1], **i64)]) for t in (cos, sin))  # (1,1,S,hd)
-    return {"mask": masks, "rope": rope}
-
-
-def _buffer_positions_and_masks(g: _G, spec: ModelSpec, past0: str) -> dict:
-    """As `_positions_and_masks`, for the buffer layout: query positions come from position_ids,
-    buffer slot j holds position j, and attention_mask says which keys exist."""
-    i64 = dict(dtype=np.int64)
-    p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(2, **i64)])
-    qpos = g.op("Squeeze", ["position_ids", g.const([0], **i64)])  # (S,)
-    kpos = g.op("Concat", [g.op("Range", [g.const(0, **i64), p_len, g.const(1, **i64)]), qpos], axis=0)  # (T,)
-    qcol = g.op("Unsqueeze", [qpos, g.const([1], **i64)])  # (S, 1)
-    krow = g.op("Unsqueeze", [kpos, g.const([0], **i64)])  # (1, T)
-    present = g.op("Unsqueeze", [g.op("Cast", [g.op("Squeeze", ["attention_mask", g.const([0], **i64)])],
-                                               to=TensorProto.BOOL), g.const([0], **i64)])  # (1, T)
-    causal = g.op("And", [g.op("LessOrEqual", [krow, qcol]), present])  # (S, T)
-    zero, neg = g.const(0.0, dtype=np.float32), g.const(_NEG, dtype=np.float32)
-    masks, rope = {}, {}
-    qf = g.op("Cast", [qcol], to=TensorProto.FLOAT)
-    for lt in sorted(set(spec.layer_types)):
-        allowed = causal
-        if lt == "sliding_attention" and spec.sliding_window:
-            near = g.op("Less", [g.op("Sub", [qcol, krow]), g.const(spec.sliding_window, **i64)])
-            allowed = g.op("And", [causal, near])
-        m = g.op("Where", [allowed, zero, neg])
-        masks[lt] = g.op("Unsqueeze", [m, g.const([0, 1, 2], **i64)])  # (1, 1, 1, S, T)
-        inv_freq, scale = spec.rope[lt]
-        freqs = g.op("Mul", [qf, g.const(inv_freq[None, :], dtype=np.float32)])
-        emb = g.op("Concat", [freqs, freqs], axis=-1)
-        cos = g.op("Mul", [g.op("Cos", [emb]), g.const(scale, dtype=np.float32)])
-        sin = g.op("Mul", [g.op("Sin", [emb]), g.const(scale, dtype=np.float32)])
-        rope[lt] = tuple(g.op("Unsqueeze", [t, g.const([0, 1], **i64)]) for t in (cos, sin))
     return {"mask": masks, "rope": rope}
 
 
