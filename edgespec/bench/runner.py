@@ -4,13 +4,13 @@ Configurations are compared by running them alternately in one process on the sa
 runtimes (see examples/), so a busy neighbour slows all of them alike."""
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..decoding import FixedK, SamplingParams, SpeculativeDecoder
+from ..memory.measure import PeakRSS  # re-exported: benchmarks sample peak RSS with it
 from ..runtimes.base import Runtime
 
 __all__ = ["RunResult", "PeakRSS", "timed_decode"]
@@ -62,39 +62,3 @@ def timed_decode(target: Runtime, draft: Runtime | None, prompt: list[int], max_
     n = len(tokens) - len(prompt)
     tok_s = (n - 1) / (total - first) if n > 1 and total > first else 0.0
     return RunResult(tokens[len(prompt):], tok_s, first or total, steps, drafted, accepted, draft_ms, verify_ms)
-
-
-class PeakRSS(threading.Thread):
-    """Samples this process's resident set size every few milliseconds; `stop()` → peak bytes,
-    `mark()` → peak bytes since the previous mark (one measured run)."""
-
-    def __init__(self, interval_s: float = 0.005) -> None:
-        super().__init__(daemon=True)
-        import psutil
-
-        self._proc, self._interval, self.peak = psutil.Process(), interval_s, 0
-        self._done = threading.Event()
-
-        self._window = 0  # peak since the last mark()
-
-    def run(self) -> None:
-        while not self._done.is_set():
-            self._sample()
-            time.sleep(self._interval)
-
-    def _sample(self) -> int:
-        rss = self._proc.memory_info().rss
-        self.peak = max(self.peak, rss)
-        self._window = max(self._window, rss)
-        return rss
-
-    def mark(self) -> int:
-        """Peak RSS since the previous mark (or the start); starts a new window."""
-        self._sample()  # a window shorter than the interval still gets a reading
-        peak, self._window = self._window, 0
-        return peak
-
-    def stop(self) -> int:
-        self._done.set()
-        self.join()
-        return self.peak

@@ -25,36 +25,55 @@ def anon_bytes() -> int | None:
 
 
 class PeakRSS:
-    """Samples RSS every `interval_s` in a daemon thread while the block runs.
+    """Samples this process's RSS every `interval_s` in a daemon thread.
 
-        with PeakRSS() as peak:
+        with PeakRSS() as peak:          # peak.peak, peak.base (RSS when it started)
             work()
-        peak.peak, peak.start
+        rss = PeakRSS().start()          # or by hand: mark() = peak since the previous mark
+        ...; rss.mark(); ...; rss.stop()
     """
 
     def __init__(self, interval_s: float = 0.005) -> None:
         self.interval_s = interval_s
-        self.start = self.peak = 0
+        self.base = self.peak = 0
+        self._window = 0  # peak since the last mark()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _run(self) -> None:
-        import psutil
+    def _sample(self) -> int:
+        rss = rss_bytes()
+        self.peak = max(self.peak, rss)
+        self._window = max(self._window, rss)
+        return rss
 
-        proc = psutil.Process()
+    def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, proc.memory_info().rss)
+            self._sample()
             time.sleep(self.interval_s)
 
-    def __enter__(self) -> "PeakRSS":
-        self.start = self.peak = rss_bytes()
+    def start(self) -> "PeakRSS":
+        self.base = self.peak = self._window = rss_bytes()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="edgespec-peak-rss", daemon=True)
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def mark(self) -> int:
+        """Peak RSS since the previous mark (or the start); starts a new window."""
+        self._sample()  # a window shorter than the interval still gets a reading
+        peak, self._window = self._window, 0
+        return peak
+
+    def stop(self) -> int:
+        """End sampling; the peak in bytes."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
+        self._sample()
+        return self.peak
+
+    def __enter__(self) -> "PeakRSS":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
