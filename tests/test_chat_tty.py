@@ -54,7 +54,22 @@ class Terminal:
         try:
             return self.proc.wait(timeout=60)
         finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """Never leave the child behind, even when an assertion failed mid-conversation."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.master >= 0:
             os.close(self.master)
+            self.master = -1
+
+    def __enter__(self) -> "Terminal":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
 
 
 @pytest.fixture(scope="module")
@@ -67,27 +82,27 @@ def chat_bundle(tmp_path_factory):
 
 
 def test_ctrl_c_stops_reply_and_keeps_conversation(chat_bundle):
-    term = Terminal([sys.executable, "-m", "edgespec", "chat", str(chat_bundle), "--max-tokens", "100000"])
-    term.read_until(">>> ")
-    stopped = False
-    for attempt in range(6):  # a reply may end on its own before Ctrl-C lands: try another
-        term.send(f"tell me a long story number {attempt}\r")
-        term.read_until("\n")  # the echoed input line
+    with Terminal([sys.executable, "-m", "edgespec", "chat", str(chat_bundle), "--max-tokens", "100000"]) as term:
+        term.read_until(">>> ")
+        stopped = False
+        for attempt in range(6):  # a reply may end on its own before Ctrl-C lands: try another
+            term.send(f"tell me a long story number {attempt}\r")
+            term.read_until("\n")  # the echoed input line
+            time.sleep(0.5)
+            term.send("\x03")  # Ctrl-C, delivered by the terminal as SIGINT
+            screen = term.read_until(">>> ")
+            if "[stopped]" in screen:
+                stopped = True
+                break
+        assert stopped, "Ctrl-C never interrupted a reply"
+        assert term.proc.poll() is None  # still running: the chat went on
+        term.send("/stats\r")
+        stats = term.read_until(">>> ")
+        assert f"session: {attempt + 1} replies" in stats
+        term.send("one more question\r")  # the conversation goes on; stop this reply too
+        term.read_until("\n")
         time.sleep(0.5)
-        term.send("\x03")  # Ctrl-C, delivered by the terminal as SIGINT
-        screen = term.read_until(">>> ")
-        if "[stopped]" in screen:
-            stopped = True
-            break
-    assert stopped, "Ctrl-C never interrupted a reply"
-    assert term.proc.poll() is None  # still running: the chat went on
-    term.send("/stats\r")
-    stats = term.read_until(">>> ")
-    assert f"session: {attempt + 1} replies" in stats
-    term.send("one more question\r")  # the conversation goes on; stop this reply too
-    term.read_until("\n")
-    time.sleep(0.5)
-    term.send("\x03")
-    term.read_until(">>> ")
-    term.send("\x04")  # Ctrl-D quits
-    assert term.close() == 0
+        term.send("\x03")
+        term.read_until(">>> ")
+        term.send("\x04")  # Ctrl-D quits
+        assert term.close() == 0
