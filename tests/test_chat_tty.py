@@ -47,6 +47,16 @@ class Terminal:
         head, _, self.buf = self.buf.partition(needle)
         return head
 
+    def wait_for_output(self, n_chars: int, timeout: float = 120.0) -> None:
+        """Wait until at least `n_chars` unread characters arrived (a reply is streaming)."""
+        end = time.monotonic() + timeout
+        while len(self.buf) < n_chars:
+            if time.monotonic() > end:
+                raise AssertionError(f"timed out waiting for output; screen so far:\n{self.buf[-2000:]}")
+            ready, _, _ = select.select([self.master], [], [], 0.2)
+            if ready:
+                self.buf += os.read(self.master, 4096).decode(errors="replace")
+
     def send(self, text: str) -> None:
         os.write(self.master, text.encode())
 
@@ -88,7 +98,7 @@ def test_ctrl_c_stops_reply_and_keeps_conversation(chat_bundle):
         for attempt in range(6):  # a reply may end on its own before Ctrl-C lands: try another
             term.send(f"tell me a long story number {attempt}\r")
             term.read_until("\n")  # the echoed input line
-            time.sleep(0.5)
+            term.wait_for_output(8)  # the reply has started (a turn stopped before its first token is no turn)
             term.send("\x03")  # Ctrl-C, delivered by the terminal as SIGINT
             screen = term.read_until(">>> ")
             if "[stopped]" in screen:
@@ -101,7 +111,7 @@ def test_ctrl_c_stops_reply_and_keeps_conversation(chat_bundle):
         assert f"session: {attempt + 1} replies" in stats
         term.send("one more question\r")  # the conversation goes on; stop this reply too
         term.read_until("\n")
-        time.sleep(0.5)
+        term.wait_for_output(8)
         term.send("\x03")
         term.read_until(">>> ")
         term.send("\x04")  # Ctrl-D quits
