@@ -94,17 +94,18 @@ def chat_bundle(tmp_path_factory):
 def test_ctrl_c_stops_reply_and_keeps_conversation(chat_bundle):
     with Terminal([sys.executable, "-m", "edgespec", "chat", str(chat_bundle), "--max-tokens", "100000"]) as term:
         term.read_until(">>> ")
-        stopped = False
+        stopped, screens = False, []
         for attempt in range(6):  # a reply may end on its own before Ctrl-C lands: try another
             term.send(f"tell me a long story number {attempt}\r")
             term.read_until("\n")  # the echoed input line
             term.wait_for_output(8)  # the reply has started (a turn stopped before its first token is no turn)
             term.send("\x03")  # Ctrl-C, delivered by the terminal as SIGINT
             screen = term.read_until(">>> ")
+            screens.append(screen[-300:])
             if "[stopped]" in screen:
                 stopped = True
                 break
-        assert stopped, "Ctrl-C never interrupted a reply"
+        assert stopped, "Ctrl-C never interrupted a reply; screens:\n" + "\n---\n".join(screens)
         assert term.proc.poll() is None  # still running: the chat went on
         term.send("/stats\r")
         stats = term.read_until(">>> ")
