@@ -5,6 +5,7 @@ import fcntl
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -22,6 +23,9 @@ def _own_terminal() -> None:
     """In the child: a new session whose controlling terminal is the pty, so Ctrl-C is SIGINT."""
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    # a shell starts background jobs (`cmd &`, as CI runners may) with SIGINT ignored, and the
+    # child would inherit that: a user's terminal delivers Ctrl-C
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Terminal:
