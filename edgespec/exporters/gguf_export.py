@@ -296,6 +296,11 @@ def _write(job, path: Path, half: bool) -> None:
     for name, arr in _tensors(job, arch, layers):
         arr = np.ascontiguousarray(arr, dtype=np.float16 if half and arr.ndim == 2 else np.float32)
         w.add_tensor(name, arr)
+    _finish(w)
+
+
+def _finish(w) -> None:
+    """Write a GGUFWriter's header, metadata and tensors, and close it even on failure."""
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -318,12 +323,7 @@ def _write_input_embedding(job, path: Path, precision: str) -> None:
     else:  # Q8_0 rows: a table lookup needs no more, and gguf quantizes it in numpy
         q = gq(embed, GGMLQuantizationType.Q8_0)
         w.add_tensor("token_embd.weight", q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-    finally:
-        w.close()
+    _finish(w)
 
 
 # -- llama.cpp quantizer ------------------------------------------------------------------
