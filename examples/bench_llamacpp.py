@@ -35,7 +35,7 @@ WIDTHS = (1, 2, 4, 5, 8)
 
 
 def llama_cpp_high_level(gguf: str, threads: int):
-    """llama-cpp-python's Llama, with the same AMX guard edgespec applies."""
+    """llama-cpp-python's Llama, with the extra-buffer-type setting edgespec applies (AMX crash, #20824)."""
     import llama_cpp
     import llama_cpp.llama_cpp as low
 

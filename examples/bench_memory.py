@@ -10,7 +10,8 @@ forward). Every measurement runs in a fresh process (RSS is per process) and the
 are interleaved round by round, so a busy machine slows them alike; medians are reported.
 
 Measured per run: RSS after load, peak RSS sampled every 2 ms by psutil in a thread while one
-greedy generation runs (a --prompt-tokens prompt, --new-tokens new tokens, k=4 model drafts),
+greedy generation runs (a --prompt-tokens prompt, --new-tokens new tokens, k=4 model drafts or
+--drafting default),
 and decode tokens/s. Generation memory = peak - after load.
 """
 from __future__ import annotations
@@ -62,7 +63,8 @@ def child(cfg: dict) -> dict:
     import edgespec
     from edgespec.memory.measure import PeakRSS, anon_bytes, rss_bytes
 
-    kw = dict(k=4, drafter="model", policy="fixed")
+    # "model": the draft model alone, k=4 (SpecMemo's setting); "default": what edgespec chat runs
+    kw = dict(k=4, drafter="model", policy="fixed") if cfg.get("drafting", "model") == "model" else {}
     if cfg.get("budget"):
         kw["memory_budget"] = cfg["budget"]
     with edgespec.load(cfg["bundle"], **kw) as e:
@@ -135,6 +137,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--drafting", choices=("model", "default"), default="model",
+                    help="model: the draft model alone, k=4 fixed; default: edgespec's default drafting")
     ap.add_argument("--factors", default="1.0,1.2,1.5,2.0", help="budgets as multiples of the speculative bound")
     ap.add_argument("--out", default=None, help="folder for results.json and memory.png")
     ap.add_argument("--layouts", action="store_true",
@@ -149,7 +153,7 @@ def main() -> None:
         print("ms per step (median): " + ", ".join(f"{k} {v:.3g}" for k, v in res.items()))
         return
     MiB = 2**20
-    common = dict(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    common = dict(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, drafting=args.drafting)
     # the bounds come from a plan with a roomy budget (the same measurement a budgeted load makes)
     probe = run(dict(bundle=args.bundle, budget="64GB", **common))
     if "error" in probe:

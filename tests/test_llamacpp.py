@@ -93,6 +93,39 @@ def test_logits_match_transformers_and_rollback(zoo, name):
         assert mem["weights"] > 0 and mem["kv"] >= mem["kv_used"] > 0
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_quantized_verify_pass_rounds_exactly_like_one_token_decodes(zoo, precision):
+    """What exact speculative decoding on a quantized model rests on: the logits of a k-token
+    verify pass are bit-identical to k one-token decodes. It needs a llama.cpp built without
+    llamafile's sgemm (README) and no repacked weights."""
+    ids = zoo.hf_tokenizer("llama")(LONG_PROMPT).input_ids
+    with runtime(zoo.bundle("llama", None, formats=GGUF, target_precision=precision)) as rt:
+        assert rt.capabilities.batch_variance is None, rt.capabilities.batch_variance
+        rt.forward(ids[:20])
+        batch = rt.forward(ids[20:26], n_logits=6)
+        rt.trim(20)
+        singles = np.concatenate([rt.forward([t]) for t in ids[20:26]])
+    assert np.array_equal(batch, singles)
+
+
+def test_batch_variance_is_reported_and_warned_once(monkeypatch, caplog):
+    import edgespec.runtimes.llamacpp as lc
+    from edgespec.decoding import speculative
+
+    monkeypatch.setattr(lc, "system_info", lambda: "CPU : AVX2 = 1 | LLAMAFILE = 1 | REPACK = 1 |")
+    reason = lc.batch_variance(extra_bufts=True)
+    assert "llamafile" in reason and lc.EXTRA_BUFTS_ENV in reason and "GGML_LLAMAFILE=OFF" in reason
+    monkeypatch.setattr(lc, "system_info", lambda: "CPU : AVX2 = 1 | LLAMAFILE = 0 |")
+    assert lc.batch_variance(extra_bufts=False) is None
+    monkeypatch.setattr(speculative, "_warned", set())
+    target = type("T", (), {"capabilities": lc.Capabilities("llamacpp", batch_variance=reason)})()
+    drafter = type("D", (), {"runtimes": ()})()
+    with caplog.at_level("WARNING", logger="edgespec.decoding.speculative"):
+        speculative._check_target(target, drafter, None)
+        speculative._check_target(target, drafter, None)
+    assert len(caplog.records) == 1 and "near-ties" in caplog.records[0].getMessage()
+
+
 @pytest.fixture(scope="module")
 def references(zoo):
     cache: dict = {}

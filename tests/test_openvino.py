@@ -53,14 +53,15 @@ def references(zoo):
 
 # -- numerics ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("static,kv", [(False, "state"), (False, "buffer"), (True, "buffer")],
+                         ids=["dynamic", "dynamic-buffer", "static"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_logits_match_transformers_in_chunks_and_after_rollback(zoo, name, static):
+def test_logits_match_transformers_in_chunks_and_after_rollback(zoo, name, static, kv):
     ids = zoo.hf_tokenizer(name)(LONG_PROMPT).input_ids
     ref = hf_logits(zoo.hf_model(name), ids)
     width = 8
-    rt = ov_target(zoo, name, static=static, width=width, kv_capacity=96 if static else None)
-    assert rt.capabilities.static_shapes is static and rt.precision == "f32"
+    rt = ov_target(zoo, name, static=static, width=width, kv_capacity=96 if static else None, kv=kv)
+    assert rt.capabilities.static_shapes is static and rt.precision == "f32" and rt.capabilities.extra["kv"] == kv
     assert rt.capabilities.max_batch_tokens == (width if static else None)
 
     def feed(start: int, end: int) -> np.ndarray:  # in chunks of the width, every logit row
@@ -101,16 +102,22 @@ def test_static_capacity_is_fixed_and_overflow_is_a_clear_error(zoo):
         rt.forward([1] * 5)
 
 
-def test_dynamic_cache_grows_past_its_first_buffer(zoo):
-    rt = ov_target(zoo, "qwen2")
-    ids = [int(t) for t in np.random.default_rng(1).integers(10, VOCAB, size=300)]
+@pytest.mark.parametrize("kv", ["state", "buffer"])
+def test_dynamic_cache_grows_and_respects_its_capacity(zoo, kv):
+    rt = ov_target(zoo, "qwen2", kv=kv, kv_capacity=320)
+    ids = [int(t) for t in np.random.default_rng(1).integers(10, VOCAB, size=330)]
     first = rt.memory_bytes()["kv"]
     for i in range(0, 300, 100):
         rt.forward(ids[i:i + 100])
     assert rt.n_past == 300 and rt.memory_bytes()["kv"] > first
-    ref = hf_logits(zoo.hf_model("qwen2"), ids)
+    ref = hf_logits(zoo.hf_model("qwen2"), ids[:300])
     rt.trim(290)
-    np.testing.assert_allclose(rt.forward(ids[290:], n_logits=10), ref[290:], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(rt.forward(ids[290:300], n_logits=10), ref[290:], atol=1e-4, rtol=1e-4)
+    with pytest.raises(BackendError, match="at most 320 positions"):
+        rt.forward(ids[300:330])
+    assert rt.n_past == 300
+    with pytest.raises(BackendError, match="kv must be one of"):
+        ov_target(zoo, "qwen2", static=True, kv="state")
 
 
 # -- greedy identity: every mode CI can run ----------------------------------------------
@@ -150,6 +157,22 @@ def test_speculative_greedy_is_exact(zoo, references, name, draft, static, k):
         assert accepted > 0
     else:
         assert accepted < drafted, "the int4 draft accepted everything: rollback went untested"
+
+
+def test_speculative_on_the_buffer_kv_is_exact(zoo, references):
+    """The dynamic mode's other KV holder (the runtime's own buffer) rolls back exactly too."""
+    from types import SimpleNamespace
+
+    from edgespec.decoding import SpeculativeDecoder, make_policy
+
+    path = ov_bundle(zoo, "llama")
+    b = load_bundle(path)
+    target, draft = (OpenVinoRuntime(path / e.formats["openvino"].file, kv="buffer")
+                     for e in (b.manifest.target, b.manifest.draft))
+    engine = SimpleNamespace(decoder=SpeculativeDecoder(target, draft, id_map=b.id_map(), drafter="model",
+                                                        policy=make_policy("fixed", 4)))
+    drafted, accepted = speculative_matches(engine, references, "llama")
+    assert 0 < accepted < drafted and target.capabilities.extra["kv"] == "buffer"
 
 
 @pytest.mark.parametrize("target, draft", [("onnxruntime", "openvino"), ("openvino", "onnxruntime")])

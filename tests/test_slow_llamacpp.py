@@ -3,8 +3,9 @@
 The target is copied as it is; the draft is an int8 (Q8_0) self-draft with the full head, which
 needs no VocabTrim calibration run (minutes of transformers generation); the trimmed draft on the
 real model is exercised by examples/bench_llamacpp.py, which checks speculative == plain too.
-Speculative greedy must equal plain greedy, and llama.cpp's own vocabulary must agree with the
-bundle's tokenizer (the source of truth)."""
+Speculative greedy must equal plain greedy (which rests on a verify pass computing exactly what
+one-token decodes do, checked on the real Q4_K_M weights), and llama.cpp's own vocabulary must
+agree with the bundle's tokenizer (the source of truth)."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,9 @@ import pytest
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "<start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "<start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n",
+           "The history of the printing press begins", "Photosynthesis is the process by which",
+           "Once upon a time, in a village by the sea,"]
 N_TOKENS = 48
 
 
@@ -83,3 +86,23 @@ def test_default_gguf_speculative_equals_plain(bundle):
             assert outs[0] == outs[1], prompt
             assert len(set(outs[1])) > 3
         assert drafted > 0
+
+
+def test_default_gguf_verify_pass_is_bit_identical_to_one_token_decodes(bundle):
+    import numpy as np
+
+    from edgespec.bundle import load_bundle
+    from edgespec.runtimes.llamacpp import LlamaCppRuntime
+    from edgespec.tokenizer import Tokenizer
+
+    b = load_bundle(bundle)
+    ids = Tokenizer(b.file(b.manifest.tokenizer.file), b.manifest.tokenizer).encode(" ".join(PROMPTS) * 20)
+    with LlamaCppRuntime(b.file(b.manifest.target.formats["gguf"].file)) as rt:
+        assert rt.capabilities.batch_variance is None, rt.capabilities.batch_variance
+        for start in (9, 600):  # a short context, and one past flash attention's 512-position split
+            rt.reset()
+            rt.forward(ids[:start])
+            batch = rt.forward(ids[start:start + 5], n_logits=5)
+            rt.trim(start)
+            singles = np.concatenate([rt.forward([t]) for t in ids[start:start + 5]])
+            assert np.array_equal(batch, singles), start

@@ -27,6 +27,7 @@ from edgespec.runtimes.base import Runtime
 __all__ = ["DEFAULT_K", "StepResult", "SpeculativeDecoder", "common_prefix", "truncate_commit"]
 
 logger = logging.getLogger(__name__)
+_warned: set[str] = set()  # batch-variance reasons already reported
 
 DEFAULT_K = 4
 
@@ -67,6 +68,10 @@ def _check_target(target: Runtime, drafter: Drafter | None, policy: DraftPolicy 
                           f"{caps.backend!r} cannot trim its KV cache; run without drafting")
     if batch_limit(target) == 1:
         raise ConfigError("the target backend takes one token per forward, so it cannot verify drafts")
+    variance = caps.batch_variance if caps is not None else None
+    if variance and variance not in _warned:  # once per process: a chat builds decoders often
+        _warned.add(variance)
+        logger.warning("greedy output with drafting may differ from plain decoding on near-ties: %s", variance)
 
 
 class SpeculativeDecoder:

@@ -13,7 +13,7 @@ from ..errors import MemoryBudgetError
 from .budget import format_bytes
 from .footprint import ModelMemory, candidate_bytes
 
-__all__ = ["MIN_CONTEXT", "MAX_CONTEXT", "PREFILL_CHUNK", "WANT_CONTEXT", "Plan", "Bounds", "lower_bounds",
+__all__ = ["BOUND_HEADROOM", "MIN_CONTEXT", "MAX_CONTEXT", "PREFILL_CHUNK", "WANT_CONTEXT", "Plan", "Bounds", "lower_bounds",
            "plan_memory", "describe_plan"]
 
 logger = logging.getLogger(__name__)
@@ -25,11 +25,28 @@ PREFILL_CHUNK = 256  # prompt tokens per forward under a budget: bounds the atte
 MIN_CHUNK = 32  # the planner halves the chunk down to this; the lower bounds assume it
 
 
+# Measured overheads differ by ~0.3% from one process to the next, so a bound printed by one run
+# carries this headroom: a budget set to it in the next run still holds what it promised.
+BOUND_HEADROOM = 0.01
+
+
 @dataclass(frozen=True)
 class Bounds:
+    """Budgets that run speculative / plain decoding (with headroom; what users are told), and the
+    least this process needs (what the planner decides by)."""
+
     speculative: int | None  # None: nothing to draft with
     plain: int
     min_context: int
+    least_speculative: int | None = None
+    least_plain: int = 0
+
+    @classmethod
+    def from_needs(cls, speculative: int | None, plain: int, min_context: int) -> "Bounds":
+        def up(n: int) -> int:  # headroom, rounded up to a MiB
+            return -(-int(n * (1 + BOUND_HEADROOM)) // 2**20) * 2**20
+
+        return cls(None if speculative is None else up(speculative), up(plain), min_context, speculative, plain)
 
 
 @dataclass(frozen=True)
@@ -71,17 +88,16 @@ def lower_bounds(base: int, target: ModelMemory, draft: ModelMemory | None, k: i
                  min_context: int = MIN_CONTEXT, chunk: int = MIN_CHUNK, sampling: bool = True) -> Bounds:
     """Least memory for speculative decoding (draft model, k drafts) and for plain decoding.
 
-    Scratch comes from the estimate here: a probe measures this process's allocator at one
-    context, not the least any process needs."""
-    target = replace(target, scratch=None)
-    draft = None if draft is None else replace(draft, scratch=None)
+    Once a probe has measured the scratch, the bounds count it (the allocator keeps what it took;
+    onnxruntime's arena held ~100 MiB where the estimate said ~10), so a budget at the bound
+    really holds the draft model with a min_context context."""
     small = _smallest_dtype(target)
     plain = _need(base, [target], [small], 0, None, target.vocab, min_context, chunk, sampling)
     spec = None
     if draft is not None and k > 0:
         models = [target, draft]
         spec = _need(base, models, _dtypes(models, small), k, draft.vocab, target.vocab, min_context, chunk, sampling)
-    return Bounds(spec, plain, min_context)
+    return Bounds.from_needs(spec, plain, min_context)
 
 
 def _capacity(budget: int, base: int, models: list[ModelMemory], dtypes: list[str], k: int,
@@ -127,15 +143,18 @@ def plan_memory(budget: int, base: int, target: ModelMemory, draft: ModelMemory 
     min_context = min(min_context, max_context)  # a context capped on purpose is still useful
     max_k = max(k, max_k or k)
     bounds = lower_bounds(base, target, draft, k, min_context, min(chunk, MIN_CHUNK), sampling)
-    if budget < bounds.plain:
+    if budget < bounds.least_plain:
         spec = f", {format_bytes(bounds.speculative)} with the draft model" if bounds.speculative else ""
         raise MemoryBudgetError(
             f"memory budget {format_bytes(budget)} is below the least this bundle needs: "
             f"{format_bytes(bounds.plain)} for plain decoding{spec} ({min_context}-token context)")
-    use_draft = draft is not None and bounds.speculative is not None and budget >= bounds.speculative
+    use_draft = draft is not None and bounds.least_speculative is not None and budget >= bounds.least_speculative
     plan = _plan(budget, base, target, draft if use_draft else None, k if use_draft or draft is None else 0,
                  max_k, min_context, max_context, chunk, sampling, bounds)
-    if plan.kv_capacity < min_context and use_draft:  # measured scratch can exceed the bound's estimate
+    if plan.kv_capacity < min_context and use_draft:  # the bound assumes the smallest prompt chunk
+        plan = _plan(budget, base, target, draft, k, max_k, min_context, max_context, MIN_CHUNK, sampling, bounds)
+    scratch_bound = use_draft and plan.kv_capacity < min_context  # measured scratch exceeds the estimate
+    if scratch_bound:
         use_draft = False
         plan = _plan(budget, base, target, None, 0, 0, min_context, max_context, chunk, sampling, bounds)
     if plan.kv_capacity < min_context:
@@ -145,8 +164,9 @@ def plan_memory(budget: int, base: int, target: ModelMemory, draft: ModelMemory 
             f"memory budget {format_bytes(budget)} leaves room for only {plan.kv_capacity} tokens of context "
             f"once loaded; plain decoding with a {min_context}-token context needs {format_bytes(need)} here")
     if draft is not None and k > 0 and not use_draft:
-        note = (f"memory budget {format_bytes(budget)} is below the speculative bound "
-                f"{format_bytes(bounds.speculative)}: the draft model is dropped, decoding plainly")
+        why = (f"leaves the draft model less than a {min_context}-token context once its measured scratch "
+               "is counted" if scratch_bound else f"is below the speculative bound {format_bytes(bounds.speculative)}")
+        note = f"memory budget {format_bytes(budget)} {why}: the draft model is dropped, decoding plainly"
         plan = replace(plan, notes=(note, *plan.notes))
     return plan
 

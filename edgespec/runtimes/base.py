@@ -30,6 +30,9 @@ class Capabilities:
     max_batch_tokens: int | None = None
     devices: tuple[str, ...] = ("CPU",)
     fixed_kv: bool = False  # KV lives in buffers preallocated for kv_capacity positions (no growth)
+    # why a k-token forward may round differently from k one-token forwards (None: it does not);
+    # then speculative greedy output can differ from plain greedy on near-ties
+    batch_variance: str | None = None
     extra: dict = field(default_factory=dict)
 
 

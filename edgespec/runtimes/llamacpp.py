@@ -26,7 +26,7 @@ from ..errors import BackendError
 from .base import Capabilities, Runtime
 
 __all__ = ["LlamaCppRuntime", "available_devices", "system_info", "use_extra_buffer_types", "DEFAULT_KV_CAPACITY",
-           "EMBD_KEYS", "EXTRA_BUFTS_ENV"]
+           "EMBD_KEYS", "EXTRA_BUFTS_ENV", "batch_variance"]
 
 logger = logging.getLogger(__name__)
 native_logger = logging.getLogger(__name__ + ".native")
@@ -36,9 +36,10 @@ MAX_BATCH = 512  # tokens per llama_decode call; longer prompts are fed in chunk
 # metadata the GGUF exporter writes into a VocabTrim draft (see exporters/gguf_export.py)
 EMBD_KEYS = {"file": "edgespec.input_embedding.file", "tensor": "edgespec.input_embedding.tensor",
              "scale": "edgespec.input_embedding.scale"}
-# llama.cpp's AMX matmul (extra buffer type) segfaults on the first multi-token batch on some
-# Sapphire Rapids machines (llama.cpp #20824); "1"/"0" forces extra buffer types on/off
+# "1" lets llama.cpp use extra weight buffer types (see use_extra_buffer_types)
 EXTRA_BUFTS_ENV = "EDGESPEC_LLAMACPP_EXTRA_BUFTS"
+EXACT_BUILD_HINT = ('CMAKE_ARGS="-DGGML_LLAMAFILE=OFF" pip install --no-cache-dir --force-reinstall '
+                    '"llama-cpp-python==0.3.36"')
 
 _init_lock = threading.Lock()
 _state: dict = {}
@@ -82,17 +83,27 @@ def system_info() -> str:
 
 
 def use_extra_buffer_types() -> bool:
-    """Whether to let llama.cpp use extra weight buffer types (repacking, AMX).
+    """Whether to let llama.cpp use extra weight buffer types (repacked and AMX matmuls).
 
-    Off when the build has the AMX path (llama.cpp #20824 crashes it on multi-token batches);
-    EDGESPEC_LLAMACPP_EXTRA_BUFTS=1/0 overrides."""
-    env = os.environ.get(EXTRA_BUFTS_ENV)
-    if env in ("0", "1"):
-        return env == "1"
-    amx = "AMX_INT8 = 1" in system_info()
-    if amx:
-        logger.info("llama.cpp build has AMX: extra buffer types off (llama.cpp #20824)")
-    return not amx
+    Off by default: the repacked kernels compute a one-token forward (gemv) and a multi-token
+    one (gemm) differently, so verifying k drafts in one batch could round differently from
+    plain decoding; and the AMX path crashes on multi-token batches (llama.cpp #20824).
+    EDGESPEC_LLAMACPP_EXTRA_BUFTS=1 turns them on (faster Q4 decoding on some CPUs, not exact)."""
+    return os.environ.get(EXTRA_BUFTS_ENV) == "1"
+
+
+def batch_variance(extra_bufts: bool) -> str | None:
+    """Why this build's multi-token forward may round differently from one-token forwards, or None.
+
+    llamafile's sgemm (built in unless -DGGML_LLAMAFILE=OFF) serves only batches of 2+ tokens, so a
+    verify pass and a decode step take different matmul kernels."""
+    reasons = []
+    if "LLAMAFILE = 1" in system_info():
+        reasons.append("this llama.cpp build multiplies multi-token batches with llamafile's sgemm and single "
+                       f"tokens with ggml's own kernels (reinstall with {EXACT_BUILD_HINT})")
+    if extra_bufts:
+        reasons.append(f"repacked weights use different kernels for one and several tokens ({EXTRA_BUFTS_ENV}=1)")
+    return "; ".join(reasons) or None
 
 
 def _threads(threads: int | None) -> int:
@@ -154,7 +165,7 @@ class LlamaCppRuntime(Runtime):
         self._check_header(path)
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = gpu_layers
-        mparams.use_extra_bufts = use_extra_buffer_types()
+        mparams.use_extra_bufts = extra_bufts = use_extra_buffer_types()
         self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
             raise BackendError(f"llama.cpp cannot load {path.name} (truncated or unsupported GGUF; run with -v "
@@ -168,6 +179,8 @@ class LlamaCppRuntime(Runtime):
             raise
         self.capabilities = Capabilities(backend="llamacpp", can_trim=True, max_batch_tokens=MAX_BATCH,
                                          devices=tuple(available_devices()),
+                                         batch_variance=batch_variance(extra_bufts) if gpu_layers == 0 else
+                                         "GPU kernels are not checked for batch invariance",
                                          extra={"gpu_layers": gpu_layers, "kv_capacity": self.kv_capacity,
                                                 "input_embeddings": self._embd is not None})
 
@@ -206,12 +219,13 @@ class LlamaCppRuntime(Runtime):
         # a sliding-window cache reuses cells that left the window; after a rollback the
         # window reaches back into them, so keep a full-size cache (llama.cpp PR 13194)
         cparams.swa_full = True
-        # an fp32 model (what exactness needs) gets an fp32 cache and no flash attention (its CPU
-        # kernel rounds Q and K to f16: 1e-3 logit errors); others get llama.cpp's defaults
+        # no flash attention: its CPU kernel splits the KV of a one-token forward (>= 512 positions)
+        # but not of a verify batch, so the two would round differently; for an fp32 model it
+        # would also round Q and K to f16 (1e-3 logit errors). An fp32 model gets an fp32 cache.
+        cparams.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._kv_f32 = self._meta("general.file_type") == "0"
         if self._kv_f32:
             cparams.type_k = cparams.type_v = 0  # GGML_TYPE_F32
-            cparams.flash_attn_type = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._ctx = lib.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             raise BackendError(f"llama.cpp cannot create a context for {path.name} (kv_capacity={cap}; "

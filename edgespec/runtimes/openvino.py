@@ -1,18 +1,22 @@
 """OpenVINO Runtime backend (CPU, GPU, NPU, AUTO) for edgespec's OpenVINO IRs.
 
-The IR has the buffer KV layout (exporters/onnx_graph.py, kv_layout="buffer"): it takes the KV
-buffer, position ids and an attention mask, and returns logits plus only the new KV rows. This
-runtime owns the buffer (one numpy array per layer and K/V, slot j = position j), writes the new
-rows after each forward, and rolls back by lowering its length: nothing is copied or reallocated
-on a rejection. Measured against a stateful IR whose state is trimmed
-(examples/bench_openvino_kv.py), this keeps the cache with the caller and costs no copy on rollback.
+The IR has the buffer KV layout (exporters/onnx_graph.py, kv_layout="buffer"): it takes the past
+KV, position ids and an attention mask, and returns logits plus only the new KV rows. Two ways to
+hold the cache, from that one IR:
 
-Two modes:
-- dynamic (default): the KV input is exactly the held prefix (a zero-copy view when the model has
-  one KV head), the token count varies per call;
-- static (NPUs need it; runs anywhere): the IR is reshaped at load time to a fixed KV capacity C
-  and a fixed width W (the verify width k+1). Every call feeds W tokens (padded), the whole
-  buffer, and a mask that admits the held positions and the real new tokens; rollback is the mask.
+- state (the dynamic mode's default): at load the IR is made stateful (the past inputs become
+  OpenVINO variables holding past + new, as optimum-intel's stateful export does), so the cache
+  stays inside the plugin, which appends to it in place. Rollback writes the kept prefix back
+  into each variable. Measured on Gemma 3 270M int8 (2 threads): a one-token decode 38.8 ms
+  against 41.8 ms with the buffer, the int4 draft 19.8 against 23.3 ms; a 5-token verify 71 ms
+  either way.
+- buffer (static mode; `kv="buffer"` in the dynamic one): this runtime owns one numpy array per
+  layer and K/V (slot j = position j), feeds the held prefix, writes the new rows after each
+  forward, and rolls back by lowering its length: nothing is copied on a rejection.
+
+Static mode (NPUs need it; runs anywhere): the IR is reshaped at load time to a fixed KV capacity C
+and a fixed width W (the verify width k+1). Every call feeds W tokens (padded), the whole buffer,
+and a mask that admits the held positions and the real new tokens; rollback is the mask.
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ import numpy as np
 from ..errors import BackendError
 from .base import Capabilities, Runtime
 
-__all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "PRECISIONS"]
+__all__ = ["OpenVinoRuntime", "available_devices", "make_stateful", "DEFAULT_STATIC_CAPACITY", "KV_MODES",
+           "PRECISIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,7 @@ DEFAULT_STATIC_CAPACITY = 1024  # positions a static-shape model holds unless kv
 _FIRST_CAPACITY = 256  # the dynamic mode's first buffer; it doubles as the sequence grows
 _VIRTUAL = ("AUTO", "HETERO", "MULTI")  # OpenVINO's meta devices, valid wherever a real one is
 PRECISIONS = ("f32", "bf16", "f16")
+KV_MODES = ("state", "buffer")
 _INPUTS = ("input_ids", "position_ids", "attention_mask", "logits_index", "past_key_0")
 
 
@@ -71,12 +77,37 @@ def _model_cache() -> str:
     return str(path)
 
 
+def make_stateful(model) -> None:
+    """Turn an edgespec IR's past inputs into OpenVINO variables, in place: each `new_*` output
+    (the new rows sliced off Concat(past, new)) is replaced by the whole Concat, which becomes the
+    variable's next value."""
+    import openvino.opset13 as ops
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    pairs = []
+    for res in list(model.get_results()):
+        name = res.output(0).get_any_name() if res.output(0).get_names() else res.get_friendly_name()
+        if not name.startswith("new_"):
+            continue
+        concat = res.input_value(0).get_node().input_value(0)  # Slice(Concat(past, new))
+        if concat.get_node().get_type_name() != "Concat":
+            raise BackendError("this OpenVINO IR cannot be made stateful (export the bundle again)")
+        kind, j = name.split("_")[1:3]
+        present = ops.result(concat)
+        present.output(0).set_names({f"present_{kind}_{j}"})
+        model.add_results([present])
+        model.remove_result(res)
+        pairs.append((model.input(f"past_{kind}_{j}").get_node(), present))
+    apply_make_stateful_transformation(model, pairs)
+    model.validate_nodes_and_infer_types()
+
+
 class OpenVinoRuntime(Runtime):
-    """One edgespec OpenVINO IR compiled for one device, with its KV buffer."""
+    """One edgespec OpenVINO IR compiled for one device, with its KV cache (state or buffer)."""
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
                  kv_capacity: int | None = None, static: bool = False, width: int | None = None,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, kv: str | None = None) -> None:
         ov = _import_ov()
         path = Path(model_path)
         if not path.is_file():
@@ -90,6 +121,10 @@ class OpenVinoRuntime(Runtime):
             raise BackendError(f"OpenVINO: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if kv_capacity is not None and kv_capacity < 1:
             raise BackendError(f"kv_capacity must be >= 1, got {kv_capacity}")
+        kv = kv or ("buffer" if static else "state")
+        if kv not in KV_MODES or (static and kv != "buffer"):
+            raise BackendError(f"OpenVINO: kv must be one of {', '.join(KV_MODES)} ('buffer' with static shapes), "
+                               f"got {kv!r}")
         try:
             model = core.read_model(str(path))
         except Exception as e:
@@ -98,8 +133,8 @@ class OpenVinoRuntime(Runtime):
         if not set(_INPUTS) <= names:
             raise BackendError(f"{path.name} is not an edgespec OpenVINO IR (inputs: {', '.join(sorted(names)[:5])})")
         self._n_layers = sum(1 for n in names if n.startswith("past_key_"))
-        kv = model.input("past_key_0").get_partial_shape()  # (1, kvh, P, hd)
-        self._kv_heads, self._head_dim = kv[1].get_length(), kv[3].get_length()
+        past = model.input("past_key_0").get_partial_shape()  # (1, kvh, P, hd)
+        self._kv_heads, self._head_dim = past[1].get_length(), past[3].get_length()
         vocab = model.output("logits").get_partial_shape()[2]
         if vocab.is_dynamic:
             raise BackendError(f"{path.name} is not an edgespec decoder IR (no fixed vocabulary size)")
@@ -108,6 +143,9 @@ class OpenVinoRuntime(Runtime):
         self._width = max(int(width or 1), 1) if static else None
         cap = kv_capacity or (DEFAULT_STATIC_CAPACITY if static else None)
         self._max_capacity = cap
+        self._stateful = kv == "state"
+        if self._stateful:
+            make_stateful(model)
         if static:
             W, C = self._width, cap
             shapes = {"input_ids": [1, W], "position_ids": [1, W], "attention_mask": [1, C + W], "logits_index": [W]}
@@ -135,10 +173,13 @@ class OpenVinoRuntime(Runtime):
         self.device = device
         self._n_past = 0
         self._buf: list[np.ndarray] = []
-        self._alloc(cap if static else min(cap or _FIRST_CAPACITY, _FIRST_CAPACITY))
+        if not self._stateful:
+            self._alloc(cap if static else min(cap or _FIRST_CAPACITY, _FIRST_CAPACITY))
+        self.kv_bytes_per_token = 2 * self._n_layers * self._kv_heads * self._head_dim * 4
+        self.kv_capacity = cap
         self.capabilities = Capabilities(
             backend="openvino", can_trim=True, static_shapes=static, max_batch_tokens=self._width,
-            devices=(device,), extra={"precision": self.precision, "kv_capacity": cap})
+            devices=(device,), extra={"precision": self.precision, "kv_capacity": cap, "kv": kv})
 
     @staticmethod
     def _precision(model, device: str, asked: str | None, threads: int | None) -> str:
@@ -163,11 +204,13 @@ class OpenVinoRuntime(Runtime):
             new[:, :, :n] = prev[:, :, :n]
 
     def _reserve(self, total: int) -> None:
-        cap = self._buf[0].shape[2]
         limit = self._max_capacity
         if limit is not None and total > limit:
             raise BackendError(f"OpenVINO: the KV cache holds at most {limit} positions "
                                f"(kv_capacity); this sequence needs {total}")
+        if self._stateful:
+            return
+        cap = self._buf[0].shape[2]
         if total > cap:
             grown = max(total, 2 * cap)
             self._alloc(min(grown, limit) if limit else grown)
@@ -186,11 +229,14 @@ class OpenVinoRuntime(Runtime):
         try:
             self._req.infer(feed, share_inputs=True, share_outputs=True)
         except Exception as e:
+            if self._stateful:  # the variables must hold the sequence as before the call
+                self._cut_state(n)
             raise BackendError(f"OpenVINO inference failed: {str(e).splitlines()[0]}") from e
         req = self._req
-        for j, (k, v) in enumerate(self._new):
-            self._buf[2 * j][:, :, n:n + S] = req.get_tensor(k).data[:, :, :S]
-            self._buf[2 * j + 1][:, :, n:n + S] = req.get_tensor(v).data[:, :, :S]
+        if not self._stateful:
+            for j, (k, v) in enumerate(self._new):
+                self._buf[2 * j][:, :, n:n + S] = req.get_tensor(k).data[:, :, :S]
+                self._buf[2 * j + 1][:, :, n:n + S] = req.get_tensor(v).data[:, :, :S]
         logits = req.get_tensor("logits").data[0]
         self._n_past = n + S
         if self._static:  # one row per slot of the width: keep the real tokens' last n_logits
@@ -203,7 +249,7 @@ class OpenVinoRuntime(Runtime):
                 "position_ids": np.arange(n, n + S, dtype=np.int64)[None],
                 "attention_mask": np.ones((1, n + S), dtype=np.int64),
                 "logits_index": np.arange(S - n_logits, S, dtype=np.int64)}
-        for j in range(self._n_layers):
+        for j in range(self._n_layers if not self._stateful else 0):
             # with one KV head the prefix is contiguous and shared, else this copies it
             feed[f"past_key_{j}"] = np.ascontiguousarray(self._buf[2 * j][:, :, :n])
             feed[f"past_value_{j}"] = np.ascontiguousarray(self._buf[2 * j + 1][:, :, :n])
@@ -226,10 +272,26 @@ class OpenVinoRuntime(Runtime):
         return feed
 
     def trim(self, n_past: int) -> None:
-        # stale rows stay in the buffer: dynamic calls pass only [:n_past], static ones mask the rest
-        self._n_past = max(0, min(n_past, self._n_past))
+        n_past = max(0, min(n_past, self._n_past))
+        if self._stateful and n_past < self._n_past:
+            self._cut_state(n_past)
+        # a buffer keeps stale rows: dynamic calls pass only [:n_past], static ones mask the rest
+        self._n_past = n_past
+
+    def _cut_state(self, n: int) -> None:
+        """Keep the first n positions in every variable (the plugin copies the prefix in)."""
+        if n == 0:
+            self._req.reset_state()
+            return
+        ov = _import_ov()
+        for st in self._req.query_state():
+            shape = list(st.state.shape)
+            if shape[2] > n:  # a view of the kept rows, not a copy of them
+                st.state = ov.Tensor(st.state, [0] * len(shape), shape[:2] + [n] + shape[3:])
 
     def memory_bytes(self) -> dict[str, int]:
+        if self._stateful:  # the plugin's variables hold exactly the sequence
+            return {"weights": self._weight_bytes, "kv": self.kv_bytes_per_token * self._n_past}
         return {"weights": self._weight_bytes, "kv": sum(b.nbytes for b in self._buf)}
 
     def close(self) -> None:
