@@ -121,18 +121,22 @@ def test_a_printed_bound_still_holds_in_the_next_process():
     assert not plan_memory(printed.plain, base, TARGET, DRAFT, k=4).use_draft
 
 
-def test_at_the_bound_measured_scratch_gets_the_smallest_chunk_before_the_draft_goes():
-    """The bound assumes prompts fed 32 tokens at a time; a probe that measured more scratch than
-    estimated must shrink the chunk, not drop the draft, at a budget equal to the bound."""
+def test_bounds_count_the_probe_at_their_own_shape_whatever_the_budget():
+    """The bounds count the scratch a probe measured at their shape (32 tokens over 512), not the
+    larger probe a roomy budget makes; at the bound the plan keeps the draft with the smallest
+    chunk, and a byte below it drops the draft."""
     from dataclasses import replace
 
     s = Shapes(hidden=640, n_heads=4, intermediate=2048, n_layers=18, n_kv_heads=1, head_dim=256, vocab=262144)
-    est = workspace_bytes(s, 256, 2048)
-    t, d = (replace(m, shapes=s, scratch=(256, 2048, 3 * est)) for m in (TARGET, DRAFT))
+    small = (32, 512, 3 * workspace_bytes(s, 32, 512))  # the arena takes more than estimated
+    t, d = (replace(m, shapes=s, bound_scratch=small, scratch=small) for m in (TARGET, DRAFT))
+    roomy = [replace(m, scratch=(256, 4096, 3 * workspace_bytes(s, 256, 4096))) for m in (t, d)]
     b = lower_bounds(BASE, t, d, k=4)
+    assert b == lower_bounds(BASE, *roomy, k=4)
+    assert b.least_speculative > lower_bounds(BASE, replace(TARGET, shapes=s), replace(DRAFT, shapes=s),
+                                              k=4).least_speculative
     plan = plan_memory(b.least_speculative, BASE, t, d, k=4)
     assert plan.use_draft and plan.prefill_chunk == 32 and plan.kv_capacity >= 512 and not plan.notes
-    assert b.least_speculative > lower_bounds(BASE, TARGET, DRAFT, k=4).least_speculative  # counts the scratch
     dropped = plan_memory(b.least_speculative - 1, BASE, t, d, k=4)
     assert not dropped.use_draft and "speculative bound" in dropped.notes[0]
 

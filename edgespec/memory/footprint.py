@@ -98,6 +98,9 @@ class ModelMemory:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # (n_new, n_ctx, bytes): scratch measured by one probe forward at load, or None
     scratch: tuple[int, int, int] | None = None
+    # the same, measured first at the lower bounds' own shape (MIN_CHUNK tokens over MIN_CONTEXT),
+    # so the bounds do not depend on how roomy the budget was
+    bound_scratch: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.fixed < 0 or not self.kv_per_token or min(self.kv_per_token.values()) <= 0:

@@ -15,7 +15,7 @@ from typing import Callable
 from ..runtimes.base import Runtime
 from .footprint import KV_DTYPE_BYTES, ModelMemory, Shapes, estimate_fixed, kv_bytes_per_token
 from .measure import anon_bytes, rss_bytes
-from .planner import MIN_CONTEXT, Plan, plan_memory
+from .planner import MIN_CHUNK, MIN_CONTEXT, Plan, plan_memory
 
 __all__ = ["estimated_memory", "measured_memory", "BudgetedLoad", "warm_up"]
 
@@ -118,11 +118,23 @@ class BudgetedLoad:
             mem = getattr(self, role)
             if mem is None or (role == "draft" and not plan.use_draft):
                 continue
-            # probe below the planned context: the allocator keeps what a probe takes, and the
+            # first at the lower bounds' own shape, which they then count
+            before = rss_bytes()
+            bctx = min(MIN_CONTEXT, rt.kv_capacity or MIN_CONTEXT, self.max_context or MIN_CONTEXT)
+            if rt.probe_scratch(min(MIN_CHUNK, bctx), bctx):
+                mem = replace(mem, bound_scratch=(min(MIN_CHUNK, bctx), bctx, max(0, rss_bytes() - before)))
+                setattr(self, role, mem)
+                probed = True
+            if mem.bound_scratch and plan.kv_capacity < 2 * MIN_CONTEXT:
+                # a budget near the bound: a larger probe would itself take the room the bound
+                # counted on (the allocator keeps it), so the bounds' probe is the measurement
+                setattr(self, role, replace(mem, scratch=mem.bound_scratch))
+                continue
+            # then below the planned context: the allocator keeps what a probe takes, and the
             # estimate may be low, so measure a quarter of it and scale the estimate to that
+            # (`before` stays: what the first probe took is held too)
             ctx = min(plan.kv_capacity, max(MIN_CONTEXT, plan.kv_capacity // 4))
             chunk = min(plan.prefill_chunk, ctx)
-            before = rss_bytes()
             if ctx > 0 and rt.probe_scratch(chunk, ctx):
                 took = max(0, rss_bytes() - before)
                 setattr(self, role, replace(mem, scratch=(chunk, ctx, took)))

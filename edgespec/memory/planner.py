@@ -88,9 +88,11 @@ def lower_bounds(base: int, target: ModelMemory, draft: ModelMemory | None, k: i
                  min_context: int = MIN_CONTEXT, chunk: int = MIN_CHUNK, sampling: bool = True) -> Bounds:
     """Least memory for speculative decoding (draft model, k drafts) and for plain decoding.
 
-    Once a probe has measured the scratch, the bounds count it (the allocator keeps what it took;
-    onnxruntime's arena held ~100 MiB where the estimate said ~10), so a budget at the bound
-    really holds the draft model with a min_context context."""
+    Scratch is what a probe at the bounds' own shape measured (`bound_scratch`; onnxruntime's
+    arena took far more than the estimate), else the estimate: so a budget at the bound really
+    holds the draft model with a min_context context, whatever budget printed it."""
+    target = replace(target, scratch=target.bound_scratch)
+    draft = None if draft is None else replace(draft, scratch=draft.bound_scratch)
     small = _smallest_dtype(target)
     plain = _need(base, [target], [small], 0, None, target.vocab, min_context, chunk, sampling)
     spec = None
