@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..decoding import FixedK, SamplingParams, SpeculativeDecoder
 from ..errors import ConfigError
-from .runner import PeakRSS
+from ..memory.measure import PeakRSS
 from .suites import Prompt, encode_prompt
 
 __all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "build_decoders", "measure_run", "run_bench",
@@ -110,8 +110,9 @@ def fits(engine, n_prompt: int, max_tokens: int) -> bool:
 
 
 def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_tokens: int, stop_ids,
-                rss: PeakRSS | None = None) -> RunRecord:
-    """Decode `ids` from empty caches and time it; config/class/prompt fields are left blank."""
+                rss: PeakRSS | None = None, params: SamplingParams = SamplingParams()) -> RunRecord:
+    """Decode `ids` from empty caches and time it (greedy unless `params` say otherwise);
+    config/class/prompt fields are left blank."""
     for rt in runtimes:
         rt.reset()
     if rss is not None:
@@ -120,7 +121,7 @@ def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_token
     rec = RunRecord("", "", "", 0, len(ids), [], 0.0, 0.0)
     t0 = time.perf_counter()
     first = None
-    for step in decoder.stream(tokens, SamplingParams(), max_tokens, stop_ids):
+    for step in decoder.stream(tokens, params, max_tokens, stop_ids):
         if first is None:
             first = time.perf_counter() - t0
         rec.steps += 1

@@ -4,7 +4,6 @@ Configurations are compared by running them alternately in one process on the sa
 runtimes (see examples/), so a busy neighbour slows all of them alike."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +11,7 @@ import numpy as np
 from ..decoding import FixedK, SamplingParams, SpeculativeDecoder
 from ..memory.measure import PeakRSS  # re-exported: benchmarks sample peak RSS with it
 from ..runtimes.base import Runtime
+from .measure import measure_run
 
 __all__ = ["RunResult", "PeakRSS", "timed_decode"]
 
@@ -40,25 +40,10 @@ def timed_decode(target: Runtime, draft: Runtime | None, prompt: list[int], max_
                  id_map: np.ndarray | None = None, policy=None, params: SamplingParams = SamplingParams(),
                  stop_ids=()) -> RunResult:
     """Decode from empty caches and time it (no stop ids by default: fixed-length runs)."""
-    target.reset()
     if draft is not None:
-        draft.reset()
         policy = policy or FixedK(k)
     dec = SpeculativeDecoder(target, draft, id_map=id_map if draft is not None else None, policy=policy)
-    tokens = list(prompt)
-    steps = drafted = accepted = 0
-    draft_ms = verify_ms = 0.0
-    first = None
-    t0 = time.perf_counter()
-    for step in dec.stream(tokens, params, max_tokens, stop_ids=stop_ids):
-        if first is None:
-            first = time.perf_counter() - t0
-        steps += 1
-        drafted += step.drafted
-        accepted += step.accepted
-        draft_ms += step.draft_ms
-        verify_ms += step.verify_ms
-    total = time.perf_counter() - t0
-    n = len(tokens) - len(prompt)
-    tok_s = (n - 1) / (total - first) if n > 1 and total > first else 0.0
-    return RunResult(tokens[len(prompt):], tok_s, first or total, steps, drafted, accepted, draft_ms, verify_ms)
+    rec = measure_run(dec, [rt for rt in (target, draft) if rt is not None], prompt, max_tokens, stop_ids,
+                      params=params)
+    return RunResult(rec.tokens, rec.tok_s, rec.ttft_s, rec.steps, rec.drafted, rec.accepted, rec.draft_ms,
+                     rec.verify_ms)

@@ -27,39 +27,39 @@ def finish_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
 
+def _body(obj: str, id_: str, model: str, created: int, choice: dict[str, Any] | None,
+          st: "GenerationStats | None") -> dict[str, Any]:
+    """The envelope every response and chunk shares; `choice` None: an empty choices list."""
+    body: dict[str, Any] = {"id": id_, "object": obj, "created": created, "model": model,
+                            "choices": [] if choice is None else [{"index": 0, **choice}]}
+    if st is not None:
+        body["usage"] = usage(st)
+    return body
+
+
 def chat_completion(id_: str, model: str, created: int, text: str, reason: str | None,
                     st: "GenerationStats") -> dict[str, Any]:
-    return {"id": id_, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason(reason)}],
-            "usage": usage(st)}
+    return _body("chat.completion", id_, model, created,
+                 {"message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason(reason)}, st)
 
 
 def chat_chunk(id_: str, model: str, created: int, delta: dict[str, Any], reason: str | None = None,
                st: "GenerationStats | None" = None, choices: bool = True) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": id_, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]
-                            if choices else []}
-    if st is not None:
-        body["usage"] = usage(st)
-    return body
+    choice = {"delta": delta, "logprobs": None, "finish_reason": reason} if choices else None
+    return _body("chat.completion.chunk", id_, model, created, choice, st)
 
 
 def completion(id_: str, model: str, created: int, text: str, reason: str | None,
                st: "GenerationStats") -> dict[str, Any]:
-    return {"id": id_, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}],
-            "usage": usage(st)}
+    return _body("text_completion", id_, model, created,
+                 {"text": text, "logprobs": None, "finish_reason": finish_reason(reason)}, st)
 
 
 def completion_chunk(id_: str, model: str, created: int, text: str, reason: str | None = None,
                      st: "GenerationStats | None" = None, choices: bool = True) -> dict[str, Any]:
-    body: dict[str, Any] = {"id": id_, "object": "text_completion", "created": created, "model": model,
-                            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]
-                            if choices else []}
-    if st is not None:
-        body["usage"] = usage(st)
-    return body
+    choice = {"text": text, "logprobs": None, "finish_reason": reason} if choices else None
+    return _body("text_completion", id_, model, created, choice, st)
 
 
 def sse(body: dict[str, Any]) -> bytes:
