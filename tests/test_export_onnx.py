@@ -102,15 +102,15 @@ def test_logits_match_transformers_in_chunks_and_after_trim(zoo, name):
     np.testing.assert_allclose(last[0], ref[-1], atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def references(zoo):
-    """name -> [(prompt ids, transformers greedy, plain greedy of the ONNX target)] per prompt."""
+def plain_references(zoo, bundle_of, **load_kw):
+    """name -> [(prompt ids, transformers greedy, the backend's plain greedy)] per prompt, built
+    once per name; `bundle_of(name)` gives the bundle, `load_kw` picks the backend."""
     cache: dict[str, list[tuple[list[int], list[int], list[int]]]] = {}
 
     def get(name: str):
         if name not in cache:
             cache[name] = []
-            with load(zoo.bundle(name), use_draft=False) as engine:
+            with load(bundle_of(name), use_draft=False, **load_kw) as engine:
                 for prompt in PROMPTS:
                     ids = engine.tokenizer.encode(prompt)
                     plain, drafted, _ = decode(engine, ids, N_NEW)
@@ -119,6 +119,12 @@ def references(zoo):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def references(zoo):
+    """name -> [(prompt ids, transformers greedy, plain greedy of the ONNX target)] per prompt."""
+    return plain_references(zoo, zoo.bundle)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

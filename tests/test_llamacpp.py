@@ -18,39 +18,15 @@ pytest.importorskip("gguf")
 
 from edgespec.api import load  # noqa: E402
 from edgespec.bundle import load_bundle  # noqa: E402
-from edgespec.decoding import SamplingParams  # noqa: E402
 from edgespec.errors import BackendError  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle  # noqa: E402
 from edgespec.runtimes.llamacpp import LlamaCppRuntime, _chunks, available_devices  # noqa: E402
-from tests.tiny import LONG_PROMPT, PROMPTS, VOCAB  # noqa: E402
+from tests.test_export_onnx import N_NEW, decode, hf_logits, plain_references  # noqa: E402
+from tests.tiny import LONG_PROMPT, VOCAB  # noqa: E402
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
 
-N_NEW = 40
 GGUF = ("gguf",)
 ATOL = 2e-3  # llama.cpp sums in another order than torch (fp32 model, fp32 cache)
-
-
-def hf_logits(model, ids):
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
-
-
-def hf_greedy(model, ids, n):
-    import torch
-
-    x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=n, eos_token_id=None)
-    return out[0, len(ids):].tolist()
-
-
-def decode(engine, prompt, n):
-    tokens, drafted, accepted = list(prompt), 0, 0
-    for step in engine.decoder.stream(tokens, SamplingParams(), n):
-        drafted += step.drafted
-        accepted += step.accepted
-    return tokens[len(prompt):], drafted, accepted
 
 
 def runtime(bundle_path, role="target", **kw) -> LlamaCppRuntime:
@@ -100,12 +76,19 @@ def test_quantized_verify_pass_rounds_exactly_like_one_token_decodes(zoo, precis
     llamafile's sgemm (README) and no repacked weights."""
     ids = zoo.hf_tokenizer("llama")(LONG_PROMPT).input_ids
     with runtime(zoo.bundle("llama", None, formats=GGUF, target_precision=precision)) as rt:
-        assert rt.capabilities.batch_variance is None, rt.capabilities.batch_variance
-        rt.forward(ids[:20])
-        batch = rt.forward(ids[20:26], n_logits=6)
-        rt.trim(20)
-        singles = np.concatenate([rt.forward([t]) for t in ids[20:26]])
-    assert np.array_equal(batch, singles)
+        assert_verify_equals_one_token_decodes(rt, ids, start=20, width=6)
+
+
+def assert_verify_equals_one_token_decodes(rt: LlamaCppRuntime, ids: list[int], start: int, width: int) -> None:
+    """After ids[:start], one forward of the next `width` tokens gives bit for bit the logits of
+    `width` one-token forwards (the slow tier checks the real default model with it too)."""
+    assert rt.capabilities.batch_variance is None, rt.capabilities.batch_variance
+    rt.reset()
+    rt.forward(ids[:start])
+    batch = rt.forward(ids[start:start + width], n_logits=width)
+    rt.trim(start)
+    singles = np.concatenate([rt.forward([t]) for t in ids[start:start + width]])
+    assert np.array_equal(batch, singles), start
 
 
 def test_batch_variance_is_reported_and_warned_once(monkeypatch, caplog):
@@ -128,20 +111,8 @@ def test_batch_variance_is_reported_and_warned_once(monkeypatch, caplog):
 
 @pytest.fixture(scope="module")
 def references(zoo):
-    cache: dict = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = []
-            with load(zoo.bundle(name, None, formats=GGUF), use_draft=False, backend="llamacpp") as engine:
-                for prompt in PROMPTS:
-                    ids = engine.tokenizer.encode(prompt)
-                    plain, drafted, _ = decode(engine, ids, N_NEW)
-                    assert drafted == 0
-                    cache[name].append((ids, hf_greedy(zoo.hf_model(name), ids, N_NEW), plain))
-        return cache[name]
-
-    return get
+    """name -> [(prompt ids, transformers greedy, plain greedy on llama.cpp)] per prompt."""
+    return plain_references(zoo, lambda name: zoo.bundle(name, None, formats=GGUF), backend="llamacpp")
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -89,20 +89,13 @@ def test_default_gguf_speculative_equals_plain(bundle):
 
 
 def test_default_gguf_verify_pass_is_bit_identical_to_one_token_decodes(bundle):
-    import numpy as np
-
     from edgespec.bundle import load_bundle
     from edgespec.runtimes.llamacpp import LlamaCppRuntime
     from edgespec.tokenizer import Tokenizer
+    from tests.test_llamacpp import assert_verify_equals_one_token_decodes
 
     b = load_bundle(bundle)
     ids = Tokenizer(b.file(b.manifest.tokenizer.file), b.manifest.tokenizer).encode(" ".join(PROMPTS) * 20)
     with LlamaCppRuntime(b.file(b.manifest.target.formats["gguf"].file)) as rt:
-        assert rt.capabilities.batch_variance is None, rt.capabilities.batch_variance
         for start in (9, 600):  # a short context, and one past flash attention's 512-position split
-            rt.reset()
-            rt.forward(ids[:start])
-            batch = rt.forward(ids[start:start + 5], n_logits=5)
-            rt.trim(start)
-            singles = np.concatenate([rt.forward([t]) for t in ids[start:start + 5]])
-            assert np.array_equal(batch, singles), start
+            assert_verify_equals_one_token_decodes(rt, ids, start, width=5)
