@@ -249,7 +249,9 @@ class OpenVinoRuntime(Runtime):
                 "position_ids": np.arange(n, n + S, dtype=np.int64)[None],
                 "attention_mask": np.ones((1, n + S), dtype=np.int64),
                 "logits_index": np.arange(S - n_logits, S, dtype=np.int64)}
-        for j in range(self._n_layers if not self._stateful else 0):
+        if self._stateful:  # the plugin holds the past
+            return feed
+        for j in range(self._n_layers):
             # with one KV head the prefix is contiguous and shared, else this copies it
             feed[f"past_key_{j}"] = np.ascontiguousarray(self._buf[2 * j][:, :, :n])
             feed[f"past_value_{j}"] = np.ascontiguousarray(self._buf[2 * j + 1][:, :, :n])
