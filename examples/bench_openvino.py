@@ -1,8 +1,8 @@
 """OpenVINO side by side, in one process, on the same IR weights:
 
-1. KV rollback: the runtime's two KV holders, OpenVINO state (the dynamic mode's default; a
-   rollback writes the kept prefix back into each variable) and edgespec's own buffer (rollback
-   is a length), with the same draft model and decoder.
+1. The runtime's exact modes: the default (KV in edgespec's buffer, dynamic int8 activations,
+   keys padded to blocks of 64, forwards of at least 2 rows) against the previous one (KV in
+   OpenVINO's state, f32 activations), plain and with the same drafting.
 2. OpenVINO GenAI's LLMPipeline (plain decode, and with draft_model when it accepts the IR)
    against edgespec plain and speculative (the draft model alone, and the default drafting:
    prompt lookup plus the model under the cost policy), per target precision.
@@ -43,7 +43,7 @@ def genai_model(xml: Path):
     import openvino as ov
     import openvino.opset13 as ops
 
-    from edgespec.runtimes.openvino import make_stateful
+    from edgespec.runtimes.openvino_graph import make_stateful
 
     model = ov.Core().read_model(str(xml))
     make_stateful(model)
@@ -153,15 +153,25 @@ def main(argv=None) -> int:
         configs["edgespec spec"] = lambda ids, e=spec: _edgespec_run(e, ids, args.tokens)
         default = Engine(b, backend="openvino", threads=args.threads)  # prompt lookup + model, cost policy
         configs["edgespec spec (default drafting)"] = lambda ids, e=default: _edgespec_run(e, ids, args.tokens)
-        # the other KV holder: the runtime's own buffer, same weights, same decoder and drafter
+        lookup = Engine(b, backend="openvino", drafter="ngram", threads=args.threads)
+        configs["edgespec spec (prompt lookup)"] = lambda ids, e=lookup: _edgespec_run(e, ids, args.tokens)
+        # the previous exact mode, same weights and drafting: KV in OpenVINO's state (a rollback
+        # writes the kept prefix back), f32 activations, one-row forwards, unpadded keys
         from edgespec.runtimes.openvino import OpenVinoRuntime
 
-        buf_rt = [OpenVinoRuntime(bundle / e.formats["openvino"].file, threads=args.threads, kv="buffer")
-                  for e in (b.manifest.target, b.manifest.draft)]
-        buf_engine = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
-        buf_engine.decoder = SpeculativeDecoder(*buf_rt, id_map=b.id_map(), drafter="model",
-                                                policy=make_policy("fixed", args.k))
-        configs["edgespec spec (buffer KV)"] = lambda ids, e=buf_engine: _edgespec_run(e, ids, args.tokens)
+        def f32_state(role):
+            return OpenVinoRuntime(bundle / role.formats["openvino"].file, threads=args.threads, kv="state",
+                                   dynamic_quantization=False)
+
+        old_plain = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
+        old_plain.decoder = SpeculativeDecoder(f32_state(b.manifest.target))
+        configs["edgespec plain (f32, state KV)"] = lambda ids, e=old_plain: _edgespec_run(e, ids, args.tokens)
+        old_rt = [f32_state(b.manifest.target), f32_state(b.manifest.draft)]
+        old_spec = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
+        old_spec.decoder = SpeculativeDecoder(*old_rt, id_map=b.id_map(), drafter=default.drafter_name,
+                                              policy=make_policy(default.policy_name, default.k))
+        configs["edgespec spec (default drafting, f32, state KV)"] = \
+            lambda ids, e=old_spec: _edgespec_run(e, ids, args.tokens)
         if not args.no_genai:
             try:
                 import openvino_genai as og
@@ -208,8 +218,8 @@ def main(argv=None) -> int:
         report[f"{bundle.name} ({prec})"] = {"median_tok_s": med, "same_tokens_as_edgespec_plain": same}
         print(f"\n{bundle.name}: target {prec}, {args.tokens} new tokens, {args.reps} reps x {len(ids_list)} prompts")
         for k in configs:
-            print(f"  {k:<28} {med[k]:7.1f} tok/s   same tokens as edgespec plain: {same[k]}")
-        for e in (plain, spec, default, buf_engine, *buf_rt):
+            print(f"  {k:<42} {med[k]:7.1f} tok/s   same tokens as edgespec plain: {same[k]}")
+        for e in (plain, spec, default, lookup, old_plain, old_spec, old_plain.decoder.target, *old_rt):
             e.close()
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))

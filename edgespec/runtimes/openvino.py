@@ -4,15 +4,16 @@ The IR has the buffer KV layout (exporters/onnx_graph.py, kv_layout="buffer"): i
 KV, position ids and an attention mask, and returns logits plus only the new KV rows. Two ways to
 hold the cache, from that one IR:
 
-- state (the dynamic mode's default): at load the IR is made stateful (the past inputs become
-  OpenVINO variables holding past + new, as optimum-intel's stateful export does), so the cache
-  stays inside the plugin, which appends to it in place. Rollback writes the kept prefix back
-  into each variable. Measured on Gemma 3 270M int8 (2 threads): a one-token decode 38.8 ms
-  against 41.8 ms with the buffer, the int4 draft 19.8 against 23.3 ms; a 5-token verify 71 ms
-  either way.
-- buffer (static mode; `kv="buffer"` in the dynamic one): this runtime owns one numpy array per
-  layer and K/V (slot j = position j), feeds the held prefix, writes the new rows after each
-  forward, and rolls back by lowering its length: nothing is copied on a rejection.
+- buffer (the default): this runtime owns one numpy array per layer and K/V (slot j = position j),
+  feeds the held prefix, writes the new rows after each forward, and rolls back by lowering its
+  length. In the dynamic mode it is also the exact fast mode: the keys are padded to whole blocks
+  (openvino_graph.block_attention) and every forward computes at least MIN_WIDTH rows, so the CPU
+  plugin's dynamic int8 quantization of activations stays on and a k-token verify still rounds
+  bit for bit like k one-token decodes. Padding rows are never written to the cache.
+- state (`kv="state"`): the IR is made stateful (the past inputs become OpenVINO variables, as
+  optimum-intel's stateful export does) and the plugin appends in place; a rollback writes the
+  kept prefix back into each variable, 6-10 ms at 300 positions on Gemma 3 270M. The variables
+  would keep padding rows, so forwards are one row wide there and activations stay f32.
 
 Static mode (NPUs need it; runs anywhere): the IR is reshaped at load time to a fixed KV capacity C
 and a fixed width W (the verify width k+1). Every call feeds W tokens (padded), the whole buffer,
@@ -29,9 +30,10 @@ import numpy as np
 
 from ..errors import BackendError
 from .base import Capabilities, Runtime
+from .openvino_graph import block_attention, make_stateful
 
-__all__ = ["OpenVinoRuntime", "available_devices", "make_stateful", "DEFAULT_STATIC_CAPACITY", "KV_MODES",
-           "PRECISIONS"]
+__all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "KV_MODES",
+           "MIN_WIDTH", "PRECISIONS"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,10 @@ _FIRST_CAPACITY = 256  # the dynamic mode's first buffer; it doubles as the sequ
 _VIRTUAL = ("AUTO", "HETERO", "MULTI")  # OpenVINO's meta devices, valid wherever a real one is
 PRECISIONS = ("f32", "bf16", "f16")
 KV_MODES = ("state", "buffer")
+# the CPU plugin multiplies one row unlike several (its one-row FullyConnected and MatMul kernels
+# round differently), so exact forwards run at least this many rows; from 2 rows up to 64 every
+# row comes out bit-identical, whatever the width (measured on Gemma 3 270M int8 and int4)
+MIN_WIDTH = 2
 _INPUTS = ("input_ids", "position_ids", "attention_mask", "logits_index", "past_key_0")
 
 
@@ -77,37 +83,13 @@ def _model_cache() -> str:
     return str(path)
 
 
-def make_stateful(model) -> None:
-    """Turn an edgespec IR's past inputs into OpenVINO variables, in place: each `new_*` output
-    (the new rows sliced off Concat(past, new)) is replaced by the whole Concat, which becomes the
-    variable's next value."""
-    import openvino.opset13 as ops
-    from openvino._offline_transformations import apply_make_stateful_transformation
-
-    pairs = []
-    for res in list(model.get_results()):
-        name = res.output(0).get_any_name() if res.output(0).get_names() else res.get_friendly_name()
-        if not name.startswith("new_"):
-            continue
-        concat = res.input_value(0).get_node().input_value(0)  # Slice(Concat(past, new))
-        if concat.get_node().get_type_name() != "Concat":
-            raise BackendError("this OpenVINO IR cannot be made stateful (export the bundle again)")
-        kind, j = name.split("_")[1:3]
-        present = ops.result(concat)
-        present.output(0).set_names({f"present_{kind}_{j}"})
-        model.add_results([present])
-        model.remove_result(res)
-        pairs.append((model.input(f"past_{kind}_{j}").get_node(), present))
-    apply_make_stateful_transformation(model, pairs)
-    model.validate_nodes_and_infer_types()
-
-
 class OpenVinoRuntime(Runtime):
     """One edgespec OpenVINO IR compiled for one device, with its KV cache (state or buffer)."""
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
                  kv_capacity: int | None = None, static: bool = False, width: int | None = None,
-                 precision: str | None = None, kv: str | None = None) -> None:
+                 precision: str | None = None, kv: str | None = None,
+                 dynamic_quantization: bool | None = None) -> None:
         ov = _import_ov()
         path = Path(model_path)
         if not path.is_file():
@@ -121,7 +103,7 @@ class OpenVinoRuntime(Runtime):
             raise BackendError(f"OpenVINO: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if kv_capacity is not None and kv_capacity < 1:
             raise BackendError(f"kv_capacity must be >= 1, got {kv_capacity}")
-        kv = kv or ("buffer" if static else "state")
+        kv = kv or "buffer"
         if kv not in KV_MODES or (static and kv != "buffer"):
             raise BackendError(f"OpenVINO: kv must be one of {', '.join(KV_MODES)} ('buffer' with static shapes), "
                                f"got {kv!r}")
@@ -144,6 +126,11 @@ class OpenVinoRuntime(Runtime):
         cap = kv_capacity or (DEFAULT_STATIC_CAPACITY if static else None)
         self._max_capacity = cap
         self._stateful = kv == "state"
+        # the exact fast mode: keys padded to whole blocks, every forward at least MIN_WIDTH rows
+        # (only the buffer can leave padding out of the cache: OpenVINO's state would keep it)
+        self._min_width = MIN_WIDTH if not static and not self._stateful else 1
+        if self._min_width > 1:
+            block_attention(model)
         if self._stateful:
             make_stateful(model)
         if static:
@@ -156,10 +143,12 @@ class OpenVinoRuntime(Runtime):
         config = {"CACHE_DIR": _model_cache(), "PERFORMANCE_HINT": "LATENCY"}
         if device.split(":")[0].split(".")[0] in ("CPU", "GPU"):
             config["INFERENCE_PRECISION_HINT"] = self.precision
-        if self.precision == "f32" and device.startswith("CPU"):
-            # f32 is the exact mode: the CPU plugin would otherwise quantize activations to int8
-            # for int8/int4 weights, in groups that differ between a 1-token and a k+1-token
-            # forward, and speculative greedy output drifted from plain greedy (Gemma 3 270M int8)
+        if dynamic_quantization is None:
+            dynamic_quantization = self._min_width > 1 or self.precision != "f32"
+        if device.startswith("CPU") and not dynamic_quantization:
+            # the CPU plugin quantizes activations to int8 on the fly for int8/int4 weights; one
+            # ulp of difference upstream can cross a rounding step there, so it is batch-invariant
+            # only with blocked attention and MIN_WIDTH (see openvino_graph.py)
             config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
         if threads and device.startswith("CPU"):
             config["INFERENCE_NUM_THREADS"] = int(threads)
@@ -179,7 +168,9 @@ class OpenVinoRuntime(Runtime):
         self.kv_capacity = cap
         self.capabilities = Capabilities(
             backend="openvino", can_trim=True, static_shapes=static, max_batch_tokens=self._width,
-            devices=(device,), extra={"precision": self.precision, "kv_capacity": cap, "kv": kv})
+            devices=(device,), batch_variance=self._batch_variance(device, dynamic_quantization),
+            extra={"precision": self.precision, "kv_capacity": cap, "kv": kv,
+                   "dynamic_quantization": dynamic_quantization})
 
     @staticmethod
     def _precision(model, device: str, asked: str | None, threads: int | None) -> str:
@@ -194,6 +185,17 @@ class OpenVinoRuntime(Runtime):
             logger.warning("OpenVINO: bf16 on one CPU thread crashes this OpenVINO build; using f32")
             prec = "f32"
         return prec
+
+    def _batch_variance(self, device: str, dynamic_quantization: bool) -> str | None:
+        """Why a k-token forward may round unlike k one-token forwards (None: it does not, or only
+        by float reassociation in f32, well below greedy near-ties: ~3e-5 on Gemma 3 270M logits)."""
+        if not device.startswith("CPU"):
+            return f"OpenVINO on {device} picks kernels by shape"
+        if self.precision != "f32":
+            return f"OpenVINO CPU computes in {self.precision}"
+        if dynamic_quantization and self._min_width == 1:
+            return "OpenVINO CPU quantizes activations dynamically, and this KV holder cannot pad forwards"
+        return None
 
     # -- the KV buffer -------------------------------------------------------------------
     def _alloc(self, capacity: int) -> None:
@@ -226,6 +228,7 @@ class OpenVinoRuntime(Runtime):
         n_logits = min(max(n_logits, 1), S)
         self._reserve(n + S)
         feed = self._static_feed(token_ids) if self._static else self._dynamic_feed(token_ids, n_logits)
+        rows = len(feed["logits_index"])
         try:
             self._req.infer(feed, share_inputs=True, share_outputs=True)
         except Exception as e:
@@ -241,14 +244,22 @@ class OpenVinoRuntime(Runtime):
         self._n_past = n + S
         if self._static:  # one row per slot of the width: keep the real tokens' last n_logits
             logits = logits[S - n_logits:S]
+        elif rows > n_logits:  # padded: the requested rows come first
+            logits = logits[:n_logits]
         return np.array(logits, dtype=np.float32)  # copy: the request reuses its output memory
 
     def _dynamic_feed(self, token_ids: Sequence[int], n_logits: int) -> dict:
-        S, n = len(token_ids), self._n_past
-        feed = {"input_ids": np.asarray([token_ids], dtype=np.int64),
-                "position_ids": np.arange(n, n + S, dtype=np.int64)[None],
-                "attention_mask": np.ones((1, n + S), dtype=np.int64),
-                "logits_index": np.arange(S - n_logits, S, dtype=np.int64)}
+        n, W = self._n_past, max(len(token_ids), self._min_width)
+        S = len(token_ids)
+        # padding rows repeat the last token after the real ones: causal attention keeps them out
+        # of the real rows, and the head scores the last real row again to reach W rows
+        ids = list(token_ids) + [token_ids[-1]] * (W - S)
+        rows = list(range(S - n_logits, S))
+        rows += rows[-1:] * (self._min_width - len(rows))
+        feed = {"input_ids": np.asarray([ids], dtype=np.int64),
+                "position_ids": np.arange(n, n + W, dtype=np.int64)[None],
+                "attention_mask": np.ones((1, n + W), dtype=np.int64),
+                "logits_index": np.asarray(rows, dtype=np.int64)}
         if self._stateful:  # the plugin holds the past
             return feed
         for j in range(self._n_layers):

@@ -1,0 +1,114 @@
+"""Load-time rewrites of an edgespec OpenVINO IR (the model object, in place; never the file).
+
+- `make_stateful`: the past KV inputs become OpenVINO variables.
+- `block_attention`: the key axis of every attention is padded with masked zero keys to a
+  multiple of BLOCK, so that a query row's result does not depend on how many masked columns
+  follow its keys; with at least two rows per forward (runtimes/openvino.py), a k-token verify
+  then rounds exactly like k one-token decodes.
+
+Why the padding. The CPU plugin's Softmax sums over the key axis in an order that depends on that
+axis' length: on Gemma 3 270M, one query row's probabilities over the same 701 keys differ by one
+ulp between 702 and 704 columns (the 704-column forward ends in 3 masked ones), and not between
+any two multiples of 64. In f32 that moves logits by ~3e-5. With the plugin's dynamic int8
+quantization of activations, one ulp can cross a rounding step, and the logits then move by up
+to 0.5, which flips greedy near-ties.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..errors import BackendError
+
+__all__ = ["BLOCK", "block_attention", "make_stateful"]
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 64  # the key axis is a whole number of these: Softmax then sums it in one fixed order
+_NEG = np.float32(np.finfo(np.float32).min)  # the exporter's additive mask value
+
+
+def make_stateful(model) -> None:
+    """Turn an edgespec IR's past inputs into OpenVINO variables, in place: each `new_*` output
+    (the new rows sliced off Concat(past, new)) is replaced by the whole Concat, which becomes the
+    variable's next value."""
+    import openvino.opset13 as ops
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    pairs = []
+    for res in list(model.get_results()):
+        name = res.output(0).get_any_name() if res.output(0).get_names() else res.get_friendly_name()
+        if not name.startswith("new_"):
+            continue
+        concat = res.input_value(0).get_node().input_value(0)  # Slice(Concat(past, new))
+        if concat.get_node().get_type_name() != "Concat":
+            raise BackendError("this OpenVINO IR cannot be made stateful (export the bundle again)")
+        kind, j = name.split("_")[1:3]
+        present = ops.result(concat)
+        present.output(0).set_names({f"present_{kind}_{j}"})
+        model.add_results([present])
+        model.remove_result(res)
+        pairs.append((model.input(f"past_{kind}_{j}").get_node(), present))
+    apply_make_stateful_transformation(model, pairs)
+    model.validate_nodes_and_infer_types()
+
+
+def _new_kv_concats(model) -> list:
+    """(Result, Concat) per `new_*` output: the result slices the new rows off Concat(past, new)."""
+    out = []
+    for res in model.get_results():
+        name = res.output(0).get_any_name() if res.output(0).get_names() else res.get_friendly_name()
+        if name.startswith("new_"):
+            concat = res.input_value(0).get_node().input_value(0).get_node()  # Slice(Concat(past, new))
+            if concat.get_type_name() != "Concat" or concat.get_input_size() != 2:
+                raise BackendError("this OpenVINO IR's attention cannot be blocked (export the bundle again)")
+            out.append((res, concat))
+    return out
+
+
+def block_attention(model, block: int = BLOCK) -> int:
+    """Pad every attention's key axis with masked, zero keys to a multiple of `block`, in place;
+    returns how many K/V caches were padded. The new rows are then taken from the projection
+    itself rather than sliced off the concatenation (the same values). Not for a stateful model:
+    its variables would keep the padding."""
+    import openvino.opset13 as ops
+
+    i64 = np.int64
+    pairs = _new_kv_concats(model)
+    if not pairs:
+        return 0
+    t = ops.gather(ops.shape_of(model.input("attention_mask").get_node(), "i64"), ops.constant([1], i64),
+                   ops.constant(0, i64))  # past + new positions
+    pad = ops.subtract(ops.multiply(ops.divide(ops.add(t, ops.constant([block - 1], i64)), ops.constant([block], i64)),
+                                    ops.constant([block], i64)), t)  # (1,)
+    zeros = {}
+    for res, concat in pairs:
+        past, new = concat.input_value(0), concat.input_value(1)
+        res.input(0).replace_source_output(new)
+        axis = concat.get_attributes()["axis"]
+        shape = ops.shape_of(new, "i64")
+        key = (axis, str(new.get_partial_shape()))
+        if key not in zeros:  # one zero block per cache shape, shared by the layers
+            rank = new.get_partial_shape().rank.get_length()
+            dims = ops.scatter_update(shape, ops.constant([axis % rank], i64), pad, ops.constant(0, i64))
+            zeros[key] = ops.broadcast(ops.constant(np.float32(0)), dims)
+        padded = ops.concat([past, new, zeros[key]], axis)
+        concat.output(0).replace(padded.output(0))
+    masks = {}
+    for op in model.get_ordered_ops():  # the additive masks: the Add feeding each Softmax
+        if op.get_type_name() != "Softmax":
+            continue
+        add = op.input_value(0).get_node()
+        if add.get_type_name() != "Add":
+            raise BackendError("this OpenVINO IR's attention cannot be blocked (export the bundle again)")
+        mask = add.input_value(1)
+        rank = mask.get_partial_shape().rank.get_length()
+        if mask.get_node() not in masks:
+            masks[mask.get_node()] = ops.pad(mask, ops.constant([0] * rank, i64),
+                                             ops.concat([ops.constant([0] * (rank - 1), i64), pad], 0),
+                                             "constant", ops.constant(_NEG))
+        add.input(1).replace_source_output(masks[mask.get_node()].output(0))
+    model.validate_nodes_and_infer_types()
+    logger.debug("padded %d K/V caches and %d masks to blocks of %d", len(pairs), len(masks), block)
+    return len(pairs)
