@@ -357,7 +357,7 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
     assert rt.capabilities.extra["dynamic_quantization"]
     assert all(verify_matches_decodes(rt, ids, start, width=6) for start in starts)
     rt.close()
-    with pytest.MonkeyPatch.context() as mp:  # block_attention only acts while the IR loads
-        mp.setattr(ov_runtime, "block_attention", lambda model: 0)
+    with pytest.MonkeyPatch.context() as mp:  # pad_keys only acts while the IR loads
+        mp.setattr(ov_runtime, "pad_keys", lambda model: 0)
         unpadded = OpenVinoRuntime(draft_ir)
     assert not all(verify_matches_decodes(unpadded, ids, start, width=6) for start in starts)

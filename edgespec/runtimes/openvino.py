@@ -7,7 +7,7 @@ hold the cache, from that one IR:
 - buffer (the default): this runtime owns one numpy array per layer and K/V (slot j = position j),
   feeds the held prefix, writes the new rows after each forward, and rolls back by lowering its
   length. In the dynamic mode it is also the exact fast mode: the keys are padded to whole blocks
-  (openvino_graph.block_attention) and every forward computes at least MIN_WIDTH rows, so the CPU
+  (openvino_graph.pad_keys) and every forward computes at least MIN_WIDTH rows, so the CPU
   plugin's dynamic int8 quantization of activations stays on and a k-token verify still rounds
   bit for bit like k one-token decodes. Padding rows are never written to the cache.
 - state (`kv="state"`): the IR is made stateful (the past inputs become OpenVINO variables, as
@@ -30,7 +30,7 @@ import numpy as np
 
 from ..errors import BackendError
 from .base import Capabilities, Runtime
-from .openvino_graph import block_attention, make_stateful
+from .openvino_graph import make_stateful, pad_keys
 
 __all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "KV_MODES",
            "MIN_WIDTH", "PRECISIONS"]
@@ -130,7 +130,7 @@ class OpenVinoRuntime(Runtime):
         # (only the buffer can leave padding out of the cache: OpenVINO's state would keep it)
         self._min_width = MIN_WIDTH if not static and not self._stateful else 1
         if self._min_width > 1:
-            block_attention(model)
+            pad_keys(model)
         if self._stateful:
             make_stateful(model)
         if static:
@@ -148,7 +148,7 @@ class OpenVinoRuntime(Runtime):
         if device.startswith("CPU") and not dynamic_quantization:
             # the CPU plugin quantizes activations to int8 on the fly for int8/int4 weights; one
             # ulp of difference upstream can cross a rounding step there, so it is batch-invariant
-            # only with blocked attention and MIN_WIDTH (see openvino_graph.py)
+            # only with padded keys and MIN_WIDTH rows (see openvino_graph.py)
             config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
         if threads and device.startswith("CPU"):
             config["INFERENCE_NUM_THREADS"] = int(threads)
@@ -251,8 +251,9 @@ class OpenVinoRuntime(Runtime):
     def _dynamic_feed(self, token_ids: Sequence[int], n_logits: int) -> dict:
         n, W = self._n_past, max(len(token_ids), self._min_width)
         S = len(token_ids)
-        # padding rows repeat the last token after the real ones: causal attention keeps them out
-        # of the real rows, and the head scores the last real row again to reach W rows
+        # padding rows repeat the last token after the real ones (causal attention keeps them out
+        # of the real rows); the logits index repeats the last requested row, so the head too
+        # runs on MIN_WIDTH rows or more
         ids = list(token_ids) + [token_ids[-1]] * (W - S)
         rows = list(range(S - n_logits, S))
         rows += rows[-1:] * (self._min_width - len(rows))

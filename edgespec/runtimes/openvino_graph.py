@@ -1,7 +1,7 @@
 """Load-time rewrites of an edgespec OpenVINO IR (the model object, in place; never the file).
 
 - `make_stateful`: the past KV inputs become OpenVINO variables.
-- `block_attention`: the key axis of every attention is padded with masked zero keys to a
+- `pad_keys`: the key axis of every attention is padded with masked zero keys to a
   multiple of BLOCK, so that a query row's result does not depend on how many masked columns
   follow its keys; with at least two rows per forward (runtimes/openvino.py), a k-token verify
   then rounds exactly like k one-token decodes.
@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import BackendError
 
-__all__ = ["BLOCK", "block_attention", "make_stateful"]
+__all__ = ["BLOCK", "make_stateful", "pad_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +62,12 @@ def _new_kv_concats(model) -> list:
         if name.startswith("new_"):
             concat = res.input_value(0).get_node().input_value(0).get_node()  # Slice(Concat(past, new))
             if concat.get_type_name() != "Concat" or concat.get_input_size() != 2:
-                raise BackendError("this OpenVINO IR's attention cannot be blocked (export the bundle again)")
+                raise BackendError("this OpenVINO IR's attention keys cannot be padded (export the bundle again)")
             out.append((res, concat))
     return out
 
 
-def block_attention(model, block: int = BLOCK) -> int:
+def pad_keys(model, block: int = BLOCK) -> int:
     """Pad every attention's key axis with masked, zero keys to a multiple of `block`, in place;
     returns how many K/V caches were padded. The new rows are then taken from the projection
     itself rather than sliced off the concatenation (the same values). Not for a stateful model:
@@ -87,11 +87,11 @@ def block_attention(model, block: int = BLOCK) -> int:
         past, new = concat.input_value(0), concat.input_value(1)
         res.input(0).replace_source_output(new)
         axis = concat.get_attributes()["axis"]
-        shape = ops.shape_of(new, "i64")
         key = (axis, str(new.get_partial_shape()))
         if key not in zeros:  # one zero block per cache shape, shared by the layers
             rank = new.get_partial_shape().rank.get_length()
-            dims = ops.scatter_update(shape, ops.constant([axis % rank], i64), pad, ops.constant(0, i64))
+            dims = ops.scatter_update(ops.shape_of(new, "i64"), ops.constant([axis % rank], i64), pad,
+                                      ops.constant(0, i64))
             zeros[key] = ops.broadcast(ops.constant(np.float32(0)), dims)
         padded = ops.concat([past, new, zeros[key]], axis)
         concat.output(0).replace(padded.output(0))
@@ -101,14 +101,15 @@ def block_attention(model, block: int = BLOCK) -> int:
             continue
         add = op.input_value(0).get_node()
         if add.get_type_name() != "Add":
-            raise BackendError("this OpenVINO IR's attention cannot be blocked (export the bundle again)")
+            raise BackendError("this OpenVINO IR's attention keys cannot be padded (export the bundle again)")
         mask = add.input_value(1)
-        rank = mask.get_partial_shape().rank.get_length()
-        if mask.get_node() not in masks:
-            masks[mask.get_node()] = ops.pad(mask, ops.constant([0] * rank, i64),
-                                             ops.concat([ops.constant([0] * (rank - 1), i64), pad], 0),
-                                             "constant", ops.constant(_NEG))
-        add.input(1).replace_source_output(masks[mask.get_node()].output(0))
+        key = (mask.get_node().get_name(), mask.get_index())  # one padded mask per layer type
+        if key not in masks:
+            rank = mask.get_partial_shape().rank.get_length()
+            masks[key] = ops.pad(mask, ops.constant([0] * rank, i64),
+                                 ops.concat([ops.constant([0] * (rank - 1), i64), pad], 0), "constant",
+                                 ops.constant(_NEG))
+        add.input(1).replace_source_output(masks[key].output(0))
     model.validate_nodes_and_infer_types()
     logger.debug("padded %d K/V caches and %d masks to blocks of %d", len(pairs), len(masks), block)
     return len(pairs)
