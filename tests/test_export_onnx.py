@@ -51,6 +51,18 @@ def decode(engine, prompt: list[int], n: int) -> tuple[list[int], int, int]:
     return tokens[len(prompt):], drafted, accepted
 
 
+def verify_matches_decodes(rt, ids: list[int], start: int, width: int) -> bool:
+    """After ids[:start], is one forward of the next `width` tokens bit for bit `width` one-token
+    forwards? (The backends whose verify must round like plain decoding ask it, in the tiny and
+    the slow tier.)"""
+    rt.reset()
+    rt.forward(ids[:start])
+    batch = np.array(rt.forward(ids[start:start + width], n_logits=width))  # a view may be reused
+    rt.trim(start)
+    singles = np.concatenate([np.array(rt.forward([t])) for t in ids[start:start + width]])
+    return np.array_equal(batch, singles)
+
+
 def target_runtime(bundle_path) -> OnnxRuntime:
     b = load_bundle(bundle_path)
     return OnnxRuntime(b.file(b.manifest.target.formats["onnx"].file))

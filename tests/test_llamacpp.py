@@ -21,7 +21,7 @@ from edgespec.bundle import load_bundle  # noqa: E402
 from edgespec.errors import BackendError  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle  # noqa: E402
 from edgespec.runtimes.llamacpp import LlamaCppRuntime, _chunks, available_devices  # noqa: E402
-from tests.test_export_onnx import N_NEW, decode, hf_logits, plain_references  # noqa: E402
+from tests.test_export_onnx import N_NEW, decode, hf_logits, plain_references, verify_matches_decodes  # noqa: E402
 from tests.tiny import LONG_PROMPT, VOCAB  # noqa: E402
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
 
@@ -83,12 +83,7 @@ def assert_verify_equals_one_token_decodes(rt: LlamaCppRuntime, ids: list[int], 
     """After ids[:start], one forward of the next `width` tokens gives bit for bit the logits of
     `width` one-token forwards (the slow tier checks the real default model with it too)."""
     assert rt.capabilities.batch_variance is None, rt.capabilities.batch_variance
-    rt.reset()
-    rt.forward(ids[:start])
-    batch = rt.forward(ids[start:start + width], n_logits=width)
-    rt.trim(start)
-    singles = np.concatenate([rt.forward([t]) for t in ids[start:start + width]])
-    assert np.array_equal(batch, singles), start
+    assert verify_matches_decodes(rt, ids, start, width), start
 
 
 def test_batch_variance_is_reported_and_warned_once(monkeypatch, caplog):

@@ -18,7 +18,7 @@ from edgespec.bundle import MANIFEST, load_bundle  # noqa: E402
 from edgespec.errors import BackendError, ConfigError  # noqa: E402
 from edgespec.runtimes import installed_backends  # noqa: E402
 from edgespec.runtimes.openvino import OpenVinoRuntime, available_devices  # noqa: E402
-from tests.test_export_onnx import N_NEW, decode, hf_greedy, hf_logits  # noqa: E402
+from tests.test_export_onnx import N_NEW, decode, hf_greedy, hf_logits, verify_matches_decodes  # noqa: E402
 from tests.tiny import LONG_PROMPT, PROMPTS, VOCAB  # noqa: E402
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
 
@@ -118,17 +118,6 @@ def test_dynamic_cache_grows_and_respects_its_capacity(zoo, kv):
     assert rt.n_past == 300
     with pytest.raises(BackendError, match="kv must be one of"):
         ov_target(zoo, "qwen2", static=True, kv="state")
-
-
-def verify_matches_decodes(rt: OpenVinoRuntime, ids: list[int], start: int, width: int) -> bool:
-    """After ids[:start], is one forward of the next `width` tokens bit for bit `width` one-token
-    forwards (the slow tier asks it of the real default model too)?"""
-    rt.reset()
-    rt.forward(ids[:start])
-    batch = np.array(rt.forward(ids[start:start + width], n_logits=width))
-    rt.trim(start)
-    singles = np.concatenate([np.array(rt.forward([t])) for t in ids[start:start + width]])
-    return np.array_equal(batch, singles)
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
