@@ -228,7 +228,6 @@ class OpenVinoRuntime(Runtime):
         n_logits = min(max(n_logits, 1), S)
         self._reserve(n + S)
         feed = self._static_feed(token_ids) if self._static else self._dynamic_feed(token_ids, n_logits)
-        rows = len(feed["logits_index"])
         try:
             self._req.infer(feed, share_inputs=True, share_outputs=True)
         except Exception as e:
@@ -242,15 +241,14 @@ class OpenVinoRuntime(Runtime):
                 self._buf[2 * j + 1][:, :, n:n + S] = req.get_tensor(v).data[:, :, :S]
         logits = req.get_tensor("logits").data[0]
         self._n_past = n + S
-        if self._static:  # one row per slot of the width: keep the real tokens' last n_logits
-            logits = logits[S - n_logits:S]
-        elif rows > n_logits:  # padded: the requested rows come first
-            logits = logits[:n_logits]
+        # static: one row per slot of the width, keep the real tokens' last n_logits; dynamic: the
+        # requested rows come first (then repeats of the last, up to MIN_WIDTH)
+        logits = logits[S - n_logits:S] if self._static else logits[:n_logits]
         return np.array(logits, dtype=np.float32)  # copy: the request reuses its output memory
 
     def _dynamic_feed(self, token_ids: Sequence[int], n_logits: int) -> dict:
-        n, W = self._n_past, max(len(token_ids), self._min_width)
-        S = len(token_ids)
+        S, n = len(token_ids), self._n_past
+        W = max(S, self._min_width)
         # padding rows repeat the last token after the real ones (causal attention keeps them out
         # of the real rows); the logits index repeats the last requested row, so the head too
         # runs on MIN_WIDTH rows or more

@@ -29,6 +29,20 @@ BLOCK = 64  # the key axis is a whole number of these: Softmax then sums it in o
 _NEG = np.float32(np.finfo(np.float32).min)  # the exporter's additive mask value
 
 
+def _new_kv_concats(model) -> list:
+    """(name, Result, Concat) per `new_*` output: the result slices the new rows off
+    Concat(past, new), as every edgespec IR's buffer layout does."""
+    out = []
+    for res in model.get_results():
+        name = res.output(0).get_any_name() if res.output(0).get_names() else res.get_friendly_name()
+        if name.startswith("new_"):
+            concat = res.input_value(0).get_node().input_value(0).get_node()  # Slice(Concat(past, new))
+            if concat.get_type_name() != "Concat" or concat.get_input_size() != 2:
+                raise BackendError("this OpenVINO IR lacks edgespec's KV layout (export the bundle again)")
+            out.append((name, res, concat))
+    return out
+
+
 def make_stateful(model) -> None:
     """Turn an edgespec IR's past inputs into OpenVINO variables, in place: each `new_*` output
     (the new rows sliced off Concat(past, new)) is replaced by the whole Concat, which becomes the
@@ -37,34 +51,15 @@ def make_stateful(model) -> None:
     from openvino._offline_transformations import apply_make_stateful_transformation
 
     pairs = []
-    for res in list(model.get_results()):
-        name = res.output(0).get_any_name() if res.output(0).get_names() else res.get_friendly_name()
-        if not name.startswith("new_"):
-            continue
-        concat = res.input_value(0).get_node().input_value(0)  # Slice(Concat(past, new))
-        if concat.get_node().get_type_name() != "Concat":
-            raise BackendError("this OpenVINO IR cannot be made stateful (export the bundle again)")
+    for name, res, concat in _new_kv_concats(model):
         kind, j = name.split("_")[1:3]
-        present = ops.result(concat)
+        present = ops.result(concat.output(0))
         present.output(0).set_names({f"present_{kind}_{j}"})
         model.add_results([present])
         model.remove_result(res)
         pairs.append((model.input(f"past_{kind}_{j}").get_node(), present))
     apply_make_stateful_transformation(model, pairs)
     model.validate_nodes_and_infer_types()
-
-
-def _new_kv_concats(model) -> list:
-    """(Result, Concat) per `new_*` output: the result slices the new rows off Concat(past, new)."""
-    out = []
-    for res in model.get_results():
-        name = res.output(0).get_any_name() if res.output(0).get_names() else res.get_friendly_name()
-        if name.startswith("new_"):
-            concat = res.input_value(0).get_node().input_value(0).get_node()  # Slice(Concat(past, new))
-            if concat.get_type_name() != "Concat" or concat.get_input_size() != 2:
-                raise BackendError("this OpenVINO IR's attention keys cannot be padded (export the bundle again)")
-            out.append((res, concat))
-    return out
 
 
 def pad_keys(model, block: int = BLOCK) -> int:
@@ -83,7 +78,7 @@ def pad_keys(model, block: int = BLOCK) -> int:
     pad = ops.subtract(ops.multiply(ops.divide(ops.add(t, ops.constant([block - 1], i64)), ops.constant([block], i64)),
                                     ops.constant([block], i64)), t)  # (1,)
     zeros = {}
-    for res, concat in pairs:
+    for _, res, concat in pairs:
         past, new = concat.input_value(0), concat.input_value(1)
         res.input(0).replace_source_output(new)
         axis = concat.get_attributes()["axis"]
@@ -101,7 +96,7 @@ def pad_keys(model, block: int = BLOCK) -> int:
             continue
         add = op.input_value(0).get_node()
         if add.get_type_name() != "Add":
-            raise BackendError("this OpenVINO IR's attention keys cannot be padded (export the bundle again)")
+            raise BackendError("this OpenVINO IR lacks edgespec's attention layout (export the bundle again)")
         mask = add.input_value(1)
         key = (mask.get_node().get_name(), mask.get_index())  # one padded mask per layer type
         if key not in masks:
