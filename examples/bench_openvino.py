@@ -121,6 +121,91 @@ def _genai_run(pipe, ids, n_new):
     return res.perf_metrics.get_throughput().mean, list(res.tokens[0])
 
 
+def _bench_bundle(bundle: Path, args, tmp: Path, report: dict) -> None:
+    """Every configuration on one bundle, interleaved per prompt; results go into `report`."""
+    from edgespec.api import Engine
+    from edgespec.bundle import load_bundle
+    from edgespec.decoding import SpeculativeDecoder, make_policy
+
+    b = load_bundle(bundle)
+    prec = b.manifest.target.formats["openvino"].precision
+    configs = {}
+    plain = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
+    spec = Engine(b, backend="openvino", drafter="model", k=args.k, threads=args.threads)
+    configs["edgespec plain"] = lambda ids, e=plain: _edgespec_run(e, ids, args.tokens)
+    configs["edgespec spec"] = lambda ids, e=spec: _edgespec_run(e, ids, args.tokens)
+    default = Engine(b, backend="openvino", threads=args.threads)  # prompt lookup + model, cost policy
+    configs["edgespec spec (default drafting)"] = lambda ids, e=default: _edgespec_run(e, ids, args.tokens)
+    lookup = Engine(b, backend="openvino", drafter="ngram", threads=args.threads)
+    configs["edgespec spec (prompt lookup)"] = lambda ids, e=lookup: _edgespec_run(e, ids, args.tokens)
+    # the previous exact mode, same weights and drafting: KV in OpenVINO's state (a rollback
+    # writes the kept prefix back), f32 activations, one-row forwards, unpadded keys
+    from edgespec.runtimes.openvino import OpenVinoRuntime
+
+    def f32_state(role):
+        return OpenVinoRuntime(bundle / role.formats["openvino"].file, threads=args.threads, kv="state",
+                               dynamic_quantization=False)
+
+    old_plain = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
+    old_plain.decoder = SpeculativeDecoder(f32_state(b.manifest.target))
+    configs["edgespec plain (f32, state KV)"] = lambda ids, e=old_plain: _edgespec_run(e, ids, args.tokens)
+    old_rt = [f32_state(b.manifest.target), f32_state(b.manifest.draft)]
+    old_spec = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
+    old_spec.decoder = SpeculativeDecoder(*old_rt, id_map=b.id_map(), drafter=default.drafter_name,
+                                          policy=make_policy(default.policy_name, default.k))
+    configs["edgespec spec (default drafting, f32, state KV)"] = \
+        lambda ids, e=old_spec: _edgespec_run(e, ids, args.tokens)
+    if not args.no_genai:
+        try:
+            import openvino_genai as og
+
+            tdir = _genai_dir(bundle, "target", tmp)
+            gp = og.LLMPipeline(str(tdir), "CPU", INFERENCE_PRECISION_HINT="f32")
+            configs["genai plain f32"] = lambda ids, g=gp: _genai_run(g, ids, args.tokens)
+            gb = og.LLMPipeline(str(tdir), "CPU")
+            configs["genai plain default(bf16)"] = lambda ids, g=gb: _genai_run(g, ids, args.tokens)
+        except Exception as e:  # report what GenAI refused, keep the rest
+            logger.warning("OpenVINO GenAI plain: %s", str(e).splitlines()[0])
+            report.setdefault("errors", []).append(f"genai plain: {str(e).splitlines()[0]}")
+        if args.genai_draft is not None:  # GenAI needs a full-vocabulary draft: another bundle's target
+            try:
+                import openvino_genai as og
+
+                ddir = _genai_dir(args.genai_draft, "target", tmp)
+                gs = og.LLMPipeline(str(tdir), "CPU", draft_model=og.draft_model(str(ddir), "CPU"))
+                gs.edgespec_k = args.k
+                configs["genai spec"] = lambda ids, g=gs: _genai_run(g, ids, args.tokens)
+            except Exception as e:
+                logger.warning("OpenVINO GenAI speculative: %s", str(e).splitlines()[0])
+                report.setdefault("errors", []).append(f"genai spec: {str(e).splitlines()[0]}")
+    if args.only:
+        keep = {c.strip() for c in args.only.split(",")} | {"edgespec plain"}
+        configs = {k: v for k, v in configs.items() if k in keep}
+    if args.prompts:
+        from edgespec.bench.suites import encode_prompt, load_prompts
+
+        ids_list = [encode_prompt(spec.tokenizer, pr) for pr in load_prompts(args.prompts)]
+    else:
+        ids_list = [spec.tokenizer.encode(t) for t in PROMPTS]
+    times: dict[str, list[float]] = {k: [] for k in configs}
+    outs: dict[str, list] = {k: [] for k in configs}
+    for r in range(args.reps):
+        for ids in ids_list:
+            for name, run in configs.items():  # interleaved: contention hits all alike
+                tps, toks = run(ids)
+                times[name].append(tps)
+                if r == 0:
+                    outs[name].append(toks)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    same = {k: outs[k] == outs["edgespec plain"] for k in outs}
+    report[f"{bundle.name} ({prec})"] = {"median_tok_s": med, "same_tokens_as_edgespec_plain": same}
+    print(f"\n{bundle.name}: target {prec}, {args.tokens} new tokens, {args.reps} reps x {len(ids_list)} prompts")
+    for k in configs:
+        print(f"  {k:<42} {med[k]:7.1f} tok/s   same tokens as edgespec plain: {same[k]}")
+    for e in (plain, spec, default, lookup, old_plain, old_spec, old_plain.decoder.target, *old_rt):
+        e.close()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("bundles", nargs="+", type=Path)
@@ -137,90 +222,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
 
-    from edgespec.api import Engine
-    from edgespec.bundle import load_bundle
-    from edgespec.decoding import SpeculativeDecoder, make_policy
-
-    report = {}
-    tmp = Path(tempfile.mkdtemp(prefix="edgespec-ovbench-"))
-    for bundle in args.bundles:
-        b = load_bundle(bundle)
-        prec = b.manifest.target.formats["openvino"].precision
-        configs = {}
-        plain = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
-        spec = Engine(b, backend="openvino", drafter="model", k=args.k, threads=args.threads)
-        configs["edgespec plain"] = lambda ids, e=plain: _edgespec_run(e, ids, args.tokens)
-        configs["edgespec spec"] = lambda ids, e=spec: _edgespec_run(e, ids, args.tokens)
-        default = Engine(b, backend="openvino", threads=args.threads)  # prompt lookup + model, cost policy
-        configs["edgespec spec (default drafting)"] = lambda ids, e=default: _edgespec_run(e, ids, args.tokens)
-        lookup = Engine(b, backend="openvino", drafter="ngram", threads=args.threads)
-        configs["edgespec spec (prompt lookup)"] = lambda ids, e=lookup: _edgespec_run(e, ids, args.tokens)
-        # the previous exact mode, same weights and drafting: KV in OpenVINO's state (a rollback
-        # writes the kept prefix back), f32 activations, one-row forwards, unpadded keys
-        from edgespec.runtimes.openvino import OpenVinoRuntime
-
-        def f32_state(role):
-            return OpenVinoRuntime(bundle / role.formats["openvino"].file, threads=args.threads, kv="state",
-                                   dynamic_quantization=False)
-
-        old_plain = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
-        old_plain.decoder = SpeculativeDecoder(f32_state(b.manifest.target))
-        configs["edgespec plain (f32, state KV)"] = lambda ids, e=old_plain: _edgespec_run(e, ids, args.tokens)
-        old_rt = [f32_state(b.manifest.target), f32_state(b.manifest.draft)]
-        old_spec = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
-        old_spec.decoder = SpeculativeDecoder(*old_rt, id_map=b.id_map(), drafter=default.drafter_name,
-                                              policy=make_policy(default.policy_name, default.k))
-        configs["edgespec spec (default drafting, f32, state KV)"] = \
-            lambda ids, e=old_spec: _edgespec_run(e, ids, args.tokens)
-        if not args.no_genai:
-            try:
-                import openvino_genai as og
-
-                tdir = _genai_dir(bundle, "target", tmp)
-                gp = og.LLMPipeline(str(tdir), "CPU", INFERENCE_PRECISION_HINT="f32")
-                configs["genai plain f32"] = lambda ids, g=gp: _genai_run(g, ids, args.tokens)
-                gb = og.LLMPipeline(str(tdir), "CPU")
-                configs["genai plain default(bf16)"] = lambda ids, g=gb: _genai_run(g, ids, args.tokens)
-            except Exception as e:  # report what GenAI refused, keep the rest
-                logger.warning("OpenVINO GenAI plain: %s", str(e).splitlines()[0])
-                report.setdefault("errors", []).append(f"genai plain: {str(e).splitlines()[0]}")
-            if args.genai_draft is not None:  # GenAI needs a full-vocabulary draft: another bundle's target
-                try:
-                    import openvino_genai as og
-
-                    ddir = _genai_dir(args.genai_draft, "target", tmp)
-                    gs = og.LLMPipeline(str(tdir), "CPU", draft_model=og.draft_model(str(ddir), "CPU"))
-                    gs.edgespec_k = args.k
-                    configs["genai spec"] = lambda ids, g=gs: _genai_run(g, ids, args.tokens)
-                except Exception as e:
-                    logger.warning("OpenVINO GenAI speculative: %s", str(e).splitlines()[0])
-                    report.setdefault("errors", []).append(f"genai spec: {str(e).splitlines()[0]}")
-        if args.only:
-            keep = {c.strip() for c in args.only.split(",")} | {"edgespec plain"}
-            configs = {k: v for k, v in configs.items() if k in keep}
-        if args.prompts:
-            from edgespec.bench.suites import encode_prompt, load_prompts
-
-            ids_list = [encode_prompt(spec.tokenizer, pr) for pr in load_prompts(args.prompts)]
-        else:
-            ids_list = [spec.tokenizer.encode(t) for t in PROMPTS]
-        times: dict[str, list[float]] = {k: [] for k in configs}
-        outs: dict[str, list] = {k: [] for k in configs}
-        for r in range(args.reps):
-            for ids in ids_list:
-                for name, run in configs.items():  # interleaved: contention hits all alike
-                    tps, toks = run(ids)
-                    times[name].append(tps)
-                    if r == 0:
-                        outs[name].append(toks)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        same = {k: outs[k] == outs["edgespec plain"] for k in outs}
-        report[f"{bundle.name} ({prec})"] = {"median_tok_s": med, "same_tokens_as_edgespec_plain": same}
-        print(f"\n{bundle.name}: target {prec}, {args.tokens} new tokens, {args.reps} reps x {len(ids_list)} prompts")
-        for k in configs:
-            print(f"  {k:<42} {med[k]:7.1f} tok/s   same tokens as edgespec plain: {same[k]}")
-        for e in (plain, spec, default, lookup, old_plain, old_spec, old_plain.decoder.target, *old_rt):
-            e.close()
+    report: dict = {}
+    with tempfile.TemporaryDirectory(prefix="edgespec-ovbench-") as scratch:  # GenAI's copies of the IR
+        for bundle in args.bundles:
+            _bench_bundle(bundle, args, Path(scratch), report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
     return 0

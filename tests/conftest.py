@@ -8,6 +8,14 @@ import pytest
 from tests.zoo import TinyZoo
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory) -> Iterator[None]:
+    """Tests never read or fill the user's edgespec cache (bundles, compiled models)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("EDGESPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def zoo(tmp_path_factory) -> Iterator[TinyZoo]:
     for module in ("torch", "transformers", "onnxruntime"):

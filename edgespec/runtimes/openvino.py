@@ -30,6 +30,7 @@ import numpy as np
 
 from ..errors import BackendError
 from .base import Capabilities, Runtime
+from .compile_cache import compile_cache_dir
 from .openvino_graph import make_stateful, pad_keys
 
 __all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "KV_MODES",
@@ -72,15 +73,6 @@ def _check_device(device: str, available: list[str]) -> str:
         raise BackendError(f"OpenVINO: device '{device}' is not available (available: "
                            f"{', '.join([*available, 'AUTO'])})")
     return dev
-
-
-def _model_cache() -> str:
-    """Compiled-model cache in the user cache (not the bundle: it is per device and version)."""
-    from ..models.catalog import cache_dir
-
-    path = cache_dir() / "openvino"
-    path.mkdir(parents=True, exist_ok=True)
-    return str(path)
 
 
 class OpenVinoRuntime(Runtime):
@@ -140,7 +132,10 @@ class OpenVinoRuntime(Runtime):
                            for j in range(self._n_layers) for kind in ("key", "value")})
             model.reshape(shapes)
         self.precision = self._precision(model, device, precision, threads)
-        config = {"CACHE_DIR": _model_cache(), "PERFORMANCE_HINT": "LATENCY"}
+        config = {"PERFORMANCE_HINT": "LATENCY"}
+        # in the user cache, not the bundle: a compiled blob is per device and OpenVINO version
+        if (cache := compile_cache_dir(path, device)) is not None:
+            config["CACHE_DIR"] = cache
         if device.split(":")[0].split(".")[0] in ("CPU", "GPU"):
             config["INFERENCE_PRECISION_HINT"] = self.precision
         if dynamic_quantization is None:
