@@ -68,7 +68,7 @@ def test_logits_match_transformers_in_chunks_and_after_rollback(zoo, name, stati
         out = []
         for i in range(start, end, width):
             chunk = ids[i:min(i + width, end)]
-            out.append(rt.forward(chunk, n_logits=len(chunk)))
+            out.append(rt.forward(chunk, n_logits=len(chunk)).copy())  # a view until the next forward
         return np.concatenate(out)
 
     np.testing.assert_allclose(feed(0, len(ids)), ref, atol=1e-4, rtol=1e-4)

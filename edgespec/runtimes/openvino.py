@@ -152,7 +152,13 @@ class OpenVinoRuntime(Runtime):
         except Exception as e:
             raise BackendError(f"OpenVINO could not compile {path.name} for {device}: {str(e).splitlines()[0]}") from e
         self._req = self._compiled.create_infer_request()
-        self._new = [(f"new_key_{j}", f"new_value_{j}") for j in range(self._n_layers)]
+        self._tensor = ov.Tensor
+        # inputs and outputs by index: binding by name costs ~0.5 ms per forward over 40 of them
+        self._in = {n: i for i, p in enumerate(self._compiled.inputs) for n in p.get_names()}
+        out = {n: i for i, p in enumerate(self._compiled.outputs) for n in p.get_names()}
+        self._logits = out["logits"]
+        self._new = [] if self._stateful else [(out[f"new_key_{j}"], out[f"new_value_{j}"])
+                                               for j in range(self._n_layers)]
         self._weight_bytes = sum(p.stat().st_size for p in (path, path.with_suffix(".bin")) if p.is_file())
         self.device = device
         self._n_past = 0
@@ -223,23 +229,25 @@ class OpenVinoRuntime(Runtime):
         n_logits = min(max(n_logits, 1), S)
         self._reserve(n + S)
         feed = self._static_feed(token_ids) if self._static else self._dynamic_feed(token_ids, n_logits)
+        req = self._req
         try:
-            self._req.infer(feed, share_inputs=True, share_outputs=True)
+            for name, array in feed.items():  # shared, not copied: the arrays outlive the call
+                req.set_input_tensor(self._in[name], self._tensor(array, shared_memory=True))
+            req.infer()
         except Exception as e:
             if self._stateful:  # the variables must hold the sequence as before the call
                 self._cut_state(n)
             raise BackendError(f"OpenVINO inference failed: {str(e).splitlines()[0]}") from e
-        req = self._req
-        if not self._stateful:
-            for j, (k, v) in enumerate(self._new):
-                self._buf[2 * j][:, :, n:n + S] = req.get_tensor(k).data[:, :, :S]
-                self._buf[2 * j + 1][:, :, n:n + S] = req.get_tensor(v).data[:, :, :S]
-        logits = req.get_tensor("logits").data[0]
+        for j, (k, v) in enumerate(self._new):
+            self._buf[2 * j][:, :, n:n + S] = req.get_output_tensor(k).data[:, :, :S]
+            self._buf[2 * j + 1][:, :, n:n + S] = req.get_output_tensor(v).data[:, :, :S]
+        logits = req.get_output_tensor(self._logits).data[0]
         self._n_past = n + S
         # static: one row per slot of the width, keep the real tokens' last n_logits; dynamic: the
-        # requested rows come first (then repeats of the last, up to MIN_WIDTH)
+        # requested rows come first (then repeats of the last, up to MIN_WIDTH). A view of the
+        # request's output, valid until the next forward (the Runtime contract): no 1 MB copy per row
         logits = logits[S - n_logits:S] if self._static else logits[:n_logits]
-        return np.array(logits, dtype=np.float32)  # copy: the request reuses its output memory
+        return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
     def _dynamic_feed(self, token_ids: Sequence[int], n_logits: int) -> dict:
         S, n = len(token_ids), self._n_past
