@@ -13,6 +13,7 @@ from edgespec.decoding.policy import (
     decayed_counts,
     expected_tokens,
     heuristic_k,
+    isotonic,
     verify_table,
 )
 from edgespec.errors import ConfigError
@@ -68,10 +69,18 @@ def test_verify_table_interpolates_extrapolates_and_never_decreases():
     assert t[5:] == pytest.approx([56, 62])  # beyond the data: +0.2 × the one-token cost per token
     only_wide = verify_table({3: 42.0}, 4, slope=0.2)  # implies 30 ms for one token
     assert only_wide == pytest.approx([30, 36, 42, 48])
+    # a dear narrow sample and a cheap wide one disagree: they are pooled, neither steers alone
     noisy = verify_table({1: 30.0, 2: 60.0, 3: 33.0}, 3, slope=0.2)
-    assert noisy == [30.0, 60.0, 60.0]  # a cheap wide sample cannot undercut a narrower one
+    assert noisy == pytest.approx([30.0, 46.5, 46.5])
     with pytest.raises(ValueError):
         verify_table({}, 3, 0.2)
+
+
+def test_isotonic_pools_adjacent_violators():
+    assert isotonic([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert isotonic([1.0, 1.43, 1.22, 1.07, 2.16, 1.51]) == pytest.approx([1.0, 1.24, 1.24, 1.24, 1.835, 1.835])
+    out = isotonic([3.0, 1.0, 2.0, 0.0])
+    assert out == pytest.approx([1.5] * 4) and sum(out) == pytest.approx(6.0)
 
 
 def test_heuristic_plus_two_minus_one():
@@ -199,12 +208,28 @@ def test_cost_policy_is_unmoved_by_a_neighbour_slowing_everything_alike():
 
 def test_cost_policy_explores_one_token_further_now_and_then():
     p = CostAwareK(k_max=8, explore_every=4)
-    p.update(0, 0, 0.0, verify_ms(1))
+    for _ in range(p.warmup):
+        p.update(0, 0, 0.0, verify_ms(1))
     for w in range(2, 10):
         p.update(w - 1, 2, 0.0, verify_ms(w), source="model", ms_per_token=3.0)  # alpha about 0.67
     planned = p.plan("model")
     assert 0 < planned < 8
     assert [p.next_k("model") for _ in range(8)] == [planned] * 3 + [planned + 1] + [planned] * 3 + [planned + 1]
+
+
+def test_cost_policy_measures_plain_steps_first_and_now_and_then():
+    p = CostAwareK(k_max=8, refresh_every=10)
+    p.update(0, 0, 0.0, 5 * verify_ms(1))  # the first forward after loading: one-off costs
+    assert p.next_k("ngram:3") == 0  # one sample is not a unit yet
+    for _ in range(p.warmup - 1):
+        p.update(0, 0, 0.0, verify_ms(1))
+    assert p.snapshot()["plain_ms"] == verify_ms(1)  # the outlier is outvoted
+    ks = []
+    for _ in range(30):  # a lookup that always matches and is always accepted
+        k = p.next_k("ngram:3")
+        ks.append(k)
+        p.update(k, k, 0.01, verify_ms(k + 1), source="ngram:3", ms_per_token=0.001 if k else None)
+    assert ks[0] > 0 and ks.count(0) == 2 and ks[10] == ks[21] == 0  # one plain step every 11
 
 
 def test_cost_policy_keeps_sources_apart():
@@ -224,6 +249,8 @@ def test_cost_policy_validation():
         CostAwareK(accept_decay=0)
     with pytest.raises(ConfigError, match="window"):
         CostAwareK(window=0)
+    with pytest.raises(ConfigError, match="refresh_every"):
+        CostAwareK(refresh_every=0)
     assert CostAwareK(k_max=0).next_k() == 0
 
 

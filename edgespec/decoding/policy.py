@@ -23,7 +23,7 @@ from edgespec.errors import ConfigError
 
 __all__ = [
     "DEFAULT_POLICY", "POLICIES", "CostAwareK", "DraftPolicy", "FixedK", "HeuristicK",
-    "best_k", "confidence_stop", "decayed_counts", "expected_tokens", "heuristic_k",
+    "best_k", "confidence_stop", "decayed_counts", "expected_tokens", "heuristic_k", "isotonic",
     "make_policy", "verify_table",
 ]
 
@@ -57,13 +57,16 @@ def best_k(alpha: float, draft_ms_per_token: float, verify_ms: Sequence[float]) 
 def verify_table(measured: dict[int, float], max_width: int, slope: float) -> list[float]:
     """Target-side cost of widths 1..max_width from the widths measured so far.
 
-    Between measured widths: linear interpolation. Beyond them: the prior that each extra
-    verified token costs `slope` times a one-token step. The table never decreases with width,
-    so a noisy cheap sample at a wide verify cannot lure the policy into drafting more.
+    The measured costs are first made non-decreasing in width by pooling neighbours that
+    disagree (isotonic regression), so neither a noisy cheap sample at a wide verify nor a noisy
+    dear one at a narrow verify steers the plan alone. Between measured widths: linear
+    interpolation. Beyond them: the prior that each extra verified token costs `slope` times a
+    one-token step.
     """
     if not measured:
         raise ValueError("need at least one measured width")
     widths = sorted(measured)
+    measured = dict(zip(widths, isotonic([measured[w] for w in widths])))
     out: list[float] = []
     for w in range(1, max_width + 1):
         lo = max((m for m in widths if m <= w), default=None)
@@ -100,6 +103,17 @@ def decayed_counts(hits: float, trials: float, drafted: int, accepted: int, deca
     `accepted` successes and one failure when the draft was not accepted in full.
     """
     return decay * hits + accepted, decay * trials + accepted + (1 if accepted < drafted else 0)
+
+
+def isotonic(values: Sequence[float]) -> list[float]:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 # ---------------------------------------------------------------- policies
@@ -203,7 +217,10 @@ class CostAwareK(DraftPolicy):
     drafting step drafts one token more than planned, so the next wider verify stays measured.
     When plain decoding wins (k = 0), a source still drafts `probe_k` tokens now and then so its
     alpha stays fresh; the interval doubles while probes keep losing, so a draft that never pays
-    costs almost nothing.
+    costs almost nothing. The unit itself, a plain step, is measured `warmup` times before any
+    drafting (the first forward after loading carries one-off costs) and again at least every
+    `refresh_every` steps: a drafter that always finds something to draft would otherwise leave
+    every cost measured against one stale plain step.
     """
 
     k_max: int = 8
@@ -219,17 +236,21 @@ class CostAwareK(DraftPolicy):
     # prior for widths not measured yet: each extra verified token costs this fraction of a one-token
     # step; on the low side, so wider drafts get tried and measured rather than ruled out unseen
     verify_slope: float = 0.1
+    warmup: int = 3
+    refresh_every: int = 32
+    _since_plain: int = field(default=0, init=False, repr=False)  # steps since the last plain one
     _plain: deque = field(default_factory=deque, init=False, repr=False)  # ms of recent one-token steps
     _wide: dict[int, deque] = field(default_factory=dict, init=False, repr=False)  # width -> plain steps
     _sources: dict[str, _SourceStats] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("k_max", "probe_every", "max_probe_every", "probe_k", "explore_every", "window"):
+        for name in ("k_max", "probe_every", "max_probe_every", "probe_k", "explore_every", "window",
+                     "warmup", "refresh_every"):
             _check_k(name, getattr(self, name))
         if self.probe_every < 1 or self.max_probe_every < self.probe_every:
             raise ConfigError("need 1 <= probe_every <= max_probe_every")
-        if self.window < 1 or self.explore_every < 1:
-            raise ConfigError("window and explore_every must be >= 1")
+        if min(self.window, self.explore_every, self.warmup, self.refresh_every) < 1:
+            raise ConfigError("window, explore_every, warmup and refresh_every must be >= 1")
         for name in ("accept_decay", "prior_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
@@ -264,8 +285,9 @@ class CostAwareK(DraftPolicy):
         return best_k(self.acceptance(source), statistics.median(s.cost), table)
 
     def next_k(self, source: str = "model") -> int:
-        if self.k_max == 0 or not self._plain:
-            return 0  # learn what a plain step costs first
+        if self.k_max == 0 or len(self._plain) < min(self.warmup, self.window) \
+                or self._since_plain >= self.refresh_every:
+            return 0  # (re)learn what a plain step costs
         s = self._stats(source)
         k = self.plan(source)
         if k is None:  # never measured this drafter: try it
@@ -282,7 +304,9 @@ class CostAwareK(DraftPolicy):
     def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None) -> None:
         if drafted == 0:
             self._plain.append(verify_ms)
+            self._since_plain = 0
             return
+        self._since_plain += 1
         s = self._stats(source)
         s.hits, s.trials = decayed_counts(s.hits, s.trials, drafted, accepted, self.accept_decay)
         if not self._plain:  # nothing to measure against yet
