@@ -17,7 +17,7 @@ from edgespec.api import load  # noqa: E402
 from edgespec.bundle import MANIFEST, load_bundle  # noqa: E402
 from edgespec.errors import BackendError, ConfigError  # noqa: E402
 from edgespec.runtimes import installed_backends  # noqa: E402
-from edgespec.runtimes.openvino import OpenVinoRuntime, available_devices  # noqa: E402
+from edgespec.runtimes.openvino import MIN_WIDTH, OpenVinoRuntime, available_devices  # noqa: E402
 from tests.test_export_onnx import N_NEW, decode, hf_greedy, hf_logits, verify_matches_decodes  # noqa: E402
 from tests.tiny import LONG_PROMPT, PROMPTS, VOCAB  # noqa: E402
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
@@ -193,6 +193,9 @@ def test_speculative_on_the_buffer_kv_is_exact(zoo, references):
                                                         policy=make_policy("fixed", 4)))
     drafted, accepted = speculative_matches(engine, references, "llama")
     assert 0 < accepted < drafted and target.capabilities.extra["kv"] == "buffer"
+    # every forward computes at least MIN_WIDTH rows: a draft that fits is free, and the policy knows
+    assert target.capabilities.free_batch_tokens == MIN_WIDTH == engine.decoder.policy.free_width
+    assert ov_target(zoo, "llama", kv="state").capabilities.free_batch_tokens == 1
 
 
 @pytest.mark.parametrize("target, draft", [("onnxruntime", "openvino"), ("openvino", "onnxruntime")])

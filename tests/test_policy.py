@@ -232,6 +232,22 @@ def test_cost_policy_measures_plain_steps_first_and_now_and_then():
     assert ks[0] > 0 and ks.count(0) == 2 and ks[10] == ks[21] == 0  # one plain step every 11
 
 
+def test_cost_policy_drafts_into_a_free_width_however_noisy_its_measure():
+    # the target pads forwards to 2 rows: a one-token draft costs nothing on its side, so even a
+    # weak lookup is worth it there, although a noisy sample makes width 2 look 40% dearer
+    def primed(free_width):
+        p = CostAwareK(k_max=8)
+        p.free_width = free_width
+        for _ in range(p.warmup):
+            p.update(0, 0, 0.0, verify_ms(1))
+        for accepted in (1, 0, 0, 0, 0):  # alpha about 0.2
+            p.update(1, accepted, 0.0, 1.4 * verify_ms(1), source="ngram:1", ms_per_token=0.001)
+        return p
+    assert primed(1).plan("ngram:1") == 0
+    assert primed(2).plan("ngram:1") == 1
+    assert primed(2).snapshot()["plain_ms"] == pytest.approx(1.4 * verify_ms(1))  # free-width steps are plain ones
+
+
 def test_cost_policy_keeps_sources_apart():
     p = CostAwareK(k_max=8)
     simulate(p, draft_ms=0.01, alpha=0.95, source="ngram:3", steps=100)

@@ -123,6 +123,9 @@ class DraftPolicy(abc.ABC):
     """Chooses the draft length for each speculative step."""
 
     min_joint: float = 0.0  # confidence stop threshold; 0 disables it
+    # verifies up to this wide cost one plain step (the target pads its forwards); the decoder
+    # sets it from the target's capabilities
+    free_width: int = 1
 
     @abc.abstractmethod
     def next_k(self, source: str = "model") -> int:
@@ -282,6 +285,8 @@ class CostAwareK(DraftPolicy):
         if not self._plain or not s.cost:
             return None
         table = verify_table(self.relative_verify(), self.k_max + 1, self.verify_slope)
+        free = min(self.free_width, len(table))
+        table[:free] = [table[0]] * free
         return best_k(self.acceptance(source), statistics.median(s.cost), table)
 
     def next_k(self, source: str = "model") -> int:
@@ -302,11 +307,13 @@ class CostAwareK(DraftPolicy):
         return min(self.probe_k, self.k_max)
 
     def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None) -> None:
-        if drafted == 0:
+        if drafted + 1 <= self.free_width:  # the same forward as a plain step
             self._plain.append(verify_ms)
             self._since_plain = 0
+        else:
+            self._since_plain += 1
+        if drafted == 0:
             return
-        self._since_plain += 1
         s = self._stats(source)
         s.hits, s.trials = decayed_counts(s.hits, s.trials, drafted, accepted, self.accept_decay)
         if not self._plain:  # nothing to measure against yet

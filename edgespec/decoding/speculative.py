@@ -104,6 +104,17 @@ class SpeculativeDecoder:
         self.context_limit: int | None = None
         self.max_draft: int | None = None
 
+    @property
+    def policy(self) -> DraftPolicy:
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: DraftPolicy) -> None:
+        # tell the policy how wide a verify costs no more than a plain step on this target
+        caps = getattr(self.target, "capabilities", None)
+        policy.free_width = max(1, caps.free_batch_tokens) if caps is not None else 1
+        self._policy = policy
+
     def stream(
         self,
         tokens: list[int],

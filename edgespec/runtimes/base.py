@@ -28,6 +28,9 @@ class Capabilities:
     can_trim: bool = True
     static_shapes: bool = False
     max_batch_tokens: int | None = None
+    # a forward of up to this many tokens costs what a one-token forward costs (the backend pads
+    # every forward to it), so a draft that fits is free on the target side
+    free_batch_tokens: int = 1
     devices: tuple[str, ...] = ("CPU",)
     fixed_kv: bool = False  # KV lives in buffers preallocated for kv_capacity positions (no growth)
     # why a k-token forward may round differently from k one-token forwards (None: it does not);

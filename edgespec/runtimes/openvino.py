@@ -169,6 +169,7 @@ class OpenVinoRuntime(Runtime):
         self.kv_capacity = cap
         self.capabilities = Capabilities(
             backend="openvino", can_trim=True, static_shapes=static, max_batch_tokens=self._width,
+            free_batch_tokens=self._width if static else self._min_width,
             devices=(device,), batch_variance=self._batch_variance(device, dynamic_quantization),
             extra={"precision": self.precision, "kv_capacity": cap, "kv": kv,
                    "dynamic_quantization": dynamic_quantization})
