@@ -62,9 +62,8 @@ def compile_cache_dir(model_path: Path, device: str, kind: str = "openvino") -> 
     max_bytes = _max_bytes()
     if max_bytes == 0:
         return None
-    files = [p for p in (model_path, model_path.with_suffix(".bin")) if p.is_file()]
-    ident = "|".join([str(model_path.resolve()), device,
-                      *(f"{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)])
+    stats = [p.stat() for p in (model_path, model_path.with_suffix(".bin")) if p.is_file()]
+    ident = "|".join([str(model_path.resolve()), device, *(f"{st.st_size}:{st.st_mtime_ns}" for st in stats)])
     root = cache_dir() / kind
     folder = root / hashlib.sha256(ident.encode()).hexdigest()[:16]
     folder.mkdir(parents=True, exist_ok=True)
