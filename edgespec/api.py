@@ -25,10 +25,11 @@ from typing import Iterator, Sequence
 from .bundle import Bundle, load_bundle
 from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
-from .runtimes import BACKENDS, installed_backends, open_runtime, pick_backend
+from .runtimes import BACKENDS, installed_backends, open_runtime, open_shared_pair, pick_backend
 from .tokenizer import IncrementalDecoder, Tokenizer
 
-__all__ = ["load", "Engine", "Response", "GenerationStats", "default_bundle", "resolve_drafting"]
+__all__ = ["load", "Engine", "Response", "GenerationStats", "DRAFT_BODIES", "default_bundle", "resolve_drafting",
+           "shared_body_blocker"]
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +153,37 @@ def _wait_timeout(wait: bool | float) -> float | None:
     raise ConfigError(f"wait must be True, False or a number of seconds >= 0, got {wait!r}")
 
 
+# where the draft model's body comes from: the target's (one body, the draft adds only its head),
+# its own artifact, or auto: the target's where that is the same computation (see shared_body_blocker)
+DRAFT_BODIES = ("auto", "shared", "own")
+QUANTIZED = ("int8", "int4")
+
+
+def shared_body_blocker(manifest, fmt: str, backend: str, *, draft_backend: str | None, device: str | None,
+                        draft_device: str | None, static: bool, budgeted: bool, auto: bool) -> str | None:
+    """Why the draft cannot run on the target's body here (None: it can). With `auto`, also an
+    unquantized (fp32/fp16) target: its body costs several times a quantized draft's, while an
+    int8 or int4 body costs about what the draft's own does (on Gemma 3 270M with OpenVINO a one-
+    token int8 and int4 forward cost alike) and drafts from the target's own hidden states."""
+    d, t = manifest.draft, manifest.target
+    if BACKENDS[backend].shared_body is None:
+        return f"the {backend} backend cannot run a draft on the target's body"
+    if draft_backend not in (None, backend) or (draft_device or device or "CPU").upper() != (device or "CPU").upper():
+        return "the draft runs on another backend or device"
+    if static:
+        return "static shapes run each model at its own fixed width"
+    if budgeted:
+        return "memory budgets plan separate draft and target caches"
+    if d is None or fmt not in d.formats:
+        return f"the bundle's draft has no {fmt} artifact"
+    if d.source.get("sha256") is None or d.source.get("sha256") != t.source.get("sha256") or d.layers:
+        return "the draft is not the target's own model (a self-draft without a layer cut)"
+    if auto and t.formats[fmt].precision not in QUANTIZED:
+        return (f"the target's body is {t.formats[fmt].precision}, dearer than the draft's own "
+                f"{d.formats[fmt].precision} body (--draft-body shared drafts on it all the same)")
+    return None
+
+
 # static shapes: the target verifies k drafts plus its own token in one fixed-width forward; the
 # draft mostly feeds one token, two when it catches up after a fully accepted draft
 STATIC_DRAFT_WIDTH = 2
@@ -177,8 +209,10 @@ class Engine:
                  draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
                  k: int | None = None, policy: str | None = None, drafter: str = "auto",
                  threads: int | None = None, memory_budget: str | int | None = None,
-                 max_context: int | None = None, static: bool = False) -> None:
+                 max_context: int | None = None, static: bool = False, draft_body: str = "auto") -> None:
         m = bundle.manifest
+        if draft_body not in DRAFT_BODIES:
+            raise ConfigError(f"draft_body must be one of {', '.join(DRAFT_BODIES)}, got {draft_body!r}")
         backend = pick_backend(m.target.formats, backend or _backend_for_device(device, m.target.formats))
         if static and "openvino" not in (backend, draft_backend):
             raise ConfigError(f"static shapes need the openvino backend, not {backend} (add --backend openvino)")
@@ -200,12 +234,27 @@ class Engine:
         open_target = functools.partial(open_runtime, backend, bundle.file(m.target.formats[fmt].file),
                                         threads=threads, device=device, **ctx_kw,
                                         **_static_options(backend, static, self.k + 1))
-        self.target = self._stack.enter_context(budget.open_target(open_target) if budget else open_target())
         self.draft = None
         self.draft_backend = None
+        self.shared_body = False  # the draft reads the target's body through its own head
+        if wants_draft and draft_body != "own":
+            why = shared_body_blocker(m, fmt, backend, draft_backend=draft_backend, device=device,
+                                      draft_device=draft_device, static=static, budgeted=budget is not None,
+                                      auto=draft_body == "auto")
+            if why is not None and draft_body == "shared":
+                raise ConfigError(f"--draft-body shared: {why}")
+            self.shared_body = why is None
+        if self.shared_body:
+            pair = open_shared_pair(backend, bundle.file(m.target.formats[fmt].file),
+                                    bundle.file(m.draft.formats[fmt].file), threads=threads, device=device, **ctx_kw)
+            self.target = self._stack.enter_context(pair[0])
+            self.draft = self._stack.enter_context(pair[1])
+            self.draft_backend = backend
+        else:
+            self.target = self._stack.enter_context(budget.open_target(open_target) if budget else open_target())
         if wants_draft and budget is not None and not budget.load_draft:
             self.drafter_name = None  # the draft model does not fit; finish() says so once
-        if self.drafter_name is not None and DRAFTERS[self.drafter_name].needs_model:
+        if self.drafter_name is not None and DRAFTERS[self.drafter_name].needs_model and not self.shared_body:
             # the draft may run on another backend/device; its id map is one per bundle, so it agrees
             dback = draft_backend or (backend if fmt in m.draft.formats else pick_backend(m.draft.formats))
             dfmt = BACKENDS[pick_backend(m.draft.formats, dback)].bundle_format
@@ -428,7 +477,7 @@ def load(bundle: str | Path | None = None, *, backend: str | None = None, device
          draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
          k: int | None = None, policy: str | None = None, drafter: str = "auto",
          threads: int | None = None, memory_budget: str | int | None = None,
-         max_context: int | None = None, static: bool = False) -> Engine:
+         max_context: int | None = None, static: bool = False, draft_body: str = "auto") -> Engine:
     """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use).
 
     backend: a name from edgespec.runtimes.BACKENDS (default: the first installed one that runs a
@@ -444,8 +493,14 @@ def load(bundle: str | Path | None = None, *, backend: str | None = None, device
     for onnxruntime, or what the budget allows); a chat drops its oldest turns to stay inside it.
     static: OpenVINO's static-shape mode (as NPUs need; an NPU device turns it on by itself):
     fixed KV capacity and a fixed verify width k+1, so adaptive policies draft at most k.
+    draft_body: "shared" runs the draft model on the target's body, the draft artifact giving
+    only its (VocabTrim) head: one body's weights and KV cache, and no position goes through the
+    body twice; "own" loads the draft's own body; "auto" (default) shares where the draft is a
+    self-draft without a layer cut, the target is int8 or int4 and the backend can (OpenVINO,
+    dynamic shapes, no memory budget). See shared_body_blocker.
     """
     path = Path(bundle) if bundle is not None else default_bundle()
     return Engine(load_bundle(path), backend=backend, device=device, draft_backend=draft_backend,
                   draft_device=draft_device, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
-                  threads=threads, memory_budget=memory_budget, max_context=max_context, static=static)
+                  threads=threads, memory_budget=memory_budget, max_context=max_context, static=static,
+                  draft_body=draft_body)

@@ -5,7 +5,8 @@
    OpenVINO's state, f32 activations), plain and with the same drafting.
 2. OpenVINO GenAI's LLMPipeline (plain decode, and with draft_model when it accepts the IR)
    against edgespec plain and speculative (the draft model alone, and the default drafting:
-   prompt lookup plus the model under the cost policy), per target precision.
+   prompt lookup plus the model under the cost policy, with the draft on the target's body
+   where `draft_body="auto"` picks it, and on its own body), per target precision.
 
 GenAI reads a stateful copy of the bundle's own IR (runtimes.openvino.make_stateful, plus the
 beam_idx input and last-position logits GenAI expects), so both sides run the same compressed
@@ -136,6 +137,8 @@ def _bench_bundle(bundle: Path, args, tmp: Path, report: dict) -> None:
     configs["edgespec spec"] = lambda ids, e=spec: _edgespec_run(e, ids, args.tokens)
     default = Engine(b, backend="openvino", threads=args.threads)  # prompt lookup + model, cost policy
     configs["edgespec spec (default drafting)"] = lambda ids, e=default: _edgespec_run(e, ids, args.tokens)
+    own = Engine(b, backend="openvino", threads=args.threads, draft_body="own")  # the draft's own body
+    configs["edgespec spec (default drafting; own draft body)"] = lambda ids, e=own: _edgespec_run(e, ids, args.tokens)
     lookup = Engine(b, backend="openvino", drafter="ngram", threads=args.threads)
     configs["edgespec spec (prompt lookup)"] = lambda ids, e=lookup: _edgespec_run(e, ids, args.tokens)
     # the previous exact mode, same weights and drafting: KV in OpenVINO's state (a rollback
@@ -197,12 +200,16 @@ def _bench_bundle(bundle: Path, args, tmp: Path, report: dict) -> None:
                 if r == 0:
                     outs[name].append(toks)
     med = {k: statistics.median(v) for k, v in times.items()}
+    # per prompt and repetition against edgespec plain, run next to it: a busy minute slows both
+    base = times["edgespec plain"]
+    paired = {k: statistics.median(t / b for t, b in zip(v, base)) for k, v in times.items()}
     same = {k: outs[k] == outs["edgespec plain"] for k in outs}
-    report[f"{bundle.name} ({prec})"] = {"median_tok_s": med, "same_tokens_as_edgespec_plain": same}
+    report[f"{bundle.name} ({prec})"] = {"median_tok_s": med, "median_paired_ratio_to_edgespec_plain": paired,
+                                         "same_tokens_as_edgespec_plain": same}
     print(f"\n{bundle.name}: target {prec}, {args.tokens} new tokens, {args.reps} reps x {len(ids_list)} prompts")
     for k in configs:
-        print(f"  {k:<42} {med[k]:7.1f} tok/s   same tokens as edgespec plain: {same[k]}")
-    for e in (plain, spec, default, lookup, old_plain, old_spec, old_plain.decoder.target, *old_rt):
+        print(f"  {k:<50} {med[k]:7.1f} tok/s  x{paired[k]:.2f} paired   same tokens as edgespec plain: {same[k]}")
+    for e in (plain, spec, default, own, lookup, old_plain, old_spec, old_plain.decoder.target, *old_rt):
         e.close()
 
 

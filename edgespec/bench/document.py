@@ -77,7 +77,8 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
         "bundle": bundle_summary(engine),
         "config": {"prompts": prompts_spec, **asdict(cfg), "k_sweep": list(cfg.k_sweep), "sampling": "greedy",
                    "drafter": engine.drafter_name, "policy": engine.policy_name, "k": engine.k,
-                   "memory_budget": memory_budget},
+                   "memory_budget": memory_budget,
+                   "draft_body": "shared" if getattr(engine, "shared_body", False) else "own" if engine.draft else None},
         "memory": memory,
         "configs": configs,
         "skipped": skipped,  # prompts that do not fit the context limit

@@ -9,7 +9,7 @@ Version 1 (`"kind": "edgespec-bench"`), one run on one device:
     bundle      name, model_type, family, base_model, chat_format, target {format, precision, n_layers,
                 vocab_size, source}, draft (same, plus vocab_info) or null
     config      prompts, repeat, max_tokens, warmup, stop_at_eos, sampling, drafter, policy, k, k_sweep,
-                memory_budget
+                memory_budget, draft_body ("shared": the draft on the target's body, "own", or null)
     memory      rss_before_load, rss_after_load, engine {target|draft: {weights, kv, ...}} (bytes),
                 plan (the engine's memory plan under --memory-budget, when it has one)
     configs     configuration names: "plain", "speculative", then "k=N" of a sweep

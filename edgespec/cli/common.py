@@ -17,6 +17,7 @@ __all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "cli_entry
 # equal to edgespec.decoding's DRAFTERS and POLICIES
 DRAFTER_CHOICES = ("auto", "model", "ngram", "both", "none")
 POLICY_CHOICES = ("fixed", "heuristic", "confidence", "cost")
+DRAFT_BODY_CHOICES = ("auto", "shared", "own")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -37,6 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "decoding when drafting does not pay). Default: cost, or fixed when -k is given")
     g.add_argument("-k", "--draft-tokens", type=int, default=None, dest="k",
                    help="draft length per step; adaptive policies range up to twice this (default: 4)")
+    g.add_argument("--draft-body", choices=DRAFT_BODY_CHOICES, default="auto",
+                   help="shared: run the draft model on the target's body, loading only the draft's head (one "
+                        "body's weights and KV cache); own: load the draft's own body; auto (default): shared "
+                        "where the draft is the target's own body at its precision and the backend can (OpenVINO)")
     g.add_argument("--static-shapes", action="store_true", dest="static",
                    help="OpenVINO: fixed KV capacity and verify width k+1, as NPUs need (NPU turns it on)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: backend's choice)")
@@ -82,6 +87,7 @@ def open_engine(args: argparse.Namespace):
     return load(args.bundle, backend=args.backend, device=args.device, draft_backend=args.draft_backend,
                 draft_device=args.draft_device, use_draft=not args.no_draft, k=args.k, policy=args.policy,
                 drafter=args.drafter, threads=args.threads, static=getattr(args, "static", False),
+                draft_body=getattr(args, "draft_body", "auto"),
                 **_memory_kwargs(args))
 
 

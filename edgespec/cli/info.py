@@ -22,7 +22,8 @@ def _backends() -> list[str]:
             devices = ", ".join(backend_devices(name))
         except Exception as e:  # a broken install should not hide the other backends
             devices = f"unavailable ({str(e).splitlines()[0]})"
-        lines.append(f"  {name:<12} {_version(info.package)}  devices: {devices}  runs: {info.bundle_format}")
+        shares = "  draft on the target's body" if info.shared_body else ""
+        lines.append(f"  {name:<12} {_version(info.package)}  devices: {devices}  runs: {info.bundle_format}{shares}")
     return lines
 
 
@@ -47,6 +48,8 @@ def _bundle(path: str) -> list[str]:
             continue
         fmts = ", ".join(f"{f} {a.precision}" for f, a in e.formats.items())
         lines.append(f"  {role}: {e.n_layers} layers, vocab {e.vocab_size}, {fmts} (from {e.source.get('name')})")
+    if m.draft is not None and not m.draft.layers and m.draft.source.get("sha256") == m.target.source.get("sha256"):
+        lines.append("  draft body: the target's own, so the draft can run on the target's body (--draft-body)")
     return lines
 
 

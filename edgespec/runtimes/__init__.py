@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from .base import Capabilities, Runtime
 
 __all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "open_runtime", "installed_backends",
-           "backend_devices", "pick_backend", "runtime_class"]
+           "backend_devices", "pick_backend", "runtime_class", "open_shared_pair"]
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class BackendInfo:
     cls: str
     extra: str  # pip extra that installs it
     package: str  # the import name of the library it wraps (checked without importing it)
+    # "module:function" opening (target, draft) runtimes on one body, the draft reading it through
+    # its own head (runtimes/shared_body.py); None: the backend cannot
+    shared_body: str | None = None
 
 
 # order = preference when a bundle holds several formats and no backend is named
@@ -31,7 +34,7 @@ BACKENDS: dict[str, BackendInfo] = {
     "onnxruntime": BackendInfo("onnxruntime", "onnx", "edgespec.runtimes.onnxruntime", "OnnxRuntime", "onnx",
                                "onnxruntime"),
     "openvino": BackendInfo("openvino", "openvino", "edgespec.runtimes.openvino", "OpenVinoRuntime", "openvino",
-                            "openvino"),
+                            "openvino", "edgespec.runtimes.openvino_split:open_shared_pair"),
     "llamacpp": BackendInfo("llamacpp", "gguf", "edgespec.runtimes.llamacpp", "LlamaCppRuntime", "llamacpp",
                             "llama_cpp"),
 }
@@ -80,3 +83,13 @@ def open_runtime(backend: str, model_path: Path, **kwargs) -> Runtime:
     info = _info(backend)
     cls = getattr(importlib.import_module(info.module), info.cls)
     return cls(model_path, **kwargs)
+
+
+def open_shared_pair(backend: str, target_path: Path, draft_path: Path, **kwargs) -> tuple[Runtime, Runtime]:
+    """(target, draft) runtimes sharing the target's body: the draft artifact gives only its head.
+    kwargs: threads, device, kv_capacity."""
+    info = _info(backend)
+    if info.shared_body is None:
+        raise ConfigError(f"backend {backend} cannot run a draft on the target's body; use --draft-body own")
+    module, fn = info.shared_body.split(":")
+    return getattr(importlib.import_module(module), fn)(target_path, draft_path, **kwargs)

@@ -31,10 +31,11 @@ import numpy as np
 from ..errors import BackendError
 from .base import Capabilities, Runtime
 from .compile_cache import compile_cache_dir
-from .openvino_graph import make_stateful, pad_keys
+from .openvino_graph import HIDDEN, cut_head, make_stateful, pad_keys
 
 __all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "KV_MODES",
-           "MIN_WIDTH", "PRECISIONS"]
+           "MIN_WIDTH", "OUTPUTS", "PRECISIONS", "check_device", "compile_model", "import_ov",
+           "model_precision", "read_ir"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ _FIRST_CAPACITY = 256  # the dynamic mode's first buffer; it doubles as the sequ
 _VIRTUAL = ("AUTO", "HETERO", "MULTI")  # OpenVINO's meta devices, valid wherever a real one is
 PRECISIONS = ("f32", "bf16", "f16")
 KV_MODES = ("state", "buffer")
+# what a forward returns: logits, or the final hidden rows the head would read (a body whose
+# head runs apart, runtimes/shared_body.py)
+OUTPUTS = ("logits", HIDDEN)
 # the CPU plugin multiplies one row unlike several (its one-row FullyConnected and MatMul kernels
 # round differently), so exact forwards run at least this many rows; from 2 rows up to 64 every
 # row comes out bit-identical, whatever the width (measured on Gemma 3 270M int8 and int4)
@@ -50,7 +54,7 @@ MIN_WIDTH = 2
 _INPUTS = ("input_ids", "position_ids", "attention_mask", "logits_index", "past_key_0")
 
 
-def _import_ov():
+def import_ov():
     try:
         import openvino as ov
     except ImportError as e:
@@ -60,10 +64,10 @@ def _import_ov():
 
 def available_devices() -> list[str]:
     """The devices OpenVINO sees here, e.g. ['CPU', 'GPU.0', 'NPU']."""
-    return list(_import_ov().Core().available_devices)
+    return list(import_ov().Core().available_devices)
 
 
-def _check_device(device: str, available: list[str]) -> str:
+def check_device(device: str, available: list[str]) -> str:
     dev = device.upper()
     base = dev.split(":")[0]  # AUTO:GPU,CPU / HETERO:... name real devices after the colon
     names = set(available) | {a.split(".")[0] for a in available}
@@ -75,34 +79,81 @@ def _check_device(device: str, available: list[str]) -> str:
     return dev
 
 
+def read_ir(path: Path, device: str | None):
+    """(core, model, device): the IR at `path`, read for `device` (default CPU), which must be one
+    OpenVINO sees here."""
+    if not path.is_file():
+        raise BackendError(f"OpenVINO model not found: {path}")
+    core = import_ov().Core()
+    device = check_device(device or "CPU", list(core.available_devices))
+    try:
+        return core, core.read_model(str(path)), device
+    except Exception as e:
+        raise BackendError(f"cannot load {path.name}: {str(e).splitlines()[0]}") from e
+
+
+def model_precision(model, device: str, asked: str | None, threads: int | None) -> str:
+    """The inference precision: asked, else the IR's (the exporter writes f32), else f32."""
+    prec = asked
+    if prec is None and model.has_rt_info(["runtime_options", "INFERENCE_PRECISION_HINT"]):
+        prec = str(model.get_rt_info(["runtime_options", "INFERENCE_PRECISION_HINT"])).lower()
+    prec = prec if prec in PRECISIONS else "f32"
+    # OpenVINO 2026.4's CPU plugin dies with SIGFPE compiling an fp32 IR for one thread in
+    # bf16; a crash cannot be caught, so that combination runs in f32 instead
+    if prec == "bf16" and threads == 1 and device.startswith("CPU"):
+        logger.warning("OpenVINO: bf16 on one CPU thread crashes this OpenVINO build; using f32")
+        prec = "f32"
+    return prec
+
+
+def compile_model(core, model, path: Path, device: str, precision: str, threads: int | None,
+                  dynamic_quantization: bool):
+    """`model` (read from `path`, perhaps rewritten) compiled for `device` as edgespec runs it."""
+    config = {"PERFORMANCE_HINT": "LATENCY"}
+    # in the user cache, not the bundle: a compiled blob is per device and OpenVINO version
+    if (cache := compile_cache_dir(path, device)) is not None:
+        config["CACHE_DIR"] = cache
+    if device.split(":")[0].split(".")[0] in ("CPU", "GPU"):
+        config["INFERENCE_PRECISION_HINT"] = precision
+    if device.startswith("CPU") and not dynamic_quantization:
+        # the CPU plugin quantizes activations to int8 on the fly for int8/int4 weights; one
+        # ulp of difference upstream can cross a rounding step there, so it is batch-invariant
+        # only with padded keys and MIN_WIDTH rows (see openvino_graph.py)
+        config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
+    if threads and device.startswith("CPU"):
+        config["INFERENCE_NUM_THREADS"] = int(threads)
+    try:
+        return core.compile_model(model, device, config)
+    except Exception as e:
+        raise BackendError(f"OpenVINO could not compile {path.name} for {device}: {str(e).splitlines()[0]}") from e
+
+
 class OpenVinoRuntime(Runtime):
-    """One edgespec OpenVINO IR compiled for one device, with its KV cache (state or buffer)."""
+    """One edgespec OpenVINO IR compiled for one device, with its KV cache (state or buffer).
+
+    Forwards return logits, or with output="hidden" the final hidden rows the head would read:
+    the IR's body alone, whose head runs apart (openvino_split.py)."""
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
                  kv_capacity: int | None = None, static: bool = False, width: int | None = None,
                  precision: str | None = None, kv: str | None = None,
-                 dynamic_quantization: bool | None = None) -> None:
-        ov = _import_ov()
+                 dynamic_quantization: bool | None = None, output: str = "logits") -> None:
+        ov = import_ov()
         path = Path(model_path)
-        if not path.is_file():
-            raise BackendError(f"OpenVINO model not found: {path}")
-        core = ov.Core()
-        device = _check_device(device or "CPU", list(core.available_devices))
-        if device.startswith("NPU") and not static:
-            logger.info("NPU compiles static shapes only: using the static-shape mode")
-            static = True
         if precision is not None and precision not in PRECISIONS:
             raise BackendError(f"OpenVINO: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         if kv_capacity is not None and kv_capacity < 1:
             raise BackendError(f"kv_capacity must be >= 1, got {kv_capacity}")
+        if output not in OUTPUTS:
+            raise BackendError(f"OpenVINO: output must be one of {', '.join(OUTPUTS)}, got {output!r}")
+        core, model, device = read_ir(path, device)
+        if device.startswith("NPU") and not static:
+            logger.info("NPU compiles static shapes only: using the static-shape mode")
+            static = True
         kv = kv or "buffer"
         if kv not in KV_MODES or (static and kv != "buffer"):
             raise BackendError(f"OpenVINO: kv must be one of {', '.join(KV_MODES)} ('buffer' with static shapes), "
                                f"got {kv!r}")
-        try:
-            model = core.read_model(str(path))
-        except Exception as e:
-            raise BackendError(f"cannot load {path.name}: {str(e).splitlines()[0]}") from e
         names = {n for p in model.inputs for n in p.get_names()}
         if not set(_INPUTS) <= names:
             raise BackendError(f"{path.name} is not an edgespec OpenVINO IR (inputs: {', '.join(sorted(names)[:5])})")
@@ -125,38 +176,25 @@ class OpenVinoRuntime(Runtime):
             pad_keys(model)
         if self._stateful:
             make_stateful(model)
+        if output == HIDDEN:
+            cut_head(model)
+        self.output = output
         if static:
             W, C = self._width, cap
             shapes = {"input_ids": [1, W], "position_ids": [1, W], "attention_mask": [1, C + W], "logits_index": [W]}
             shapes.update({f"past_{kind}_{j}": [1, self._kv_heads, C, self._head_dim]
                            for j in range(self._n_layers) for kind in ("key", "value")})
             model.reshape(shapes)
-        self.precision = self._precision(model, device, precision, threads)
-        config = {"PERFORMANCE_HINT": "LATENCY"}
-        # in the user cache, not the bundle: a compiled blob is per device and OpenVINO version
-        if (cache := compile_cache_dir(path, device)) is not None:
-            config["CACHE_DIR"] = cache
-        if device.split(":")[0].split(".")[0] in ("CPU", "GPU"):
-            config["INFERENCE_PRECISION_HINT"] = self.precision
+        self.precision = model_precision(model, device, precision, threads)
         if dynamic_quantization is None:
             dynamic_quantization = self._min_width > 1 or self.precision != "f32"
-        if device.startswith("CPU") and not dynamic_quantization:
-            # the CPU plugin quantizes activations to int8 on the fly for int8/int4 weights; one
-            # ulp of difference upstream can cross a rounding step there, so it is batch-invariant
-            # only with padded keys and MIN_WIDTH rows (see openvino_graph.py)
-            config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
-        if threads and device.startswith("CPU"):
-            config["INFERENCE_NUM_THREADS"] = int(threads)
-        try:
-            self._compiled = core.compile_model(model, device, config)
-        except Exception as e:
-            raise BackendError(f"OpenVINO could not compile {path.name} for {device}: {str(e).splitlines()[0]}") from e
+        self._compiled = compile_model(core, model, path, device, self.precision, threads, dynamic_quantization)
         self._req = self._compiled.create_infer_request()
         self._tensor = ov.Tensor
         # inputs and outputs by index: binding by name costs ~0.5 ms per forward over 40 of them
         self._in = {n: i for i, p in enumerate(self._compiled.inputs) for n in p.get_names()}
         out = {n: i for i, p in enumerate(self._compiled.outputs) for n in p.get_names()}
-        self._logits = out["logits"]
+        self._logits = out[output]
         self._new = [] if self._stateful else [(out[f"new_key_{j}"], out[f"new_value_{j}"])
                                                for j in range(self._n_layers)]
         self._weight_bytes = sum(p.stat().st_size for p in (path, path.with_suffix(".bin")) if p.is_file())
@@ -173,20 +211,6 @@ class OpenVinoRuntime(Runtime):
             devices=(device,), batch_variance=self._batch_variance(device, dynamic_quantization),
             extra={"precision": self.precision, "kv_capacity": cap, "kv": kv,
                    "dynamic_quantization": dynamic_quantization})
-
-    @staticmethod
-    def _precision(model, device: str, asked: str | None, threads: int | None) -> str:
-        """The inference precision: asked, else the IR's (the exporter writes f32), else f32."""
-        prec = asked
-        if prec is None and model.has_rt_info(["runtime_options", "INFERENCE_PRECISION_HINT"]):
-            prec = str(model.get_rt_info(["runtime_options", "INFERENCE_PRECISION_HINT"])).lower()
-        prec = prec if prec in PRECISIONS else "f32"
-        # OpenVINO 2026.4's CPU plugin dies with SIGFPE compiling an fp32 IR for one thread in
-        # bf16; a crash cannot be caught, so that combination runs in f32 instead
-        if prec == "bf16" and threads == 1 and device.startswith("CPU"):
-            logger.warning("OpenVINO: bf16 on one CPU thread crashes this OpenVINO build; using f32")
-            prec = "f32"
-        return prec
 
     def _batch_variance(self, device: str, dynamic_quantization: bool) -> str | None:
         """Why a k-token forward may round unlike k one-token forwards (None: it does not, or only
@@ -299,7 +323,7 @@ class OpenVinoRuntime(Runtime):
         if n == 0:
             self._req.reset_state()
             return
-        ov = _import_ov()
+        ov = import_ov()
         for st in self._req.query_state():
             shape = list(st.state.shape)
             if shape[2] > n:  # a view of the kept rows, not a copy of them

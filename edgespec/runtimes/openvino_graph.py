@@ -5,6 +5,9 @@
   multiple of BLOCK, so that a query row's result does not depend on how many masked columns
   follow its keys; with at least two rows per forward (runtimes/openvino.py), a k-token verify
   then rounds exactly like k one-token decodes.
+- `cut_head` / `head_model`: the IR split at the final hidden state (the rows `logits_index`
+  picks), into a body that returns those hidden rows and a head that maps hidden rows to logits
+  (runtimes/shared_body.py runs a draft on the target's own body with them).
 
 Why the padding. The CPU plugin's Softmax sums over the key axis in an order that depends on that
 axis' length: on Gemma 3 270M, one query row's probabilities over the same 701 keys differ by one
@@ -21,12 +24,13 @@ import numpy as np
 
 from ..errors import BackendError
 
-__all__ = ["BLOCK", "make_stateful", "pad_keys"]
+__all__ = ["BLOCK", "HIDDEN", "cut_head", "head_model", "make_stateful", "pad_keys"]
 
 logger = logging.getLogger(__name__)
 
 BLOCK = 64  # the key axis is a whole number of these: Softmax then sums it in one fixed order
 _NEG = np.float32(np.finfo(np.float32).min)  # the exporter's additive mask value
+HIDDEN = "hidden"  # the body's output and the head's input: final hidden rows, (1, N, hidden)
 
 
 def _new_kv_concats(model) -> list:
@@ -108,3 +112,44 @@ def pad_keys(model, block: int = BLOCK) -> int:
     model.validate_nodes_and_infer_types()
     logger.debug("padded %d K/V caches and %d masks to blocks of %d", len(pairs), len(masks), block)
     return len(pairs)
+
+
+def _head_entry(model):
+    """(logits Result, Gather): the head starts where `logits_index` picks rows of the final
+    hidden state, Gather(hidden, logits_index), and ends in the `logits` output."""
+    index = model.input("logits_index").get_node()
+    gathers = [t.get_node() for t in index.output(0).get_target_inputs() if t.get_node().get_type_name() == "Gather"]
+    logits = [r for r in model.get_results() if "logits" in r.output(0).get_names()]
+    if len(gathers) != 1 or len(logits) != 1:
+        raise BackendError("this OpenVINO IR lacks edgespec's head layout (export the bundle again)")
+    return logits[0], gathers[0]
+
+
+def cut_head(model) -> None:
+    """Make `model` a body, in place: the `logits` output becomes `hidden`, the final hidden rows
+    that `logits_index` picks (the head's input), so a forward computes no logits."""
+    import openvino.opset13 as ops
+
+    logits, gather = _head_entry(model)
+    hidden = ops.result(gather.output(0))
+    hidden.output(0).set_names({HIDDEN})
+    model.add_results([hidden])
+    model.remove_result(logits)
+    model.validate_nodes_and_infer_types()
+
+
+def head_model(model):
+    """A new model of `model`'s head alone: `hidden` rows (1, N, hidden) -> `logits` (1, N, V).
+    It shares the weight constants with `model`, which is no longer usable afterwards."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    logits, gather = _head_entry(model)
+    shape = gather.get_output_partial_shape(0)
+    hidden = ops.parameter(ov.PartialShape([1, -1, shape[2]]), gather.get_output_element_type(0), name=HIDDEN)
+    hidden.output(0).set_names({HIDDEN})
+    for target in list(gather.output(0).get_target_inputs()):
+        target.replace_source_output(hidden.output(0))
+    head = ov.Model([logits], [hidden], "edgespec-head")
+    head.validate_nodes_and_infer_types()
+    return head

@@ -1,0 +1,82 @@
+"""An edgespec OpenVINO IR split at its final hidden state, for a draft on the target's body.
+
+`OpenVinoRuntime(output="hidden")` is the body (openvino_graph.cut_head) and `OpenVinoHead` the
+head alone (openvino_graph.head_model); `open_shared_pair` joins the target's body to the
+target's head and to the draft IR's (trimmed) head through runtimes/shared_body.py.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BackendError
+from .openvino import MIN_WIDTH, OpenVinoRuntime, compile_model, import_ov, model_precision, read_ir
+from .openvino_graph import HIDDEN, head_model
+from .shared_body import SharedBodyRuntime, shared_pair
+
+__all__ = ["OpenVinoHead", "open_shared_pair"]
+
+logger = logging.getLogger(__name__)
+
+
+class OpenVinoHead:
+    """`head(hidden)`: logits (R, V) of hidden rows (R, H), a view valid until the next call.
+
+    Every call computes at least MIN_WIDTH rows (the last row repeated): the CPU plugin rounds a
+    one-row matmul unlike several rows, and from two rows up each row comes out bit-identical
+    whatever the count, which keeps the plugin's dynamic int8 activations exact here too."""
+
+    def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
+                 precision: str | None = None) -> None:
+        path = Path(model_path)
+        core, model, device = read_ir(path, device)
+        self.precision = model_precision(model, device, precision, threads)
+        head = head_model(model)
+        # the head's weights: what this half holds of the IR (a tied table is shared with the body's file)
+        self.weight_bytes = int(sum(op.get_byte_size() for op in head.get_ops() if op.get_type_name() == "Constant"))
+        self.hidden_size = head.input(0).get_partial_shape()[2].get_length()
+        self.vocab_size = head.output(0).get_partial_shape()[2].get_length()
+        self._compiled = compile_model(core, head, path, device, self.precision, threads, True)
+        self._req = self._compiled.create_infer_request()
+        self._tensor = import_ov().Tensor
+
+    def __call__(self, hidden: np.ndarray) -> np.ndarray:
+        rows = len(hidden)
+        if rows < MIN_WIDTH:
+            hidden = np.concatenate([hidden, np.repeat(hidden[-1:], MIN_WIDTH - rows, axis=0)])
+        x = np.ascontiguousarray(hidden, dtype=np.float32)[None]  # (1, R, H)
+        try:
+            self._req.set_input_tensor(0, self._tensor(x, shared_memory=True))
+            self._req.infer()
+        except Exception as e:
+            raise BackendError(f"OpenVINO head inference failed: {str(e).splitlines()[0]}") from e
+        return self._req.get_output_tensor(0).data[0][:rows]
+
+    def close(self) -> None:
+        self._req = None
+        self._compiled = None
+
+
+def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLike, *, threads: int | None = None,
+                     device: str | None = None, kv_capacity: int | None = None
+                     ) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
+    """(target, draft): the target IR's body with its own head, and with the draft IR's head.
+    The draft IR's body is never loaded."""
+    body = OpenVinoRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, output=HIDDEN)
+    heads: list[OpenVinoHead] = []
+    try:
+        for path in (target_path, draft_path):
+            heads.append(OpenVinoHead(path, threads=threads, device=device, precision=body.precision))
+        if heads[1].hidden_size != heads[0].hidden_size:
+            raise BackendError(f"the draft's head reads hidden states of size {heads[1].hidden_size}, the target's "
+                               f"body makes {heads[0].hidden_size}: not a draft of this target's body")
+    except BaseException:
+        for h in heads:
+            h.close()
+        body.close()
+        raise
+    heads[0].weight_bytes = 0  # inside the target IR's file, which the body reports already
+    return shared_pair(body, heads[0], heads[1])

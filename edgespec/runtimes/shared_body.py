@@ -1,0 +1,161 @@
+"""A draft that runs on the target's own body: only the heads differ.
+
+A self-draft at the target's precision (`edgespec export --draft self`, no layer cut) is the
+target's body with a VocabTrim head. Run as a separate model, its body repeats work the target
+does anyway: each drafted token goes through the same layers twice, once to draft and once to
+verify. Here one body serves both: it computes the final hidden state of each position once,
+keyed by the token ids it was computed for, and two runtimes read those rows through their own
+heads, the target's full head (its verify) and the draft's trimmed one (its proposal).
+
+So a verify after k model drafts runs the body on the one position the draft has not computed
+(the last draft) and the full head on its k+1 rows in one batch; what drafting saves is the
+full 262k-token head per token, paid once per batch instead of once per token.
+
+Exactness is unchanged: a row's hidden state depends only on the tokens up to it (the body's
+forwards are row-exact: runtimes/openvino.py), and the head's rows do not depend on how many
+rows share its call, so target logits are the same bits however the rows were batched.
+
+Each runtime keeps its own prefix (`n_past`), as the decoder expects; the body holds one
+sequence, and a forward recomputes from the first position where that sequence and the
+caller's differ (the decoder keeps both a prefix of one sequence, so that is only where a
+rejected draft was).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .base import Runtime
+
+__all__ = ["Head", "SharedBody", "SharedBodyRuntime", "shared_pair"]
+
+logger = logging.getLogger(__name__)
+
+# hidden rows kept behind the newest position: a verify reads back at most its own width
+# (k+1 <= 17 here); an older row is recomputed (correct, only slower)
+WINDOW = 64
+
+
+class Head(Protocol):
+    """Final hidden rows (R, H) -> logits (R, vocab_size); may return a view valid until the next call."""
+
+    vocab_size: int
+    weight_bytes: int
+
+    def __call__(self, hidden: np.ndarray) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n])) if n else ()
+    return int(diff[0]) if len(diff) else n
+
+
+class SharedBody:
+    """A body runtime (its forward returns final hidden rows) and the ids of the sequence its KV
+    cache holds, with the hidden rows of the newest WINDOW positions."""
+
+    def __init__(self, body: Runtime) -> None:
+        self.body = body
+        self.ids: list[int] = []
+        self._rows = np.zeros((0, 0), dtype=np.float32)  # hidden rows of positions [_start, len(ids))
+        self._start = 0
+        self.forwards = 0  # body forwards run (tests and reports: how much work was shared)
+
+    def hidden(self, seq: Sequence[int], n_rows: int) -> np.ndarray:
+        """Hidden rows of the last `n_rows` positions of `seq`, running the body only from the
+        first position it does not hold for `seq` (or whose row has left the window)."""
+        lo = len(seq) - n_rows
+        held = _common_prefix(self.ids, seq)
+        if held < len(seq) or lo < self._start:
+            self._run(seq, held if lo >= self._start else min(held, lo), lo)
+        return self._rows[lo - self._start:len(seq) - self._start]
+
+    def _run(self, seq: Sequence[int], start: int, lo: int) -> None:
+        """Roll the body back to `start` positions and feed the rest of `seq`, keeping the rows
+        from `lo` on (and the newest WINDOW)."""
+        self.body.trim(start)
+        del self.ids[start:]
+        fed = len(seq) - start
+        keep = max(WINDOW, len(seq) - lo)
+        try:  # (n, H), a view valid until the body's next forward; a long prefill returns only the tail
+            new = self.body.forward(list(seq[start:]), n_logits=min(fed, keep))
+        except Exception:
+            if self.body.n_past != len(self.ids):  # a failed forward: trust only what is known
+                self.reset()
+            raise
+        self.forwards += 1
+        if len(new) == fed and start > self._start:  # continues the rows held for [_start, start)
+            rows = np.concatenate([self._rows[:start - self._start], new])
+        else:
+            rows = np.array(new, dtype=np.float32)
+        self._rows = rows[-keep:]
+        self._start = len(seq) - len(self._rows)
+        self.ids.extend(seq[start:])
+
+    def reset(self) -> None:
+        self.body.reset()
+        self.ids.clear()
+        self._rows, self._start = self._rows[:0], 0
+
+
+class SharedBodyRuntime(Runtime):
+    """A Runtime over a SharedBody and one head: the decoder's target or its draft.
+
+    The owner (the target) reports the body's weights and KV cache and closes the body; the
+    other (the draft) reports only its head."""
+
+    def __init__(self, shared: SharedBody, head: Head, *, owner: bool, role: str) -> None:
+        self.shared, self.head, self.owner = shared, head, owner
+        body = shared.body
+        self.vocab_size = head.vocab_size
+        self._ids: list[int] = []
+        caps = body.capabilities
+        self.capabilities = replace(caps, extra={**caps.extra, "shared_body": role})
+        self.kv_capacity = body.kv_capacity
+        self.kv_bytes_per_token = body.kv_bytes_per_token if owner else 0
+        self.kv_dtypes = body.kv_dtypes
+
+    @property
+    def n_past(self) -> int:
+        return len(self._ids)
+
+    def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        if not token_ids:
+            raise ValueError("forward needs at least one token")
+        seq = self._ids + list(token_ids)
+        rows = self.shared.hidden(seq, min(max(n_logits, 1), len(token_ids)))
+        logits = self.head(rows)
+        self._ids = seq
+        return logits
+
+    def trim(self, n_past: int) -> None:
+        del self._ids[max(0, n_past):]  # the body keeps its rows: the next forward checks the ids
+
+    def model_sizes(self) -> dict[str, int]:
+        return self.shared.body.model_sizes() if self.owner else {}
+
+    def memory_bytes(self) -> dict[str, int]:
+        if not self.owner:
+            return {"weights": self.head.weight_bytes, "kv": 0}
+        mem = dict(self.shared.body.memory_bytes())
+        mem["weights"] = mem.get("weights", 0) + self.head.weight_bytes
+        return mem
+
+    def close(self) -> None:
+        self.head.close()
+        if self.owner:
+            self.shared.body.close()
+
+
+def shared_pair(body: Runtime, target_head: Head, draft_head: Head) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
+    """(target, draft) runtimes sharing `body`; the target owns it."""
+    shared = SharedBody(body)
+    return (SharedBodyRuntime(shared, target_head, owner=True, role="target"),
+            SharedBodyRuntime(shared, draft_head, owner=False, role="draft"))
+

@@ -1,0 +1,122 @@
+"""A draft on the target's own body (runtimes/shared_body.py), on the toy model: greedy output is
+plain greedy output, no position is computed twice unless a draft there was rejected, and each
+runtime keeps its own prefix of the one body's sequence. The OpenVINO split is tested in
+test_openvino.py."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgespec.decoding import SamplingParams, SpeculativeDecoder
+from edgespec.decoding.policy import FixedK
+from edgespec.runtimes.shared_body import WINDOW, shared_pair
+from tests.toy import ToyRuntime, naive_greedy
+
+VOCAB = 40
+PROMPT = [3, 17, 5, 9, 17, 5]
+
+
+class MatrixHead:
+    """hidden @ w: the toy body's "hidden rows" are its logits, so the identity is the target's
+    head and a column subset (plus noise) a trimmed draft head."""
+
+    def __init__(self, w: np.ndarray) -> None:
+        self.w = w.astype(np.float32)
+        self.vocab_size, self.weight_bytes = w.shape[1], w.nbytes
+        self.rows: list[int] = []  # rows per call
+        self.closed = False
+
+    def __call__(self, hidden: np.ndarray) -> np.ndarray:
+        self.rows.append(len(hidden))
+        return hidden @ self.w
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def make_pair(noise: float = 0.0, n_keep: int = 30, **toy):
+    """(body, target, draft, id map): the draft keeps `n_keep` of the 40 ids (shuffled, so the id
+    map matters), `noise` makes it disagree."""
+    rng = np.random.default_rng(3)
+    keep = rng.permutation(VOCAB)[:n_keep]
+    trimmed = np.eye(VOCAB)[:, keep] + noise * rng.standard_normal((VOCAB, len(keep)))
+    body = ToyRuntime(VOCAB, **toy)
+    target, draft = shared_pair(body, MatrixHead(np.eye(VOCAB)), MatrixHead(trimmed))
+    return body, target, draft, keep
+
+
+def fresh_logits(ids: list[int], n: int) -> np.ndarray:
+    return ToyRuntime(VOCAB).forward(ids, n_logits=n)
+
+
+@pytest.mark.parametrize("drafter", ["model", "both"])
+@pytest.mark.parametrize("noise, n_keep", [(0.0, VOCAB), (1.5, 30)], ids=["faithful", "disagreeing"])
+def test_greedy_on_a_shared_body_is_plain_greedy_and_computes_each_position_once(drafter, noise, n_keep):
+    body, target, draft, keep = make_pair(noise, n_keep)
+    dec = SpeculativeDecoder(target, draft, id_map=keep, drafter=drafter, policy=FixedK(4))
+    tokens, drafted, accepted = list(PROMPT), 0, 0
+    for step in dec.stream(tokens, SamplingParams(), 60):
+        drafted, accepted = drafted + step.drafted, accepted + step.accepted
+    assert tokens[len(PROMPT):] == naive_greedy(ToyRuntime(VOCAB), PROMPT, 60)
+    assert drafted > 0
+    if noise:
+        assert accepted < drafted, "rollback went untested"
+    # the body saw every committed position once (the last is never fed), and a position again
+    # only where a rejected draft had been: a draft with its own body would feed each one twice
+    assert len(body.fed_positions) <= len(tokens) - 1 + (drafted - accepted)
+    if drafter == "model" and not noise:  # the target's own hidden rows and head: all accepted
+        assert accepted == drafted and sorted(body.fed_positions) == list(range(len(tokens) - 1))
+
+
+def test_each_runtime_keeps_its_own_prefix_of_the_one_body():
+    body, target, draft, keep = make_pair()
+    a = [int(t) for t in np.random.default_rng(0).integers(0, VOCAB, 20)]
+    b = a[:8] + [(t + 1) % VOCAB for t in a[8:]]
+    np.testing.assert_array_equal(target.forward(a[:12], n_logits=12), fresh_logits(a[:12], 12))
+    # the draft reads the positions the target computed, then writes a diverging sequence
+    calls = body.calls
+    np.testing.assert_array_equal(draft.forward(a[:8], n_logits=2), fresh_logits(a[:8], 2)[:, keep])
+    assert body.calls == calls, "held rows were recomputed"
+    np.testing.assert_array_equal(draft.forward(b[8:15], n_logits=3), fresh_logits(b[:15], 3)[:, keep])
+    # the target's prefix (a[:12]) no longer matches the body past 8: its next forward recomputes
+    np.testing.assert_array_equal(target.forward(a[12:16], n_logits=4), fresh_logits(a[:16], 4))
+    assert (target.n_past, draft.n_past, body.n_past) == (16, 15, 16)
+    draft.trim(10)
+    np.testing.assert_array_equal(draft.forward(b[10:13], n_logits=1), fresh_logits(b[:13], 1)[:, keep])
+
+
+def test_rows_older_than_the_window_are_recomputed_and_wide_reads_work():
+    body, target, _, _ = make_pair()
+    ids = [int(t) for t in np.random.default_rng(1).integers(0, VOCAB, WINDOW + 40)]
+    ref = fresh_logits(ids, len(ids))
+    np.testing.assert_array_equal(target.forward(ids, n_logits=1), ref[-1:])
+    # positions 10..39 are held by the body, but their rows have left the window: recomputed
+    target.trim(10)
+    np.testing.assert_array_equal(target.forward(ids[10:], n_logits=len(ids) - 10), ref[10:])
+    assert body.calls == 2 and body.fed_positions[-1] == len(ids) - 1
+    # a read as wide as it asks stays held: no body forward at all
+    target.trim(10)
+    np.testing.assert_array_equal(target.forward(ids[10:], n_logits=len(ids) - 10), ref[10:])
+    assert body.calls == 2 and body.n_past == len(ids)
+
+
+def test_a_failed_body_forward_leaves_the_runtimes_consistent():
+    body, target, draft, keep = make_pair(fail_at=2)  # the second body forward dies midway
+    target.forward(PROMPT[:4])
+    with pytest.raises(RuntimeError, match="toy backend failed"):
+        draft.forward(PROMPT, n_logits=1)
+    assert draft.n_past == 0 and target.n_past == 4
+    np.testing.assert_array_equal(target.forward(PROMPT[4:], n_logits=2), fresh_logits(PROMPT, 2))
+
+
+def test_memory_capabilities_and_close():
+    body, target, draft, _ = make_pair()
+    target.forward(PROMPT)
+    assert target.capabilities.extra["shared_body"] == "target" and draft.capabilities.extra["shared_body"] == "draft"
+    assert draft.memory_bytes() == {"weights": draft.head.weight_bytes, "kv": 0} and draft.kv_bytes_per_token == 0
+    assert target.memory_bytes()["kv"] == body.memory_bytes()["kv"] > 0
+    assert target.memory_bytes()["weights"] == body.memory_bytes()["weights"] + target.head.weight_bytes
+    draft.close()
+    assert draft.head.closed and not target.head.closed
+    target.close()
+    assert target.head.closed
