@@ -1,15 +1,16 @@
 """A draft that runs on the target's own body: only the heads differ.
 
-A self-draft at the target's precision (`edgespec export --draft self`, no layer cut) is the
-target's body with a VocabTrim head. Run as a separate model, its body repeats work the target
-does anyway: each drafted token goes through the same layers twice, once to draft and once to
-verify. Here one body serves both: it computes the final hidden state of each position once,
-keyed by the token ids it was computed for, and two runtimes read those rows through their own
-heads, the target's full head (its verify) and the draft's trimmed one (its proposal).
+A self-draft without a layer cut (`edgespec export --draft self`) is the target's body, quantized,
+with a VocabTrim head. Run as a separate model, its body repeats work the target does anyway:
+each drafted token goes through the same layers twice, once to draft and once to verify, and
+after a prompt-lookup step the draft first catches up on the tokens the lookup committed. Here
+one body serves both: it computes the final hidden state of each position once, keyed by the
+token ids it was computed for, and two runtimes read those rows through their own heads, the
+target's full head (its verify) and the draft's trimmed one (its proposal).
 
 So a verify after k model drafts runs the body on the one position the draft has not computed
-(the last draft) and the full head on its k+1 rows in one batch; what drafting saves is the
-full 262k-token head per token, paid once per batch instead of once per token.
+(the last draft) and the full head on its k+1 rows in one batch, a catch-up costs nothing, and
+the draft's own body (its weights and KV cache) is never loaded.
 
 Exactness is unchanged: a row's hidden state depends only on the tokens up to it (the body's
 forwards are row-exact: runtimes/openvino.py), and the head's rows do not depend on how many
