@@ -176,7 +176,7 @@ def shared_body_blocker(manifest, fmt: str, backend: str, *, draft_backend: str 
         return "memory budgets plan separate draft and target caches"
     if d is None or fmt not in d.formats:
         return f"the bundle's draft has no {fmt} artifact"
-    if d.source.get("sha256") is None or d.source.get("sha256") != t.source.get("sha256") or d.layers:
+    if not manifest.self_draft:
         return "the draft is not the target's own model (a self-draft without a layer cut)"
     if auto and t.formats[fmt].precision not in QUANTIZED:
         return (f"the target's body is {t.formats[fmt].precision}, dearer than the draft's own "

@@ -81,6 +81,13 @@ class Manifest:
     draft: ModelEntry | None
     created_by: str = "edgespec"
 
+    @property
+    def self_draft(self) -> bool:
+        """Whether the draft is the target's own model without a layer cut (`--draft self`): its
+        body is the target's, perhaps quantized differently, under a cheaper head."""
+        d, sha = self.draft, self.target.source.get("sha256")
+        return d is not None and not d.layers and sha is not None and d.source.get("sha256") == sha
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=False)
 

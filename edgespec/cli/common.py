@@ -41,7 +41,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-body", choices=DRAFT_BODY_CHOICES, default="auto",
                    help="shared: run the draft model on the target's body, loading only the draft's head (one "
                         "body's weights and KV cache); own: load the draft's own body; auto (default): shared "
-                        "where the draft is the target's own body at its precision and the backend can (OpenVINO)")
+                        "for a self-draft without a layer cut on an int8/int4 target, where the backend can "
+                        "(OpenVINO, dynamic shapes, no --memory-budget)")
     g.add_argument("--static-shapes", action="store_true", dest="static",
                    help="OpenVINO: fixed KV capacity and verify width k+1, as NPUs need (NPU turns it on)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: backend's choice)")

@@ -48,7 +48,7 @@ def _bundle(path: str) -> list[str]:
             continue
         fmts = ", ".join(f"{f} {a.precision}" for f, a in e.formats.items())
         lines.append(f"  {role}: {e.n_layers} layers, vocab {e.vocab_size}, {fmts} (from {e.source.get('name')})")
-    if m.draft is not None and not m.draft.layers and m.draft.source.get("sha256") == m.target.source.get("sha256"):
+    if m.self_draft:
         lines.append("  draft body: the target's own, so the draft can run on the target's body (--draft-body)")
     return lines
 
