@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .bundle import Bundle, load_bundle
-from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
+from .choices import (DRAFT_BODIES, STATIC_DRAFT_WIDTH, backend_for_device, resolve_drafting, shared_body_blocker,
+                      static_options)
+from .decoding import DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
-from .runtimes import BACKENDS, installed_backends, open_runtime, open_shared_pair, pick_backend
+from .runtimes import BACKENDS, open_runtime, open_shared_pair, pick_backend
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = ["load", "Engine", "Response", "GenerationStats", "DRAFT_BODIES", "default_bundle", "resolve_drafting",
@@ -109,30 +111,6 @@ def default_bundle() -> Path:
     return path
 
 
-def resolve_drafting(drafter: str, policy: str | None, k: int | None, *, has_draft: bool,
-                     use_draft: bool) -> tuple[str | None, str, int]:
-    """(drafter name or None for plain decoding, policy name, k) from the user's choices.
-
-    drafter "auto" drafts with prompt lookup and the draft model when the bundle has one, with
-    prompt lookup alone otherwise, and not at all under use_draft=False (--no-draft). A k given
-    without a policy asks for exactly that draft length, so it selects the fixed policy.
-    """
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-        raise ConfigError(f"k must be an integer >= 0, got {k}")
-    policy = policy or ("fixed" if k is not None else DEFAULT_POLICY)
-    k = DEFAULT_K if k is None else k
-    make_policy(policy, k)  # an unknown name fails even when nothing will be drafted
-    choices = ("auto", "none", *DRAFTERS)
-    if drafter not in choices:
-        raise ConfigError(f"unknown drafter {drafter!r}; choose one of: {', '.join(choices)}")
-    if drafter == "auto":
-        drafter = "none" if not use_draft else "both" if has_draft else "ngram"
-    elif drafter != "none" and DRAFTERS[drafter].needs_model and not (has_draft and use_draft):
-        why = "--no-draft was given" if has_draft else "the bundle has no draft model"
-        raise ConfigError(f"drafter {drafter!r} needs the draft model, but {why}; use drafter 'ngram'")
-    return (None if drafter == "none" or k == 0 else drafter), policy, k
-
-
 def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
     """How much of `text` may be emitted, and whether a stop string was found."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
@@ -153,55 +131,6 @@ def _wait_timeout(wait: bool | float) -> float | None:
     raise ConfigError(f"wait must be True, False or a number of seconds >= 0, got {wait!r}")
 
 
-# where the draft model's body comes from: the target's (one body, the draft adds only its head),
-# its own artifact, or auto: the target's where that is the same computation (see shared_body_blocker)
-DRAFT_BODIES = ("auto", "shared", "own")
-QUANTIZED = ("int8", "int4")
-
-
-def shared_body_blocker(manifest, fmt: str, backend: str, *, draft_backend: str | None, device: str | None,
-                        draft_device: str | None, static: bool, budgeted: bool, auto: bool) -> str | None:
-    """Why the draft cannot run on the target's body here (None: it can). With `auto`, also an
-    unquantized (fp32/fp16) target: its body costs several times a quantized draft's, while an
-    int8 or int4 body costs about what the draft's own does (on Gemma 3 270M with OpenVINO a one-
-    token int8 and int4 forward cost alike) and drafts from the target's own hidden states."""
-    d, t = manifest.draft, manifest.target
-    if BACKENDS[backend].shared_body is None:
-        return f"the {backend} backend cannot run a draft on the target's body"
-    if draft_backend not in (None, backend) or (draft_device or device or "CPU").upper() != (device or "CPU").upper():
-        return "the draft runs on another backend or device"
-    if static:
-        return "static shapes run each model at its own fixed width"
-    if budgeted:
-        return "memory budgets plan separate draft and target caches"
-    if d is None or fmt not in d.formats:
-        return f"the bundle's draft has no {fmt} artifact"
-    if not manifest.self_draft:
-        return "the draft is not the target's own model (a self-draft without a layer cut)"
-    if auto and t.formats[fmt].precision not in QUANTIZED:
-        return (f"the target's body is {t.formats[fmt].precision}, dearer than the draft's own "
-                f"{d.formats[fmt].precision} body (--draft-body shared drafts on it all the same)")
-    return None
-
-
-# static shapes: the target verifies k drafts plus its own token in one fixed-width forward; the
-# draft mostly feeds one token, two when it catches up after a fully accepted draft
-STATIC_DRAFT_WIDTH = 2
-
-
-def _static_options(backend: str, static: bool, width: int) -> dict:
-    """Runtime options for the static-shape mode, which only the openvino backend has (it also
-    gets the width when not asked: an NPU device turns the mode on by itself)."""
-    return {"static": static, "width": width} if backend == "openvino" else {}
-
-
-def _backend_for_device(device: str | None, formats) -> str | None:
-    """A device only OpenVINO drives (GPU, NPU, AUTO) picks it when no backend is named."""
-    if device is None or device.upper() == "CPU" or "openvino" not in formats:
-        return None
-    return "openvino" if "openvino" in installed_backends() else None
-
-
 class Engine:
     """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder."""
 
@@ -213,7 +142,7 @@ class Engine:
         m = bundle.manifest
         if draft_body not in DRAFT_BODIES:
             raise ConfigError(f"draft_body must be one of {', '.join(DRAFT_BODIES)}, got {draft_body!r}")
-        backend = pick_backend(m.target.formats, backend or _backend_for_device(device, m.target.formats))
+        backend = pick_backend(m.target.formats, backend or backend_for_device(device, m.target.formats))
         if static and "openvino" not in (backend, draft_backend):
             raise ConfigError(f"static shapes need the openvino backend, not {backend} (add --backend openvino)")
         fmt = BACKENDS[backend].bundle_format
@@ -233,7 +162,7 @@ class Engine:
         ctx_kw = {"kv_capacity": max_context} if max_context is not None and budget is None else {}
         open_target = functools.partial(open_runtime, backend, bundle.file(m.target.formats[fmt].file),
                                         threads=threads, device=device, **ctx_kw,
-                                        **_static_options(backend, static, self.k + 1))
+                                        **static_options(backend, static, self.k + 1))
         self.draft = None
         self.draft_backend = None
         self.shared_body = False  # the draft reads the target's body through its own head
@@ -264,7 +193,7 @@ class Engine:
             self.draft_backend = dback
             open_draft = functools.partial(open_runtime, dback, bundle.file(m.draft.formats[dfmt].file),
                                            threads=threads, device=draft_device or (device if dback == backend else None),
-                                           **ctx_kw, **_static_options(dback, static, STATIC_DRAFT_WIDTH))
+                                           **ctx_kw, **static_options(dback, static, STATIC_DRAFT_WIDTH))
             self.draft = self._stack.enter_context(budget.open_draft(open_draft) if budget else open_draft())
         self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
         if self.memory_plan is not None:

@@ -10,20 +10,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgespec.runtimes.base import Runtime
+from edgespec.runtimes.base import Runtime, common_prefix
 
 __all__ = ["TrackedCache", "batch_limit", "common_prefix"]
 
 logger = logging.getLogger(__name__)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two id sequences."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
 
 
 def batch_limit(rt: Runtime) -> int | None:

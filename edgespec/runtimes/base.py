@@ -17,7 +17,17 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Capabilities", "Runtime"]
+__all__ = ["Capabilities", "Runtime", "common_prefix"]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two id sequences (what a cache holding `a` can
+    keep of `b`)."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
 
 
 @dataclass(frozen=True)

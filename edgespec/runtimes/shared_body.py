@@ -29,7 +29,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from .base import Runtime
+from .base import Runtime, common_prefix
 
 __all__ = ["Head", "SharedBody", "SharedBodyRuntime", "shared_pair"]
 
@@ -51,12 +51,6 @@ class Head(Protocol):
     def close(self) -> None: ...
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n])) if n else ()
-    return int(diff[0]) if len(diff) else n
-
-
 class SharedBody:
     """A body runtime (its forward returns final hidden rows) and the ids of the sequence its KV
     cache holds, with the hidden rows of the newest WINDOW positions."""
@@ -72,7 +66,7 @@ class SharedBody:
         """Hidden rows of the last `n_rows` positions of `seq`, running the body only from the
         first position it does not hold for `seq` (or whose row has left the window)."""
         lo = len(seq) - n_rows
-        held = _common_prefix(self.ids, seq)
+        held = common_prefix(self.ids, seq)
         if held < len(seq) or lo < self._start:
             self._run(seq, held if lo >= self._start else min(held, lo), lo)
         return self._rows[lo - self._start:len(seq) - self._start]
