@@ -1,7 +1,7 @@
 """OpenVINO side by side, in one process, on the same IR weights:
 
 1. The runtime's exact modes: the default (KV in edgespec's buffer, dynamic int8 activations,
-   keys padded to blocks of 64, forwards of at least 2 rows) against the previous one (KV in
+   keys and queries padded in the attention, one-row decodes) against the previous one (KV in
    OpenVINO's state, f32 activations), plain and with the same drafting.
 2. OpenVINO GenAI's LLMPipeline (plain decode, and with draft_model when it accepts the IR)
    against edgespec plain and speculative (the draft model alone, and the default drafting:

@@ -17,7 +17,7 @@ from edgespec.api import load  # noqa: E402
 from edgespec.bundle import MANIFEST, load_bundle  # noqa: E402
 from edgespec.errors import BackendError, ConfigError  # noqa: E402
 from edgespec.runtimes import installed_backends  # noqa: E402
-from edgespec.runtimes.openvino import MIN_WIDTH, OpenVinoRuntime, available_devices  # noqa: E402
+from edgespec.runtimes.openvino import OpenVinoRuntime, available_devices  # noqa: E402
 from tests.test_export_onnx import N_NEW, decode, hf_greedy, hf_logits, verify_matches_decodes  # noqa: E402
 from tests.tiny import LONG_PROMPT, PROMPTS, VOCAB  # noqa: E402
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
@@ -123,7 +123,7 @@ def test_dynamic_cache_grows_and_respects_its_capacity(zoo, kv):
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_the_default_mode_verifies_bit_for_bit_like_one_token_decodes(zoo, role):
     """fp32 target and int4 draft IRs in the dynamic mode's defaults (dynamic int8 activations,
-    keys padded to blocks of 64, two rows or more per forward), on both sides of block bounds."""
+    keys padded to blocks of 64, queries by one row, one-row decodes), on both sides of block bounds."""
     path = ov_bundle(zoo, "gemma3")
     rt = OpenVinoRuntime(path / getattr(load_bundle(path).manifest, role).formats["openvino"].file)
     caps = rt.capabilities
@@ -134,7 +134,7 @@ def test_the_default_mode_verifies_bit_for_bit_like_one_token_decodes(zoo, role)
 
 
 def test_the_state_holder_reports_dynamic_quantization_as_batch_variance(zoo):
-    # OpenVINO's state would keep padding rows, so that holder runs one-row forwards: exact only in f32
+    # OpenVINO's state would keep padded keys, so that holder is exact only in f32
     assert ov_target(zoo, "llama", kv="state").capabilities.batch_variance is None
     rt = ov_target(zoo, "llama", kv="state", dynamic_quantization=True)
     assert "dynamic" in rt.capabilities.batch_variance and rt.capabilities.extra["dynamic_quantization"]
@@ -193,9 +193,8 @@ def test_speculative_on_the_buffer_kv_is_exact(zoo, references):
                                                         policy=make_policy("fixed", 4)))
     drafted, accepted = speculative_matches(engine, references, "llama")
     assert 0 < accepted < drafted and target.capabilities.extra["kv"] == "buffer"
-    # every forward computes at least MIN_WIDTH rows: a draft that fits is free, and the policy knows
-    assert target.capabilities.free_batch_tokens == MIN_WIDTH == engine.decoder.policy.free_width
-    assert ov_target(zoo, "llama", kv="state").capabilities.free_batch_tokens == 1
+    # a decode runs one row (only the attention pads its queries), so no draft is free: the policy knows
+    assert target.capabilities.free_batch_tokens == 1 == engine.decoder.policy.free_width
 
 
 @pytest.mark.parametrize("target, draft", [("onnxruntime", "openvino"), ("openvino", "onnxruntime")])
@@ -404,7 +403,8 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
                 assert got_spec == got_plain == ref
             assert drafted > 0
     # the int4 draft IR, where the CPU plugin quantizes activations on the fly: a verify is bit for
-    # bit one-token decodes, and without the key padding it is not (the check is not vacuous)
+    # bit one-token decodes, and without the key padding, or the query padding, it is not (the
+    # check is not vacuous)
     import edgespec.runtimes.openvino as ov_runtime
 
     draft_ir = out / load_bundle(out).manifest.draft.formats["openvino"].file
@@ -414,11 +414,12 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
     assert rt.capabilities.extra["dynamic_quantization"]
     assert all(verify_matches_decodes(rt, ids, start, width=6) for start in starts)
     rt.close()
-    with pytest.MonkeyPatch.context() as mp:  # pad_keys only acts while the IR loads
-        mp.setattr(ov_runtime, "pad_keys", lambda model: 0)
-        unpadded = OpenVinoRuntime(draft_ir)
-    assert not all(verify_matches_decodes(unpadded, ids, start, width=6) for start in starts)
-    unpadded.close()
+    for rewrite in ("pad_keys", "pad_queries"):
+        with pytest.MonkeyPatch.context() as mp:  # the rewrites only act while the IR loads
+            mp.setattr(ov_runtime, rewrite, lambda model: 0)
+            unpadded = OpenVinoRuntime(draft_ir)
+        assert not all(verify_matches_decodes(unpadded, ids, start, width=6) for start in starts), rewrite
+        unpadded.close()
     # the same int4 IR split at its hidden state (a draft on the target's body): body + head give
     # the fused IR's bits, prefill, one-token decodes and verifies alike
     from edgespec.runtimes.openvino_split import OpenVinoHead

@@ -6,14 +6,14 @@ hold the cache, from that one IR:
 
 - buffer (the default): this runtime owns one numpy array per layer and K/V (slot j = position j),
   feeds the held prefix, writes the new rows after each forward, and rolls back by lowering its
-  length. In the dynamic mode it is also the exact fast mode: the keys are padded to whole blocks
-  (openvino_graph.pad_keys) and every forward computes at least MIN_WIDTH rows, so the CPU
-  plugin's dynamic int8 quantization of activations stays on and a k-token verify still rounds
-  bit for bit like k one-token decodes. Padding rows are never written to the cache.
+  length. In the dynamic mode it is also the exact fast mode: every attention's keys are padded
+  to whole blocks and its queries by one row (openvino_graph.pad_keys, pad_queries), so the CPU
+  plugin's dynamic int8 quantization of activations stays on, decodes run one row, and a
+  k-token verify still rounds bit for bit like k one-token decodes.
 - state (`kv="state"`): the IR is made stateful (the past inputs become OpenVINO variables, as
   optimum-intel's stateful export does) and the plugin appends in place; a rollback writes the
   kept prefix back into each variable, 6-10 ms at 300 positions on Gemma 3 270M. The variables
-  would keep padding rows, so forwards are one row wide there and activations stay f32.
+  would keep padded keys, so activations stay f32 there.
 
 Static mode (NPUs need it; runs anywhere): the IR is reshaped at load time to a fixed KV capacity C
 and a fixed width W (the verify width k+1). Every call feeds W tokens (padded), the whole buffer,
@@ -31,10 +31,10 @@ import numpy as np
 from ..errors import BackendError
 from .base import Capabilities, Runtime
 from .compile_cache import compile_cache_dir
-from .openvino_graph import HIDDEN, cut_head, make_stateful, pad_keys
+from .openvino_graph import HIDDEN, cut_head, make_stateful, pad_keys, pad_queries
 
 __all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "KV_MODES",
-           "MIN_WIDTH", "OUTPUTS", "PRECISIONS", "check_device", "compile_model", "import_ov",
+           "OUTPUTS", "PRECISIONS", "check_device", "compile_model", "import_ov",
            "model_precision", "read_ir"]
 
 logger = logging.getLogger(__name__)
@@ -47,10 +47,6 @@ KV_MODES = ("state", "buffer")
 # what a forward returns: logits, or the final hidden rows the head would read (a body whose
 # head runs apart, runtimes/shared_body.py)
 OUTPUTS = ("logits", HIDDEN)
-# the CPU plugin multiplies one row unlike several (its one-row FullyConnected and MatMul kernels
-# round differently), so exact forwards run at least this many rows; from 2 rows up to 64 every
-# row comes out bit-identical, whatever the width (measured on Gemma 3 270M int8 and int4)
-MIN_WIDTH = 2
 _INPUTS = ("input_ids", "position_ids", "attention_mask", "logits_index", "past_key_0")
 
 
@@ -118,7 +114,7 @@ def compile_model(core, model, path: Path, device: str, precision: str, threads:
     if device.startswith("CPU") and not dynamic_quantization:
         # the CPU plugin quantizes activations to int8 on the fly for int8/int4 weights; one
         # ulp of difference upstream can cross a rounding step there, so it is batch-invariant
-        # only with padded keys and MIN_WIDTH rows (see openvino_graph.py)
+        # only with padded keys and queries (see openvino_graph.py)
         config["DYNAMIC_QUANTIZATION_GROUP_SIZE"] = 0
     if threads and device.startswith("CPU"):
         config["INFERENCE_NUM_THREADS"] = int(threads)
@@ -169,11 +165,12 @@ class OpenVinoRuntime(Runtime):
         cap = kv_capacity or (DEFAULT_STATIC_CAPACITY if static else None)
         self._max_capacity = cap
         self._stateful = kv == "state"
-        # the exact fast mode: keys padded to whole blocks, every forward at least MIN_WIDTH rows
-        # (only the buffer can leave padding out of the cache: OpenVINO's state would keep it)
-        self._min_width = MIN_WIDTH if not static and not self._stateful else 1
-        if self._min_width > 1:
+        # the exact fast mode: keys padded to whole blocks, queries by a row (only the buffer
+        # can leave padded keys out of the cache: OpenVINO's state would keep them)
+        self._padded = not static and not self._stateful
+        if self._padded:
             pad_keys(model)
+            pad_queries(model)
         if self._stateful:
             make_stateful(model)
         if output == HIDDEN:
@@ -187,7 +184,7 @@ class OpenVinoRuntime(Runtime):
             model.reshape(shapes)
         self.precision = model_precision(model, device, precision, threads)
         if dynamic_quantization is None:
-            dynamic_quantization = self._min_width > 1 or self.precision != "f32"
+            dynamic_quantization = self._padded or self.precision != "f32"
         self._compiled = compile_model(core, model, path, device, self.precision, threads, dynamic_quantization)
         self._req = self._compiled.create_infer_request()
         self._tensor = ov.Tensor
@@ -207,7 +204,7 @@ class OpenVinoRuntime(Runtime):
         self.kv_capacity = cap
         self.capabilities = Capabilities(
             backend="openvino", can_trim=True, static_shapes=static, max_batch_tokens=self._width,
-            free_batch_tokens=self._width if static else self._min_width,
+            free_batch_tokens=self._width if static else 1,
             devices=(device,), batch_variance=self._batch_variance(device, dynamic_quantization),
             extra={"precision": self.precision, "kv_capacity": cap, "kv": kv,
                    "dynamic_quantization": dynamic_quantization})
@@ -219,8 +216,8 @@ class OpenVinoRuntime(Runtime):
             return f"OpenVINO on {device} picks kernels by shape"
         if self.precision != "f32":
             return f"OpenVINO CPU computes in {self.precision}"
-        if dynamic_quantization and self._min_width == 1:
-            return "OpenVINO CPU quantizes activations dynamically, and this KV holder cannot pad forwards"
+        if dynamic_quantization and not self._padded:
+            return "OpenVINO CPU quantizes activations dynamically, and this KV holder cannot pad attention"
         return None
 
     # -- the KV buffer -------------------------------------------------------------------
@@ -269,24 +266,17 @@ class OpenVinoRuntime(Runtime):
         logits = req.get_output_tensor(self._logits).data[0]
         self._n_past = n + S
         # static: one row per slot of the width, keep the real tokens' last n_logits; dynamic: the
-        # requested rows come first (then repeats of the last, up to MIN_WIDTH). A view of the
-        # request's output, valid until the next forward (the Runtime contract): no 1 MB copy per row
-        logits = logits[S - n_logits:S] if self._static else logits[:n_logits]
+        # requested rows. A view of the request's output, valid until the next forward (the
+        # Runtime contract): no 1 MB copy per row
+        logits = logits[S - n_logits:S] if self._static else logits
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
     def _dynamic_feed(self, token_ids: Sequence[int], n_logits: int) -> dict:
         S, n = len(token_ids), self._n_past
-        W = max(S, self._min_width)
-        # padding rows repeat the last token after the real ones (causal attention keeps them out
-        # of the real rows); the logits index repeats the last requested row, so the head too
-        # runs on MIN_WIDTH rows or more
-        ids = list(token_ids) + [token_ids[-1]] * (W - S)
-        rows = list(range(S - n_logits, S))
-        rows += rows[-1:] * (self._min_width - len(rows))
-        feed = {"input_ids": np.asarray([ids], dtype=np.int64),
-                "position_ids": np.arange(n, n + W, dtype=np.int64)[None],
-                "attention_mask": np.ones((1, n + W), dtype=np.int64),
-                "logits_index": np.asarray(rows, dtype=np.int64)}
+        feed = {"input_ids": np.asarray([token_ids], dtype=np.int64),
+                "position_ids": np.arange(n, n + S, dtype=np.int64)[None],
+                "attention_mask": np.ones((1, n + S), dtype=np.int64),
+                "logits_index": np.arange(S - n_logits, S, dtype=np.int64)}
         if self._stateful:  # the plugin holds the past
             return feed
         for j in range(self._n_layers):

@@ -3,8 +3,10 @@
 - `make_stateful`: the past KV inputs become OpenVINO variables.
 - `pad_keys`: the key axis of every attention is padded with masked zero keys to a
   multiple of BLOCK, so that a query row's result does not depend on how many masked columns
-  follow its keys; with at least two rows per forward (runtimes/openvino.py), a k-token verify
-  then rounds exactly like k one-token decodes.
+  follow its keys.
+- `pad_queries`: every attention gets one query row more (a copy of the last, dropped after),
+  so its MatMuls never run one row. With both, a k-token verify rounds exactly like k one-token
+  decodes, and a decode still runs its FullyConnecteds, nearly all of its cost, on one row.
 - `cut_head` / `head_model`: the IR split at the final hidden state (the rows `logits_index`
   picks), into a body that returns those hidden rows and a head that maps hidden rows to logits
   (runtimes/shared_body.py runs a draft on the target's own body with them).
@@ -15,6 +17,13 @@ ulp between 702 and 704 columns (the 704-column forward ends in 3 masked ones), 
 any two multiples of 64. In f32 that moves logits by ~3e-5. With the plugin's dynamic int8
 quantization of activations, one ulp can cross a rounding step, and the logits then move by up
 to 0.5, which flips greedy near-ties.
+
+Why the extra query row. The plugin's MatMul rounds a one-row product unlike a product of two
+rows or more (measured: the scores of one query against the same keys move by ~1e-6), while its
+FullyConnected kernels, compressed int4/int8 weights with dynamic quantization included, give
+every row the same bits whatever the row count. Padding the forward itself to two rows would
+also fix it, at 4-7% of a decode step; padding only the attention's query costs nothing
+measurable.
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ import numpy as np
 
 from ..errors import BackendError
 
-__all__ = ["BLOCK", "HIDDEN", "cut_head", "head_model", "make_stateful", "pad_keys"]
+__all__ = ["BLOCK", "HIDDEN", "cut_head", "head_model", "make_stateful", "pad_keys", "pad_queries"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +104,7 @@ def pad_keys(model, block: int = BLOCK) -> int:
         padded = ops.concat([past, new, zeros[key]], axis)
         concat.output(0).replace(padded.output(0))
     masks = {}
-    for op in model.get_ordered_ops():  # the additive masks: the Add feeding each Softmax
-        if op.get_type_name() != "Softmax":
-            continue
-        add = op.input_value(0).get_node()
-        if add.get_type_name() != "Add":
-            raise BackendError("this OpenVINO IR lacks edgespec's attention layout (export the bundle again)")
+    for _, add, _ in _attentions(model):  # the additive masks
         mask = add.input_value(1)
         key = (mask.get_node().get_name(), mask.get_index())  # one padded mask per layer type
         if key not in masks:
@@ -112,6 +116,64 @@ def pad_keys(model, block: int = BLOCK) -> int:
     model.validate_nodes_and_infer_types()
     logger.debug("padded %d K/V caches and %d masks to blocks of %d", len(pairs), len(masks), block)
     return len(pairs)
+
+
+def _attentions(model) -> list[tuple]:
+    """(scores MatMul, mask Add, output MatMul) per attention: MatMul(q, k) -> Add(mask) ->
+    Softmax -> MatMul(probs, v), as every edgespec IR writes it."""
+    out = []
+    for sm in model.get_ordered_ops():
+        if sm.get_type_name() != "Softmax":
+            continue
+        add = sm.input_value(0).get_node()
+        scores = add.input_value(0).get_node() if add.get_type_name() == "Add" else None
+        users = [t.get_node() for t in sm.output(0).get_target_inputs()]
+        if scores is None or scores.get_type_name() != "MatMul" or len(users) != 1 \
+                or users[0].get_type_name() != "MatMul":
+            raise BackendError("this OpenVINO IR lacks edgespec's attention layout (export the bundle again)")
+        out.append((scores, add, users[0]))
+    return out
+
+
+def _with_last_row(x, axis: int):
+    """Concat(x, x's last row on `axis`) along `axis`."""
+    import openvino.opset13 as ops
+
+    i64 = np.int64
+    last = ops.slice(x, ops.constant([-1], i64), ops.constant([np.iinfo(i64).max], i64), ops.constant([1], i64),
+                     ops.constant([axis], i64))
+    return ops.concat([x, last], axis)
+
+
+def pad_queries(model) -> int:
+    """Give every attention one query row more, a copy of its last, and drop that row from the
+    output, in place; returns how many attentions. K and V are untouched, so nothing extra reaches
+    a cache; the mask gets the same extra row unless it broadcasts over queries."""
+    import openvino.opset13 as ops
+
+    i64 = np.int64
+    attentions = _attentions(model)
+    masks = {}
+    for scores, add, output in attentions:
+        q = scores.input_value(0)
+        axis = q.get_partial_shape().rank.get_length() - 2  # (..., queries, head_dim)
+        scores.input(0).replace_source_output(_with_last_row(q, axis).output(0))
+        mask = add.input_value(1)
+        m_axis = mask.get_partial_shape().rank.get_length() - 2
+        rows = mask.get_partial_shape()[m_axis]
+        if not (rows.is_static and rows.get_length() == 1):
+            key = (mask.get_node().get_name(), mask.get_index())  # layers of one type share a mask
+            if key not in masks:
+                masks[key] = _with_last_row(mask, m_axis)
+            add.input(1).replace_source_output(masks[key].output(0))
+        users = list(output.output(0).get_target_inputs())
+        kept = ops.slice(output.output(0), ops.constant([0], i64), ops.constant([-1], i64), ops.constant([1], i64),
+                         ops.constant([output.get_output_partial_shape(0).rank.get_length() - 2], i64))
+        for user in users:
+            user.replace_source_output(kept.output(0))
+    model.validate_nodes_and_infer_types()
+    logger.debug("padded the queries of %d attentions", len(attentions))
+    return len(attentions)
 
 
 def _head_entry(model):

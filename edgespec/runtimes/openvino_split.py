@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendError
-from .openvino import MIN_WIDTH, OpenVinoRuntime, compile_model, import_ov, model_precision, read_ir
+from .openvino import OpenVinoRuntime, compile_model, import_ov, model_precision, read_ir
 from .openvino_graph import HIDDEN, head_model
 from .shared_body import SharedBodyRuntime, shared_pair
 
@@ -25,9 +25,9 @@ logger = logging.getLogger(__name__)
 class OpenVinoHead:
     """`head(hidden)`: logits (R, V) of hidden rows (R, H), a view valid until the next call.
 
-    Every call computes at least MIN_WIDTH rows (the last row repeated): the CPU plugin rounds a
-    one-row matmul unlike several rows, and from two rows up each row comes out bit-identical
-    whatever the count, which keeps the plugin's dynamic int8 activations exact here too."""
+    A head is a norm and a FullyConnected, whose CPU kernels give each row the same bits whatever
+    the row count (dynamic int8 activations included; see openvino_graph.py), so a one-row call
+    and a verify's rows agree with the fused IR's."""
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
                  precision: str | None = None) -> None:
@@ -44,16 +44,13 @@ class OpenVinoHead:
         self._tensor = import_ov().Tensor
 
     def __call__(self, hidden: np.ndarray) -> np.ndarray:
-        rows = len(hidden)
-        if rows < MIN_WIDTH:
-            hidden = np.concatenate([hidden, np.repeat(hidden[-1:], MIN_WIDTH - rows, axis=0)])
         x = np.ascontiguousarray(hidden, dtype=np.float32)[None]  # (1, R, H)
         try:
             self._req.set_input_tensor(0, self._tensor(x, shared_memory=True))
             self._req.infer()
         except Exception as e:
             raise BackendError(f"OpenVINO head inference failed: {str(e).splitlines()[0]}") from e
-        return self._req.get_output_tensor(0).data[0][:rows]
+        return self._req.get_output_tensor(0).data[0]
 
     def close(self) -> None:
         self._req = None
