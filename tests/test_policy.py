@@ -233,8 +233,9 @@ def test_cost_policy_measures_plain_steps_first_and_now_and_then():
 
 
 def test_cost_policy_drafts_into_a_free_width_however_noisy_its_measure():
-    # the target pads forwards to 2 rows: a one-token draft costs nothing on its side, so even a
-    # weak lookup is worth it there, although a noisy sample makes width 2 look 40% dearer
+    # a target that computes 2 rows per forward anyway (a static width of 2): a one-token draft
+    # costs nothing on its side, so even a weak lookup is worth it there, although a noisy sample
+    # makes width 2 look 40% dearer
     def primed(free_width):
         p = CostAwareK(k_max=8)
         p.free_width = free_width
