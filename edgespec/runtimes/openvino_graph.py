@@ -22,8 +22,8 @@ Why the extra query row. The plugin's MatMul rounds a one-row product unlike a p
 rows or more (measured: the scores of one query against the same keys move by ~1e-6), while its
 FullyConnected kernels, compressed int4/int8 weights with dynamic quantization included, give
 every row the same bits whatever the row count. Padding the forward itself to two rows would
-also fix it, at 4-7% of a decode step; padding only the attention's query costs nothing
-measurable.
+also fix it, at 4-7% of a decode step; padding only the attention's query costs ~2% (int4
+Gemma 3 270M at 200 positions: 17.9 against 17.6 ms unpadded, which is not exact).
 """
 from __future__ import annotations
 
