@@ -4,8 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edgespec.choices import DRAFT_BODIES
 from edgespec.cli.chat import k_over_time
-from edgespec.cli.common import DRAFTER_CHOICES, POLICY_CHOICES
+from edgespec.cli.common import DRAFT_BODY_CHOICES, DRAFTER_CHOICES, POLICY_CHOICES
 from edgespec.decoding import DEFAULT_POLICY, DRAFTERS, POLICIES, CostAwareK, FixedK, HeuristicK, make_policy
 from edgespec.decoding.policy import (
     best_k,
@@ -290,6 +291,7 @@ def test_registry():
 def test_cli_choices_match_the_registries():
     assert POLICY_CHOICES == tuple(POLICIES)
     assert DRAFTER_CHOICES == ("auto", *DRAFTERS, "none")
+    assert DRAFT_BODY_CHOICES == DRAFT_BODIES
 
 
 def test_k_over_time_is_run_length_encoded():

@@ -14,7 +14,7 @@ __all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "cli_entry
 
 
 # listed here, not imported, so `--help` loads no decoding code; tests/test_policy.py keeps them
-# equal to edgespec.decoding's DRAFTERS and POLICIES
+# equal to edgespec.decoding's DRAFTERS and POLICIES and edgespec.choices' DRAFT_BODIES
 DRAFTER_CHOICES = ("auto", "model", "ngram", "both", "none")
 POLICY_CHOICES = ("fixed", "heuristic", "confidence", "cost")
 DRAFT_BODY_CHOICES = ("auto", "shared", "own")

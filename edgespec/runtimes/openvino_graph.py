@@ -135,23 +135,26 @@ def _attentions(model) -> list[tuple]:
     return out
 
 
+def _rows(x, start: int, stop: int, axis: int):
+    """x[start:stop] along `axis` (negative bounds count from the end)."""
+    import openvino.opset13 as ops
+
+    i64 = np.int64
+    return ops.slice(x, ops.constant([start], i64), ops.constant([stop], i64), ops.constant([1], i64),
+                     ops.constant([axis], i64))
+
+
 def _with_last_row(x, axis: int):
     """Concat(x, x's last row on `axis`) along `axis`."""
     import openvino.opset13 as ops
 
-    i64 = np.int64
-    last = ops.slice(x, ops.constant([-1], i64), ops.constant([np.iinfo(i64).max], i64), ops.constant([1], i64),
-                     ops.constant([axis], i64))
-    return ops.concat([x, last], axis)
+    return ops.concat([x, _rows(x, -1, np.iinfo(np.int64).max, axis)], axis)
 
 
 def pad_queries(model) -> int:
     """Give every attention one query row more, a copy of its last, and drop that row from the
     output, in place; returns how many attentions. K and V are untouched, so nothing extra reaches
     a cache; the mask gets the same extra row unless it broadcasts over queries."""
-    import openvino.opset13 as ops
-
-    i64 = np.int64
     attentions = _attentions(model)
     masks = {}
     for scores, add, output in attentions:
@@ -167,8 +170,7 @@ def pad_queries(model) -> int:
                 masks[key] = _with_last_row(mask, m_axis)
             add.input(1).replace_source_output(masks[key].output(0))
         users = list(output.output(0).get_target_inputs())
-        kept = ops.slice(output.output(0), ops.constant([0], i64), ops.constant([-1], i64), ops.constant([1], i64),
-                         ops.constant([output.get_output_partial_shape(0).rank.get_length() - 2], i64))
+        kept = _rows(output.output(0), 0, -1, output.get_output_partial_shape(0).rank.get_length() - 2)
         for user in users:
             user.replace_source_output(kept.output(0))
     model.validate_nodes_and_infer_types()

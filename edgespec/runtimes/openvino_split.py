@@ -30,13 +30,16 @@ class OpenVinoHead:
     and a verify's rows agree with the fused IR's."""
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, in_body: bool = False) -> None:
+        """in_body: the IR is also loaded as a body runtime, which reports its whole file, so this
+        head reports no weights of its own (the memory report would count them twice)."""
         path = Path(model_path)
         core, model, device = read_ir(path, device)
         self.precision = model_precision(model, device, precision, threads)
         head = head_model(model)
         # the head's weights: what this half holds of the IR (a tied table is shared with the body's file)
-        self.weight_bytes = int(sum(op.get_byte_size() for op in head.get_ops() if op.get_type_name() == "Constant"))
+        self.weight_bytes = 0 if in_body else \
+            int(sum(op.get_byte_size() for op in head.get_ops() if op.get_type_name() == "Constant"))
         self.hidden_size = head.input(0).get_partial_shape()[2].get_length()
         self.vocab_size = head.output(0).get_partial_shape()[2].get_length()
         self._compiled = compile_model(core, head, path, device, self.precision, threads, True)
@@ -65,8 +68,9 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
     body = OpenVinoRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, output=HIDDEN)
     heads: list[OpenVinoHead] = []
     try:
-        for path in (target_path, draft_path):
-            heads.append(OpenVinoHead(path, threads=threads, device=device, precision=body.precision))
+        for path, in_body in ((target_path, True), (draft_path, False)):
+            heads.append(OpenVinoHead(path, threads=threads, device=device, precision=body.precision,
+                                      in_body=in_body))
         if heads[1].hidden_size != heads[0].hidden_size:
             raise BackendError(f"the draft's head reads hidden states of size {heads[1].hidden_size}, the target's "
                                f"body makes {heads[0].hidden_size}: not a draft of this target's body")
@@ -75,5 +79,4 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
             h.close()
         body.close()
         raise
-    heads[0].weight_bytes = 0  # inside the target IR's file, which the body reports already
     return shared_pair(body, heads[0], heads[1])
