@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from .bundle import Bundle, load_bundle
-from .choices import (DRAFT_BODIES, STATIC_DRAFT_WIDTH, backend_for_device, resolve_drafting, shared_body_blocker,
-                      static_options)
+from .choices import (DRAFT_BODIES, STATIC_DRAFT_WIDTH, alternating_options, backend_for_device, resolve_drafting,
+                      shared_body_blocker, static_options)
 from .decoding import DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
 from .runtimes import BACKENDS, open_runtime, open_shared_pair, pick_backend
@@ -160,9 +160,6 @@ class Engine:
             raise ConfigError(f"max_context must be an integer >= 2, got {max_context!r}")
         budget = self._budget(memory_budget, bundle, backend, fmt, wants_draft, max_context)  # None: no budget
         ctx_kw = {"kv_capacity": max_context} if max_context is not None and budget is None else {}
-        open_target = functools.partial(open_runtime, backend, bundle.file(m.target.formats[fmt].file),
-                                        threads=threads, device=device, **ctx_kw,
-                                        **static_options(backend, static, self.k + 1))
         self.draft = None
         self.draft_backend = None
         self.shared_body = False  # the draft reads the target's body through its own head
@@ -173,6 +170,11 @@ class Engine:
             if why is not None and draft_body == "shared":
                 raise ConfigError(f"--draft-body shared: {why}")
             self.shared_body = why is None
+        alternating = wants_draft and not self.shared_body  # two models take turns on the cores
+        open_target = functools.partial(open_runtime, backend, bundle.file(m.target.formats[fmt].file),
+                                        threads=threads, device=device, **ctx_kw,
+                                        **static_options(backend, static, self.k + 1),
+                                        **(alternating_options(backend) if alternating else {}))
         if self.shared_body:
             pair = open_shared_pair(backend, bundle.file(m.target.formats[fmt].file),
                                     bundle.file(m.draft.formats[fmt].file), threads=threads, device=device, **ctx_kw)
@@ -193,7 +195,8 @@ class Engine:
             self.draft_backend = dback
             open_draft = functools.partial(open_runtime, dback, bundle.file(m.draft.formats[dfmt].file),
                                            threads=threads, device=draft_device or (device if dback == backend else None),
-                                           **ctx_kw, **static_options(dback, static, STATIC_DRAFT_WIDTH))
+                                           **ctx_kw, **static_options(dback, static, STATIC_DRAFT_WIDTH),
+                                           **alternating_options(dback))
             self.draft = self._stack.enter_context(budget.open_draft(open_draft) if budget else open_draft())
         self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
         if self.memory_plan is not None:

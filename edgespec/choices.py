@@ -8,8 +8,8 @@ from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, make_policy
 from .errors import ConfigError
 from .runtimes import BACKENDS, installed_backends
 
-__all__ = ["DRAFT_BODIES", "QUANTIZED", "STATIC_DRAFT_WIDTH", "backend_for_device", "resolve_drafting",
-           "shared_body_blocker", "static_options"]
+__all__ = ["DRAFT_BODIES", "QUANTIZED", "STATIC_DRAFT_WIDTH", "alternating_options", "backend_for_device",
+           "resolve_drafting", "shared_body_blocker", "static_options"]
 
 
 def resolve_drafting(drafter: str, policy: str | None, k: int | None, *, has_draft: bool,
@@ -76,6 +76,12 @@ def static_options(backend: str, static: bool, width: int) -> dict:
     """Runtime options for the static-shape mode, which only the openvino backend has (it also
     gets the width when not asked: an NPU device turns the mode on by itself)."""
     return {"static": static, "width": width} if backend == "openvino" else {}
+
+
+def alternating_options(backend: str) -> dict:
+    """Runtime options for a model whose forwards alternate with another model's in this process
+    (a separate draft and its target): onnxruntime's threads must not spin-wait between runs."""
+    return {"spin": False} if backend == "onnxruntime" else {}
 
 
 def backend_for_device(device: str | None, formats) -> str | None:

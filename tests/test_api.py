@@ -243,6 +243,15 @@ def test_backend_is_picked_from_bundle_formats_and_devices_are_checked():
     assert "onnxruntime" in BACKENDS
 
 
+def test_onnxruntime_threads_spin_only_without_a_draft_model(zoo):
+    # a draft and its target take turns on the cores: neither session may spin-wait between runs
+    with load(zoo.bundle("llama", DISAGREEING), drafter="model") as e:
+        assert e.target.spin is False and e.draft.spin is False
+    for kw in (dict(use_draft=False), dict(drafter="ngram")):
+        with load(zoo.bundle("llama", DISAGREEING), **kw) as e:
+            assert e.draft is None and e.target.spin is True
+
+
 def test_unknown_device_names_the_available_ones(zoo):
     from edgespec.errors import BackendError
 

@@ -1,6 +1,8 @@
 """Drafters: prompt lookup proposes copied continuations; every drafter × policy stays lossless."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import pytest
 from scipy.stats import chisquare
@@ -17,7 +19,7 @@ from edgespec.decoding import (
     make_policy,
     probabilities,
 )
-from edgespec.decoding.drafters import NgramIndex, overlapping_copy
+from edgespec.decoding.drafters import GUESSES, ModelDrafter, NgramIndex, overlapping_copy
 from edgespec.errors import ConfigError
 from tests.toy import ToyRuntime, naive_greedy
 
@@ -29,6 +31,14 @@ PROMPT = [3, 14, 15, 9, 26, 5, 35, 8, 3, 14, 15, 9, 26]
 
 def lookup(tokens, limit=4, **kw):
     return NgramIndex(kw.get("min_n", 1), kw.get("max_n", 3)).lookup(list(tokens), limit)
+
+
+def test_lookup_continues_uncommitted_drafts_without_indexing_them():
+    index = NgramIndex(1, 3)
+    tokens = [1, 2, 3, 4, 9, 1, 2]
+    assert index.lookup(tokens, 2, [3, 4]) == ([9, 1], 3)  # the suffix [2, 3, 4] runs into the drafts
+    assert index.lookup(tokens, 3) == ([3, 4, 9], 2)  # ... which were not added to the index
+    assert index._seq == tokens
 
 
 # ---------------------------------------------------------------- prompt lookup
@@ -128,6 +138,103 @@ def test_confidence_stop_shortens_model_drafts():
     steps = list(dec.stream(tokens, GREEDY, 60))
     assert tokens[len(PROMPT):] == plain_greedy(PROMPT, 60)
     assert max(s.drafted for s in steps) <= 8 and np.mean([s.drafted for s in steps[:-1]]) < 4
+
+
+# ---------------------------------------------------------------- tails and lookahead
+
+
+@dataclass
+class TailK(FixedK):
+    """Model drafts of k tokens, always followed by a `tail`-token lookup continuation; records
+    what it is told."""
+
+    tail: int = 2
+    learned: list = field(default_factory=list)
+    updates: list = field(default_factory=list)
+
+    def next_tail(self, source, head_source, head_k):
+        return self.tail
+
+    def prefers(self, first, second):
+        return first == "model"  # the lookup drafts only as a tail
+
+    def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None, width=None):
+        self.updates.append((source, drafted, accepted, width))
+
+    def learn(self, source, drafted, accepted):
+        self.learned.append((source, drafted, accepted))
+
+
+def tail_decoder(k=2, tail=2, noise=0.7, **toy):
+    return SpeculativeDecoder(ToyRuntime(V, seed=0), ToyRuntime(V, seed=0, noise=noise, **toy), drafter="both",
+                              policy=TailK(k, tail=tail))
+
+
+def test_tails_extend_model_drafts_losslessly_and_are_learned_apart():
+    dec = tail_decoder()
+    tokens = list(PROMPT)
+    steps = list(dec.stream(tokens, GREEDY, 80))
+    assert tokens[len(PROMPT):] == plain_greedy(PROMPT, 80)
+    tailed = [s for s in steps if s.tail]
+    assert tailed and all(s.source == "model" and s.drafted == 2 + s.tail for s in tailed)
+    assert any(s.accepted > 2 for s in tailed), "no tail token was ever accepted"
+    # the model's update counts its own tokens; the whole verify's width goes with it
+    updates = [u for u in dec.policy.updates if u[0] == "model"]
+    assert all(d == 2 and a <= 2 for _, d, a, _ in updates)
+    assert {w for *_, w in updates} >= {3, 5}
+    # a tail is learned exactly when the model's draft before it was accepted whole
+    assert len(dec.policy.learned) == sum(s.accepted >= 2 for s in tailed)
+    assert all(src.startswith("ngram:") and 0 <= a <= d for src, d, a in dec.policy.learned)
+
+
+def test_sampling_with_tails_after_sampled_drafts_matches_the_target():
+    # the second new token is the first tail token whenever the model's one draft was accepted:
+    # its marginal must be the target's, summed over the first token. Every token occurs in the
+    # prompt with a continuation, so each first token gets a tail.
+    prompt = list(range(V)) + [7]
+    params = SamplingParams(temperature=1.0)
+    target = ToyRuntime(V, seed=0)
+    p1 = probabilities(target.forward(prompt)[-1], params)
+    p2 = np.zeros(V)
+    for x in range(V):
+        target.reset()
+        p2 += p1[x] * probabilities(target.forward(prompt + [x])[-1], params)
+    dec = tail_decoder(k=1, tail=1, noise=0.3)
+    n, counts, tails_tested = 3000, np.zeros(V), 0
+    for i in range(n):
+        tokens = list(prompt)
+        step = list(dec.stream(tokens, SamplingParams(1.0, seed=i), 3))[0]
+        tails_tested += bool(step.tail) and step.accepted >= 1
+        counts[tokens[len(prompt) + 1]] += 1
+    assert tails_tested > n // 2
+    expected = p2 * n
+    assert (expected >= 5).all() and counts.sum() == n
+    assert chisquare(counts, expected).pvalue > 1e-3
+
+
+def test_lookahead_guesses_save_draft_forwards_when_right():
+    # a looping target drafted by itself: after the first cycle, prompt lookup guesses right,
+    # so most drafts come from rows fed as guesses instead of forwards of their own
+    draft = LoopingRuntime(V, seed=0)
+    dec = SpeculativeDecoder(LoopingRuntime(V, seed=0), draft, drafter="both", policy=TailK(6, tail=0))
+    model = dec.drafter.model
+    tokens = [1, 2]
+    steps = list(dec.stream(tokens, GREEDY, 120))
+    assert tokens[2:] == naive_greedy(LoopingRuntime(V, seed=0), [1, 2], 120)
+    drafted = sum(s.drafted for s in steps if s.source == "model")
+    assert model.guessed > 0 and model.guess_hits > drafted // 2
+    assert draft.calls < drafted // 2
+
+
+def test_lookahead_fits_the_draft_forward_and_cache():
+    # a draft taking 2 tokens per forward (static width) and one with little room left
+    for toy, cap in (({"max_batch_tokens": 2}, None), ({}, len(PROMPT) + 3)):
+        draft = ToyRuntime(V, seed=0, noise=0.7, **toy)
+        draft.kv_capacity = cap
+        model = ModelDrafter(draft, V, guess=lambda tokens, drafts: [7] * GUESSES)
+        out = model.propose(list(PROMPT), 4, FixedK(4), GREEDY, np.random.default_rng(0))
+        assert len(out.tokens) == 4 and model.guessed > 0
+        assert draft.n_past <= (cap or 99)
 
 
 # ---------------------------------------------------------------- sampling with point-mass drafts

@@ -10,9 +10,11 @@ from edgespec.cli.common import DRAFT_BODY_CHOICES, DRAFTER_CHOICES, POLICY_CHOI
 from edgespec.decoding import DEFAULT_POLICY, DRAFTERS, POLICIES, CostAwareK, FixedK, HeuristicK, make_policy
 from edgespec.decoding.policy import (
     best_k,
+    best_tail,
     confidence_stop,
     decayed_counts,
     expected_tokens,
+    family,
     heuristic_k,
     isotonic,
     verify_table,
@@ -132,6 +134,101 @@ def test_confidence_policy_stops_drafts():
         FixedK(4, min_joint=1.5)
 
 
+def test_best_tail_is_best_k_of_a_free_drafter_after_nothing():
+    for alpha in (0.1, 0.5, 0.9):
+        assert best_tail(0.9, 0, 3.0, alpha, table(8)) == best_k(alpha, 0.0, table(8))
+
+
+def test_best_tail_appends_what_pays_for_its_verify():
+    cheap = table(16, slope=0.02)
+    assert best_tail(0.95, 4, 3.0, 0.0, cheap) == 0  # a lookup that is never right only widens the verify
+    assert best_tail(0.95, 4, 3.0, 0.9, cheap) == 12  # one that is: as far as the table goes
+    # a tail is tested only after the whole head: behind an unreliable head it is worth less
+    assert best_tail(0.3, 4, 3.0, 0.6, table(16, 0.05)) == 0 < best_tail(0.95, 4, 3.0, 0.6, table(16, 0.05))
+    # the choice is the best rate of the step as a whole
+    t = best_tail(0.9, 3, 2.0, 0.6, table(16))
+    rate = [(expected_tokens(0.9, 3) + 0.9 ** 3 * (expected_tokens(0.6, j) - 1)) / (6.0 + table(16)[3 + j])
+            for j in range(14)]
+    assert rate[t] == max(rate)
+
+
+def primed_policy(model_alpha: float, ngram_alpha: float, slope: float = 0.02) -> CostAwareK:
+    """A cost policy that has measured plain steps, model drafts (3 ms per token) and 1-gram
+    lookups with these acceptances, on a target whose verifies cost `slope` per extra token."""
+    p = CostAwareK(k_max=8)
+    for _ in range(p.warmup):
+        p.update(0, 0, 0.0, verify_ms(1, slope))
+    for i in range(20):
+        for src, alpha, cost in (("model", model_alpha, 3.0), ("ngram:1", ngram_alpha, 0.001)):
+            accepted = round(4 * alpha)
+            p.update(4, accepted, 4 * cost, verify_ms(5, slope), source=src, ms_per_token=cost)
+    return p
+
+
+def test_cost_policy_plans_tails_from_measured_acceptance():
+    assert CostAwareK().next_tail("ngram:1", "model", 4) == 0  # nothing measured yet
+    good, bad = primed_policy(0.95, 0.9), primed_policy(0.95, 0.0)
+    assert good.next_tail("ngram:1", "model", 4) > 0
+    assert bad.next_tail("ngram:1", "model", 4) == 0
+    assert good.next_tail("ngram:1", "model", 0) == 0  # a tail follows a draft
+    # learn() moves a tail source's acceptance like a step of its own would
+    before = bad.acceptance("ngram:1")
+    for _ in range(5):
+        bad.learn("ngram:1", 4, 4)
+    assert bad.acceptance("ngram:1") > before
+    # policies that do not weigh costs append no tails and keep the drafters' order
+    for other in (FixedK(4), HeuristicK()):
+        assert other.next_tail("ngram:3", "model", 2) == 0 and other.prefers("ngram:1", "model")
+
+
+def test_cost_policy_prefers_the_drafter_with_the_better_rate():
+    p = primed_policy(0.95, 0.1)
+    assert not p.prefers("ngram:1", "model") and p.prefers("model", "ngram:1")
+    assert p.rate("model") > p.rate("ngram:1") > 0
+    assert primed_policy(0.2, 0.9).prefers("ngram:1", "model")
+    assert p.prefers("ngram:3", "model")  # never measured: try it
+
+
+def test_cost_policy_keeps_verify_costs_per_drafter_family():
+    # on a shared body a model draft's verify reuses the rows its drafting computed: cheaper than
+    # a lookup's of the same width, and neither should set the other's plan
+    assert family("ngram:3") == "ngram" and family("model") == "model"
+    p = CostAwareK(k_max=8)
+    for _ in range(p.warmup):
+        p.update(0, 0, 0.0, verify_ms(1))
+    for _ in range(5):
+        p.update(4, 4, 8.0, 0.7 * verify_ms(1), source="model", ms_per_token=2.0)
+        p.update(4, 2, 0.0, 2.0 * verify_ms(1), source="ngram:2", ms_per_token=0.001)
+    assert p.relative_verify("model")[5] == pytest.approx(0.7)
+    assert p.relative_verify("ngram")[5] == pytest.approx(2.0)
+    assert set(p.snapshot()["verify"]) == {"model", "ngram"}
+
+
+def test_a_tail_costs_what_tokens_add_to_a_lookup_verify():
+    cheap, dear = primed_policy(0.95, 0.6, slope=0.01), primed_policy(0.95, 0.6, slope=0.01)
+    for _ in range(5):  # the same model verifies; lookup verifies 3x dearer per token in `dear`
+        for w in range(2, 10):
+            dear.update(w - 1, w // 2, 0.0, verify_ms(w, 0.3), source="ngram:1", ms_per_token=0.001)
+            cheap.update(w - 1, w // 2, 0.0, verify_ms(w, 0.01), source="ngram:1", ms_per_token=0.001)
+    assert 0.3 < cheap.acceptance("ngram:1") < 0.8
+    assert cheap.acceptance("ngram:1") == pytest.approx(dear.acceptance("ngram:1"))
+    assert cheap.next_tail("ngram:1", "model", 4) > dear.next_tail("ngram:1", "model", 4)
+    # a verify with a tail mixes both families' costs: it goes into neither table
+    before = {f: dear.relative_verify(f) for f in ("model", "ngram")}
+    dear.update(2, 2, 4.0, 9 * verify_ms(1), source="model", ms_per_token=3.0, width=6)
+    assert {f: dear.relative_verify(f) for f in ("model", "ngram")} == before
+
+
+def test_cost_policy_takes_no_plain_unit_from_an_unmeasured_step():
+    p = CostAwareK(k_max=8)
+    for _ in range(p.warmup):
+        p.update(0, 0, 0.0, verify_ms(1))
+    p.update(0, 0, 0.0, None)  # a plain step whose row was computed ahead: no measure of one
+    assert p.snapshot()["plain_ms"] == verify_ms(1)
+    p.update(3, 3, 3.0, None, source="ngram:3", ms_per_token=0.001)  # acceptance still counts
+    assert p.acceptance("ngram:3") > 0.5 and p.relative_verify("ngram") == {1: 1.0}
+
+
 def simulate(policy, draft_ms: float, alpha: float, steps: int = 400, source: str = "model", seed: int = 0):
     """Drive a policy with a synthetic device; returns (tokens per ms, k per step)."""
     rng = np.random.default_rng(seed)
@@ -204,7 +301,7 @@ def test_cost_policy_is_unmoved_by_a_neighbour_slowing_everything_alike():
     for _ in range(5):
         busy.update(0, 0, 0.0, verify_ms(1))
     assert busy.plan("model") == calm.plan("model") > 0
-    assert busy.snapshot()["verify"] == pytest.approx(calm.snapshot()["verify"])
+    assert busy.relative_verify("model") == pytest.approx(calm.relative_verify("model"))
 
 
 def test_cost_policy_explores_one_token_further_now_and_then():

@@ -62,8 +62,12 @@ def test_greedy_on_a_shared_body_is_plain_greedy_and_computes_each_position_once
     if noise:
         assert accepted < drafted, "rollback went untested"
     # the body saw every committed position once (the last is never fed), and a position again
-    # only where a rejected draft had been: a draft with its own body would feed each one twice
-    assert len(body.fed_positions) <= len(tokens) - 1 + (drafted - accepted)
+    # only where a rejected draft or a wrong lookahead guess had been: a draft with its own body
+    # would feed each one twice
+    model = dec.drafter if drafter == "model" else dec.drafter.model
+    wrong_guesses = model.guessed - model.guess_hits
+    assert (drafter == "both") == (model.guessed > 0)
+    assert len(body.fed_positions) <= len(tokens) - 1 + (drafted - accepted) + wrong_guesses
     if drafter == "model" and not noise:  # the target's own hidden rows and head: all accepted
         assert accepted == drafted and sorted(body.fed_positions) == list(range(len(tokens) - 1))
 
@@ -94,10 +98,21 @@ def test_rows_older_than_the_window_are_recomputed_and_wide_reads_work():
     target.trim(10)
     np.testing.assert_array_equal(target.forward(ids[10:], n_logits=len(ids) - 10), ref[10:])
     assert body.calls == 2 and body.fed_positions[-1] == len(ids) - 1
-    # a read as wide as it asks stays held: no body forward at all
+    assert target.reused_rows == 0
+    # a read as wide as it asks stays held: no body forward at all, and the runtime says so
     target.trim(10)
     np.testing.assert_array_equal(target.forward(ids[10:], n_logits=len(ids) - 10), ref[10:])
     assert body.calls == 2 and body.n_past == len(ids)
+    assert target.reused_rows == len(ids) - 10
+
+
+def test_rows_fed_ahead_by_the_draft_are_reused_by_the_target():
+    body, target, draft, _ = make_pair()
+    draft.forward(PROMPT, n_logits=1)  # the draft fed a guess run past what the target holds
+    target.forward(PROMPT[:3])
+    assert target.reused_rows == 3 and body.calls == 1
+    np.testing.assert_array_equal(target.forward(PROMPT[3:] + [1], n_logits=2), fresh_logits(PROMPT + [1], 2))
+    assert target.reused_rows == len(PROMPT) - 3 and body.calls == 2
 
 
 def test_a_failed_body_forward_leaves_the_runtimes_consistent():

@@ -17,6 +17,7 @@ __all__ = [
     "accept_sampled",
     "scatter_to_target",
     "map_draft_ids",
+    "point_masses",
 ]
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,15 @@ def accept_point_masses(
         # p(x) == 1 up to rounding leaves nothing else: fall back to p, as accept_sampled does
         return i, sample(residual if residual.sum() > 0 else target_probs[i], rng)
     return k, sample(target_probs[k], rng)
+
+
+def point_masses(tokens: Sequence[int], vocab: int) -> np.ndarray:
+    """One-hot rows (len(tokens), vocab): the draft distribution of deterministic proposals,
+    for a draft whose other rows were sampled (`accept_sampled` then treats them as
+    `accept_point_masses` would)."""
+    rows = np.zeros((len(tokens), vocab), dtype=np.float64)
+    rows[np.arange(len(tokens)), np.asarray(tokens, dtype=np.int64)] = 1.0
+    return rows
 
 
 def scatter_to_target(draft_probs: np.ndarray, id_map: np.ndarray | None, target_vocab: int) -> np.ndarray:

@@ -51,6 +51,11 @@ class TrackedCache:
         self.ids.extend(ids[split:])
         return logits
 
+    def trim(self, n: int) -> None:
+        """Keep the first `n` positions."""
+        self.rt.trim(n)
+        del self.ids[n:]
+
     def align(self, tokens: Sequence[int]) -> None:
         """Trim to the common prefix with `tokens`, leaving at least the last token unfed."""
         if self.rt.n_past < len(self.ids):  # trimmed by someone else: a trim keeps a prefix
@@ -61,5 +66,4 @@ class TrackedCache:
             self.ids.clear()
         keep = min(common_prefix(self.ids, tokens), len(tokens) - 1)
         if keep < len(self.ids):
-            self.rt.trim(keep)
-            del self.ids[keep:]
+            self.trim(keep)

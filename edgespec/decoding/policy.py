@@ -1,9 +1,11 @@
 """Draft-length policies: how many tokens to draft next, learning from each step's outcome.
 
-A policy answers three questions for the decoder:
+A policy answers four questions for the decoder:
   next_k(source)        how many tokens may this drafter propose now (0 means plain decoding)
   keep_drafting(confs)  should a model draft go on, given the draft's own top probabilities
-  update(...)           what the finished step cost and how much of its draft was accepted
+  prefers(a, b)         of two drafters that could draft now, should `a` rather than `b`
+  next_tail(...)        how many free tokens (a prompt-lookup continuation) to append to a draft
+  update(...), learn()  what the finished step cost and how much of its draft was accepted
 A source is a drafter label ("model", "ngram:3", ...); adaptive policies keep their estimates
 per source, so a long prompt-lookup match and a model draft earn separate acceptance rates.
 The arithmetic lives in pure functions so each rule is testable on synthetic numbers. Add a
@@ -23,8 +25,8 @@ from edgespec.errors import ConfigError
 
 __all__ = [
     "DEFAULT_POLICY", "POLICIES", "CostAwareK", "DraftPolicy", "FixedK", "HeuristicK",
-    "best_k", "confidence_stop", "decayed_counts", "expected_tokens", "heuristic_k", "isotonic",
-    "make_policy", "verify_table",
+    "best_k", "best_tail", "confidence_stop", "decayed_counts", "expected_tokens", "family", "heuristic_k",
+    "isotonic", "make_policy", "verify_table",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,6 +54,29 @@ def best_k(alpha: float, draft_ms_per_token: float, verify_ms: Sequence[float]) 
     """
     rates = [expected_tokens(alpha, k) / (k * draft_ms_per_token + verify_ms[k]) for k in range(len(verify_ms))]
     return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+
+def best_tail(head_alpha: float, head_k: int, head_ms_per_token: float, tail_alpha: float,
+              verify_ms: Sequence[float]) -> int:
+    """How many free tokens to append after a draft of `head_k` tokens, maximising expected
+    tokens per millisecond of the whole step.
+
+    A tail (a prompt-lookup continuation of the draft's end) costs no drafting, only the wider
+    verify; it is tested only when the whole head was accepted (probability head_alpha^head_k),
+    and then stands where the bonus token would. verify_ms as in `best_k`; the tail ranges over
+    [0, len(verify_ms) - 1 - head_k]. With head_k = 0 this is `best_k` of a free drafter.
+    """
+    head = expected_tokens(head_alpha, head_k)
+    reach = head_alpha ** head_k
+    cost = head_k * head_ms_per_token
+    rates = [(head + reach * (expected_tokens(tail_alpha, t) - 1.0)) / (cost + verify_ms[head_k + t])
+             for t in range(len(verify_ms) - head_k)]
+    return max(range(len(rates)), key=lambda t: (rates[t], -t))
+
+
+def family(source: str) -> str:
+    """The drafter family of a policy key: "ngram:3" -> "ngram"."""
+    return source.split(":", 1)[0]
 
 
 def verify_table(measured: dict[int, float], max_width: int, slope: float) -> list[float]:
@@ -140,13 +165,30 @@ class DraftPolicy(abc.ABC):
         """Whether a draft whose tokens had these top probabilities should go on."""
         return not confidence_stop(confidences, self.min_joint)
 
-    def update(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float, *,  # noqa: B027
-               source: str = "model", ms_per_token: float | None = None) -> None:
+    def prefers(self, first: str, second: str) -> bool:
+        """Whether to draft from `first` rather than `second` when both could draft now.
+        Policies that do not weigh costs keep the caller's order."""
+        return True
+
+    def next_tail(self, source: str, head_source: str, head_k: int) -> int:
+        """How many tokens `source` (a free drafter: prompt lookup) may append after `head_k`
+        tokens drafted by `head_source`. Policies that do not weigh costs append none."""
+        return 0
+
+    def update(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float | None, *,  # noqa: B027
+               source: str = "model", ms_per_token: float | None = None, width: int | None = None) -> None:
         """Learn from one finished step; stateless policies ignore it.
 
-        verify_ms is the target side of the step (verify forward, acceptance, rollback);
+        drafted/accepted count `source`'s own tokens (a tail's are reported through `learn`);
+        verify_ms is the target side of the step (verify forward, acceptance, rollback), None
+        when its time is no measure of one (a plain step whose row was computed ahead);
+        `width` is the tokens that verify scored (default drafted + 1; more with a tail);
         ms_per_token is the drafter's marginal cost per drafted token, when it measured one.
         """
+
+    def learn(self, source: str, drafted: int, accepted: int) -> None:  # noqa: B027
+        """Learn the acceptance of `drafted` tokens `source` appended as a tail, of which the target
+        kept `accepted` (called only when the tail was tested: the draft before it was kept whole)."""
 
 
 def _check_k(name: str, value: int) -> None:
@@ -194,7 +236,8 @@ class HeuristicK(DraftPolicy):
     def next_k(self, source: str = "model") -> int:
         return self._k.get(source, self.k)
 
-    def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None) -> None:
+    def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None,
+               width=None) -> None:
         self._k[source] = heuristic_k(self.next_k(source), drafted, accepted, self.k_min, self.k_max)
 
 
@@ -223,7 +266,11 @@ class CostAwareK(DraftPolicy):
     costs almost nothing. The unit itself, a plain step, is measured `warmup` times before any
     drafting (the first forward after loading carries one-off costs) and again at least every
     `refresh_every` steps: a drafter that always finds something to draft would otherwise leave
-    every cost measured against one stale plain step.
+    every cost measured against one stale plain step. Verify costs are kept per drafter family
+    ("model", "ngram"): on a shared body a model draft's verify reuses the rows its drafting
+    computed and costs much less than a lookup's verify of the same width. A tail (`next_tail`)
+    after a draft may take up to `k_max` more tokens, planned by `best_tail` from the same
+    estimates: the head's verify as its family's, plus what each token adds to a lookup's verify.
     """
 
     k_max: int = 8
@@ -243,7 +290,8 @@ class CostAwareK(DraftPolicy):
     refresh_every: int = 32
     _since_plain: int = field(default=0, init=False, repr=False)  # steps since the last plain one
     _plain: deque = field(default_factory=deque, init=False, repr=False)  # ms of recent one-token steps
-    _wide: dict[int, deque] = field(default_factory=dict, init=False, repr=False)  # width -> plain steps
+    # drafter family -> verify width -> its cost in plain steps
+    _wide: dict[str, dict[int, deque]] = field(default_factory=dict, init=False, repr=False)
     _sources: dict[str, _SourceStats] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -267,16 +315,17 @@ class CostAwareK(DraftPolicy):
         s = self._stats(source)
         return (s.hits + self.prior_alpha * self.prior_trials) / (s.trials + self.prior_trials)
 
-    def relative_verify(self) -> dict[int, float]:
-        """Target-side cost per verify width measured so far, in plain steps (width 1 is 1)."""
-        return {1: 1.0, **{w: statistics.median(d) for w, d in sorted(self._wide.items())}}
+    def relative_verify(self, family: str = "model") -> dict[int, float]:
+        """Target-side cost per verify width measured so far after drafts of `family`, in plain
+        steps (width 1 is 1)."""
+        return {1: 1.0, **{w: statistics.median(d) for w, d in sorted(self._wide.get(family, {}).items())}}
 
     def snapshot(self) -> dict:
         """What the policy has learned: ms of a plain step; verify cost per width and per source
         the cost per drafted token, both in plain steps; per source alpha and the planned k."""
         sources = {src: {"alpha": round(self.acceptance(src), 3), "cost": _median(s.cost, 3), "k": self.plan(src)}
                    for src, s in sorted(self._sources.items())}
-        verify = {w: round(v, 2) for w, v in self.relative_verify().items()}
+        verify = {fam: {w: round(v, 2) for w, v in self.relative_verify(fam).items()} for fam in sorted(self._wide)}
         return {"plain_ms": _median(self._plain, 1), "verify": verify, "sources": sources}
 
     def plan(self, source: str) -> int | None:
@@ -284,10 +333,41 @@ class CostAwareK(DraftPolicy):
         s = self._stats(source)
         if not self._plain or not s.cost:
             return None
-        table = verify_table(self.relative_verify(), self.k_max + 1, self.verify_slope)
+        return best_k(self.acceptance(source), statistics.median(s.cost), self._verify_table(source, self.k_max + 1))
+
+    def rate(self, source: str) -> float | None:
+        """Expected tokens per plain step's time of `source`'s planned draft (None: unknown)."""
+        k = self.plan(source)
+        if k is None:
+            return None
+        ms = k * statistics.median(self._stats(source).cost) + self._verify_table(source, k + 1)[k]
+        return expected_tokens(self.acceptance(source), k) / ms
+
+    def prefers(self, first: str, second: str) -> bool:
+        # a prompt-lookup match of one token is right about a third of the time here, a model
+        # draft nine in ten: drafting whichever matched first left tokens on the table
+        a, b = self.rate(first), self.rate(second)
+        return a is None or b is None or a >= b
+
+    def next_tail(self, source: str, head_source: str, head_k: int) -> int:
+        head = self._stats(head_source)
+        if head_k <= 0 or not self._plain or not head.cost:
+            return 0
+        # the head's verify as its family measured it; each tail token adds what a token adds to
+        # a verify of `source`'s family (on a shared body the tail's rows are computed at verify)
+        table = self._verify_table(head_source, head_k + 1)
+        tail = self._verify_table(source, head_k + self.k_max + 1)
+        table += [table[-1] + tail[w] - tail[head_k] for w in range(head_k + 1, len(tail))]
+        return best_tail(self.acceptance(head_source), head_k, statistics.median(head.cost),
+                         self.acceptance(source), table)
+
+    def _verify_table(self, source: str, max_width: int) -> list[float]:
+        """verify_table of what was measured after `source`'s family of drafts, widths up to
+        free_width costing a plain step."""
+        table = verify_table(self.relative_verify(family(source)), max_width, self.verify_slope)
         free = min(self.free_width, len(table))
         table[:free] = [table[0]] * free
-        return best_k(self.acceptance(source), statistics.median(s.cost), table)
+        return table
 
     def next_k(self, source: str = "model") -> int:
         if self.k_max == 0 or len(self._plain) < min(self.warmup, self.window) \
@@ -306,22 +386,27 @@ class CostAwareK(DraftPolicy):
         s.idle, s.interval = 0, min(2 * s.interval, self.max_probe_every)
         return min(self.probe_k, self.k_max)
 
-    def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None) -> None:
-        if drafted + 1 <= self.free_width:  # the same forward as a plain step
+    def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None,
+               width=None) -> None:
+        width = drafted + 1 if width is None else width
+        if width <= self.free_width and verify_ms is not None:  # the same forward as a plain step
             self._plain.append(verify_ms)
             self._since_plain = 0
         else:
             self._since_plain += 1
+        # a verify with a tail mixes two families' costs: neither table takes it
+        if 1 < width == drafted + 1 and self._plain and verify_ms is not None:
+            widths = self._wide.setdefault(family(source), {})
+            widths.setdefault(width, deque(maxlen=self.window)).append(verify_ms / statistics.median(self._plain))
         if drafted == 0:
             return
+        self.learn(source, drafted, accepted)
+        if self._plain and ms_per_token is not None:
+            self._stats(source).cost.append(ms_per_token / statistics.median(self._plain))
+
+    def learn(self, source: str, drafted: int, accepted: int) -> None:
         s = self._stats(source)
         s.hits, s.trials = decayed_counts(s.hits, s.trials, drafted, accepted, self.accept_decay)
-        if not self._plain:  # nothing to measure against yet
-            return
-        plain = statistics.median(self._plain)
-        self._wide.setdefault(drafted + 1, deque(maxlen=self.window)).append(verify_ms / plain)
-        if ms_per_token is not None:
-            s.cost.append(ms_per_token / plain)
 
     def _stats(self, source: str) -> _SourceStats:
         if source not in self._sources:

@@ -42,6 +42,7 @@ class StepResult:
     draft_ms: float
     verify_ms: float  # the target side: verify forward, acceptance and rollback
     source: str = ""  # which drafter proposed ("model", "ngram:3"; "" when nothing was drafted)
+    tail: int = 0  # of the drafted tokens, how many a prompt lookup appended to the drafter's own
 
 
 def truncate_commit(new: list[int], stop_ids: Container[int], budget: int) -> list[int]:
@@ -152,6 +153,7 @@ class SpeculativeDecoder:
                 # 2. verify: one target forward scores every draft plus the bonus position
                 pending = self._target.pending(tokens) + draft.tokens
                 logits = self._target.feed(pending, n_logits=len(draft.tokens) + 1)
+                reused = getattr(self.target, "reused_rows", 0)
                 # 3. accept / resample
                 n_acc, nxt = self._accept(draft, logits, params, rng)
                 # 4. commit
@@ -161,9 +163,9 @@ class SpeculativeDecoder:
                 # 5. rollback: drop rejected drafts from every cache
                 self._rollback(tokens)
                 t2 = time.perf_counter()
-                step = StepResult(new, len(draft.tokens), n_acc, (t1 - t0) * 1e3, (t2 - t1) * 1e3, draft.source)
-                self.policy.update(step.drafted, n_acc, step.draft_ms, step.verify_ms,
-                                   source=draft.source, ms_per_token=draft.ms_per_token)
+                step = StepResult(new, len(draft.tokens), n_acc, (t1 - t0) * 1e3, (t2 - t1) * 1e3, draft.source,
+                                  draft.tail)
+                self._learn(step, draft, reused)
                 yield step
                 if new[-1] in stop_ids:
                     return
@@ -183,6 +185,17 @@ class SpeculativeDecoder:
         if self.drafter is None or limit <= 0:
             return Draft([])
         return self.drafter.propose(tokens, limit, self.policy, params, rng)
+
+    def _learn(self, step: StepResult, draft: Draft, reused: int) -> None:
+        """Tell the policy the step's cost and each drafter's acceptance. A plain step whose row
+        was computed ahead (a lookahead guess on a shared body) is no measure of a plain step; a
+        tail was tested only if the draft before it was accepted whole."""
+        head = step.drafted - draft.tail
+        verify_ms = None if reused and not step.drafted else step.verify_ms
+        self.policy.update(head, min(step.accepted, head), step.draft_ms, verify_ms,
+                           source=draft.source, ms_per_token=draft.ms_per_token, width=step.drafted + 1)
+        if draft.tail and step.accepted >= head:
+            self.policy.learn(draft.tail_source, draft.tail, step.accepted - head)
 
     @staticmethod
     def _accept(draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:

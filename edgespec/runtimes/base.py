@@ -58,6 +58,9 @@ class Runtime(abc.ABC):
     kv_dtypes: tuple[str, ...] = ("float32",)
     kv_capacity: int | None = None  # most positions the cache holds; None: grows until memory runs out
     kv_bytes_per_token: int = 0  # bytes one cached position takes, all layers, K and V
+    # positions of the last forward whose work was done before (a shared body's lookahead rows):
+    # that forward's time then understates what its width costs
+    reused_rows: int = 0
 
     def model_sizes(self) -> dict[str, int]:
         """hidden, n_heads, intermediate, n_layers, n_kv_heads, head_dim, vocab where the backend

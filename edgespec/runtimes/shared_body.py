@@ -61,12 +61,14 @@ class SharedBody:
         self._rows = np.zeros((0, 0), dtype=np.float32)  # hidden rows of positions [_start, len(ids))
         self._start = 0
         self.forwards = 0  # body forwards run (tests and reports: how much work was shared)
+        self.fed = 0  # positions the last `hidden` call ran through the body
 
     def hidden(self, seq: Sequence[int], n_rows: int) -> np.ndarray:
         """Hidden rows of the last `n_rows` positions of `seq`, running the body only from the
         first position it does not hold for `seq` (or whose row has left the window)."""
         lo = len(seq) - n_rows
         held = common_prefix(self.ids, seq)
+        self.fed = 0
         if held < len(seq) or lo < self._start:
             self._run(seq, held if lo >= self._start else min(held, lo), lo)
         return self._rows[lo - self._start:len(seq) - self._start]
@@ -85,6 +87,7 @@ class SharedBody:
                 self.reset()
             raise
         self.forwards += 1
+        self.fed = fed
         if len(new) == fed and start > self._start:  # continues the rows held for [_start, start)
             rows = np.concatenate([self._rows[:start - self._start], new])
         else:
@@ -125,6 +128,7 @@ class SharedBodyRuntime(Runtime):
             raise ValueError("forward needs at least one token")
         seq = self._ids + list(token_ids)
         rows = self.shared.hidden(seq, min(max(n_logits, 1), len(token_ids)))
+        self.reused_rows = max(len(token_ids) - self.shared.fed, 0)
         logits = self.head(rows)
         self._ids = seq
         return logits
