@@ -33,14 +33,6 @@ def lookup(tokens, limit=4, **kw):
     return NgramIndex(kw.get("min_n", 1), kw.get("max_n", 3)).lookup(list(tokens), limit)
 
 
-def test_lookup_continues_uncommitted_drafts_without_indexing_them():
-    index = NgramIndex(1, 3)
-    tokens = [1, 2, 3, 4, 9, 1, 2]
-    assert index.lookup(tokens, 2, [3, 4]) == ([9, 1], 3)  # the suffix [2, 3, 4] runs into the drafts
-    assert index.lookup(tokens, 3) == ([3, 4, 9], 2)  # ... which were not added to the index
-    assert index._seq == tokens
-
-
 # ---------------------------------------------------------------- prompt lookup
 
 
@@ -56,6 +48,14 @@ def test_lookup_prefers_the_longest_then_the_latest_match():
     # the latest occurrence of "5 5" wins
     assert lookup([5, 5, 1, 0, 5, 5, 2, 9, 5, 5], limit=1) == ([2], 2)
     assert lookup([1, 2, 4, 0, 2, 6, 0, 1, 2], limit=1, min_n=3) == ([], 0)
+
+
+def test_lookup_continues_uncommitted_drafts_without_indexing_them():
+    index = NgramIndex(1, 3)
+    tokens = [1, 2, 3, 4, 9, 1, 2]
+    assert index.lookup(tokens, 2, [3, 4]) == ([9, 1], 3)  # the suffix [2, 3, 4] runs into the drafts
+    assert index.lookup(tokens, 3) == ([3, 4, 9], 2)  # ... which were not added to the index
+    assert index._seq == tokens
 
 
 def test_lookup_continues_a_repeating_cycle():
