@@ -40,7 +40,7 @@ from edgespec.runtimes.base import Runtime
 
 __all__ = [
     "DRAFTERS", "BothDrafter", "Draft", "Drafter", "DrafterKind", "ModelDrafter", "NgramDrafter",
-    "NgramIndex", "build_drafter",
+    "NgramIndex", "build_drafter", "lookup_source",
 ]
 
 logger = logging.getLogger(__name__)
@@ -218,6 +218,11 @@ def overlapping_copy(tokens: list[int], start: int, n: int) -> list[int]:
     return out
 
 
+def lookup_source(n: int) -> str:
+    """The policy key of a lookup match of n tokens: matches of each length earn their own alpha."""
+    return f"ngram:{n}"
+
+
 class NgramDrafter(Drafter):
     """Prompt lookup over the prompt and everything generated so far. Proposals are keyed by
     match length ("ngram:3"), so adaptive policies learn how far each kind of match carries."""
@@ -234,9 +239,12 @@ class NgramDrafter(Drafter):
     def propose(self, tokens, limit, policy, params, rng) -> Draft:
         t0 = time.perf_counter()
         found, source = self.candidate(tokens, limit)
-        if not found:
-            return Draft([])
-        k = min(policy.next_k(source), len(found))
+        return self.take(found, source, policy, t0)
+
+    @staticmethod
+    def take(found: list[int], source: str, policy: DraftPolicy, t0: float) -> Draft:
+        """The draft of as much of a `candidate` as the policy wants (a lookup begun at `t0`)."""
+        k = min(policy.next_k(source), len(found)) if found else 0
         if k <= 0:
             return Draft([])
         return Draft(found[:k], None, source, 1e3 * (time.perf_counter() - t0) / k)
@@ -249,7 +257,7 @@ class NgramDrafter(Drafter):
     def candidate(self, tokens: list[int], limit: int) -> tuple[list[int], str]:
         """What a lookup finds (up to `limit` tokens) and its policy key, before the policy's say."""
         found, n = self._index.lookup(tokens, limit)
-        return found, f"ngram:{n}"
+        return found, lookup_source(n)
 
     def extend(self, tokens: list[int], draft: Draft, limit: int, policy: DraftPolicy, vocab: int) -> Draft:
         """`draft` with the lookup's continuation of its last tokens appended as its tail, as
@@ -258,11 +266,12 @@ class NgramDrafter(Drafter):
         if room <= 0 or not draft.tokens:
             return draft
         found, n = self._index.lookup(tokens, room, draft.tokens)
-        tail = found[:policy.next_tail(f"ngram:{n}", draft.source, len(draft.tokens))] if found else []
+        source = lookup_source(n)
+        tail = found[:policy.next_tail(source, draft.source, len(draft.tokens))] if found else []
         if not tail:
             return draft
         probs = None if draft.probs is None else np.concatenate([draft.probs, point_masses(tail, vocab)])
-        return Draft(draft.tokens + tail, probs, draft.source, draft.ms_per_token, len(tail), f"ngram:{n}")
+        return Draft(draft.tokens + tail, probs, draft.source, draft.ms_per_token, len(tail), source)
 
 
 class BothDrafter(Drafter):
@@ -274,9 +283,10 @@ class BothDrafter(Drafter):
         self.runtimes = model.runtimes
 
     def propose(self, tokens, limit, policy, params, rng) -> Draft:
+        t0 = time.perf_counter()
         found, source = self.lookup.candidate(tokens, limit)
         if found and policy.prefers(source, self.model.source):
-            draft = self.lookup.propose(tokens, limit, policy, params, rng)
+            draft = self.lookup.take(found, source, policy, t0)
             if draft.tokens:
                 return draft
         draft = self.model.propose(tokens, limit, policy, params, rng)

@@ -330,18 +330,23 @@ class CostAwareK(DraftPolicy):
 
     def plan(self, source: str) -> int | None:
         """The cost-optimal k for `source` now, or None while a cost is still unknown."""
-        s = self._stats(source)
-        if not self._plain or not s.cost:
-            return None
-        return best_k(self.acceptance(source), statistics.median(s.cost), self._verify_table(source, self.k_max + 1))
+        planned = self._plan(source)
+        return None if planned is None else planned[0]
 
     def rate(self, source: str) -> float | None:
         """Expected tokens per plain step's time of `source`'s planned draft (None: unknown)."""
-        k = self.plan(source)
-        if k is None:
+        planned = self._plan(source)
+        return None if planned is None else planned[1]
+
+    def _plan(self, source: str) -> tuple[int, float] | None:
+        """(the cost-optimal k, its expected tokens per plain step's time), from one verify table."""
+        s = self._stats(source)
+        if not self._plain or not s.cost:
             return None
-        ms = k * statistics.median(self._stats(source).cost) + self._verify_table(source, k + 1)[k]
-        return expected_tokens(self.acceptance(source), k) / ms
+        alpha, cost = self.acceptance(source), statistics.median(s.cost)
+        table = self._verify_table(source, self.k_max + 1)
+        k = best_k(alpha, cost, table)
+        return k, expected_tokens(alpha, k) / (k * cost + table[k])
 
     def prefers(self, first: str, second: str) -> bool:
         # a prompt-lookup match of one token is right about a third of the time here, a model
