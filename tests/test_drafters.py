@@ -335,3 +335,23 @@ def test_resolve_drafting_errors(args, match):
     drafter, policy, k, has_draft, use_draft = args
     with pytest.raises(ConfigError, match=match):
         resolve_drafting(drafter, policy, k, has_draft=has_draft, use_draft=use_draft)
+
+
+class HeldRuntime(ToyRuntime):
+    """Reports every fed token but the last as already computed, as a draft on the target's body
+    does after the target committed them (runtimes/shared_body.py)."""
+
+    def forward(self, token_ids, n_logits=1):
+        out = super().forward(token_ids, n_logits)
+        self.reused_rows = len(token_ids) - 1
+        return out
+
+
+@pytest.mark.parametrize("runtime, measured", [(ToyRuntime, False), (HeldRuntime, True)])
+def test_a_catch_up_the_runtime_held_is_a_draft_forward_cost(runtime, measured):
+    # a 12-token catch-up is prefill, not the cost of a drafted token, unless the runtime held
+    # those rows already: then the forward computed one row, like any draft forward
+    drafter = ModelDrafter(runtime(V, seed=0), V)
+    draft = drafter.propose(list(PROMPT), 1, FixedK(1), GREEDY, np.random.default_rng(0))
+    assert len(draft.tokens) == 1
+    assert (draft.ms_per_token is not None) == measured

@@ -131,8 +131,10 @@ class ModelDrafter(Drafter):
         pending = self._cache.pending(tokens)  # fed next; empty when the last draft was a guess already fed
         for _ in range(k):
             t0 = time.perf_counter()
+            computed = 0  # catch-up rows this iteration's forward computed (a guess hit needs none)
             if pending:
                 ahead = self._feed(tokens, drafts, pending, len(ahead))
+                computed = len(pending) - min(self.runtime.reused_rows, len(pending))
             logits = ahead.pop(0)[1]
             if params.greedy:
                 draft_id = int(np.argmax(logits))
@@ -141,7 +143,9 @@ class ModelDrafter(Drafter):
                 draft_id = sample(rows[-1], rng)
             if policy.uses_confidence:
                 confidences.append(top_probability(logits))
-            if len(pending) <= 2:  # a long catch-up feed is not the cost of one more token
+            # a long catch-up is not the cost of one more token; one the runtime held already
+            # (a draft on the target's body, after a lookup step) costs what a draft forward does
+            if computed <= 2:
                 steady.append(time.perf_counter() - t0)
             new = map_draft_ids([draft_id], self.id_map)
             drafts.extend(new)
