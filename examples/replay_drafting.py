@@ -7,7 +7,12 @@ c + d*r. The model is measured on this machine first (medians of interleaved tim
 variant runs against the same clock, so a 3% difference between variants is the drafting's, not a
 busy neighbour's. Wall-clock speed stays `examples/bench_openvino.py`'s job.
 
-    python examples/replay_drafting.py BUNDLE [--prompts chat,code] [--tokens 48] [--reps 2]
+`--noise SEED` puts a modelled busy neighbour back, reproducibly: every forward is slowed by a
+bursty factor (a slowly wandering one, up to ~1.5x for seconds at a time, and 3% of forwards
+1.5-3x), so the policy learns from noisy timings as it does on a shared CPU.
+
+    python examples/replay_drafting.py BUNDLE [--prompts chat,code] [--tokens 48] [--reps 2] [--noise SEED]
+        [--costs EARLIER_REPORT.json]
 
 Needs a bundle whose draft runs on the target's body (int8/int4 self-draft, the default there).
 """
@@ -28,14 +33,26 @@ VARIANTS = {
     "no tails": ("tails",),
     "no rate choice": ("prefers",),
     "none of the three": ("lookahead", "tails", "prefers"),
+    "no held catch-ups": ("held",),  # round 9's measurement fix undone
 }
 
 
 class Clock:
-    """Virtual milliseconds, advanced by the cost model."""
+    """Virtual milliseconds, advanced by the cost model (and by modelled noise, given a seed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int | None = None) -> None:
         self.ms = 0.0
+        self._rng = None if seed is None else np.random.default_rng(seed)
+        self._drift = 0.0
+
+    def spend(self, ms: float) -> None:
+        if self._rng is not None:
+            # a neighbour's load wanders (AR(1), ~50 forwards to decorrelate) and only ever slows
+            self._drift = 0.98 * self._drift + 0.03 * self._rng.standard_normal()
+            ms *= np.exp(abs(self._drift))
+            if self._rng.random() < 0.03:
+                ms *= self._rng.uniform(1.5, 3.0)
+        self.ms += ms
 
     def perf_counter(self) -> float:
         return self.ms / 1e3
@@ -78,7 +95,7 @@ def instrument(engine, clock: Clock, costs: dict[str, tuple[float, float]]) -> N
 
     def timed_forward(ids, n_logits=1):
         a, b = costs["body"]
-        clock.ms += a + b * len(ids)
+        clock.spend(a + b * len(ids))
         return forward(ids, n_logits)
 
     body.forward = timed_forward
@@ -92,16 +109,28 @@ class TimedHead:
         self.vocab_size, self.weight_bytes = head.vocab_size, head.weight_bytes
 
     def __call__(self, hidden):
-        self.clock.ms += self.cost[0] + self.cost[1] * len(hidden)
+        self.clock.spend(self.cost[0] + self.cost[1] * len(hidden))
         return self.head(hidden)
 
     def close(self) -> None:
         self.head.close()
 
 
+class Unheld:
+    """A draft runtime that never reports rows it already held: catch-ups look like prefill."""
+
+    def __init__(self, runtime) -> None:
+        self._runtime = runtime
+
+    def __getattr__(self, name):
+        return 0 if name == "reused_rows" else getattr(self._runtime, name)
+
+
 def switch_off(engine, parts: tuple[str, ...]) -> None:
     """Turn parts of the default drafting off on this engine only."""
     drafter, policy = engine.decoder.drafter, engine.decoder.policy
+    if "held" in parts:
+        drafter.model.runtime = Unheld(drafter.model.runtime)
     if "lookahead" in parts:
         drafter.model.guess = None
     if "tails" in parts:
@@ -117,6 +146,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--costs", type=Path, default=None, metavar="REPORT",
+                   help="reuse the cost model of an earlier run's --out report instead of measuring")
+    p.add_argument("--noise", type=int, default=None, metavar="SEED",
+                   help="slow forwards by modelled, reproducible neighbour noise")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
 
@@ -126,11 +159,12 @@ def main() -> int:
     from edgespec.decoding import SamplingParams, drafters, speculative
 
     bundle = load_bundle(args.bundle)
-    clock = Clock()
+    clock = Clock(args.noise)
     engines = {name: Engine(bundle, backend="openvino", threads=args.threads) for name in VARIANTS}
     if not all(e.shared_body for e in engines.values()):
         raise SystemExit("the replay models a draft on the target's body; this bundle's draft has its own")
-    costs = measure_costs(next(iter(engines.values())))
+    costs = (json.loads(args.costs.read_text())["cost_model_ms"] if args.costs
+             else measure_costs(next(iter(engines.values()))))
     print("cost model (ms): " + ", ".join(f"{k} {a:.2f} + {b:.3f}/token" for k, (a, b) in costs.items()))
     fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter)
     drafters.time = speculative.time = fake_time  # the decoder and the policy read the virtual clock
@@ -153,8 +187,9 @@ def main() -> int:
                 for rt in filter(None, (e.decoder.target, e.decoder.draft)):
                     rt.reset()
     plain_ms = costs["body"][0] + costs["body"][1] + costs["target head"][0] + costs["target head"][1]
-    report = {"cost_model_ms": costs, "plain_tok_s": 1e3 / plain_ms, "variants": {}}
-    print(f"plain decode (modelled): {1e3 / plain_ms:.1f} tok/s")
+    report = {"cost_model_ms": costs, "noise_seed": args.noise, "plain_tok_s": 1e3 / plain_ms, "variants": {}}
+    # ratios are to the noise-free plain decode: compare variants within one run
+    print(f"plain decode (modelled, noise-free): {1e3 / plain_ms:.1f} tok/s")
     for name, (ms, n) in done.items():
         rate = 1e3 * n / ms
         same = outputs[name] == outputs["default"]
