@@ -26,7 +26,7 @@ from edgespec.errors import ConfigError
 __all__ = [
     "DEFAULT_POLICY", "POLICIES", "CostAwareK", "DraftPolicy", "FixedK", "HeuristicK",
     "best_k", "best_tail", "confidence_stop", "decayed_counts", "expected_tokens", "family", "heuristic_k",
-    "isotonic", "make_policy", "verify_table",
+    "isotonic", "make_policy", "step_rate", "verify_table",
 ]
 
 logger = logging.getLogger(__name__)
@@ -46,13 +46,18 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def step_rate(alpha: float, k: int, draft_ms_per_token: float, verify_ms: Sequence[float]) -> float:
+    """Expected tokens per millisecond of a step drafting k tokens (verify_ms as in `best_k`)."""
+    return expected_tokens(alpha, k) / (k * draft_ms_per_token + verify_ms[k])
+
+
 def best_k(alpha: float, draft_ms_per_token: float, verify_ms: Sequence[float]) -> int:
     """The draft length maximising expected tokens per millisecond.
 
     verify_ms[i] is the target-side cost of a step that verifies i + 1 tokens (i drafts plus
     the bonus position), so k ranges over [0, len(verify_ms) - 1]. Ties go to the shorter draft.
     """
-    rates = [expected_tokens(alpha, k) / (k * draft_ms_per_token + verify_ms[k]) for k in range(len(verify_ms))]
+    rates = [step_rate(alpha, k, draft_ms_per_token, verify_ms) for k in range(len(verify_ms))]
     return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
 
@@ -346,7 +351,7 @@ class CostAwareK(DraftPolicy):
         alpha, cost = self.acceptance(source), statistics.median(s.cost)
         table = self._verify_table(source, self.k_max + 1)
         k = best_k(alpha, cost, table)
-        return k, expected_tokens(alpha, k) / (k * cost + table[k])
+        return k, step_rate(alpha, k, cost, table)
 
     def prefers(self, first: str, second: str) -> bool:
         # a prompt-lookup match of one token is right about a third of the time here, a model
@@ -399,15 +404,16 @@ class CostAwareK(DraftPolicy):
             self._since_plain = 0
         else:
             self._since_plain += 1
+        unit = statistics.median(self._plain) if self._plain else None  # costs are kept in plain steps
         # a verify with a tail mixes two families' costs: neither table takes it
-        if 1 < width == drafted + 1 and self._plain and verify_ms is not None:
+        if 1 < width == drafted + 1 and unit is not None and verify_ms is not None:
             widths = self._wide.setdefault(family(source), {})
-            widths.setdefault(width, deque(maxlen=self.window)).append(verify_ms / statistics.median(self._plain))
+            widths.setdefault(width, deque(maxlen=self.window)).append(verify_ms / unit)
         if drafted == 0:
             return
         self.learn(source, drafted, accepted)
-        if self._plain and ms_per_token is not None:
-            self._stats(source).cost.append(ms_per_token / statistics.median(self._plain))
+        if unit is not None and ms_per_token is not None:
+            self._stats(source).cost.append(ms_per_token / unit)
 
     def learn(self, source: str, drafted: int, accepted: int) -> None:
         s = self._stats(source)

@@ -153,7 +153,7 @@ class SpeculativeDecoder:
                 # 2. verify: one target forward scores every draft plus the bonus position
                 pending = self._target.pending(tokens) + draft.tokens
                 logits = self._target.feed(pending, n_logits=len(draft.tokens) + 1)
-                reused = getattr(self.target, "reused_rows", 0)
+                reused = self.target.reused_rows
                 # 3. accept / resample
                 n_acc, nxt = self._accept(draft, logits, params, rng)
                 # 4. commit
