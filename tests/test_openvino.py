@@ -17,7 +17,8 @@ from edgespec.api import load  # noqa: E402
 from edgespec.bundle import MANIFEST, load_bundle  # noqa: E402
 from edgespec.errors import BackendError, ConfigError  # noqa: E402
 from edgespec.runtimes import installed_backends  # noqa: E402
-from edgespec.runtimes.openvino import OpenVinoRuntime, available_devices  # noqa: E402
+from edgespec.runtimes.openvino import OpenVinoRuntime, available_devices, read_ir  # noqa: E402
+from edgespec.runtimes.openvino_graph import cut_head, repacked_bytes  # noqa: E402
 from tests.test_export_onnx import N_NEW, decode, hf_greedy, hf_logits, verify_matches_decodes  # noqa: E402
 from tests.tiny import LONG_PROMPT, PROMPTS, VOCAB  # noqa: E402
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
@@ -120,14 +121,17 @@ def test_dynamic_cache_grows_and_respects_its_capacity(zoo, kv):
         ov_target(zoo, "qwen2", static=True, kv="state")
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["one-copy", "wide-copy"])
 @pytest.mark.parametrize("role", ["target", "draft"])
-def test_the_default_mode_verifies_bit_for_bit_like_one_token_decodes(zoo, role):
+def test_the_default_mode_verifies_bit_for_bit_like_one_token_decodes(zoo, role, wide):
     """fp32 target and int4 draft IRs in the dynamic mode's defaults (dynamic int8 activations,
-    keys padded to blocks of 64, queries by one row, one-row decodes), on both sides of block bounds."""
+    keys padded to blocks of 64, queries by one row, one-row decodes), on both sides of block
+    bounds; with `wide`, the verifies run on the second compiled copy and still agree."""
     path = ov_bundle(zoo, "gemma3")
-    rt = OpenVinoRuntime(path / getattr(load_bundle(path).manifest, role).formats["openvino"].file)
+    rt = OpenVinoRuntime(path / getattr(load_bundle(path).manifest, role).formats["openvino"].file, wide=wide)
     caps = rt.capabilities
     assert caps.batch_variance is None and caps.extra["dynamic_quantization"] and caps.extra["kv"] == "buffer"
+    assert caps.extra["wide"] is wide
     ids = [int(t) for t in np.random.default_rng(0).integers(3, VOCAB, 200)]
     for start in (5, 58, 62, 64, 127, 190):
         assert verify_matches_decodes(rt, ids, start, width=6), start
@@ -237,6 +241,34 @@ def test_a_draft_on_the_targets_body_is_exact(zoo, references, name, export, dra
     assert drafted > 0 and accepted > 0
     # the draft holds its head only: no body weights, no KV cache of its own
     assert mem["draft"]["kv"] == 0 and mem["draft"]["weights"] < mem["target"]["weights"] / 2
+
+
+def test_the_shared_body_runs_wide_forwards_on_a_second_copy(zoo):
+    """The shared body keeps one-token forwards and wider ones on two compiled copies (a width
+    change re-prepares the CPU plugin's graph) and counts the copy's repacked weights; static
+    shapes and the state holder have one width or one request, so they ignore `wide`."""
+    from edgespec.runtimes.openvino_split import open_shared_pair
+
+    path = ov_bundle(zoo, "llama")
+    m = load_bundle(path).manifest
+    target_ir, draft_ir = path / m.target.formats["openvino"].file, path / m.draft.formats["openvino"].file
+    (wide, _), (narrow, _) = open_shared_pair(target_ir, draft_ir), open_shared_pair(target_ir, draft_ir, wide=False)
+    assert wide.shared.body.capabilities.extra["wide"] and not narrow.shared.body.capabilities.extra["wide"]
+    body_ir = read_ir(target_ir, None)[1]
+    cut_head(body_ir)
+    added = wide.memory_bytes()["weights"] - narrow.memory_bytes()["weights"]
+    assert added > 0 and added == pytest.approx(repacked_bytes(body_ir), rel=0.01)  # (+ the padding's constants)
+    # the body's input embedding is only gathered, so a copy shares it; the head's matrix is repacked
+    full = read_ir(target_ir, None)[1]
+    assert repacked_bytes(full) > repacked_bytes(body_ir)
+    for kw in ({"static": True, "width": 4}, {"kv": "state"}):
+        assert not OpenVinoRuntime(target_ir, wide=True, **kw).capabilities.extra["wide"]
+    ids = [int(t) for t in np.random.default_rng(4).integers(3, VOCAB, 40)]
+    for rt in (wide, narrow):
+        rt.forward(ids[:30])
+    for lo, hi in ((30, 31), (31, 35), (35, 36), (36, 40)):
+        np.testing.assert_array_equal(np.array(wide.forward(ids[lo:hi], n_logits=hi - lo)),
+                                      narrow.forward(ids[lo:hi], n_logits=hi - lo))
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -61,11 +61,14 @@ class OpenVinoHead:
 
 
 def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLike, *, threads: int | None = None,
-                     device: str | None = None, kv_capacity: int | None = None
+                     device: str | None = None, kv_capacity: int | None = None, wide: bool = True
                      ) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
     """(target, draft): the target IR's body with its own head, and with the draft IR's head.
-    The draft IR's body is never loaded."""
-    body = OpenVinoRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, output=HIDDEN)
+    The draft IR's body is never loaded. wide: the body runs its one-token forwards (drafts, plain
+    steps) and its wider ones (verifies) on two compiled copies (OpenVinoRuntime), which on CPU
+    saves ~5 ms per change of width for ~77 MB (int4 Gemma 3 270M)."""
+    body = OpenVinoRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, output=HIDDEN,
+                           wide=wide)
     heads: list[OpenVinoHead] = []
     try:
         for path, in_body in ((target_path, True), (draft_path, False)):
