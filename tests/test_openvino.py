@@ -269,6 +269,11 @@ def test_the_shared_body_runs_wide_forwards_on_a_second_copy(zoo):
     for lo, hi in ((30, 31), (31, 35), (35, 36), (36, 40)):
         np.testing.assert_array_equal(np.array(wide.forward(ids[lo:hi], n_logits=hi - lo)),
                                       narrow.forward(ids[lo:hi], n_logits=hi - lo))
+    # each copy kept its own width: the last one-token forward ran on the first, the 4-token one on the copy
+    body = wide.shared.body
+    assert [req.get_output_tensor(body._logits).data.shape[1] for req in (body._req, body._wide_req)] == [1, 4]
+    for rt in (wide, narrow):
+        rt.close()
 
 
 @pytest.mark.parametrize("name", FAMILIES)
