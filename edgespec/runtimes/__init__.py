@@ -87,7 +87,7 @@ def open_runtime(backend: str, model_path: Path, **kwargs) -> Runtime:
 
 def open_shared_pair(backend: str, target_path: Path, draft_path: Path, **kwargs) -> tuple[Runtime, Runtime]:
     """(target, draft) runtimes sharing the target's body: the draft artifact gives only its head.
-    kwargs: threads, device, kv_capacity."""
+    kwargs: threads, device, kv_capacity, and the backend's own (openvino: wide)."""
     info = _info(backend)
     if info.shared_body is None:
         raise ConfigError(f"backend {backend} cannot run a draft on the target's body; use --draft-body own")

@@ -29,6 +29,7 @@ and a mask that admits the held positions and the real new tokens; rollback is t
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -195,12 +196,13 @@ class OpenVinoRuntime(Runtime):
         self.precision = model_precision(model, device, precision, threads)
         if dynamic_quantization is None:
             dynamic_quantization = self._padded or self.precision != "f32"
-        self._compiled = compile_model(core, model, path, device, self.precision, threads, dynamic_quantization)
+        compile_ir = functools.partial(compile_model, core, model, path, device, self.precision, threads,
+                                       dynamic_quantization)
+        self._compiled = compile_ir()
         self._req = self._compiled.create_infer_request()
         self._wide_req, self._wide_bytes = None, 0
-        if wide and self._padded and device.startswith("CPU"):
-            self._wide_req = compile_model(core, model, path, device, self.precision, threads,
-                                           dynamic_quantization).create_infer_request()
+        if wide and self._padded and device.startswith("CPU"):  # the same model, compiled once more
+            self._wide_req = compile_ir().create_infer_request()
             self._wide_bytes = repacked_bytes(model)
         self._tensor = ov.Tensor
         # inputs and outputs by index: binding by name costs ~0.5 ms per forward over 40 of them
