@@ -2,7 +2,7 @@
 
 The target is copied as it is; the draft is an int8 (Q8_0) self-draft with the full head, which
 needs no VocabTrim calibration run (minutes of transformers generation); the trimmed draft on the
-real model is exercised by examples/bench_llamacpp.py, which checks speculative == plain too.
+real model is exercised by benchmarks/bench_llamacpp.py, which checks speculative == plain too.
 Speculative greedy must equal plain greedy (which rests on a verify pass computing exactly what
 one-token decodes do, checked on the real Q4_K_M weights), and llama.cpp's own vocabulary must
 agree with the bundle's tokenizer (the source of truth)."""

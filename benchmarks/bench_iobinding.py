@@ -1,6 +1,6 @@
 """onnxruntime: IOBinding (KV stays in OrtValues) vs plain `run` with numpy feeds, per decode step.
 
-    python examples/bench_iobinding.py [BUNDLE] --steps 64 --repeat 3
+    python benchmarks/bench_iobinding.py [BUNDLE] --steps 64 --repeat 3
 
 Both paths run the same session on the same tokens, alternately; medians of ms per step."""
 from __future__ import annotations

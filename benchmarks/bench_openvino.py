@@ -13,7 +13,7 @@ beam_idx input and last-position logits GenAI expects), so both sides run the sa
 weights. Configurations are interleaved per prompt; medians are reported, since the 2 cores
 are shared with other jobs.
 
-    python examples/bench_openvino.py BUNDLE [BUNDLE...] [--tokens 64] [--reps 3] [--prompts chat,code]
+    python benchmarks/bench_openvino.py BUNDLE [BUNDLE...] [--tokens 64] [--reps 3] [--prompts chat,code]
                                       [--only NAMES] [--out report.json]
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """llama.cpp backend: llama-cpp-python's own decode vs edgespec plain vs edgespec speculative,
 and the verify-width cost curve, in one process, interleaved, medians.
 
-    python examples/bench_llamacpp.py BUNDLE [--full-draft BUNDLE2] [--tokens 64] [--rounds 5] [--plot out.png]
+    python benchmarks/bench_llamacpp.py BUNDLE [--full-draft BUNDLE2] [--tokens 64] [--rounds 5] [--plot out.png]
 
 BUNDLE: a bundle with GGUF artifacts (`edgespec export --format gguf -o BUNDLE`: the default
 Q4_K_M target copied as is plus a VocabTrim Q8_0 draft). --full-draft: a bundle whose draft keeps

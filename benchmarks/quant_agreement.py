@@ -1,6 +1,6 @@
 """Top-1 agreement and cost of draft quantization schemes on the default model (issue: VocabTrim).
 
-    python examples/quant_agreement.py [--bundle B] [--schemes int8,int4,int4-asym,nncf-int4,nncf-int4-awq]
+    python benchmarks/quant_agreement.py [--bundle B] [--schemes int8,int4,int4-asym,nncf-int4,nncf-int4-awq]
                                        [--tokens 48] [--json out.json]
 
 The draft's quantization is part of the speculative trade: a scheme that disagrees with the target

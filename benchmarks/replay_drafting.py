@@ -5,13 +5,13 @@ acceptances are real), but the clock that the decoder and the cost policy read a
 a cost model of those forwards: a body forward of r tokens costs a + b*r ms, a head call on r rows
 c + d*r. The model is measured on this machine first (medians of interleaved timings), then every
 variant runs against the same clock, so a 3% difference between variants is the drafting's, not a
-busy neighbour's. Wall-clock speed stays `examples/bench_openvino.py`'s job.
+busy neighbour's. Wall-clock speed stays `benchmarks/bench_openvino.py`'s job.
 
 `--noise SEED` puts a modelled busy neighbour back, reproducibly: every forward is slowed by a
 bursty factor (a slowly wandering one, up to ~1.5x for seconds at a time, and 3% of forwards
 1.5-3x), so the policy learns from noisy timings as it does on a shared CPU.
 
-    python examples/replay_drafting.py BUNDLE [--prompts chat,code] [--tokens 48] [--reps 2] [--noise SEED]
+    python benchmarks/replay_drafting.py BUNDLE [--prompts chat,code] [--tokens 48] [--reps 2] [--noise SEED]
         [--costs EARLIER_REPORT.json]
 
 Needs a bundle whose draft runs on the target's body (int8/int4 self-draft, the default there).

@@ -1,6 +1,6 @@
 """Sweep VocabTrim K × draft layers on the default model (issue: VocabTrim draft heads).
 
-    python examples/sweep_vocabtrim.py [--bundle B] [--ks 4096,8192,16384,32768,full]
+    python benchmarks/sweep_vocabtrim.py [--bundle B] [--ks 4096,8192,16384,32768,full]
                                        [--layers 18,12,9] [--precision int4] [--json out.json]
 
 Calibrates once, builds each draft in a temp dir, and for each one runs plain and speculative

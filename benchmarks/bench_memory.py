@@ -1,7 +1,7 @@
 """Memory budgets on a real bundle: peak RSS against the budget, speed at 1.2x the lower bound,
 and generation memory against the naive path.
 
-    python examples/bench_memory.py --bundle BUNDLE --naive-bundle OLD_BUNDLE [--rounds 3] [--out DIR]
+    python benchmarks/bench_memory.py --bundle BUNDLE --naive-bundle OLD_BUNDLE [--rounds 3] [--out DIR]
 
 BUNDLE is a current export (fixed preallocated KV buffers, VocabTrim draft); OLD_BUNDLE the same
 model exported with the old growing-KV graph and a full-vocabulary draft head (the naive path:

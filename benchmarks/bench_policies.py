@@ -1,6 +1,6 @@
 """Plain vs adaptive speculative decoding per prompt class, interleaved in one process.
 
-    python examples/bench_policies.py [BUNDLE] --max-tokens 128 --repeat 3 [--json out.json]
+    python benchmarks/bench_policies.py [BUNDLE] --max-tokens 128 --repeat 3 [--json out.json]
 
 Prompt classes: chat (Gemma turn format), code (completion), input-grounded (summarise /
 rewrite / extract from a given paragraph, turn format). Every configuration (drafter × policy)

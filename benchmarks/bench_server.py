@@ -1,7 +1,7 @@
 """What the HTTP server costs on top of the engine: the same greedy completion run in-process
 and through `edgespec serve`'s code (uvicorn on loopback, httpx client, SSE), interleaved.
 
-    python examples/bench_server.py [BUNDLE] [--tokens 64] [--repeats 5] [--concurrent 4]
+    python benchmarks/bench_server.py [BUNDLE] [--tokens 64] [--repeats 5] [--concurrent 4]
 
 Reports median wall time, tokens/s and time to first text per path, checks that the server's
 greedy text equals the engine's, then times N concurrent requests against N sequential ones.
