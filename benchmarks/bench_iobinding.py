@@ -21,7 +21,8 @@ def decode_run(sess, n_layers: int, kv_shape, prompt: list[int], steps: int) -> 
     ids, times = prompt, []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = sess.run(outputs, {"input_ids": np.asarray([ids], np.int64), "n_logits": np.asarray([1], np.int64), **past})
+        feeds = {"input_ids": np.asarray([ids], np.int64), "n_logits": np.asarray([1], np.int64), **past}
+        out = sess.run(outputs, feeds)
         past = {name.replace("present", "past"): arr for name, arr in zip(outputs[1:], out[1:])}
         ids = [int(out[0][0, -1].argmax())]
         times.append(time.perf_counter() - t0)

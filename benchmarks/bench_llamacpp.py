@@ -133,8 +133,8 @@ def main() -> None:
     args = ap.parse_args()
     b = load_bundle(args.bundle)
     gguf = str(b.file(b.manifest.target.formats["gguf"].file))
-    print(f"target {b.manifest.target.formats['gguf'].quantization}  draft {b.manifest.draft.formats['gguf'].quantization}"
-          f"  extra buffer types: {use_extra_buffer_types()}")
+    target_q, draft_q = b.manifest.target.formats["gguf"].quantization, b.manifest.draft.formats["gguf"].quantization
+    print(f"target {target_q}  draft {draft_q}  extra buffer types: {use_extra_buffer_types()}")
     llm = llama_cpp_high_level(gguf, args.threads)
     kw = dict(backend="llamacpp", threads=args.threads)
     plain = edgespec.load(args.bundle, use_draft=False, **kw)

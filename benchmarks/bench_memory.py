@@ -49,7 +49,7 @@ class PeakAnon:
             self.peak = max(self.peak, anon_bytes() or 0)
             time.sleep(self.interval_s)
 
-    def __enter__(self) -> "PeakAnon":
+    def __enter__(self) -> PeakAnon:
         self._thread.start()
         return self
 
@@ -74,7 +74,8 @@ def child(cfg: dict) -> dict:
             rs = list(e.stream(ids, max_tokens=cfg["new_tokens"]))
         st = rs[-1].stats
         plan = e.memory_plan
-        return dict(after_load=after_load, peak=peak.peak, anon_load=anon_load, anon_peak=anon.peak, tok_s=st.tokens_per_s, new=st.new_tokens,
+        return dict(after_load=after_load, peak=peak.peak, anon_load=anon_load, anon_peak=anon.peak,
+                    tok_s=st.tokens_per_s, new=st.new_tokens,
                     tokens=[t for r in rs for t in r.token_ids], draft=e.draft is not None,
                     capacity=e.context_limit, plan_total=plan.total if plan else None,
                     bounds=[plan.bounds.speculative, plan.bounds.plain] if plan else None)
@@ -171,7 +172,8 @@ def main() -> None:
         for name, cfg in configs.items():
             r = run(cfg)
             results[name].append(r)
-            msg = r.get("error") or (f"peak {r['peak'] / MiB:.0f} MiB, gen {(r['peak'] - r['after_load']) / MiB:.0f} MiB, "
+            msg = r.get("error") or (f"peak {r['peak'] / MiB:.0f} MiB, "
+                                     f"gen {(r['peak'] - r['after_load']) / MiB:.0f} MiB, "
                                      f"{r['tok_s']:.2f} tok/s, draft {r['draft']}, context {r['capacity']}")
             print(f"round {rnd + 1} {name:<14} {msg}", flush=True)
     print(f"\n{'config':<14} {'budget':>8} {'peak':>8} {'<=budget':>8} {'gen mem':>8} {'tok/s':>7} draft")

@@ -224,7 +224,8 @@ def main(argv=None) -> int:
     p.add_argument("--genai-draft", type=Path, default=None,
                    help="a bundle whose (full-vocabulary) target IR serves as GenAI's draft_model")
     p.add_argument("--prompts", default=None,
-                   help="a bench suite (chat, code, ... as `edgespec bench --prompts`) instead of the 3 built-in prompts")
+                   help="a bench suite (chat, code, ... as `edgespec bench --prompts`) "
+                        "instead of the 3 built-in prompts")
     p.add_argument("--only", default=None, help="comma-separated config names to run (default: all)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)

@@ -16,8 +16,17 @@ import threading
 
 from PySide6.QtCore import QObject, Qt, Signal, Slot
 from PySide6.QtGui import QCloseEvent, QTextCursor
-from PySide6.QtWidgets import (QApplication, QHBoxLayout, QLabel, QLineEdit, QMainWindow, QPushButton,
-                               QTextEdit, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QApplication,
+    QHBoxLayout,
+    QLabel,
+    QLineEdit,
+    QMainWindow,
+    QPushButton,
+    QTextEdit,
+    QVBoxLayout,
+    QWidget,
+)
 
 import edgespec
 
@@ -34,7 +43,7 @@ class ReplySignals(QObject):
 
 
 class ChatWindow(QMainWindow):
-    def __init__(self, engine: "edgespec.Engine", system: str | None = None, max_tokens: int = 512) -> None:
+    def __init__(self, engine: edgespec.Engine, system: str | None = None, max_tokens: int = 512) -> None:
         super().__init__()
         self.engine, self.max_tokens = engine, max_tokens
         self.session = engine.chat(system=system)

@@ -15,8 +15,8 @@ import argparse
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from openai import OpenAI
 

@@ -1,11 +1,36 @@
-"""Session fixtures: the tiny model zoo (tests/zoo.py), exported once per session."""
+"""Session fixtures: the tiny model zoo (tests/zoo.py), exported once per session; the slow tier's switch."""
 from __future__ import annotations
 
-from typing import Iterator
+import os
+from collections.abc import Iterator
 
 import pytest
 
 from tests.zoo import TinyZoo
+
+# The slow tier exports the real default model (minutes, GBs of temp files): a plain `pytest` is
+# for the edit-test loop, so it skips that tier; CI (.ci/run) and the README's test command opt in.
+SLOW_OPTION = "--slow"
+SLOW_ENV = "EDGESPEC_SLOW"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(SLOW_OPTION, action="store_true", default=False,
+                     help=f"also run the slow tier (@pytest.mark.slow: the real default model); or set {SLOW_ENV}=1")
+
+
+def slow_tier_enabled(config: pytest.Config) -> bool:
+    return bool(config.getoption(SLOW_OPTION)) or os.environ.get(SLOW_ENV, "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if slow_tier_enabled(config):
+        return
+    # A skip, not a deselect: `-ra` lists what was left out and why, so nobody mistakes it for a pass.
+    skip = pytest.mark.skip(reason=f"slow tier: run with {SLOW_OPTION} (or {SLOW_ENV}=1)")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session", autouse=True)
