@@ -95,4 +95,5 @@ def test_stop_ends_a_long_reply_and_the_conversation_survives(window, monkeypatc
     roles = [m["role"] for m in window.session.messages]
     assert roles == ["user", "assistant", "user", "assistant"] and window.last_reason == "length"
     assert window.session.messages[1] == partial
-    assert window.transcript.toPlainText().rstrip().endswith(("Model: " + window.session.messages[-1]["content"]).rstrip())
+    last_reply = "Model: " + window.session.messages[-1]["content"]
+    assert window.transcript.toPlainText().rstrip().endswith(last_reply.rstrip())

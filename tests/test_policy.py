@@ -158,7 +158,7 @@ def primed_policy(model_alpha: float, ngram_alpha: float, slope: float = 0.02) -
     p = CostAwareK(k_max=8)
     for _ in range(p.warmup):
         p.update(0, 0, 0.0, verify_ms(1, slope))
-    for i in range(20):
+    for _ in range(20):
         for src, alpha, cost in (("model", model_alpha, 3.0), ("ngram:1", ngram_alpha, 0.001)):
             accepted = round(4 * alpha)
             p.update(4, accepted, 4 * cost, verify_ms(5, slope), source=src, ms_per_token=cost)

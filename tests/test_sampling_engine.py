@@ -16,8 +16,8 @@ from edgespec.api import load
 from edgespec.bundle import load_bundle
 from edgespec.decoding import SamplingParams, probabilities
 from edgespec.runtimes.onnxruntime import OnnxRuntime
-from tests.zoo import OTHER_SEED
 from tests.tiny import PROMPTS
+from tests.zoo import OTHER_SEED
 
 N_RUNS = 3000
 MIN_EXPECTED = 5  # chi-square needs about 5 expected counts per bin: rarer tokens share one bin

@@ -13,7 +13,8 @@ import pytest
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "<start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n",
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+           "<start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n",
            "The history of the printing press begins", "Photosynthesis is the process by which",
            "Once upon a time, in a village by the sea,"]
 N_TOKENS = 48

@@ -5,7 +5,7 @@ whole cache, so a cache holding the wrong tokens (even far back) gives different
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -5,8 +5,9 @@ the first time a few seconds). The `zoo` fixture in conftest.py hands out one Ti
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from tests.tiny import CHATML, make_model
 
