@@ -354,11 +354,14 @@ class Engine:
         """Plain completion of `prompt`, returned as text."""
         return "".join(r.text for r in self.stream(prompt, **kwargs))
 
-    def chat(self, system: str | None = None):
-        """A multi-turn chat session that reuses the KV cache across turns."""
+    def chat(self, system: str | None = None, chat_format: str | None = None):
+        """A multi-turn chat session that reuses the KV cache across turns.
+
+        chat_format: "auto" (None: the model's own template, or a base model's plain-text
+        transcript), "template" or a transcript name (edgespec.models.chat_formats)."""
         from .session import ChatSession
 
-        return ChatSession(self, system=system)
+        return ChatSession(self, system=system, chat_format=chat_format)
 
     def memory(self) -> dict[str, dict[str, int]]:
         out = {"target": self.target.memory_bytes()}

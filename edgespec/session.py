@@ -1,29 +1,88 @@
 """Multi-turn chat on an Engine: the conversation's tokens are kept, so each turn only
-prefills what is new (the decoder reuses the cached common prefix)."""
+prefills what is new (the decoder reuses the cached common prefix).
+
+The chat format (models/chat_formats.py) decides how messages become tokens: the bundle's
+chat template for an instruction-tuned model, a plain-text transcript for a base model. The
+server renders its requests through the same `chat_format_for` / `ChatFormat.prompt`."""
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 from .decoding import SamplingParams
 from .errors import ConfigError, ContextFullError
+from .models.chat_formats import TEMPLATE, TRANSCRIPTS, Transcript, pick_chat_format
 
 if TYPE_CHECKING:
     import threading
 
     from .api import Engine, GenerationStats, Response
+    from .bundle import Manifest
+    from .tokenizer import Tokenizer
 
-__all__ = ["ChatSession"]
+__all__ = ["ChatSession", "ChatFormat", "ChatPrompt", "chat_format_for"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What one chat turn feeds the engine: the tokens and the strings that end the reply."""
+
+    tokens: list[int]
+    stop: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A resolved chat format: the bundle's template (transcript None) or a transcript."""
+
+    name: str
+    transcript: Transcript | None = None
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        # a template's end-of-turn token is among the tokenizer's stop ids already
+        return self.transcript.stop if self.transcript else ()
+
+    def encode(self, tokenizer: "Tokenizer", messages: Sequence[dict]) -> list[int]:
+        if self.transcript is None:
+            return tokenizer.encode_chat(list(messages))
+        return tokenizer.encode(self.transcript.render(messages))  # with BOS, as a plain prompt
+
+    def prompt(self, tokenizer: "Tokenizer", messages: Sequence[dict], stop: Sequence[str] = ()) -> ChatPrompt:
+        """Tokens for `messages` and the format's stop strings after the caller's `stop`."""
+        return ChatPrompt(self.encode(tokenizer, messages), tuple(stop) + self.stop)
+
+    def describe(self) -> str:
+        """One phrase for notes: what the model is shown."""
+        if self.transcript is None:
+            return "its chat template"
+        t = self.transcript
+        return (f"the plain-text '{t.name}' transcript ('{t.user} ...' / '{t.assistant} ...'; a reply ends at the "
+                f"next speaker{' or a blank line' if t.blank_line_ends else ''})")
+
+
+def chat_format_for(manifest: "Manifest", tokenizer: "Tokenizer", requested: str | None = None) -> ChatFormat:
+    """The chat format of a bundle: `requested` ("auto", "template" or a transcript name; None is
+    "auto") checked against what the bundle has. "auto" uses a model's own template, and for a
+    base model its family's transcript (or the default transcript): see pick_chat_format."""
+    from .models.families import FAMILIES
+
+    family = FAMILIES.get(manifest.model_type)
+    name = pick_chat_format(requested, has_template=tokenizer.has_chat_template,
+                            template_is_models_own=manifest.tokenizer.chat_template_source == "model",
+                            family_transcript=family.chat_transcript if family else None)
+    return ChatFormat(name, None if name == TEMPLATE else TRANSCRIPTS[name])
 
 
 class ChatSession:
     """Messages plus the token sequence the engine's caches hold for them."""
 
-    def __init__(self, engine: "Engine", system: str | None = None) -> None:
-        if not engine.tokenizer.has_chat_template:
-            raise ConfigError("this model has no chat template; use `edgespec generate` instead")
+    def __init__(self, engine: "Engine", system: str | None = None, chat_format: str | None = None) -> None:
+        self.format = chat_format_for(engine.bundle.manifest, engine.tokenizer, chat_format)
         self.engine = engine
         self.system = system
         self.messages: list[dict[str, str]] = []
@@ -44,13 +103,14 @@ class ChatSession:
         """Add a user message and stream the reply. The reply is recorded in the history
         even when the stream is stopped early (a Stop button setting `stop_event`, leaving the
         loop, Ctrl-C); a turn refused before its first token (BusyError) leaves no trace.
-        stop, stop_event, wait: as in Engine.stream."""
+        stop, stop_event, wait: as in Engine.stream; the chat format's stop strings are added.
+        Greedy by default (reproducible); CLI chat samples with models.chat_formats.CHAT_SAMPLING."""
         if not message.strip():
             raise ConfigError("empty message")
         if max_tokens < 1:
             raise ConfigError(f"max-tokens must be >= 1, got {max_tokens}")
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        return self._turn(message, params, max_tokens, tuple(stop), stop_event, wait)
+        return self._turn(message, params, max_tokens, tuple(stop) + self.format.stop, stop_event, wait)
 
     def _turn(self, message: str, params: SamplingParams, max_tokens: int, stop: tuple[str, ...],
               stop_event, wait) -> Iterator["Response"]:
@@ -62,8 +122,13 @@ class ChatSession:
         try:
             # may drop the oldest turns; a message too long for the context raises ContextFullError
             tokens = self._fit_context(max_tokens)
+            started = self.format.transcript is None
             for r in self.engine.stream_ids(tokens, params, max_tokens, stop, stats=stats,
                                             stop_event=stop_event, wait=wait):
+                if not started:  # a transcript reply follows "Answer:" with a space: not part of it
+                    text = r.text.lstrip()
+                    started = bool(text)
+                    r = dataclasses.replace(r, text=text)
                 reply.append(r.text)
                 yield r
         finally:
@@ -78,7 +143,9 @@ class ChatSession:
     def _fit_context(self, max_tokens: int) -> list[int]:
         """Tokens of the conversation, dropping its oldest turns (never the system prompt) while
         it leaves less than a reply's room in the context; says so once per drop."""
-        encode = self.engine.tokenizer.encode_chat
+        def encode(messages: list[dict]) -> list[int]:
+            return self.format.encode(self.engine.tokenizer, messages)
+
         tokens = encode(self.messages)
         limit = getattr(self.engine, "context_limit", None)
         if limit is None:

@@ -176,9 +176,10 @@ def test_stopping_a_reply_early_keeps_the_conversation(chat_engine, zoo):
         assert "".join(r.text for r in again.send("and then", max_tokens=10)) == reply
 
 
-def test_chat_needs_a_chat_template(engine):
+def test_chat_template_format_needs_a_chat_template(engine):
+    # a base model without a template chats through a transcript (tests/test_chat_formats.py)
     with pytest.raises(ConfigError, match="chat template"):
-        engine.chat()
+        engine.chat(chat_format="template")
 
 
 # -- sampling and options ------------------------------------------------------------------

@@ -1,13 +1,15 @@
 """`edgespec chat [BUNDLE]`: a streaming REPL on a ChatSession.
 
 Interactive on a terminal; reads one message per line when stdin is piped.
-Ctrl-C stops the current reply and keeps the conversation; Ctrl-D or /exit quits."""
+Ctrl-C stops the current reply and keeps the conversation; Ctrl-D or /exit quits.
+A base model chats through a plain-text transcript (--chat-format; models/chat_formats.py)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..errors import EdgespecError
+from ..errors import ConfigError, EdgespecError
+from ..models.chat_formats import CHAT_FORMAT_CHOICES, CHAT_SAMPLING, TRANSCRIPTS
 from .common import (add_engine_args, add_sampling_args, cli_entry, open_engine, print_memory_plan, sampling_kwargs,
                      setup_logging, validate_sampling)
 from .generate import _format_stats
@@ -24,7 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgespec chat", description="Chat with a bundle.")
     p.add_argument("bundle", nargs="?", default=None, help="bundle folder (default: the embedded Gemma 3 270M)")
     p.add_argument("--system", default=None, help="system prompt")
-    add_sampling_args(p, max_tokens=512)
+    p.add_argument("--chat-format", default="auto", metavar="FORMAT",
+                   help=f"how messages are shown to the model: {', '.join(CHAT_FORMAT_CHOICES)}. auto (default): "
+                        "the model's own chat template; for a base model the plain-text transcript of its family "
+                        f"(transcripts: {'; '.join(t.description for t in TRANSCRIPTS.values())})")
+    # sampled like llama.cpp's and LM Studio's chat defaults (docs/chat-formats.md); --temperature 0 is greedy
+    add_sampling_args(p, max_tokens=512, temperature=CHAT_SAMPLING.temperature, top_p=CHAT_SAMPLING.top_p,
+                      top_k=CHAT_SAMPLING.top_k)
     add_engine_args(p)
     return p
 
@@ -82,14 +90,42 @@ def _read(interactive: bool) -> str | None:
         return None
 
 
+def _tolerant_stdio() -> None:
+    """Bytes that are not valid in the terminal's encoding (a Latin-1 byte in a UTF-8 pipe) become
+    U+FFFD instead of ending the chat and losing the conversation; the same for replies written
+    to a terminal that cannot show a character."""
+    for stream in (sys.stdin, sys.stdout):
+        reconfigure = getattr(stream, "reconfigure", None)  # absent when tests swap in a StringIO
+        if reconfigure is not None:
+            reconfigure(errors="replace")
+
+
+def validate_chat_format(value: str) -> None:
+    """Fail on an unknown --chat-format before any model is loaded."""
+    if value not in CHAT_FORMAT_CHOICES:
+        raise ConfigError(f"unknown --chat-format {value!r} (choose from: {', '.join(CHAT_FORMAT_CHOICES)})")
+
+
+def format_note(session, base_model: bool) -> str | None:
+    """The first-run note: what the model is shown and how to change it (None: nothing to say)."""
+    fmt = session.format
+    others = ", ".join(c for c in CHAT_FORMAT_CHOICES if c not in ("auto", fmt.name))
+    if fmt.transcript is not None:
+        who = "this is a base model (no chat template of its own)" if base_model else "chat format chosen"
+        return (f"note: {who}; chatting through {fmt.describe()}. It continues text rather than follows "
+                f"instructions. Change it with --chat-format ({others}).")
+    if base_model:
+        return ("note: this is a base model; the chat template was not trained into it and it may babble "
+                f"(--chat-format auto uses a plain-text transcript; others: {others}).")
+    return None
+
+
 def repl(engine, args: argparse.Namespace, interactive: bool, out=sys.stdout) -> None:
-    session = engine.chat(system=args.system)
+    session = engine.chat(system=args.system, chat_format=args.chat_format)
     sampling = sampling_kwargs(args)
-    m = engine.bundle.manifest
-    if m.base_model:
-        how = f"the {m.family} family's chat format" if m.tokenizer.chat_template_source == "family" else "no chat format"
-        print(f"note: this is a base model without a chat template; using {how}. "
-              "Replies follow the text, not instructions.", file=sys.stderr)
+    note = format_note(session, engine.bundle.manifest.base_model)
+    if note:
+        print(note, file=sys.stderr)
     if interactive:
         print("edgespec chat - /help for commands, Ctrl-D to quit", file=sys.stderr)
     while True:
@@ -124,6 +160,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     validate_sampling(args)
+    validate_chat_format(args.chat_format)
+    _tolerant_stdio()
     with open_engine(args) as engine:
         print_memory_plan(engine, args.verbose)
         repl(engine, args, interactive=sys.stdin.isatty())

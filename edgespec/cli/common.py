@@ -55,11 +55,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                      top_k: int = 0) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (0, 1]")
-    g.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0 = off)")
+    g.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 = greedy (default: {temperature:g})")
+    g.add_argument("--top-p", type=float, default=top_p, help=f"nucleus sampling mass (0, 1] (default: {top_p:g})")
+    g.add_argument("--top-k", type=int, default=top_k, help=f"keep the k likeliest tokens (0 = off; default: {top_k})")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens per reply (default: {max_tokens})")
 

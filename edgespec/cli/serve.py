@@ -91,9 +91,11 @@ def main(argv: list[str]) -> int:
             cfg = dataclasses.replace(cfg, model_id=args.model_name or engine.bundle.path.name)
             app = create_app(engine, cfg)
             m = engine.bundle.manifest
-            if m.base_model and m.tokenizer.chat_template_source == "family":
-                print(f"note: a base model without a chat template; /v1/chat/completions uses the {m.family} "
-                      "family's chat format, and replies follow the text, not instructions", file=sys.stderr)
+            if m.base_model:
+                from ..session import chat_format_for
+
+                print(f"note: a base model without a chat template; /v1/chat/completions chats through "
+                      f"{chat_format_for(m, engine.tokenizer).describe()}", file=sys.stderr)
             if not _is_loopback(args.host) and api_key is None:
                 print(f"warning: listening on {args.host} without --api-key: anyone on the network can use it",
                       file=sys.stderr)

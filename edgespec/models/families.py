@@ -11,8 +11,9 @@ from ..errors import ExportError
 
 __all__ = ["Family", "FAMILIES", "family_for", "GEMMA_CHAT_TEMPLATE"]
 
-# Gemma's turn markers (the instruction-tuned Gemma template, minus tool calling). Used
-# when a Gemma checkpoint (e.g. the base GGUF) carries no template of its own.
+# Gemma's turn markers (the instruction-tuned Gemma template, minus tool calling). Kept in the
+# bundle of a Gemma checkpoint that carries no template of its own (e.g. the base GGUF), for
+# `--chat-format template`; a base model chats through its transcript by default.
 GEMMA_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if messages and messages[0]['role'] == 'system' -%}"
@@ -44,7 +45,8 @@ class Family:
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
     sandwich_norm: bool = False  # extra norms after attention and around the MLP (Gemma 2/3)
     fused_qkv: bool = False  # one qkv_proj / gate_up_proj matrix (Phi-3)
-    fallback_chat_template: str | None = None  # for checkpoints that ship none
+    fallback_chat_template: str | None = None  # for checkpoints that ship none (`--chat-format template`)
+    chat_transcript: str | None = None  # base models chat through this transcript (models/chat_formats.py)
     stop_tokens: tuple[str, ...] = ()  # end-of-turn tokens besides EOS
     reserved_token_pattern: str | None = None  # placeholder specials never emitted (not kept by VocabTrim)
     gguf_arch: str | None = None  # llama.cpp architecture name (None: no GGUF writer for it)
@@ -64,6 +66,7 @@ FAMILIES: dict[str, Family] = {
         embed_scale=True,
         sandwich_norm=True,
         fallback_chat_template=GEMMA_CHAT_TEMPLATE,
+        chat_transcript="qa",  # measured on Gemma 3 270M: docs/chat-formats.md
         stop_tokens=("<end_of_turn>",),
         reserved_token_pattern=r"<unused\d+>",
         gguf_arch="gemma3",
