@@ -258,6 +258,12 @@ class Engine:
         timeout = _wait_timeout(wait)
         if self._closed:
             raise EngineClosedError("the engine is closed; load the bundle again")
+        # a negative id would index from the end of the embedding, a large one crash the backend
+        vocab = self.target.vocab_size
+        bad = next((t for t in tokens if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t < vocab),
+                   None)
+        if bad is not None:
+            raise ConfigError(f"token id {bad!r} is out of range (vocabulary size {vocab})")
         holder: list[weakref.ref] = []
         gen = self._generation(tokens, params, max_tokens, list(stop), stats or GenerationStats(),
                                stop_event, timeout, holder)
@@ -345,7 +351,13 @@ class Engine:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if max_tokens < 1:
             raise ConfigError(f"max-tokens must be >= 1, got {max_tokens}")
-        tokens = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str) and not prompt.isascii():
+            try:  # a lone surrogate (from a bad byte in argv or a JSON escape) is not text
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"the prompt is not valid Unicode text (a lone surrogate at offset {e.start})") \
+                    from None
+        tokens = (self.tokenizer.encode(prompt) if prompt else []) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise ConfigError("the prompt is empty")
         return self.stream_ids(tokens, params, max_tokens, stop, stop_event=stop_event, wait=wait)

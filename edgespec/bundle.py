@@ -5,14 +5,18 @@ bundle fails at load with a one-line error instead of deep inside a backend.
 """
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
+import typing
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import MISSING as _MISSING
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, Iterator
 
 import numpy as np
@@ -28,6 +32,9 @@ __all__ = [
     "Manifest",
     "Bundle",
     "load_bundle",
+    "inside_bundle",
+    "read_manifest",
+    "sweep_stale",
     "staged_bundle_dir",
 ]
 
@@ -92,37 +99,139 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=False)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
-        try:
-            if d.get("schema_version") != SCHEMA_VERSION:
-                raise BundleError(
-                    f"bundle schema version {d.get('schema_version')!r} is not supported "
-                    f"(this edgespec reads version {SCHEMA_VERSION}); export the bundle again")
+    def from_dict(cls, d: Any) -> "Manifest":
+        """A manifest from parsed JSON; any wrong value is a one-line BundleError naming the field."""
+        if not isinstance(d, dict):
+            raise BundleError("broken manifest: not a JSON object")
+        version = d.get("schema_version")
+        if type(version) is not int or version != SCHEMA_VERSION:  # `true == 1` in Python
+            raise BundleError(
+                f"bundle schema version {version!r} is not supported "
+                f"(this edgespec reads version {SCHEMA_VERSION}); export the bundle again")
+        tok = _build(TokenizerInfo, d.get("tokenizer"), "tokenizer")
+        target = _entry(d.get("target"), "target")
+        if target is None:
+            raise BundleError("broken manifest: the target entry is null")
+        m = _build(cls, d, "manifest", tokenizer=tok, target=target, draft=_entry(d.get("draft"), "draft"))
+        _check_values(m)
+        return m
 
-            def entry(e):
-                if e is None:
-                    return None
-                e = dict(e)
-                e["formats"] = {k: Artifact(**v) for k, v in e["formats"].items()}
-                return ModelEntry(**e)
 
-            target = entry(d["target"])
-            if target is None:
-                raise BundleError("broken manifest: the target entry is null")
-            return cls(
-                schema_version=d["schema_version"],
-                model_type=d["model_type"],
-                family=d["family"],
-                base_model=bool(d["base_model"]),
-                tokenizer=TokenizerInfo(**d["tokenizer"]),
-                target=target,
-                draft=entry(d.get("draft")),
-                created_by=d.get("created_by", "edgespec"),
-            )
-        except (KeyError, TypeError) as e:
-            raise BundleError(f"broken manifest: missing or unexpected field {e}") from None
-        except (AttributeError, ValueError) as e:  # e.g. "formats": null, "target": "a string"
-            raise BundleError(f"broken manifest: a field has the wrong type ({e})") from None
+def _entry(e: Any, where: str) -> ModelEntry | None:
+    if e is None:
+        return None
+    if not isinstance(e, dict):
+        raise BundleError(f"broken manifest: {where} must be an object, got {_json(e)}")
+    formats = e.get("formats")
+    if not isinstance(formats, dict) or not formats:
+        raise BundleError(f"broken manifest: {where}.formats must be an object naming at least one format")
+    arts = {name: _build(Artifact, a, f"{where}.formats.{name}") for name, a in formats.items()}
+    return _build(ModelEntry, e, where, formats=arts)
+
+
+def _describe(hint: Any) -> str:
+    """A JSON reader's name for a type hint: 'a list of integers', 'a string or null'."""
+    args = typing.get_args(hint)
+    origin = typing.get_origin(hint)
+    if hint is type(None):
+        return "null"
+    if args and origin not in (list, dict):  # a union
+        return " or ".join(_describe(a) for a in args)
+    if origin is list:
+        return f"a list of {_describe(args[0]).removeprefix('an ').removeprefix('a ')}s"
+    if origin is dict or hint is dict:
+        return "an object"
+    return {bool: "true or false", int: "an integer", str: "a string", float: "a number"}.get(hint, "an object")
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a JSON value has the type a manifest field is annotated with."""
+    if hint is Any:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if args and origin not in (list, dict):  # a union such as `str | None`
+        return any(_conforms(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is int:  # bool is an int subclass, but `true` is not a layer count
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is list:
+        return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(_conforms(k, args[0]) and _conforms(v, args[1])
+                                               for k, v in value.items())
+    return isinstance(value, hint)
+
+
+def _build(kind: type, d: Any, where: str, **built: Any) -> Any:
+    """`kind(**d)` after checking every field's presence and JSON type (`built`: nested values
+    already made into dataclasses)."""
+    if not isinstance(d, dict):
+        raise BundleError(f"broken manifest: {where} must be an object, got {_json(d)}")
+    names = [f.name for f in fields(kind)]
+    unexpected = [k for k in d if k not in names]
+    if unexpected:
+        raise BundleError(f"broken manifest: unexpected field {where}.{unexpected[0]}")
+    hints = typing.get_type_hints(kind)
+    values = {**d, **built}
+    for f in fields(kind):
+        if f.name not in values:
+            if f.default is _MISSING and f.default_factory is _MISSING:
+                raise BundleError(f"broken manifest: missing field {where}.{f.name}")
+        elif f.name not in built and not _conforms(values[f.name], hints[f.name]):
+            raise BundleError(f"broken manifest: {where}.{f.name} must be {_describe(hints[f.name])}, "
+                              f"got {_json(values[f.name])}")
+    return kind(**values)
+
+
+def _json(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=True, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_values(m: Manifest) -> None:
+    """Ranges and paths the types cannot say: sizes are positive, ids are not negative, and
+    every file is a relative path that stays inside the bundle."""
+    tok = m.tokenizer
+    ids = [*tok.stop_token_ids, *([tok.bos_token_id] if tok.bos_token_id is not None else [])]
+    if any(i < 0 for i in ids):
+        raise BundleError("broken manifest: tokenizer token ids must not be negative")
+    check_relative(tok.file, "tokenizer.file")
+    for where, e in (("target", m.target), ("draft", m.draft)):
+        if e is None:
+            continue
+        for name in ("n_layers", "n_kv_heads", "head_dim", "vocab_size"):
+            if getattr(e, name) < 1:
+                raise BundleError(f"broken manifest: {where}.{name} must be >= 1, got {getattr(e, name)}")
+        if e.layers is not None and any(i < 0 for i in e.layers):
+            raise BundleError(f"broken manifest: {where}.layers must not hold negative indices")
+        for fmt, a in e.formats.items():
+            check_relative(a.file, f"{where}.formats.{fmt}.file")
+        if e.id_map is not None:
+            check_relative(e.id_map, f"{where}.id_map")
+
+
+def check_relative(rel: str, where: str) -> str:
+    """`rel` if it is a relative path without `..` (on POSIX and Windows), else a BundleError:
+    a bundle must not name files outside its folder."""
+    parts = re.split(r"[\\/]", rel)
+    if (not rel.strip() or "\0" in rel or PurePosixPath(rel).is_absolute() or PureWindowsPath(rel).drive
+            or rel.startswith(("/", "\\")) or ".." in parts):
+        raise BundleError(f"broken manifest: {where} must be a relative path inside the bundle, got {_json(rel)}")
+    return rel
+
+
+def inside_bundle(root: Path, rel: str, where: str = "file") -> Path:
+    """`root / rel`, refusing a path that leaves `root` (`..`, absolute, or through a symlink)."""
+    check_relative(rel, where)
+    path = root / rel
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        raise BundleError(f"bundle {root}: {where} {rel!r} points outside the bundle folder") from None
+    except OSError as e:  # a symlink loop
+        raise BundleError(f"bundle {root}: cannot resolve {where} {rel!r}: {e.strerror or e}") from None
+    return path
 
 
 @dataclass(frozen=True)
@@ -133,14 +242,33 @@ class Bundle:
     manifest: Manifest
 
     def file(self, rel: str) -> Path:
-        return self.path / rel
+        return inside_bundle(self.path, rel)
 
     def formats(self) -> list[str]:
         return sorted(self.manifest.target.formats)
 
     def id_map(self) -> np.ndarray | None:
         d = self.manifest.draft
-        return None if d is None or d.id_map is None else np.load(self.file(d.id_map))
+        if d is None or d.id_map is None:
+            return None
+        try:  # allow_pickle stays False: a bundle must not run code when it loads
+            return np.load(self.file(d.id_map))
+        except (OSError, ValueError) as e:
+            raise BundleError(f"bundle {self.path}: cannot read the draft's id map {d.id_map}: {e}") from None
+
+
+def read_manifest(root: Path) -> Manifest:
+    """The manifest of the bundle folder `root`; a one-line BundleError if it is not one."""
+    mf = root / MANIFEST
+    if not mf.is_file():
+        raise BundleError(f"{root} has no {MANIFEST}: not an edgespec bundle")
+    try:
+        data = json.loads(mf.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise BundleError(f"broken manifest {mf}: {str(e) or type(e).__name__}") from None
+    except OSError as e:
+        raise BundleError(f"cannot read {mf}: {e.strerror or e}") from None
+    return Manifest.from_dict(data)
 
 
 def load_bundle(path: str | os.PathLike) -> Bundle:
@@ -150,48 +278,104 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
         raise BundleError(f"bundle not found: {root}")
     if not root.is_dir():
         raise BundleError(f"{root} is not a bundle folder (export one with `edgespec export`)")
-    mf = root / MANIFEST
-    if not mf.is_file():
-        raise BundleError(f"{root} has no {MANIFEST}: not an edgespec bundle")
-    try:
-        data = json.loads(mf.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BundleError(f"broken manifest {mf}: {e}") from None
-    if not isinstance(data, dict):
-        raise BundleError(f"broken manifest {mf}: not a JSON object")
-    manifest = Manifest.from_dict(data)
-    files = [manifest.tokenizer.file]
-    for entry in filter(None, (manifest.target, manifest.draft)):
-        files += [a.file for a in entry.formats.values()]
+    manifest = read_manifest(root)
+    files = [("tokenizer.file", manifest.tokenizer.file)]
+    for where, entry in (("target", manifest.target), ("draft", manifest.draft)):
+        if entry is None:
+            continue
+        files += [(f"{where}.formats.{fmt}.file", a.file) for fmt, a in entry.formats.items()]
         if entry.id_map:
-            files.append(entry.id_map)
-    missing = [f for f in files if not (root / f).is_file()]
+            files.append((f"{where}.id_map", entry.id_map))
+    missing = [rel for where, rel in files if not inside_bundle(root, rel, where).is_file()]
     if missing:
         raise BundleError(f"bundle {root} is incomplete: missing {', '.join(missing)}")
     return Bundle(root, manifest)
+
+
+# staging folders are `.<name>.<pid>.stage-<random>` beside the output; the pid is the owner's,
+# so a later export can tell a crashed run's leftovers from a run still going
+_STAGE = re.compile(r"\.(?P<pid>\d+)\.(?:stage|old)-[A-Za-z0-9_]+")
+
+
+def _alive(pid: int) -> bool:
+    import psutil  # os.kill(pid, 0) would terminate the process on Windows
+
+    return pid == os.getpid() or psutil.pid_exists(pid)
+
+
+def sweep_stale(out: Path) -> list[Path]:
+    """Remove the staging folders beside `out` whose export process is gone (a SIGKILL or a
+    power cut leaves them, up to GBs each); return them. An old bundle moved aside by a
+    replace that died half-way is moved back to `out` instead when `out` is missing."""
+    swept = []
+    try:
+        leftovers = sorted(out.parent.glob(f".{glob.escape(out.name)}.*"))
+    except OSError:
+        return swept
+    for p in leftovers:
+        m = _STAGE.fullmatch(p.name[len(out.name) + 1:])
+        if m is None or not p.is_dir() or _alive(int(m["pid"])):
+            continue
+        if ".old-" in p.name and not out.exists():
+            logger.warning("restoring %s, moved aside by an export that did not finish", out)
+            p.rename(out)
+            continue
+        logger.info("removing %s, left by an export that did not finish", p)
+        shutil.rmtree(p, ignore_errors=True)
+        swept.append(p)
+    return swept
+
+
+def _replaceable(out: Path) -> None:
+    """Refuse to replace anything but an edgespec bundle (or an empty folder): `--force` on a
+    folder of the user's files must not delete them."""
+    if not out.is_dir():
+        raise BundleError(f"output path exists and is not a folder: {out}; choose another --output")
+    if not any(out.iterdir()):
+        return
+    try:
+        read_manifest(out)
+    except BundleError as e:
+        raise BundleError(f"--force replaces only an edgespec bundle, and {out} is not one ({e}); "
+                          "choose another --output") from None
 
 
 @contextmanager
 def staged_bundle_dir(out: Path, force: bool = False) -> Iterator[Path]:
     """Yield a temp folder beside `out`; on success rename it into place, else remove it.
 
-    A crash or error leaves no half-written bundle at `out`."""
+    A crash or error leaves no half-written bundle at `out`, and the old bundle stays until the
+    new one is complete: the replace moves it aside, moves the new one in, and moves it back if
+    that fails. Leftovers of runs killed outright are swept by the next export (sweep_stale)."""
     out = out.expanduser().resolve()
-    if out.exists() and not force:
-        raise BundleError(f"output path exists: {out}; pass --force to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        sweep_stale(out)
+        if out.exists() and not force:
+            raise BundleError(f"output path exists: {out}; pass --force to replace it")
+        if out.exists():
+            _replaceable(out)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.stage-", dir=out.parent))
+    except OSError as e:
+        raise BundleError(f"cannot write the bundle at {out}: {e.strerror or e}") from None
     try:
         yield tmp
         tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary folder
         if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.old-", dir=out.parent))
+            old.rmdir()  # only its unique name is wanted
             out.rename(old)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except BaseException:
+                old.rename(out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)
+    except OSError as e:  # a full disk, a folder made read-only meanwhile
+        where = f" {e.filename}" if e.filename else ""
+        raise BundleError(f"cannot write the bundle at {out}:{where} {e.strerror or e}") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

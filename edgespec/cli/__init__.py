@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 __all__ = ["main", "VERBS"]
@@ -40,4 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     if verb is None:
         print(f"edgespec: error: unknown command '{argv[0]}' (commands: {', '.join(VERBS)})", file=sys.stderr)
         return 2
-    return importlib.import_module(verb[0]).main(argv[1:])
+    try:
+        return importlib.import_module(verb[0]).main(argv[1:])
+    except BrokenPipeError:
+        # the reader left (`edgespec generate ... | head`): stop quietly, as `cat` would; stdout
+        # goes to devnull so the interpreter's last flush does not fail again
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, the status a shell gives a command killed by the closed pipe
+    except OSError as e:  # an unwritable cache folder, a full disk: the system's reason, on one line
+        where = f": {e.filename}" if e.filename else ""
+        print(f"edgespec: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from .common import cli_entry, setup_logging
 
@@ -64,8 +68,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-@cli_entry
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[threading.Event]:
+    """While the block runs, SIGTERM raises KeyboardInterrupt where the export is, so it unwinds
+    as Ctrl-C does (the staging folder, GBs, is removed; an old bundle stays) instead of killing
+    the process outright. Yields an Event set when SIGTERM came."""
+    got = threading.Event()
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield got
+        return
+
+    def terminate(signum, frame) -> None:
+        got.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str]) -> int:
+    with sigterm_as_interrupt() as terminated:
+        code = _main(argv)
+    return 128 + signal.SIGTERM if terminated.is_set() else code  # as a shell reports a SIGTERM kill
+
+
+@cli_entry
+def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     from ..exporters.export import ExportConfig, export_bundle

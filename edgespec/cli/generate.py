@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..errors import ConfigError
 from .common import (add_engine_args, add_sampling_args, cli_entry, open_engine, print_memory_plan, sampling_kwargs,
                      setup_logging, validate_sampling)
 
@@ -20,6 +21,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def read_stdin() -> str:
+    """All of stdin as UTF-8; a ConfigError naming the first bad byte instead of a traceback."""
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"stdin is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text with a byte that was not UTF-8: Python keeps one from argv as a lone
+    surrogate (U+DC80..U+DCFF), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        raise ConfigError(f"{what} is not UTF-8 text ({byte} at offset {e.start})") from None
+
+
 @cli_entry
 def main(argv: list[str]) -> int:
     parser = build_parser()
@@ -28,7 +49,10 @@ def main(argv: list[str]) -> int:
         parser.error("give at most a bundle and one prompt (quote the prompt)")
     args.bundle, prompt = (None, args.args[0]) if len(args.args) == 1 else args.args
     if prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = read_stdin()
+    if not prompt:
+        raise ConfigError("the prompt is empty; give the text to complete (or '-' to read it from stdin)")
+    check_text(prompt, "the prompt")
     setup_logging(args.verbose)
     validate_sampling(args)
     with open_engine(args) as engine:

@@ -5,6 +5,7 @@ of 1024, as on a disk label; a bare letter (K, M, G, T, as in `docker -m 2g`) is
 """
 from __future__ import annotations
 
+import math
 import re
 
 from ..errors import MemoryBudgetError
@@ -31,6 +32,8 @@ def parse_bytes(text: str | int | float) -> int:
         if not m or m.group(2).lower() not in UNITS:
             raise MemoryBudgetError(f"memory budget must be a size like 1.5GB, 900MiB or 2g, got {text!r}")
         value, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(value * UNITS[unit]):  # nan, inf, or 400 digits: int() would raise a bare error
+        raise MemoryBudgetError(f"memory budget must be a finite size like 1.5GB, got {str(text)[:40]!r}")
     n = int(value * UNITS[unit])
     if n <= 0:
         raise MemoryBudgetError(f"memory budget must be positive, got {text!r}")

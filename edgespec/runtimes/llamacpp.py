@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import BackendError
+from ..errors import BackendError, BundleError, ContextFullError
 from .base import Capabilities, Runtime
 
 __all__ = ["LlamaCppRuntime", "available_devices", "system_info", "use_extra_buffer_types", "DEFAULT_KV_CAPACITY",
@@ -257,6 +257,13 @@ class LlamaCppRuntime(Runtime):
         name = self._meta(EMBD_KEYS["file"])
         if name is None:
             return None
+        from ..bundle import inside_bundle
+
+        # the name comes from the file: a hostile GGUF must not make us read outside the bundle
+        try:
+            inside_bundle(path.parent, name, "the draft's input embedding")
+        except BundleError as e:
+            raise BackendError(str(e)) from None
         table = _EmbeddingTable(path.parent / name, self._meta(EMBD_KEYS["tensor"]) or "token_embd.weight",
                                 float(self._meta(EMBD_KEYS["scale"]) or 1.0))
         if table.n_embd != self._n_embd:
@@ -274,8 +281,8 @@ class LlamaCppRuntime(Runtime):
         ids = [int(t) for t in token_ids]
         n_logits = max(1, min(n_logits, len(ids)))
         if self._n_past + len(ids) > self.kv_capacity:
-            raise BackendError(f"the context is full ({self._n_past} + {len(ids)} tokens > kv capacity "
-                               f"{self.kv_capacity}); start a new conversation or raise the capacity")
+            raise ContextFullError(f"the context is full ({self._n_past} + {len(ids)} tokens > kv capacity "
+                                   f"{self.kv_capacity}); start a new conversation or raise the capacity")
         limit = self._embd.n_rows if self._embd is not None else self.vocab_size
         if min(ids) < 0 or max(ids) >= limit:
             raise BackendError(f"token id out of range [0, {limit})")
@@ -302,6 +309,8 @@ class LlamaCppRuntime(Runtime):
         ctypes.memmove(b.logits, outs.ctypes.data, outs.nbytes)
         b.n_tokens = n
         rc = self._lib.llama_decode(self._ctx, b)
+        if rc == 1:  # llama.h: "could not find a KV slot for the batch", the context is full
+            raise ContextFullError(f"the context is full: llama.cpp found no KV slot at position {self._n_past}")
         if rc != 0:
             # llama_decode leaves the memory as before the failed batch
             raise BackendError(f"llama_decode failed (code {rc}) at position {self._n_past}")

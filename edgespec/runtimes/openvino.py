@@ -37,18 +37,21 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import BackendError
+from ..errors import BackendError, ContextFullError
 from .base import Capabilities, Runtime
 from .compile_cache import compile_cache_dir
 from .openvino_graph import HIDDEN, cut_head, make_stateful, pad_keys, pad_queries, repacked_bytes
 
 __all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "KV_MODES",
            "OUTPUTS", "PRECISIONS", "check_device", "compile_model", "import_ov",
-           "model_precision", "read_ir"]
+           "model_precision", "ov_reason", "read_ir", "DEFAULT_KV_CAPACITY"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_STATIC_CAPACITY = 1024  # positions a static-shape model holds unless kv_capacity says otherwise
+# the dynamic mode's limit unless kv_capacity says otherwise, as onnxruntime's and llama.cpp's:
+# without one a 6000-token prompt ran (and took 6 GiB) where the other backends refuse it
+DEFAULT_KV_CAPACITY = 4096
 _FIRST_CAPACITY = 256  # the dynamic mode's first buffer; it doubles as the sequence grows
 _VIRTUAL = ("AUTO", "HETERO", "MULTI")  # OpenVINO's meta devices, valid wherever a real one is
 PRECISIONS = ("f32", "bf16", "f16")
@@ -84,6 +87,15 @@ def check_device(device: str, available: list[str]) -> str:
     return dev
 
 
+def ov_reason(e: Exception) -> str:
+    """OpenVINO's message on one line without its "Exception from src/...cpp:N:" lines, which
+    say only where it was raised: the reason is on the lines after them."""
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    lines = [ln for ln in lines if ln and not (ln.startswith("Exception from ") and ln.endswith(":"))]
+    text = " ".join(lines) or type(e).__name__
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
 def read_ir(path: Path, device: str | None):
     """(core, model, device): the IR at `path`, read for `device` (default CPU), which must be one
     OpenVINO sees here."""
@@ -94,7 +106,7 @@ def read_ir(path: Path, device: str | None):
     try:
         return core, core.read_model(str(path)), device
     except Exception as e:
-        raise BackendError(f"cannot load {path.name}: {str(e).splitlines()[0]}") from e
+        raise BackendError(f"cannot load {path.name}: {ov_reason(e)}") from e
 
 
 def model_precision(model, device: str, asked: str | None, threads: int | None) -> str:
@@ -130,7 +142,7 @@ def compile_model(core, model, path: Path, device: str, precision: str, threads:
     try:
         return core.compile_model(model, device, config)
     except Exception as e:
-        raise BackendError(f"OpenVINO could not compile {path.name} for {device}: {str(e).splitlines()[0]}") from e
+        raise BackendError(f"OpenVINO could not compile {path.name} for {device}: {ov_reason(e)}") from e
 
 
 class OpenVinoRuntime(Runtime):
@@ -173,7 +185,7 @@ class OpenVinoRuntime(Runtime):
         self.vocab_size = vocab.get_length()
         self._static = static
         self._width = max(int(width or 1), 1) if static else None
-        cap = kv_capacity or (DEFAULT_STATIC_CAPACITY if static else None)
+        cap = kv_capacity or (DEFAULT_STATIC_CAPACITY if static else DEFAULT_KV_CAPACITY)
         self._max_capacity = cap
         self._stateful = kv == "state"
         # the exact fast mode: keys padded to whole blocks, queries by a row (only the buffer
@@ -248,8 +260,8 @@ class OpenVinoRuntime(Runtime):
     def _reserve(self, total: int) -> None:
         limit = self._max_capacity
         if limit is not None and total > limit:
-            raise BackendError(f"OpenVINO: the KV cache holds at most {limit} positions "
-                               f"(kv_capacity); this sequence needs {total}")
+            raise ContextFullError(f"the context is full: the KV cache holds at most {limit} positions "
+                                   f"(kv_capacity); this sequence needs {total}")
         if self._stateful:
             return
         cap = self._buf[0].shape[2]
@@ -276,7 +288,7 @@ class OpenVinoRuntime(Runtime):
         except Exception as e:
             if self._stateful:  # the variables must hold the sequence as before the call
                 self._cut_state(n)
-            raise BackendError(f"OpenVINO inference failed: {str(e).splitlines()[0]}") from e
+            raise BackendError(f"OpenVINO inference failed: {ov_reason(e)}") from e
         for j, (k, v) in enumerate(self._new):
             self._buf[2 * j][:, :, n:n + S] = req.get_output_tensor(k).data[:, :, :S]
             self._buf[2 * j + 1][:, :, n:n + S] = req.get_output_tensor(v).data[:, :, :S]

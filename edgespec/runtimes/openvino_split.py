@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendError
-from .openvino import OpenVinoRuntime, compile_model, import_ov, model_precision, read_ir
+from .openvino import OpenVinoRuntime, compile_model, import_ov, model_precision, ov_reason, read_ir
 from .openvino_graph import HIDDEN, head_model
 from .shared_body import SharedBodyRuntime, shared_pair
 
@@ -52,7 +52,7 @@ class OpenVinoHead:
             self._req.set_input_tensor(0, self._tensor(x, shared_memory=True))
             self._req.infer()
         except Exception as e:
-            raise BackendError(f"OpenVINO head inference failed: {str(e).splitlines()[0]}") from e
+            raise BackendError(f"OpenVINO head inference failed: {ov_reason(e)}") from e
         return self._req.get_output_tensor(0).data[0]
 
     def close(self) -> None:

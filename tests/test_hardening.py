@@ -1,0 +1,468 @@
+"""Hostile inputs to the bundle loader, the exporter's output folder, the CLI and the Python API
+(issue 27): each is one typed error or one line on stderr, never a traceback, and nothing the
+user had is lost or left behind. The server's share is in test_hardening_server.py."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from edgespec.bundle import MANIFEST, Manifest, inside_bundle, load_bundle, staged_bundle_dir, sweep_stale
+from edgespec.errors import BackendError, BundleError, ConfigError, ContextFullError, MemoryBudgetError
+from tests.tiny import make_model
+from tests.zoo import AGREEING
+
+hypothesis = pytest.importorskip("hypothesis", reason="the fuzz tests need hypothesis (pip install 'edgespec[test]')")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+def cli(*args: str, stdin: bytes | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgespec", *args], input=stdin, capture_output=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode not in (0, None), err
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("edgespec: error:"), err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def bundle_error(path: Path) -> str:
+    with pytest.raises(BundleError) as info:
+        load_bundle(path)
+    msg = str(info.value)
+    assert msg and "\n" not in msg, msg
+    return msg
+
+
+@pytest.fixture
+def bundle(zoo, tmp_path) -> Path:
+    return Path(shutil.copytree(zoo.bundle("llama"), tmp_path / "bundle"))
+
+
+def edit(path: Path, change) -> None:
+    data = json.loads((path / MANIFEST).read_text())
+    change(data)
+    (path / MANIFEST).write_text(json.dumps(data))
+
+
+# -- item 6: manifest values are type- and path-checked ------------------------------------
+
+def _set(keys: tuple, value):
+    def change(d):
+        for k in keys[:-1]:
+            d = d[k]
+        d[keys[-1]] = value
+    return change
+
+
+@pytest.mark.parametrize("keys, value, needle", [
+    (("tokenizer", "stop_token_ids"), "1", "tokenizer.stop_token_ids must be a list of integers"),
+    (("tokenizer", "stop_token_ids"), ["1"], "tokenizer.stop_token_ids must be a list of integers"),
+    (("tokenizer", "stop_token_ids"), [-1], "must not be negative"),
+    (("tokenizer", "add_bos"), "yes", "tokenizer.add_bos must be true or false"),
+    (("tokenizer", "chat_template"), 7, "tokenizer.chat_template must be a string or null"),
+    (("base_model",), "no", "base_model must be true or false"),
+    (("target", "n_layers"), True, "target.n_layers must be an integer"),
+    (("target", "n_layers"), 0, "target.n_layers must be >= 1"),
+    (("target", "vocab_size"), "32", "target.vocab_size must be an integer"),
+    (("target", "layers"), [0.5], "target.layers must be a list of integers or null"),
+    (("target", "formats"), [], "target.formats must be an object"),
+    (("target", "source"), "hf", "target.source must be an object"),
+    (("draft",), "self", "draft must be an object"),
+    (("schema_version",), True, "schema version True is not supported"),
+])
+def test_wrong_types_are_one_line(bundle, keys, value, needle):
+    edit(bundle, _set(keys, value))
+    assert needle in bundle_error(bundle)
+
+
+@pytest.mark.parametrize("rel", ["../outside.json", "/etc/passwd", "a/../../b", "C:\\x\\tok.json", "..\\x", ""])
+def test_paths_outside_the_bundle_are_refused(bundle, rel):
+    edit(bundle, _set(("tokenizer", "file"), rel))
+    assert "tokenizer.file must be a relative path inside the bundle" in bundle_error(bundle)
+    edit(bundle, _set(("tokenizer", "file"), "tokenizer.json"))
+    edit(bundle, lambda d: d["target"]["formats"]["onnx"].update(file=rel))
+    assert "target.formats.onnx.file" in bundle_error(bundle)
+
+
+def test_a_symlink_out_of_the_bundle_is_refused(bundle, tmp_path):
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text("{}")
+    tok = json.loads((bundle / MANIFEST).read_text())["tokenizer"]["file"]
+    (bundle / tok).unlink()
+    (bundle / tok).symlink_to(outside)
+    assert "points outside the bundle folder" in bundle_error(bundle)
+
+
+def test_inside_bundle_allows_subfolders(bundle):
+    assert inside_bundle(bundle, "draft/x.npy") == bundle / "draft/x.npy"
+
+
+def test_llamacpp_refuses_an_embedding_file_named_outside_the_bundle(tmp_path):
+    pytest.importorskip("llama_cpp")
+    from edgespec.runtimes.llamacpp import EMBD_KEYS, LlamaCppRuntime
+
+    # the GGUF's metadata names the draft's embedding file: a hostile file names ../../secret
+    fake = SimpleNamespace(_meta=lambda key: "../../secret.gguf" if key == EMBD_KEYS["file"] else None, _n_embd=8)
+    with pytest.raises(BackendError, match="relative path inside the bundle"):
+        LlamaCppRuntime._input_embedding(fake, tmp_path / "draft" / "draft.gguf")
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=8), kids, max_size=3),
+                     max_leaves=8)
+
+
+def _paths(d, prefix=()):
+    yield prefix
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _paths(v, prefix + (k,))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzz_manifests_never_raise_anything_but_bundle_errors(zoo, bundle, data):
+    d = json.loads((zoo.bundle("llama") / MANIFEST).read_text())  # the original, not the copy being broken
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from([p for p in _paths(d) if p]))
+        target = d
+        for k in path[:-1]:
+            target = target[k]
+        if data.draw(st.booleans()) and isinstance(target, dict):
+            del target[path[-1]]
+        else:
+            target[path[-1]] = data.draw(_JSON)
+        if not isinstance(d, dict):
+            break
+    (bundle / MANIFEST).write_text(json.dumps(d, allow_nan=True))
+    try:
+        b = load_bundle(bundle)
+    except BundleError as e:
+        assert str(e) and "\n" not in str(e)
+    else:  # what loads names only files inside the bundle
+        for entry in filter(None, (b.manifest.target, b.manifest.draft)):
+            for art in entry.formats.values():
+                assert b.file(art.file).resolve().is_relative_to(bundle.resolve())
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=_JSON)
+def test_fuzz_any_json_value_as_a_manifest(raw):
+    try:
+        Manifest.from_dict(raw)
+    except BundleError as e:
+        assert "\n" not in str(e)
+
+
+# -- items 1 and 7: the output folder ------------------------------------------------------
+
+def _user_files(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "thesis.tex").write_text("years of work")
+    return folder
+
+
+def test_force_does_not_replace_a_folder_that_is_not_a_bundle(tmp_path):
+    out = _user_files(tmp_path / "mine")
+    with pytest.raises(BundleError, match="--force replaces only an edgespec bundle"):
+        with staged_bundle_dir(out, force=True):
+            pytest.fail("the export must not start")
+    assert (out / "thesis.tex").read_text() == "years of work"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_force_does_not_replace_a_file(tmp_path):
+    out = tmp_path / "notes.txt"
+    out.write_text("keep me")
+    with pytest.raises(BundleError, match="not a folder"):
+        with staged_bundle_dir(out, force=True):
+            pass
+    assert out.read_text() == "keep me"
+
+
+def test_force_replaces_a_bundle_and_an_empty_folder(bundle, tmp_path):
+    with staged_bundle_dir(bundle, force=True) as tmp:
+        (tmp / MANIFEST).write_text("{}")
+        (tmp / "new").write_text("new")
+    assert sorted(p.name for p in bundle.iterdir()) == [MANIFEST, "new"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with staged_bundle_dir(empty, force=True) as tmp:
+        (tmp / "new").write_text("new")
+    assert (empty / "new").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "empty"]  # nothing left beside them
+
+
+def test_a_failed_swap_keeps_the_old_bundle(bundle, monkeypatch):
+    before = sorted(p.name for p in bundle.iterdir())
+    real = Path.rename
+
+    def rename(self, target):
+        if ".stage-" in self.name:  # moving the new bundle in fails (a full disk, a virus scanner)
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(BundleError, match="Permission denied"):
+        with staged_bundle_dir(bundle, force=True) as tmp:
+            (tmp / MANIFEST).write_text("{}")
+    assert sorted(p.name for p in bundle.iterdir()) == before
+    assert [p.name for p in bundle.parent.iterdir()] == ["bundle"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_staging_folders_of_dead_exports_are_swept(tmp_path):
+    out = tmp_path / "b"
+    dead = tmp_path / f".b.{_dead_pid()}.stage-abc123"
+    (dead / "target").mkdir(parents=True)
+    (dead / "target" / "model.onnx").write_bytes(b"\0" * 1000)
+    live = tmp_path / f".b.{os.getppid()}.stage-xyz"  # the test runner's parent: alive
+    live.mkdir()
+    unrelated = tmp_path / ".b.backup"  # not a staging folder's name: never touched
+    unrelated.mkdir()
+    assert sweep_stale(out) == [dead]
+    assert not dead.exists() and live.exists() and unrelated.exists()
+
+
+def test_an_old_bundle_moved_aside_by_a_killed_replace_comes_back(bundle):
+    aside = bundle.with_name(f".{bundle.name}.{_dead_pid()}.old-q1")
+    bundle.rename(aside)
+    sweep_stale(bundle)
+    assert load_bundle(bundle) and not aside.exists()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    return make_model("llama", tmp_path_factory.mktemp("src") / "llama")
+
+
+def _export(source: Path, out: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "edgespec", "export", "--target", str(source), "-o", str(out),
+                             "--draft-precision", AGREEING], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait_for_staging(folder: Path, name: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while not list(folder.glob(f".{name}.*.stage-*")):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no staging folder appeared"
+        time.sleep(0.02)
+
+
+def test_sigterm_during_export_leaves_nothing(source, tmp_path):
+    out = tmp_path / "out"
+    proc = _export(source, out)
+    _wait_for_staging(tmp_path, "out", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert b"Traceback" not in err, err
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_sigkill_leftovers_are_swept_by_the_next_export(source, tmp_path):
+    out = tmp_path / "out"
+    proc = _export(source, out)
+    _wait_for_staging(tmp_path, "out", proc)
+    proc.kill()
+    proc.wait()
+    assert list(tmp_path.glob(".out.*"))  # what a kill -9 leaves
+    done = cli("export", "--target", str(source), "-o", str(out), "--draft-precision", AGREEING)
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and load_bundle(out)
+
+
+def test_cli_force_on_user_files_is_one_line(source, tmp_path):
+    out = _user_files(tmp_path / "docs")
+    one_line_error(cli("export", "--target", str(source), "-o", str(out), "--force"),
+                   "--force replaces only an edgespec bundle")
+    assert (out / "thesis.tex").read_text() == "years of work"
+
+
+def test_unwritable_cache_folder_is_one_line(source, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder should be")
+    # no -o: the bundle goes to the cache, which cannot be made (works as root too)
+    one_line_error(cli("export", "--target", str(source), env={"EDGESPEC_CACHE": str(blocker / "cache")}),
+                   "cannot write the bundle")
+
+
+def test_unwritable_compile_cache_turns_caching_off(tmp_path, monkeypatch, caplog):
+    from edgespec.runtimes.compile_cache import compile_cache_dir
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("EDGESPEC_CACHE", str(blocker / "cache"))
+    model = tmp_path / "m.xml"
+    model.write_text("<net/>")
+    assert compile_cache_dir(model, "CPU") is None
+    assert "compile cache off" in caplog.text
+
+
+def test_compile_cache_eviction_waits_for_the_cross_process_lock(tmp_path, monkeypatch, caplog):
+    pytest.importorskip("filelock")
+    from edgespec.runtimes import compile_cache
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("EDGESPEC_COMPILE_CACHE_MB", "1")
+    monkeypatch.setattr(compile_cache, "LOCK_TIMEOUT_S", 0.2)
+    root = tmp_path / "cache" / "openvino"
+    old = root / "old"
+    old.mkdir(parents=True)
+    (old / "blob").write_bytes(b"\0" * (2 << 20))  # over the 1 MB cap
+    os.utime(old, (1, 1))
+    model = tmp_path / "m.xml"
+    model.write_text("<net/>")
+    # another process holds the lock (a child, so the lock is truly another process's)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from filelock import FileLock; "
+                               f"l = FileLock({str(root / compile_cache.LOCK_NAME)!r}); l.acquire(); "
+                               "print('held', flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert compile_cache.compile_cache_dir(model, "CPU") is not None
+        assert old.exists() and "holds its lock" in caplog.text  # not pruned behind the holder's back
+    finally:
+        holder.kill()
+        holder.wait()
+    compile_cache.compile_cache_dir(model, "CPU")
+    assert not old.exists()  # with the lock free, the least recently used folder goes
+
+
+# -- item 10: the CLI ------------------------------------------------------------------------
+
+def test_empty_prompt_is_refused_before_loading():
+    one_line_error(cli("generate", "no-such-bundle", ""), "the prompt is empty")
+    one_line_error(cli("generate", "no-such-bundle", "-", stdin=b""), "the prompt is empty")
+
+
+def test_invalid_utf8_on_stdin_is_one_line():
+    one_line_error(cli("generate", "no-such-bundle", "-", stdin=b"caf\xe9 au lait"), "not UTF-8", "0xe9")
+
+
+def test_generate_into_a_closed_pipe_is_quiet(zoo):
+    bundle = zoo.bundle("llama")
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec", "generate", str(bundle), "the cat",
+                             "--max-tokens", "400"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(1)  # `| head -c 1`: read a byte, then hang up
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert proc.returncode == 141
+
+
+def test_invalid_utf8_in_argv_is_one_line(zoo):
+    # Python turns a bad byte in argv into a lone surrogate; refused before the model loads
+    proc = subprocess.run([sys.executable.encode(), b"-m", b"edgespec", b"generate",
+                           str(zoo.bundle("llama")).encode(), b"caf\xe9"], capture_output=True, timeout=300)
+    one_line_error(proc, "the prompt is not UTF-8 text (byte 0xe9 at offset 3)")
+
+
+# -- items 4 and 8: the Python API -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engine(zoo):
+    from edgespec.api import load
+
+    with load(zoo.bundle("llama"), max_context=64) as e:
+        yield e
+
+
+@pytest.mark.parametrize("ids", [[5, -1, 7], [5, 10**9], [True, 5], [5.0, 6]])
+def test_bad_token_ids_are_config_errors(engine, ids):
+    with pytest.raises(ConfigError, match="token id .* is out of range"):
+        engine.generate(ids, max_tokens=2)
+    with pytest.raises(ConfigError):
+        next(engine.stream_ids(list(ids), engine_params(), 2))
+    assert engine.generate([5, 6], max_tokens=2) is not None  # the engine still works
+
+
+def engine_params():
+    from edgespec.decoding import SamplingParams
+
+    return SamplingParams()
+
+
+@pytest.mark.parametrize("prompt, needle", [("", "the prompt is empty"),
+                                            ("ok \ud800 then", "not valid Unicode text")])
+def test_bad_prompts_are_config_errors(engine, prompt, needle):
+    with pytest.raises(ConfigError, match=needle):
+        engine.generate(prompt, max_tokens=2)
+
+
+def test_prompt_longer_than_the_context(engine):
+    with pytest.raises(ContextFullError, match="context holds 64"):
+        engine.generate(list(range(3, 80)), max_tokens=2)
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "9" * 400 + "GB", "1.5 parsecs", "-1GB", float("nan"), [1]])
+def test_bad_budgets_are_memory_budget_errors(zoo, budget):
+    from edgespec.api import load
+
+    with pytest.raises(MemoryBudgetError) as info:
+        load(zoo.bundle("llama"), memory_budget=budget)
+    assert "\n" not in str(info.value)
+
+
+# -- item 9: backends ---------------------------------------------------------------------------
+
+def test_openvino_reasons_survive():
+    from edgespec.runtimes.openvino import ov_reason
+
+    e = RuntimeError("Exception from src/inference/src/cpp/core.cpp:97:\n"
+                     "Exception from src/frontends/ir/src/ir_deserializer.cpp:1022:\n"
+                     "Cannot create Parameter layer input_ids id:0 from unsupported opset: opset99\n\n")
+    assert ov_reason(e) == "Cannot create Parameter layer input_ids id:0 from unsupported opset: opset99"
+
+
+def test_openvino_has_a_context_limit(zoo):
+    pytest.importorskip("openvino")
+    from edgespec.runtimes.openvino import DEFAULT_KV_CAPACITY, OpenVinoRuntime
+
+    b = load_bundle(zoo.bundle("llama", None, formats=("openvino",)))
+    path = b.file(b.manifest.target.formats["openvino"].file)
+    rt = OpenVinoRuntime(path, threads=1)
+    assert rt.kv_capacity == DEFAULT_KV_CAPACITY == 4096
+    small = OpenVinoRuntime(path, threads=1, kv_capacity=8)
+    small.forward([3, 4, 5, 6, 7, 8])
+    with pytest.raises(ContextFullError, match="the context is full"):
+        small.forward([3, 4, 5])
+    assert small.n_past == 6
+    with pytest.raises(BackendError) as info:  # a broken IR: the reason, not a source location
+        broken = path.with_name("broken.xml")
+        broken.write_text("<net name='x' version='11'><layers><layer id='0' type='Nope'/></layers></net>")
+        OpenVinoRuntime(broken, threads=1)
+    assert not str(info.value).rstrip().endswith(":") and "Exception from" not in str(info.value)
+
+
+def test_llamacpp_context_full_is_a_context_full_error(zoo):
+    pytest.importorskip("llama_cpp")
+    from edgespec.runtimes.llamacpp import LlamaCppRuntime
+
+    b = load_bundle(zoo.bundle("llama", None, formats=("gguf",)))
+    rt = LlamaCppRuntime(b.file(b.manifest.target.formats["gguf"].file), threads=1, kv_capacity=8)
+    rt.forward([3, 4, 5, 6, 7, 8])
+    with pytest.raises(ContextFullError, match="the context is full"):
+        rt.forward([3, 4, 5])
+    assert rt.n_past == 6
