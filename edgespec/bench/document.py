@@ -11,7 +11,7 @@ from .schema import KIND, SCHEMA_VERSION
 from .suites import prompt_format
 from .summary import summarise
 
-__all__ = ["bundle_summary", "build_document"]
+__all__ = ["bundle_summary", "build_document", "exactness_summary"]
 
 
 def _entry(e, fmt: str | None) -> dict | None:
@@ -53,10 +53,22 @@ def bundle_summary(engine) -> dict:
             "target": _entry(m.target, fmt), "draft": _entry(m.draft, dfmt)}
 
 
+def exactness_summary(engine) -> dict | None:
+    """The engine's exactness probe (which verify widths are bit-exact on this machine), when the
+    engine ran one: {"summary": its one-line description, **its figures}."""
+    probe = getattr(engine, "exactness", None)
+    if probe is None:
+        return None
+    return {"summary": probe.describe(), **_jsonable(probe.to_dict())}
+
+
 def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_spec: str, configs: list[str],
                    backend: dict, memory: dict, machine: dict | None = None, label: str | None = None,
                    memory_budget: str | None = None, started: datetime | None = None,
-                   duration_s: float = 0.0, prompts: list | None = None) -> dict:
+                   duration_s: float = 0.0, prompts: list | None = None, peer: dict | None = None,
+                   verify_costs: dict | None = None) -> dict:
+    """The run's JSON document (schema.py). `peer`: what the llama.cpp peer ran (peer.py's
+    describe()), when it ran; `verify_costs`: the target's c(B) curve (costs.py)."""
     machine = machine or machine_info()
     ran = {(r.cls, r.prompt) for r in runs}
     skipped = [f"{p.cls}/{p.id}" for p in prompts or [] if (p.cls, p.id) not in ran]
@@ -65,6 +77,9 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
         memory = {**memory, "plan": _jsonable(plan)}
     summary = summarise(runs, configs)
     started = started or datetime.now(timezone.utc)
+    extra = {"exactness": exactness_summary(engine), "verify_costs": verify_costs}
+    if peer is not None:
+        extra["peer"] = peer
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": KIND,
@@ -80,6 +95,7 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
                    "memory_budget": memory_budget,
                    "draft_body": "shared" if getattr(engine, "shared_body", False) else "own" if engine.draft else None},
         "memory": memory,
+        **extra,
         "configs": configs,
         "skipped": skipped,  # prompts that do not fit the context limit
         **summary,

@@ -6,35 +6,47 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from .measure import PLAIN, SPECULATIVE, RunRecord
-from .summary import class_metrics, group_runs
+from .measure import PEER, PLAIN, SPECULATIVE, RunRecord
+from .summary import class_metrics, group_runs, peer_figures
 
-__all__ = ["LiveTable", "format_table", "HEADER"]
+__all__ = ["LiveTable", "format_table", "header", "HEADER"]
 
-HEADER = (f"{'class':<10} {'config':<11} {'tok/s':>7} {'speed-up':>8} {'TTFT ms':>8} {'prefill/s':>9} "
-          f"{'accept':>6} {'tok/step':>8} {'draft%':>6} {'RSS MiB':>7}  same")
+
+def header(peer: bool = False) -> str:
+    """The table's column names; `peer`: with the `x llama.cpp` column."""
+    x = f" {'x llama.cpp':>11}" if peer else ""
+    return (f"{'class':<10} {'config':<11} {'tok/s':>7} {'speed-up':>8}{x} {'TTFT ms':>8} {'prefill/s':>9} "
+            f"{'accept':>6} {'tok/step':>8} {'draft%':>6} {'RSS MiB':>7}  same")
+
+
+HEADER = header()
 
 
 def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
-def format_row(cls: str, config: str, m: dict) -> str:
-    same = {True: "yes", False: "NO!"}.get(m.get("identical"), "?")
-    speed = "" if config == PLAIN else _fmt(m.get("speedup"), ".2f")
-    acc = "" if config == PLAIN else _fmt(m.get("acceptance"), ".0%")
-    return (f"{cls:<10} {config:<11} {m['tok_s']:>7.1f} {speed:>8} {m['ttft_ms']:>8.0f} {m['prefill_tok_s']:>9.0f} "
-            f"{acc:>6} {m['mean_accepted_length']:>8.2f} {m['draft_share']:>6.0%} "
+def format_row(cls: str, config: str, m: dict, peer: bool = False) -> str:
+    if config == PEER:  # not required to match: how many tokens agree with plain before the first difference
+        same = f"{_fmt(m.get('agree_tokens'), '.0f', '?')} tok agree"
+    else:
+        same = {True: "yes", False: "NO!"}.get(m.get("identical"), "?")
+    speed = "" if config in (PLAIN, PEER) else _fmt(m.get("speedup"), ".2f")
+    acc = "" if config in (PLAIN, PEER) else _fmt(m.get("acceptance"), ".0%")
+    x = f" {'' if config == PEER else _fmt(m.get('x_llamacpp'), '.2f'):>11}" if peer else ""
+    return (f"{cls:<10} {config:<11} {m['tok_s']:>7.1f} {speed:>8}{x} {m['ttft_ms']:>8.0f} "
+            f"{m['prefill_tok_s']:>9.0f} {acc:>6} {m['mean_accepted_length']:>8.2f} {m['draft_share']:>6.0%} "
             f"{m['peak_rss_bytes'] / 2**20:>7.0f}  {same}")
 
 
 def format_table(classes: dict, overall: dict | None = None) -> list[str]:
     """Console rows: one per class and configuration, plain first."""
-    lines = [HEADER]
+    peer = any(PEER in block for block in classes.values())
+    lines = [header(peer)]
     blocks = list(classes.items()) + ([("overall", overall)] if overall else [])
     for cls, block in blocks:
         for config, m in block.items():
-            lines.append(format_row(cls, config, m))
+            lines.append(format_row(cls, config, m, peer))
     return lines
 
 
@@ -46,14 +58,14 @@ def _running(runs: list[RunRecord], configs: list[str]) -> dict:
         block: dict = {}
         for c in configs:
             per_prompt = [rs for (k, _, cfg), rs in groups.items() if k == cls and cfg == c]
-            m = class_metrics(per_prompt, block.get(PLAIN))
+            m = class_metrics(per_prompt, block.get(PLAIN) if c != PEER else None)
             if not m:
                 continue
             m["identical"] = all(
                 r.tokens == groups[(k, p, PLAIN)][0].tokens
                 for (k, p, cfg), rs in groups.items() if k == cls and cfg == c and (k, p, PLAIN) in groups
                 for r in rs)
-            block[c] = m
+            block[c] = {**m, **peer_figures(groups, [cls], c)}
         out[cls] = block
     return out
 
@@ -65,11 +77,11 @@ def _prompt_line(runs: list[RunRecord], done: int, total: int) -> str:
     parts = []
     for c, r in by.items():
         part = f"{c} {r.tok_s:.1f}"
-        if c != PLAIN and plain is not None and plain.tok_s:
+        if c not in (PLAIN, PEER) and plain is not None and plain.tok_s:
             acc = f", acc {r.accepted / r.drafted:.0%}" if r.drafted else ""
             part += f" ({r.tok_s / plain.tok_s:.2f}x{acc})"
         parts.append(part)
-    same = plain is None or all(r.tokens == plain.tokens for r in runs)
+    same = plain is None or all(r.tokens == plain.tokens for r in runs if r.config != PEER)
     r0 = runs[0]
     return (f"[{done}/{total}] {r0.cls}/{r0.prompt} #{r0.repeat + 1} ({r0.prompt_tokens} prompt tokens): "
             f"{'; '.join(parts)} tok/s{'' if same else '  OUTPUT DIFFERS FROM PLAIN!'}")
@@ -86,14 +98,15 @@ class LiveTable:
         self.configs, self.classes, self.repeat = configs, classes, max(repeat, 1)
         self.runs: list[RunRecord] = []
         self.live = self.file.isatty() if live is None else live
+        self.peer = PEER in configs
         self._rows = []
         self._bar = tqdm(total=None, desc="bench", unit="run", file=self.file, disable=not self.live,
                          dynamic_ncols=True, leave=True)
         if self.live:
-            n_rows = 1 + len(classes) * len([c for c in configs if c in (PLAIN, SPECULATIVE)] or configs)
+            n_rows = 1 + len(classes) * len(self._shown())
             self._rows = [tqdm(total=0, bar_format="{desc}", position=i + 1, file=self.file, leave=False)
                           for i in range(n_rows)]
-            self._rows[0].set_description_str(HEADER)
+            self._rows[0].set_description_str(header(self.peer))
 
     def update(self, rec: RunRecord, done: int, total: int) -> None:
         self.runs.append(rec)
@@ -110,10 +123,12 @@ class LiveTable:
         if done % max(total // self.repeat, 1) == 0 or done == total:  # a repeat pass is complete
             self._print_pass(done, total)
 
+    def _shown(self) -> list[str]:
+        return [c for c in self.configs if c in (PLAIN, SPECULATIVE, PEER)] or self.configs
+
     def _table(self) -> list[str]:
-        shown = [c for c in self.configs if c in (PLAIN, SPECULATIVE)] or self.configs
-        running = _running(self.runs, shown)
-        return [format_row(cls, c, m) for cls, block in running.items() for c, m in block.items()]
+        running = _running(self.runs, self._shown())
+        return [format_row(cls, c, m, self.peer) for cls, block in running.items() for c, m in block.items()]
 
     def _refresh_rows(self) -> None:
         for bar, text in zip(self._rows[1:], self._table()):
@@ -121,7 +136,7 @@ class LiveTable:
 
     def _print_pass(self, done: int, total: int) -> None:
         print(f"-- after {done}/{total} runs (running medians)", file=self.file)
-        for line in [HEADER, *self._table()]:
+        for line in [header(self.peer), *self._table()]:
             print(line, file=self.file)
         self.file.flush()
 

@@ -8,7 +8,7 @@ import re
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["machine_info", "library_versions", "cpu_model", "run_label"]
+__all__ = ["machine_info", "library_versions", "cpu_model", "isa_features", "run_label"]
 
 # distributions whose versions a bench run records, when installed
 LIBRARIES = ("edgespec", "numpy", "tokenizers", "onnxruntime", "openvino", "openvino-genai", "llama-cpp-python",
@@ -41,6 +41,45 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+# /proc/cpuinfo names of the ISA extensions that decide which kernels llama.cpp, onnxruntime and
+# OpenVINO pick, and the names people know them by. aarch64 lists them under "Features", x86 under
+# "flags"; 32-bit ARM says "neon" where aarch64 says "asimd".
+ARM_FEATURES = {"asimd": "NEON", "neon": "NEON", "asimdhp": "FP16", "asimddp": "DOTPROD", "i8mm": "I8MM",
+                "bf16": "BF16", "sve": "SVE", "sve2": "SVE2", "sme": "SME"}
+X86_FEATURES = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "avx_vnni": "AVX-VNNI"}
+# every avx512*/amx_* flag, named as Intel does: avx512f -> AVX-512F, avx512_vnni -> AVX-512VNNI, amx_tile -> AMX-TILE
+X86_FAMILIES = (("avx512", "AVX-512"), ("amx_", "AMX-"))
+
+
+def _x86_name(flag: str) -> str | None:
+    if flag in X86_FEATURES:
+        return X86_FEATURES[flag]
+    for prefix, name in X86_FAMILIES:
+        if flag.startswith(prefix):
+            return name + flag[len(prefix):].lstrip("_").upper()
+    return None
+
+
+def isa_features(cpuinfo: str | None = None) -> list[str]:
+    """The SIMD/matrix extensions the CPU reports, e.g. ["AVX", "AVX2", "FMA", "F16C"] or
+    ["NEON", "FP16", "DOTPROD", "I8MM"]; [] where /proc/cpuinfo is not readable (macOS, Windows).
+
+    Read from the first core's "flags" (x86) or "Features" (ARM) line: big.LITTLE cores share the ISA."""
+    text = _cpuinfo() if cpuinfo is None else cpuinfo
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        key = key.strip().lower()
+        if not sep or key not in ("flags", "features"):
+            continue
+        flags = value.split()
+        if key == "flags":
+            names = [_x86_name(f) for f in flags]
+        else:
+            names = [ARM_FEATURES.get(f) for f in flags]
+        return list(dict.fromkeys(n for n in names if n))
+    return []
+
+
 def _os_name() -> str:
     if "ANDROID_ROOT" in os.environ or "TERMUX_VERSION" in os.environ:
         return f"Android (Linux {platform.release()})"
@@ -56,7 +95,7 @@ def _os_name() -> str:
 
 
 def machine_info() -> dict:
-    """CPU model, cores, RAM, arch, OS, Python, and the load when the run started."""
+    """CPU model, ISA features, cores, RAM, arch, OS, Python, and the load when the run started."""
     import psutil
 
     try:
@@ -66,6 +105,7 @@ def machine_info() -> dict:
     return {
         "cpu": cpu_model(),
         "arch": platform.machine(),
+        "isa": isa_features(),
         "cores_physical": psutil.cpu_count(logical=False),
         "cores_logical": psutil.cpu_count(logical=True),
         "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

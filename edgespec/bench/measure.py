@@ -17,12 +17,13 @@ from ..errors import ConfigError
 from ..memory.measure import PeakRSS
 from .suites import Prompt, encode_prompt
 
-__all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "build_decoders", "measure_run", "run_bench",
+__all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "PEER", "build_decoders", "measure_run", "run_bench",
            "rotated", "fits"]
 
 logger = logging.getLogger(__name__)
 
 PLAIN, SPECULATIVE = "plain", "speculative"
+PEER = "llama.cpp"  # llama-cpp-python's own plain decode (peer.py), when the bench measures it
 LIMITS = ("context_limit", "max_draft")  # decoder attributes an engine may set from its memory plan
 WARMUP_TOKENS = 16
 
@@ -86,6 +87,10 @@ def _source_kind(source: str) -> str:
 def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, SpeculativeDecoder]:
     """plain, the engine's own speculative decoder, and one fixed-k decoder per swept k."""
     if engine.drafter_name is None:
+        probe = getattr(engine, "exactness", None)
+        if probe is not None and getattr(probe, "exact_width", 2) < 2:
+            raise ConfigError(f"nothing to compare: {probe.describe()}, so drafting is off; --no-require-exact "
+                              "measures drafting anyway (its output may then differ from plain decoding)")
         if getattr(engine, "memory_plan", None) is not None:
             raise ConfigError("nothing to compare: the memory budget leaves no room for drafting; raise "
                               "--memory-budget or use --drafter ngram")
@@ -148,10 +153,12 @@ def rotated(names: list[str], shift: int) -> list[str]:
 
 def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
               on_run: Callable[[RunRecord, int, int], None] | None = None,
-              rss: PeakRSS | None = None) -> list[RunRecord]:
+              rss: PeakRSS | None = None, peer=None) -> list[RunRecord]:
     """Every configuration on every prompt, `cfg.repeat` times, interleaved; returns all runs.
 
-    `on_run(record, done, total)` is called after each measured run (the live table)."""
+    `on_run(record, done, total)` is called after each measured run (the live table). `peer`
+    (bench/peer.py: `.name`, `.decode(ids, max_tokens, stop_ids, rss)`) is one more configuration
+    in the rotation, decoding the same prompt ids."""
     if not prompts:
         raise ConfigError("no prompts to run")
     decoders = build_decoders(engine, cfg.k_sweep)
@@ -170,17 +177,22 @@ def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
     if not encoded:
         raise ConfigError(f"no prompt fits the engine's context limit ({engine.context_limit} tokens) with "
                           f"--max-tokens {cfg.max_tokens}")
-    names = list(decoders)
+    names = list(decoders) + ([peer.name] if peer is not None else [])
+
+    def one(name: str, ids: list[int], n: int, sampler: PeakRSS | None) -> RunRecord:
+        if peer is not None and name == peer.name:
+            return peer.decode(ids, n, stop_ids, sampler)
+        return measure_run(decoders[name], runtimes, ids, n, stop_ids, sampler)
+
     for w in range(cfg.warmup):  # first runs pay for allocations; adaptive policies get first measurements
         for name in names:
-            measure_run(decoders[name], runtimes, encoded[w % len(encoded)][1], min(WARMUP_TOKENS, cfg.max_tokens),
-                        stop_ids)
+            one(name, encoded[w % len(encoded)][1], min(WARMUP_TOKENS, cfg.max_tokens), None)
     total = cfg.repeat * len(encoded) * len(names)
     runs: list[RunRecord] = []
     for rep in range(cfg.repeat):  # repeats outermost: a slow patch of the machine hits every class
         for i, (p, ids) in enumerate(encoded):
             for name in rotated(names, rep + i):
-                rec = measure_run(decoders[name], runtimes, ids, cfg.max_tokens, stop_ids, rss)
+                rec = one(name, ids, cfg.max_tokens, rss)
                 rec.config, rec.cls, rec.prompt, rec.repeat = name, p.cls, p.id, rep
                 runs.append(rec)
                 if on_run is not None:

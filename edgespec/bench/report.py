@@ -11,19 +11,42 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import ConfigError
-from .measure import PLAIN, SPECULATIVE
+from .measure import PEER, PLAIN, SPECULATIVE
 
-__all__ = ["write_report", "require_matplotlib", "markdown", "PLOTS"]
+__all__ = ["write_report", "require_matplotlib", "check_report_dir", "markdown", "PLOTS", "PEER_PLOT"]
 
 logger = logging.getLogger(__name__)
 
 PLOTS = ("speed.png", "acceptance.png", "draft_length.png")
+PEER_PLOT = "llamacpp.png"  # written when a run measured the llama.cpp peer
 MIB = 2**20
 
 
 def require_matplotlib() -> None:
     if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("reports need matplotlib: pip install 'edgespec[bench]'")
+
+
+def check_report_dir(path: str | Path) -> Path:
+    """`path` if a report can be written there (a folder, or one that can be made), else a
+    one-line ConfigError; called before measuring."""
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--report needs a folder, but {out} is a file")
+    probe = out
+    while not probe.exists():  # the nearest folder that exists must take the new one
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"--report: cannot make {out}: {probe} is a file")
+    return out
+
+
+def _has_peer(run: dict) -> bool:
+    return PEER in run.get("configs", ())
+
+
+def _edgespec_configs(run: dict) -> list[str]:
+    return [c for c in run["configs"] if c != PEER]
 
 
 def _f(x, spec: str, none: str = "–") -> str:
@@ -42,8 +65,8 @@ def _spec(block: dict) -> dict | None:
 
 
 def _runs_table(runs: list[dict]) -> list[str]:
-    rows = ["| run | CPU | arch | cores | RAM | OS | Python | backend | libraries | bundle (target / draft) | "
-            "drafting | prompts × repeat × max tokens |", "|" + " --- |" * 12]
+    rows = ["| run | CPU | arch | ISA | cores | RAM | OS | Python | backend | libraries | bundle (target / draft) | "
+            "drafting | prompts × repeat × max tokens |", "|" + " --- |" * 13]
     for r in runs:
         m, b, c = r["machine"], r["bundle"], r["config"]
         t, d = b.get("target") or {}, b.get("draft") or {}
@@ -53,7 +76,8 @@ def _runs_table(runs: list[dict]) -> list[str]:
         libs = ", ".join(f"{k} {v}" for k, v in r["libraries"].items() if k in ("edgespec", "onnxruntime", "openvino",
                                                                              "llama-cpp-python", "numpy"))
         rows.append(
-            f"| {r['label']} | {m['cpu']} | {m['arch']} | {m.get('cores_usable') or m['cores_logical']} | "
+            f"| {r['label']} | {m['cpu']} | {m['arch']} | {' '.join(m.get('isa') or []) or '?'} | "
+            f"{m.get('cores_usable') or m['cores_logical']} | "
             f"{m['ram_bytes'] / 2**30:.0f} GiB | {m['os']} | {m['python']} | {r['backend'].get('name')} "
             f"{r['backend'].get('device') or 'CPU'} | {libs} | {b['name']}: {t.get('precision')} {t.get('format')} / "
             f"{draft} | {c.get('drafter')}, {c.get('policy')}, k={c.get('k')} | {c['prompts']} × {c['repeat']} × "
@@ -62,14 +86,24 @@ def _runs_table(runs: list[dict]) -> list[str]:
 
 
 def _results_table(run: dict) -> list[str]:
-    rows = ["| class | plain tok/s | speculative tok/s | speed-up | TTFT plain / spec (ms) | prefill tok/s | "
-            "acceptance | tokens / step | draft time | peak RSS (MiB) | identical |", "|" + " --- |" * 11]
+    peer = _has_peer(run)
+    head = ("| class | plain tok/s | speculative tok/s | speed-up | " +
+            ("llama.cpp tok/s | plain / spec x llama.cpp | " if peer else "") +
+            "TTFT plain / spec (ms) | prefill tok/s | acceptance | tokens / step | draft time | peak RSS (MiB) | "
+            "identical |")
+    rows = [head, "|" + " --- |" * (13 if peer else 11)]
     for cls, block in [*run["classes"].items(), ("**overall**", run["overall"])]:
         p, s = block[PLAIN], _spec(block) or {}
         same = "yes" if s.get("identical", True) else "**NO**"
+        if peer:
+            q = block.get(PEER) or {}
+            peer_cells = (f"{_f(q.get('tok_s'), '.1f')} | {_f(p.get('x_llamacpp'), '.2f')}× / "
+                          f"**{_f(s.get('x_llamacpp'), '.2f')}×** | ")
+        else:
+            peer_cells = ""
         rows.append(
             f"| {cls} | {p['tok_s']:.1f} | {_f(s.get('tok_s'), '.1f')} | **{_f(s.get('speedup'), '.2f')}×** | "
-            f"{p['ttft_ms']:.0f} / {_f(s.get('ttft_ms'), '.0f')} | {p['prefill_tok_s']:.0f} | "
+            f"{peer_cells}{p['ttft_ms']:.0f} / {_f(s.get('ttft_ms'), '.0f')} | {p['prefill_tok_s']:.0f} | "
             f"{_f(s.get('acceptance'), '.0%')} | {_f(s.get('mean_accepted_length'), '.2f')} | "
             f"{_f(s.get('draft_share'), '.0%')} | {max(p['peak_rss_bytes'], s.get('peak_rss_bytes', 0)) / MIB:.0f} | "
             f"{same} |")
@@ -77,7 +111,7 @@ def _results_table(run: dict) -> list[str]:
 
 
 def _sweep_table(run: dict) -> list[str]:
-    sweep = [c for c in run["configs"] if c not in (PLAIN, SPECULATIVE)]
+    sweep = [c for c in _edgespec_configs(run) if c not in (PLAIN, SPECULATIVE)]
     if not sweep:
         return []
     rows = ["", "Fixed draft lengths (all prompts):", "",
@@ -90,6 +124,25 @@ def _sweep_table(run: dict) -> list[str]:
     return rows
 
 
+def _peer_lines(run: dict) -> list[str]:
+    """Who the peer was and how far its greedy text agrees with edgespec plain."""
+    info = run.get("peer")
+    if not info or not _has_peer(run):
+        return []
+    origin = {"given": "given with --peer-gguf", "source": "the GGUF the bundle's target was exported from",
+              "bundle": "the bundle's own GGUF"}.get(info.get("origin"), info.get("origin"))
+    q = run["overall"].get(PEER, {})
+    agree = "; ".join(f"{cls} {_f(b.get(PEER, {}).get('agree_tokens'), '.0f')}"
+                      for cls, b in run["classes"].items() if PEER in b)
+    return ["", f"Peer: {info.get('library')} {info.get('version')}'s own plain greedy decode of "
+            f"`{info.get('gguf')}` ({origin}), {info.get('threads')} thread(s), in the same process, interleaved "
+            f"with edgespec on the same prompt token ids. `x llama.cpp` is the median over prompts of paired "
+            f"per-prompt ratios (edgespec tok/s over llama.cpp's in the same repeat). Its greedy text agrees "
+            f"with edgespec plain for a median of {_f(q.get('agree_tokens'), '.0f')} tokens before the first "
+            f"difference (per class: {agree}); {q.get('agree_prompts', 0)} of {q.get('prompts', 0)} prompts "
+            f"agree throughout (a quantized GGUF in another program need not round as edgespec does).", ""]
+
+
 def _mismatch_lines(run: dict) -> list[str]:
     bad = run["mismatches"]
     if not bad:
@@ -98,6 +151,25 @@ def _mismatch_lines(run: dict) -> list[str]:
                       f"{b['first_difference']})" for b in bad[:10])
     return ["", f"> **WARNING: greedy speculative output differed from plain decoding in {len(bad)} run(s)**: "
             f"{shown}{' …' if len(bad) > 10 else ''}. Speculative decoding must be lossless; please report this.", ""]
+
+
+def _devices_table(runs: list[dict]) -> list[str]:
+    """One row per run: what a fleet comparison needs at a glance (overall figures)."""
+    rows = ["| run | arch | ISA | plain tok/s | speculative tok/s | speed-up | acceptance | tokens / step | "
+            "peak RSS (MiB) | x llama.cpp (spec) | exactness | c(B) (B: cost over a one-token forward) |",
+            "|" + " --- |" * 12]
+    for r in runs:
+        o, m = r["overall"], r["machine"]
+        p, s = o[PLAIN], _spec(o) or {}
+        rss = max(p["peak_rss_bytes"], s.get("peak_rss_bytes", 0)) / MIB
+        exact = (r.get("exactness") or {}).get("summary", "–")
+        costs = r.get("verify_costs") or {}
+        cb = ", ".join(f"{b}: {c:.2f}" for b, c in (costs.get("c") or {}).items()) or "–"
+        rows.append(f"| {r['label']} | {m['arch']} | {' '.join(m.get('isa') or []) or '?'} | {p['tok_s']:.1f} | "
+                    f"{_f(s.get('tok_s'), '.1f')} | **{_f(s.get('speedup'), '.2f')}×** | "
+                    f"{_f(s.get('acceptance'), '.0%')} | {_f(s.get('mean_accepted_length'), '.2f')} | {rss:.0f} | "
+                    f"{_f(s.get('x_llamacpp'), '.2f')} | {exact} | {cb} |")
+    return rows + [""]
 
 
 def _compare_table(runs: list[dict]) -> list[str]:
@@ -115,7 +187,7 @@ def _compare_table(runs: list[dict]) -> list[str]:
             cells.append(f"{block[PLAIN]['tok_s']:.1f} → {_f(s.get('tok_s'), '.1f')} "
                          f"(**{_f(s.get('speedup'), '.2f')}×**)")
         rows.append(f"| {r['label']} | " + " | ".join(cells) + " |")
-    return rows + [""]
+    return rows + [""] + _devices_table(runs)
 
 
 def markdown(runs: list[dict], plots: list[str]) -> str:
@@ -129,10 +201,17 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
         mem = r.get("memory", {})
         load = r["machine"].get("load_avg_1min")
         lines += [f"## {r['label']}", ""]
+        if r.get("exactness"):
+            lines += [f"Exactness probe: {r['exactness']['summary']}.", ""]
+        if (r.get("verify_costs") or {}).get("c"):
+            vc = r["verify_costs"]
+            lines += [f"Cost of a B-token target forward over a one-token forward (c(B)): "
+                      + ", ".join(f"c({b}) = {c:.2f}" for b, c in vc["c"].items())
+                      + f", at {vc['one_token_ms']:.1f} ms per one-token forward.", ""]
         lines += _mismatch_lines(r)
         if r.get("skipped"):
             lines += [f"Skipped (prompt + reply exceed the context limit): {', '.join(r['skipped'])}.", ""]
-        lines += _results_table(r) + _sweep_table(r)
+        lines += _results_table(r) + _peer_lines(r) + _sweep_table(r)
         lines += ["", f"Prompts: {r['config']['prompts']} ({r['bundle']['chat_format']} for chat prompts). "
                   f"Load average at the start: {_f(load, '.2f')}; run took {r['duration_s']:.0f} s. "
                   f"RSS {_f(mem.get('rss_before_load'), ',')} B before loading, "
@@ -148,7 +227,7 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
               "model's catch-up) and the first step; prefill tok/s = prompt tokens / TTFT of plain decoding. "
               "Acceptance = accepted / drafted tokens; tokens/step = tokens committed per target forward. "
               "Draft time = share of the step time spent drafting. Peak RSS is the whole process (both models "
-              "loaded), sampled every 5 ms with psutil.", ""]
+              "loaded, and the llama.cpp peer's model when it ran), sampled every 5 ms with psutil.", ""]
     return "\n".join(lines)
 
 
@@ -217,7 +296,7 @@ def _plot_acceptance(runs: list[dict], out: Path) -> None:
 
 def _plot_draft_length(runs: list[dict], out: Path) -> None:
     fig, (ax1, ax2) = _figure(10.0, 4.0, ncols=2)
-    swept = any(c not in (PLAIN, SPECULATIVE) for r in runs for c in r["configs"])
+    swept = any(c not in (PLAIN, SPECULATIVE) for r in runs for c in _edgespec_configs(r))
     for i, r in enumerate(runs):
         tag = f" {r['label']}" if len(runs) > 1 else ""
         rows = (_spec(r["overall"]) or {}).get("by_draft_length", [])
@@ -261,6 +340,39 @@ def _plot_draft_length(runs: list[dict], out: Path) -> None:
     fig.savefig(out)
 
 
+def _plot_peer(runs: list[dict], out: Path) -> None:
+    """x llama.cpp per class: bars for the medians, dots for each prompt's paired ratio."""
+    runs = [r for r in runs if _has_peer(r)]
+    classes = [*_classes(runs), "overall"]
+    configs = [PLAIN, SPECULATIVE]
+    n = len(runs) * len(configs)
+    width = 0.8 / n
+    fig, (ax,) = _figure(max(6.0, 1.2 * len(classes) * n / 2 + 2), 4.2)
+    for i, r in enumerate(runs):
+        for j, c in enumerate(configs):
+            slot = i * len(configs) + j
+            xs = [k + slot * width - 0.4 + width / 2 for k in range(len(classes))]
+            vals = [((r["overall"] if cls == "overall" else r["classes"].get(cls, {})).get(c) or {}).get("x_llamacpp")
+                    for cls in classes]
+            tag = f" ({r['label']})" if len(runs) > 1 else ""
+            bars = ax.bar(xs, [v or 0.0 for v in vals], width, color=f"C{i}", alpha=0.45 if c == PLAIN else 1.0,
+                          label=f"edgespec {c}{tag}")
+            for bar, v in zip(bars, vals):
+                if v:
+                    ax.annotate(f"{v:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                                va="bottom", fontsize=8)
+            for row in r.get("prompts", []):  # the per-prompt pairs the medians are taken over
+                x = (row["configs"].get(c) or {}).get("x_llamacpp")
+                if x is not None and row["class"] in classes:
+                    ax.scatter([xs[classes.index(row["class"])], xs[-1]], [x, x], s=9, color="black", zorder=3)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(classes)), classes)
+    ax.set_ylabel("decode tok/s over llama.cpp's (paired per prompt)")
+    ax.set_title("edgespec over llama.cpp, same GGUF model (medians; dots: prompts)")
+    ax.legend(fontsize=8)
+    fig.savefig(out)
+
+
 def write_report(runs: list[dict], out_dir: str | Path) -> Path:
     """Write report.md and the PNG plots into `out_dir`; returns the Markdown file's path."""
     require_matplotlib()
@@ -270,9 +382,12 @@ def write_report(runs: list[dict], out_dir: str | Path) -> Path:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--report needs a folder, but {out} is a file")
     out.mkdir(parents=True, exist_ok=True)
-    for name, plot in zip(PLOTS, (_plot_speed, _plot_acceptance, _plot_draft_length)):
+    plots = list(zip(PLOTS, (_plot_speed, _plot_acceptance, _plot_draft_length)))
+    if any(_has_peer(r) for r in runs):
+        plots.append((PEER_PLOT, _plot_peer))
+    for name, plot in plots:
         plot(runs, out / name)
     md = out / "report.md"
-    md.write_text(markdown(runs, list(PLOTS)), encoding="utf-8")
+    md.write_text(markdown(runs, [name for name, _ in plots]), encoding="utf-8")
     logger.info("report written to %s", md)
     return md

@@ -3,7 +3,8 @@
 Version 1 (`"kind": "edgespec-bench"`), one run on one device:
 
     schema_version, kind, label, created (UTC ISO 8601), duration_s
-    machine     cpu, arch, cores_physical, cores_logical, cores_usable, ram_bytes, os, python, load_avg_1min
+    machine     cpu, arch, isa (e.g. ["AVX", "AVX2", "FMA"] or ["NEON", "DOTPROD", "I8MM"]), cores_physical,
+                cores_logical, cores_usable, ram_bytes, os, python, load_avg_1min
     libraries   {distribution: version} (edgespec, onnxruntime, numpy, tokenizers, ...)
     backend     name, device, draft_backend, draft_device, threads
     bundle      name, model_type, family, base_model, chat_format, target {format, precision, n_layers,
@@ -12,7 +13,13 @@ Version 1 (`"kind": "edgespec-bench"`), one run on one device:
                 memory_budget, draft_body ("shared": the draft on the target's body, "own", or null)
     memory      rss_before_load, rss_after_load, engine {target|draft: {weights, kv, ...}} (bytes),
                 plan (the engine's memory plan under --memory-budget, when it has one)
-    configs     configuration names: "plain", "speculative", then "k=N" of a sweep
+    exactness   the engine's exactness probe, or null: summary (one line), exact widths, max_width,
+                worst_diff, probe_ms, cached
+    verify_costs  the target's c(B), or null: one_token_ms, ms {B: ms}, c {B: B-token forward over a
+                one-token forward}, prefix, repeats (bench/costs.py)
+    peer        when llama.cpp was measured: name, library, version, gguf (file name), origin, threads, n_ctx
+    configs     configuration names: "plain", "speculative", then "k=N" of a sweep, then "llama.cpp"
+                (the peer: llama-cpp-python's own plain decode of the GGUF, same prompt token ids)
     skipped     ["class/id"]: prompts that did not fit the engine's context limit (optional)
     classes     {class: {config: metrics}}; overall: {config: metrics} over every prompt
     prompts     [{class, id, prompt_tokens, new_tokens, configs: {config: per-repeat figures}}]
@@ -23,8 +30,11 @@ metrics: prompts, runs, new_tokens, prompt_tokens, tok_s (decode, after the firs
 tok_s_per_repeat, e2e_tok_s, ttft_ms, prefill_tok_s, acceptance (null for plain),
 mean_accepted_length (tokens per target forward), mean_draft_length, draft_ms_per_token,
 verify_ms_per_token, draft_share, peak_rss_bytes, by_draft_length [{drafter, k, steps, accepted,
-acceptance}], identical; and for every configuration but plain: speedup (measured decode tok/s over
-plain's), e2e_speedup.
+acceptance}], identical; and for every configuration but plain and the peer: speedup (measured decode
+tok/s over plain's), e2e_speedup. With a peer, every edgespec configuration has x_llamacpp (the
+median of paired per-prompt tok/s ratios to the peer) and the peer agree_tokens, agree_tokens_min,
+agree_prompts (greedy tokens agreeing with edgespec plain before the first difference); per prompt,
+`prompts` rows carry agree_tokens and each configuration's x_llamacpp.
 
 `compare` may write `"kind": "edgespec-bench-compare"` with `runs`: a list of version-1 run documents.
 New fields may be added within a version; removing or changing one bumps the version.
@@ -33,11 +43,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["SCHEMA_VERSION", "KIND", "COMPARE_KIND", "validate", "save", "save_compare", "load_runs", "compare_document"]
+__all__ = ["SCHEMA_VERSION", "KIND", "COMPARE_KIND", "validate", "save", "save_compare", "load_runs", "compare_document",
+           "check_json_path"]
 
 SCHEMA_VERSION = 1
 KIND = "edgespec-bench"
@@ -125,15 +138,47 @@ def save_compare(doc: dict, path: str | Path) -> Path:
     return _write(doc, path)
 
 
+def check_json_path(path: str | Path, flag: str = "--json") -> Path:
+    """`path` if a result can be written there, else a one-line ConfigError: called before
+    measuring, so minutes of results are not lost to a typo. The folder must exist; writing is
+    tried (a read-only file system or a folder of another user fails here, root or not)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"{flag} needs a file name, but {p} is a folder")
+    if p.exists() and not p.is_file():
+        raise ConfigError(f"{flag}: {p} exists and is not a regular file")
+    folder = p.parent
+    if not folder.is_dir():
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise ConfigError(f"{flag}: cannot write {p.name} into {folder}: it {what}")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{p.name}.", suffix=".check"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot write into {folder}: {e.strerror or e}") from None
+    return p
+
+
 def _write(doc: dict, path: str | Path) -> Path:
-    """Write JSON atomically: a crash leaves no half-written file."""
+    """Write JSON atomically (a temporary file in the same folder, then os.replace): a crash or a
+    full disk leaves the old file or the new one, never half of one."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise ConfigError(f"--json needs a file name, but {path} is a folder")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    text = json.dumps(doc, indent=1, allow_nan=False) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide results from other users of a shared box
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise ConfigError(f"cannot write {path}: {e.strerror or e}") from None
     return path
 
 

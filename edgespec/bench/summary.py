@@ -5,15 +5,22 @@ the sum of its prompts' tokens over the sum of their median decode times, so lon
 as they should; the speed-up is that measured speed divided by plain decoding's measured speed,
 never a figure derived from acceptance. Greedy speculative output must equal plain output token
 for token; every prompt where it does not is listed as a mismatch.
+
+When the llama.cpp peer ran (peer.py), every edgespec configuration also gets `x_llamacpp`: per
+prompt, the median over repeats of its tok/s over the peer's in the same repeat (paired: the two
+ran back to back), then the median over the prompts. The peer is another program on a quantized
+GGUF, so its greedy text is not required to match; how far it agrees with edgespec plain is
+reported (`agree_tokens`), never counted as a mismatch.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from statistics import median
 
-from .measure import PLAIN, RunRecord
+from .measure import PEER, PLAIN, RunRecord
 
-__all__ = ["summarise", "group_runs", "class_metrics", "prompt_rows", "mismatches", "first_difference"]
+__all__ = ["summarise", "group_runs", "class_metrics", "prompt_rows", "mismatches", "first_difference",
+           "peer_ratio", "peer_agreement", "peer_figures"]
 
 
 def group_runs(runs: list[RunRecord]) -> dict[tuple[str, str, str], list[RunRecord]]:
@@ -91,12 +98,57 @@ def class_metrics(groups: list[list[RunRecord]], plain: dict | None = None) -> d
     return m
 
 
+def _paired(runs: list[RunRecord], peer_runs: list[RunRecord]) -> float | None:
+    """One prompt: the median over repeats of tok/s over the peer's tok/s in the same repeat."""
+    peer = {r.repeat: r for r in peer_runs}
+    pairs = [r.tok_s / peer[r.repeat].tok_s for r in runs if r.repeat in peer and peer[r.repeat].tok_s > 0]
+    return median(pairs) if pairs else None
+
+
+def peer_ratio(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str], config: str) -> float | None:
+    """`config`'s speed over the llama.cpp peer's on `classes`: the median of paired per-prompt ratios."""
+    ratios = [_paired(rs, groups.get((cls, prompt, PEER), []))
+              for (cls, prompt, c), rs in groups.items() if c == config and cls in classes]
+    ratios = [x for x in ratios if x is not None]
+    return median(ratios) if ratios else None
+
+
+def _agree(plain: list[int], peer: list[int]) -> int:
+    at = first_difference(plain, peer)
+    return len(plain) if at is None else at
+
+
+def peer_agreement(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str]) -> dict:
+    """How many greedy tokens the peer's output agrees with edgespec plain's before the first
+    difference, per prompt (first runs): the median, the least, and the prompts that agree throughout."""
+    agree, whole = [], 0
+    for (cls, prompt, c), rs in groups.items():
+        ref = groups.get((cls, prompt, PLAIN))
+        if c != PEER or cls not in classes or not ref:
+            continue
+        agree.append(_agree(ref[0].tokens, rs[0].tokens))
+        whole += first_difference(ref[0].tokens, rs[0].tokens) is None
+    if not agree:
+        return {}
+    return {"agree_tokens": median(agree), "agree_tokens_min": min(agree), "agree_prompts": whole,
+            "identical": whole == len(agree)}
+
+
+def peer_figures(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str], config: str) -> dict:
+    """The peer-relative fields of `config`'s metrics on `classes` ({} when no peer ran)."""
+    if not any(c == PEER for _, _, c in groups):
+        return {}
+    if config == PEER:
+        return peer_agreement(groups, classes)
+    return {"x_llamacpp": peer_ratio(groups, classes, config)}
+
+
 def mismatches(groups: dict[tuple[str, str, str], list[RunRecord]]) -> list[dict]:
     """Every (prompt, configuration, repeat) whose greedy tokens differ from plain decoding's first run."""
     out = []
     for (cls, prompt, config), runs in sorted(groups.items()):
         ref = groups.get((cls, prompt, PLAIN))
-        if not ref:
+        if not ref or config == PEER:  # the peer is compared by peer_agreement, not required to match
             continue
         for r in runs:
             if r is ref[0]:
@@ -116,6 +168,9 @@ def prompt_rows(groups: dict[tuple[str, str, str], list[RunRecord]], configs: li
         ref = groups.get((cls, prompt, PLAIN), [])
         row = {"class": cls, "id": prompt, "prompt_tokens": ref[0].prompt_tokens if ref else None,
                "new_tokens": len(ref[0].tokens) if ref else None, "configs": {}}
+        peer_runs = groups.get((cls, prompt, PEER), [])
+        if peer_runs and ref:
+            row["agree_tokens"] = _agree(ref[0].tokens, peer_runs[0].tokens)
         for c in configs:
             rs = groups.get((cls, prompt, c), [])
             if not rs:
@@ -129,6 +184,8 @@ def prompt_rows(groups: dict[tuple[str, str, str], list[RunRecord]], configs: li
                 "acceptance": sum(r.accepted for r in rs) / drafted if drafted else None,
                 "identical": all(first_difference(ref[0].tokens, r.tokens) is None for r in rs) if ref else None,
             }
+            if peer_runs and c != PEER:
+                row["configs"][c]["x_llamacpp"] = _paired(rs, peer_runs)
         rows.append(row)
     return rows
 
@@ -142,15 +199,12 @@ def summarise(runs: list[RunRecord], configs: list[str]) -> dict:
         out: dict = {}
         for c in [PLAIN] + [c for c in configs if c != PLAIN]:
             per_prompt = [rs for (cls, _, cfg), rs in groups.items() if cfg == c and cls in selected]
-            m = class_metrics(per_prompt, out.get(PLAIN))
+            m = class_metrics(per_prompt, out.get(PLAIN) if c != PEER else None)  # the peer: no speed-up
             if m:
-                out[c] = m
+                m["identical"] = not any(b["config"] == c and b["class"] in selected for b in bad)
+                out[c] = {**m, **peer_figures(groups, selected, c)}
         return out
 
     bad = mismatches(groups)
-    result = {"classes": {cls: block([cls]) for cls in classes}, "overall": block(classes),
-              "prompts": prompt_rows(groups, configs), "mismatches": bad}
-    for cls, block_ in [*result["classes"].items(), (None, result["overall"])]:
-        for c, m in block_.items():
-            m["identical"] = not any(b["config"] == c and cls in (None, b["class"]) for b in bad)
-    return result
+    return {"classes": {cls: block([cls]) for cls in classes}, "overall": block(classes),
+            "prompts": prompt_rows(groups, configs), "mismatches": bad}

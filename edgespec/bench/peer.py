@@ -1,0 +1,189 @@
+"""The peer an edge user already has: llama-cpp-python's own plain greedy decode of a GGUF.
+
+`edgespec bench` runs it in its own process, interleaved with edgespec's configurations on every
+prompt and repeat, fed edgespec's prompt token ids (so both decode the same prompt, whatever either
+tokenizer or chat formatting would do) and timed as edgespec is timed: decode tokens/s after the
+first token. It goes through `Llama.generate`, the loop `create_completion` uses, with llama.cpp's
+greedy sampler and default settings (mmap, its own weight repacking): what a user of
+llama-cpp-python gets, not edgespec's tuned llama.cpp backend.
+
+llama_cpp is imported only when a peer is opened; without it the bench runs without the column.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from .measure import PEER, RunRecord
+
+__all__ = ["PEER", "INSTALL_HINT", "PeerSource", "LlamaCppPeer", "find_peer_gguf", "check_gguf", "missing_reason"]
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'edgespec[llamacpp]'"
+DEFAULT_N_CTX = 4096  # edgespec's own default context: prompts that fit edgespec fit the peer
+
+
+@dataclass(frozen=True)
+class PeerSource:
+    """The GGUF the peer decodes and why that one."""
+
+    path: Path
+    origin: str  # "given" (--peer-gguf), "source" (the GGUF the target was exported from), "bundle" (its GGUF)
+
+
+def check_gguf(path: str | os.PathLike) -> Path:
+    """`path` if it is a readable GGUF file, else a one-line ConfigError."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"--peer-gguf: file not found: {p}")
+    try:
+        with p.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as e:
+        raise ConfigError(f"--peer-gguf: cannot read {p}: {e.strerror or e}") from None
+    if magic != b"GGUF":
+        raise ConfigError(f"--peer-gguf: {p} is not a GGUF file (bad magic bytes)")
+    return p
+
+
+def _source_gguf(source: dict) -> Path | None:
+    """The GGUF a target was exported from, when edgespec can find it: a preset's packaged model
+    (the default Gemma 3 270M) of that name and checksum. A user's own GGUF has no known place
+    (the manifest keeps no local paths): pass it with --peer-gguf."""
+    from ..models.catalog import PRESETS, preset_source
+
+    for name, preset in PRESETS.items():
+        if importlib.util.find_spec(preset.gguf_package) is None:
+            continue
+        pkg = importlib.import_module(preset.gguf_package)
+        if getattr(pkg, "MODEL_NAME", None) != source.get("name"):
+            continue
+        path = preset_source(name)  # assembles the file from its package if the cache lost it
+        want = source.get("sha256")
+        if want:
+            from ..exporters.sources import sha256_of  # hashlib only; no torch
+
+            if sha256_of([path]) != want:
+                logger.warning("%s differs from the GGUF the bundle was exported from (checksum)", path)
+                return None
+        return path
+    return None
+
+
+def find_peer_gguf(bundle, given: str | os.PathLike | None = None) -> PeerSource | None:
+    """The GGUF to measure llama.cpp on: `given`, else the GGUF the bundle's target came from when
+    it can be found, else the bundle's own GGUF target; None when there is none (an ONNX/OpenVINO
+    bundle exported from a Hugging Face folder)."""
+    if given is not None:
+        return PeerSource(check_gguf(given), "given")
+    target = bundle.manifest.target
+    if target.source.get("kind") == "gguf":
+        path = _source_gguf(target.source)
+        if path is not None:
+            return PeerSource(path, "source")
+    art = target.formats.get("gguf")
+    if art is not None:
+        return PeerSource(bundle.file(art.file), "bundle")
+    if target.source.get("kind") == "gguf":
+        logger.warning("the bundle's target came from %s, which edgespec cannot find; pass --peer-gguf FILE to "
+                       "measure llama.cpp on it", target.source.get("name"))
+    return None
+
+
+def missing_reason() -> str | None:
+    """Why the peer cannot run here (one line with the fix), or None when llama-cpp-python imports."""
+    try:
+        importlib.import_module("llama_cpp")
+    except ImportError:
+        return f"llama-cpp-python is not installed ({INSTALL_HINT})"
+    except OSError as e:  # the shared library did not load
+        return f"llama-cpp-python cannot load llama.cpp ({str(e).splitlines()[0] if str(e) else e})"
+    return None
+
+
+def _version() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+class LlamaCppPeer:
+    """llama-cpp-python's plain greedy decode of one GGUF, timed like an edgespec run."""
+
+    name = PEER
+
+    def __init__(self, source: PeerSource, *, threads: int, n_ctx: int = DEFAULT_N_CTX,
+                 vocab_size: int | None = None) -> None:
+        reason = missing_reason()
+        if reason is not None:
+            raise ConfigError(reason)
+        import llama_cpp
+
+        self.source, self.threads, self.n_ctx = source, int(threads), int(n_ctx)
+        try:
+            self._llm = llama_cpp.Llama(model_path=str(source.path), n_threads=self.threads,
+                                        n_threads_batch=self.threads, n_ctx=self.n_ctx, verbose=False)
+        except (ValueError, RuntimeError, OSError) as e:  # llama-cpp-python's "Failed to load model from file"
+            raise ConfigError(f"llama.cpp cannot load {source.path.name}: {str(e).splitlines()[0]}") from None
+        n_vocab = self._llm.n_vocab()
+        if vocab_size is not None and n_vocab != vocab_size:
+            self.close()
+            raise ConfigError(f"the peer GGUF {source.path.name} has {n_vocab} tokens, the bundle's target "
+                              f"{vocab_size}: not the same model (--peer-gguf)")
+
+    def describe(self) -> dict:
+        """What the JSON records about the peer (a file name, no local path)."""
+        return {"name": PEER, "library": "llama-cpp-python", "version": _version(), "gguf": self.source.path.name,
+                "origin": self.source.origin, "threads": self.threads, "n_ctx": self.n_ctx,
+                "sampling": "greedy (llama.cpp's greedy sampler)"}
+
+    def decode(self, ids: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (), rss=None) -> RunRecord:
+        """Greedy-decode `max_tokens` tokens after `ids` from an empty cache, timed; the record's
+        config/class/prompt fields are left for the caller, as measure.measure_run leaves them."""
+        llm = self._llm
+        llm.reset()  # n_tokens = 0: generate() then reuses no cached prefix, every run prefills
+        if rss is not None:
+            rss.mark()
+        rec = RunRecord(PEER, "", "", 0, len(ids), [], 0.0, 0.0)
+        out: list[int] = []
+        stops = set(stop_ids)
+        t0 = time.perf_counter()
+        first = None
+        gen = llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True)
+        try:
+            for tok in gen:
+                if first is None:
+                    first = time.perf_counter() - t0
+                out.append(int(tok))
+                if len(out) >= max_tokens or tok in stops:
+                    break  # before generate() evaluates one more token
+        finally:
+            gen.close()
+        rec.total_s = time.perf_counter() - t0
+        rec.ttft_s = rec.total_s if first is None else first
+        rec.tokens, rec.steps = out, len(out)  # one forward per token
+        if rss is not None:
+            rec.peak_rss = rss.mark()
+        return rec
+
+    def close(self) -> None:
+        llm, self._llm = getattr(self, "_llm", None), None
+        if llm is not None and hasattr(llm, "close"):
+            llm.close()
+
+    def __enter__(self) -> "LlamaCppPeer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

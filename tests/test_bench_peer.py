@@ -1,0 +1,309 @@
+"""`edgespec bench` against llama.cpp: the peer column (a stand-in peer, and llama-cpp-python on a
+tiny bundle's own GGUF), the line that says how to get llama-cpp-python, the engine's exactness
+probe in the JSON and the report, fleet reports over several JSON files, and `--json` paths that
+cannot be written (refused before measuring; results never lost)."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from edgespec.api import load
+from edgespec.bench import PLAIN, SPECULATIVE, BenchConfig, Prompt, RunRecord, build_decoders, build_document
+from edgespec.bench import load_runs, measure_run, run_bench, save, summarise, validate
+from edgespec.bench.document import exactness_summary
+from edgespec.bench.measure import PEER
+from edgespec.decoding import SpeculativeDecoder
+from edgespec.errors import ConfigError
+from tests.test_bench import LENIENT, SMALL, assert_one_line_error, png_ok, run_cli
+
+AGREE = 5  # the stand-in peer agrees with edgespec plain on this many tokens, then differs
+
+
+class StandInPeer:
+    """Plays llama.cpp without llama_cpp: decodes with the engine's target, plainly, and changes
+    every token from the AGREE-th on (a peer that rounds differently)."""
+
+    name = PEER
+
+    def __init__(self, engine) -> None:
+        self.engine, self.calls = engine, []
+
+    def decode(self, ids, max_tokens, stop_ids=(), rss=None) -> RunRecord:
+        self.calls.append(list(ids))
+        rec = measure_run(SpeculativeDecoder(self.engine.target), [self.engine.target], list(ids), max_tokens,
+                          stop_ids, rss)
+        vocab = self.engine.target.vocab_size
+        rec.tokens = rec.tokens[:AGREE] + [(t + 1) % vocab for t in rec.tokens[AGREE:]]
+        rec.config = PEER
+        return rec
+
+    def describe(self) -> dict:
+        return {"name": PEER, "library": "stand-in", "version": "0", "gguf": "model.gguf", "origin": "given",
+                "threads": 1, "n_ctx": 512}
+
+
+class StandInProbe:
+    """The engine's exactness probe result, as the lead's runtimes/exactness.py shapes it."""
+
+    def to_dict(self) -> dict:
+        return {"max_width": 8, "exact": [2, 3, 4], "exact_width": 4, "worst_diff": 0.03, "probe_ms": 812.5,
+                "cached": False}
+
+    def describe(self) -> str:
+        return "exact verify widths on this machine: 2-4 (not 5+: up to 0.03 off)"
+
+
+class WithProbe:
+    """An engine seen through a proxy that adds `exactness` (the engine itself is left alone)."""
+
+    exactness = StandInProbe()
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.fixture(scope="module")
+def peer_doc(zoo) -> dict:
+    """A real bench run on the tiny llama bundle with the stand-in peer and a stand-in probe."""
+    cfg = BenchConfig(repeat=2, max_tokens=12, warmup=1)
+    with load(zoo.bundle("llama"), drafter="both") as engine:
+        peer = StandInPeer(engine)
+        runs = run_bench(engine, SMALL, cfg, peer=peer)
+        configs = [*build_decoders(engine), PEER]
+        doc = build_document(WithProbe(engine), runs, cfg, prompts_spec="test", configs=configs,
+                             backend={"name": engine.backend}, memory={"engine": engine.memory()},
+                             peer=peer.describe())
+    doc["_runs"], doc["_peer_calls"] = runs, peer.calls
+    return doc
+
+
+def _clean(doc: dict) -> dict:
+    return {k: v for k, v in doc.items() if not k.startswith("_")}
+
+
+# ---------------------------------------------------------------- the peer column
+
+
+def test_stand_in_peer_runs_interleaved_on_the_same_prompt_ids(peer_doc):
+    runs = peer_doc["_runs"]
+    assert len(runs) == 2 * len(SMALL) * 3  # repeats x prompts x (plain, speculative, peer)
+    peer_runs = [r for r in runs if r.config == PEER]
+    plain = {(r.prompt, r.repeat): r for r in runs if r.config == PLAIN}
+    assert len(peer_runs) == 2 * len(SMALL)
+    for r in peer_runs:  # fed edgespec's prompt token ids, as many tokens as edgespec decodes
+        assert r.prompt_tokens == plain[(r.prompt, r.repeat)].prompt_tokens and len(r.tokens) == 12
+    # the rotation puts the peer in every position, so no configuration always runs first
+    order = [[r.config for r in runs[i:i + 3]] for i in range(0, len(runs), 3)]
+    assert {o.index(PEER) for o in order} == {0, 1, 2}
+    assert len(peer_doc["_peer_calls"]) == len(peer_runs) + 1  # plus one warm-up run
+
+
+def test_peer_figures_in_the_json(peer_doc, tmp_path):
+    doc = _clean(peer_doc)
+    assert doc["configs"] == [PLAIN, SPECULATIVE, PEER] and doc["peer"]["gguf"] == "model.gguf"
+    # the peer's different text is reported as agreement, never as a losslessness failure
+    assert doc["identical"] is True and doc["mismatches"] == []
+    for cls, block in [*doc["classes"].items(), ("overall", doc["overall"])]:
+        assert block[PLAIN]["x_llamacpp"] > 0 and block[SPECULATIVE]["x_llamacpp"] > 0, cls
+        q = block[PEER]
+        assert q["agree_tokens"] == AGREE and q["agree_tokens_min"] == AGREE and q["agree_prompts"] == 0
+        assert q["identical"] is False and "speedup" not in q and "x_llamacpp" not in q
+    for row in doc["prompts"]:
+        assert row["agree_tokens"] == AGREE and row["configs"][SPECULATIVE]["x_llamacpp"] > 0
+    (back,) = load_runs(save(doc, tmp_path / "peer.json"))
+    assert back["overall"][PEER]["agree_tokens"] == AGREE
+
+
+def test_x_llamacpp_is_the_median_of_paired_per_prompt_ratios():
+    def rec(config, prompt, rep, decode_s):  # 11 tokens: 10 decoded after the first
+        return RunRecord(config, "c", prompt, rep, 4, list(range(11)), 0.1, 0.1 + decode_s, steps=11)
+
+    runs = [
+        # prompt a: paired ratios 2.0 (0.5 s vs 1.0 s) and 4.0 (0.5 vs 2.0: a slow patch hit the peer) -> 3.0
+        rec(PLAIN, "a", 0, 1.0), rec(PEER, "a", 0, 1.0), rec(SPECULATIVE, "a", 0, 0.5),
+        rec(PLAIN, "a", 1, 1.0), rec(PEER, "a", 1, 2.0), rec(SPECULATIVE, "a", 1, 0.5),
+        # prompt b: ratio 1.5 in both repeats; prompt c: 0.5
+        rec(PLAIN, "b", 0, 1.0), rec(PEER, "b", 0, 1.5), rec(SPECULATIVE, "b", 0, 1.0),
+        rec(PLAIN, "b", 1, 1.0), rec(PEER, "b", 1, 1.5), rec(SPECULATIVE, "b", 1, 1.0),
+        rec(PLAIN, "c", 0, 1.0), rec(PEER, "c", 0, 1.0), rec(SPECULATIVE, "c", 0, 2.0),
+    ]
+    s = summarise(runs, [PLAIN, SPECULATIVE, PEER])
+    block = s["classes"]["c"]
+    assert block[SPECULATIVE]["x_llamacpp"] == pytest.approx(1.5)  # median of 3.0, 1.5, 0.5
+    assert block[PLAIN]["x_llamacpp"] == pytest.approx(1.5)  # a: median(1.0, 2.0); b: 1.5; c: 1.0
+    # a ratio of the class's speeds would say otherwise: the pairing is what is measured
+    assert block[SPECULATIVE]["tok_s"] / block[PEER]["tok_s"] != pytest.approx(1.5)
+    assert block[PEER]["agree_prompts"] == 3 and block[PEER]["identical"] is True
+
+
+def test_llama_cpp_peer_on_the_bundles_own_gguf(zoo, tmp_path):
+    """llama-cpp-python decodes the tiny bundle's own (fp32) GGUF from edgespec's prompt ids, and
+    the CLI puts it in the table, the JSON and the plots."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'edgespec[llamacpp]')")
+    from edgespec.bench.peer import LlamaCppPeer, find_peer_gguf
+
+    bundle = zoo.bundle("llama", formats=("onnx", "gguf"))
+    with load(bundle, backend="llamacpp", drafter="none", use_draft=False) as engine:
+        source = find_peer_gguf(engine.bundle)
+        assert source.origin == "bundle" and source.path.name == "model.gguf"
+        ids = engine.tokenizer.encode("the cat and the dog")
+        ref = measure_run(SpeculativeDecoder(engine.target), [engine.target], ids, 10, ())
+        with LlamaCppPeer(source, threads=1, n_ctx=256, vocab_size=engine.target.vocab_size) as peer:
+            rec = peer.decode(ids, 10)
+            again = peer.decode(ids, 10)  # from an empty cache again: no prefix reuse, same tokens
+    assert rec.config == PEER and rec.prompt_tokens == len(ids) and len(rec.tokens) == 10
+    assert rec.tokens == again.tokens == ref.tokens  # the same fp32 GGUF, greedy: the same text
+    assert rec.ttft_s > 0 and rec.tok_s > 0
+    with pytest.raises(ConfigError, match="not the same model"):
+        LlamaCppPeer(source, threads=1, n_ctx=256, vocab_size=engine.target.vocab_size + 1)
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "class": "code", "text": "the cat and"}\n'
+                       '{"id": "b", "class": "chat", "messages": [{"role": "user", "content": "the dog"}]}\n')
+    out = tmp_path / "r.json"
+    proc = run_cli("bench", str(bundle), "--backend", "onnxruntime", "--prompts", str(prompts), "--repeat", "1",
+                   "--max-tokens", "8", "--json", str(out), "--report", str(tmp_path / "rep"), "--threads", "1",
+                   *LENIENT)
+    assert proc.returncode == 0, proc.stderr
+    assert "x llama.cpp" in proc.stdout and "llama.cpp" in proc.stderr
+    (doc,) = load_runs(out)
+    assert doc["configs"][-1] == PEER and doc["peer"]["gguf"] == "model.gguf" and doc["peer"]["origin"] == "bundle"
+    assert doc["peer"]["version"] and doc["peer"]["threads"] == 1
+    for block in [*doc["classes"].values(), doc["overall"]]:
+        assert block[SPECULATIVE]["x_llamacpp"] > 0 and block[PEER]["tok_s"] > 0
+        assert 0 <= block[PEER]["agree_tokens"] <= 8
+    text = (tmp_path / "rep" / "report.md").read_text()
+    assert "x llama.cpp" in text and "Peer: llama-cpp-python" in text
+    assert png_ok(tmp_path / "rep" / "llamacpp.png")
+
+
+NO_LLAMA = ("import sys\nsys.modules['llama_cpp'] = None\n"
+            "from edgespec.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+
+
+def test_without_llama_cpp_one_line_says_how_to_get_it(zoo, tmp_path):
+    bundle = zoo.bundle("llama", formats=("onnx", "gguf"))
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-c", NO_LLAMA, "bench", str(bundle), "--backend", "onnxruntime",
+                           "--prompts", "chat", "--repeat", "1", "--max-tokens", "4", "--warmup", "0",
+                           "--json", str(out), *LENIENT], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    hint = [ln for ln in proc.stderr.splitlines() if "llama-cpp-python" in ln]
+    assert hint == ["edgespec bench: no llama.cpp column: llama-cpp-python is not installed "
+                    "(pip install 'edgespec[llamacpp]')"]
+    assert "Traceback" not in proc.stderr and "x llama.cpp" not in proc.stdout
+    (doc,) = load_runs(out)
+    assert PEER not in doc["configs"] and "peer" not in doc and "x_llamacpp" not in doc["overall"][SPECULATIVE]
+
+
+def test_peer_gguf_flag_is_checked_before_loading(zoo, tmp_path, capsys):
+    from edgespec.cli import main
+
+    bundle = str(zoo.bundle("llama"))
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"nope" * 10)
+    for args, needle in (([ "--peer-gguf", str(tmp_path / "missing.gguf")], "file not found"),
+                         (["--peer-gguf", str(not_gguf)], "not a GGUF file"),
+                         (["--peer-gguf", str(not_gguf), "--no-peer"], "contradict")):
+        capsys.readouterr()
+        code = main(["bench", bundle, *args])
+        err = capsys.readouterr().err
+        assert_one_line_error(subprocess.CompletedProcess(args, code, "", err), needle)
+
+
+# ---------------------------------------------------------------- exactness probe
+
+
+def test_exactness_probe_in_the_json_and_the_report(peer_doc):
+    from edgespec.bench.report import markdown
+
+    doc = _clean(peer_doc)
+    ex = doc["exactness"]
+    assert ex["summary"] == StandInProbe().describe() and ex["exact"] == [2, 3, 4] and ex["probe_ms"] == 812.5
+    assert exactness_summary(SimpleNamespace()) is None  # an engine without a probe: null, no error
+    text = markdown([validate(json.loads(json.dumps(doc)))], [])
+    assert "Exactness probe: exact verify widths on this machine: 2-4" in text
+
+
+# ---------------------------------------------------------------- fleets
+
+
+def test_compare_two_devices_report_and_plots(peer_doc, tmp_path):
+    from edgespec.bench.report import PEER_PLOT, PLOTS
+
+    x86 = _clean(peer_doc)
+    x86["machine"]["isa"] = ["AVX", "AVX2", "FMA", "F16C"]
+    x86["verify_costs"] = {"one_token_ms": 16.7, "c": {"2": 1.64, "4": 2.63, "8": 5.32}}
+    pi = copy.deepcopy(x86)
+    pi["label"] = "raspberry-pi-5"
+    pi["machine"].update(cpu="Raspberry Pi 5 Model B Rev 1.0", arch="aarch64", isa=["NEON", "FP16", "DOTPROD"])
+    pi["exactness"] = None
+    del pi["verify_costs"]
+    for block in [*pi["classes"].values(), pi["overall"]]:
+        block[SPECULATIVE]["tok_s"] *= 0.25
+        block[SPECULATIVE]["peak_rss_bytes"] = 3 * 2**30
+    a, b = save(x86, tmp_path / "x86.json"), save(pi, tmp_path / "pi.json")
+    proc = run_cli("bench", "compare", str(a), str(b), "--report", str(tmp_path / "fleet"))
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "fleet" / "report.md").read_text()
+    pi_row = next(ln for ln in text.splitlines() if ln.startswith("| raspberry-pi-5 | aarch64 | NEON FP16 DOTPROD |"))
+    x86_row = next(ln for ln in text.splitlines() if ln.startswith(f"| {x86['label']} | ") and "AVX AVX2" in ln
+                   and "2: 1.64, 4: 2.63, 8: 5.32" in ln)
+    assert "3072" in pi_row and "exact verify widths" in x86_row  # peak RSS (MiB), exactness, c(B)
+    assert f"{x86['overall'][SPECULATIVE]['x_llamacpp']:.2f}" in x86_row
+    for p in (*PLOTS, PEER_PLOT):
+        assert png_ok(tmp_path / "fleet" / p), p
+
+
+# ---------------------------------------------------------------- --json paths
+
+
+def test_unusable_json_path_fails_before_measuring(zoo, tmp_path, capsys, monkeypatch):
+    import edgespec.api
+    from edgespec.cli import main
+
+    def never(*a, **k):
+        raise AssertionError("measured (or loaded a model) before checking --json")
+
+    monkeypatch.setattr(edgespec.api, "load", never)
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    bundle = str(zoo.bundle("llama"))
+    for path, needle in ((tmp_path / "no-such-dir" / "r.json", "does not exist"),
+                         (tmp_path, "is a folder"),
+                         (a_file / "r.json", "is not a folder")):
+        capsys.readouterr()
+        code = main(["bench", bundle, "--json", str(path)])
+        err = capsys.readouterr().err
+        assert_one_line_error(subprocess.CompletedProcess([], code, "", err), "--json", needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]  # nothing created, nothing left
+
+
+def test_results_are_written_atomically_and_never_lost(peer_doc, tmp_path):
+    from edgespec.cli.bench import _save
+
+    doc = _clean(peer_doc)
+    target = tmp_path / "r.json"
+    target.write_text("old results\n")
+    bad = copy.deepcopy(doc)
+    bad["overall"][PLAIN]["tok_s"] = float("nan")  # cannot be written as JSON
+    with pytest.raises(ValueError):
+        save(bad, target)
+    assert target.read_text() == "old results\n" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    save(doc, target)
+    assert load_runs(target)[0]["label"] == doc["label"] and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    # the folder went away during the run: the error names a file that holds the results
+    blocked = tmp_path / "file.txt"
+    blocked.write_text("x")
+    with pytest.raises(ConfigError, match="the results are in ") as info:
+        _save(doc, str(blocked / "r.json"))
+    spare = str(info.value).rsplit("the results are in ", 1)[1]
+    assert load_runs(spare)[0]["label"] == doc["label"]
