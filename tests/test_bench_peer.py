@@ -180,9 +180,40 @@ def test_llama_cpp_peer_on_the_bundles_own_gguf(zoo, tmp_path):
     for block in [*doc["classes"].values(), doc["overall"]]:
         assert block[SPECULATIVE]["x_llamacpp"] > 0 and block[PEER]["tok_s"] > 0
         assert 0 <= block[PEER]["agree_tokens"] <= 8
+    costs = doc["verify_costs"]  # c(B) of the target, measured before the runs
+    assert set(costs["c"]) == {"2", "4", "8"} and all(c > 0 for c in costs["c"].values()) and costs["one_token_ms"] > 0
     text = (tmp_path / "rep" / "report.md").read_text()
-    assert "x llama.cpp" in text and "Peer: llama-cpp-python" in text
+    assert "x llama.cpp" in text and "Peer: llama-cpp-python" in text and "c(2) = " in text
     assert png_ok(tmp_path / "rep" / "llamacpp.png")
+
+
+def test_the_gguf_a_target_came_from_is_found_by_its_package(zoo, tmp_path, monkeypatch, caplog):
+    """The default bundle records only the source GGUF's name and checksum; the peer finds the file
+    through the preset's package (here a stand-in package shipping a tiny GGUF) and checks it."""
+    import edgespec.models.catalog as catalog
+    from edgespec.bench.peer import find_peer_gguf
+    from edgespec.exporters.sources import sha256_of
+
+    gguf = zoo.bundle("llama", None, formats=("gguf",)) / "target" / "model.gguf"
+    pkg = tmp_path / "tiny_gguf_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "import shutil\nfrom pathlib import Path\nMODEL_NAME = 'tiny.gguf'\n"
+        "def assemble(out):\n    Path(out).parent.mkdir(parents=True, exist_ok=True)\n"
+        f"    shutil.copyfile({str(gguf)!r}, out)\n    return out\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(catalog, "PRESETS", {"tiny": catalog.Preset("tiny", "a tiny GGUF", "tiny_gguf_pkg", True)})
+
+    def bundle(sha):
+        target = SimpleNamespace(source={"kind": "gguf", "name": "tiny.gguf", "sha256": sha}, formats={})
+        return SimpleNamespace(manifest=SimpleNamespace(target=target))
+
+    found = find_peer_gguf(bundle(None))
+    assert found.origin == "source" and found.path.read_bytes() == gguf.read_bytes()
+    assert find_peer_gguf(bundle(sha256_of([found.path]))).path == found.path
+    assert find_peer_gguf(bundle("0" * 64)) is None  # another file of that name: not the model measured
+    assert "--peer-gguf" in caplog.text
+    assert find_peer_gguf(bundle("0" * 64), str(gguf)).origin == "given"
 
 
 NO_LLAMA = ("import sys\nsys.modules['llama_cpp'] = None\n"

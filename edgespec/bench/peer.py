@@ -66,7 +66,11 @@ def _source_gguf(source: dict) -> Path | None:
         pkg = importlib.import_module(preset.gguf_package)
         if getattr(pkg, "MODEL_NAME", None) != source.get("name"):
             continue
-        path = preset_source(name)  # assembles the file from its package if the cache lost it
+        try:
+            path = preset_source(name)  # assembles the file from its package if the cache lost it
+        except (OSError, ValueError) as e:  # a damaged cache copy, a full disk
+            logger.warning("cannot assemble %s: %s", source.get("name"), e)
+            return None
         want = source.get("sha256")
         if want:
             from ..exporters.sources import sha256_of  # hashlib only; no torch
