@@ -290,6 +290,7 @@ def test_compare_two_devices_report_and_plots(peer_doc, tmp_path):
                    and "2: 1.64, 4: 2.63, 8: 5.32" in ln)
     assert "3072" in pi_row and "exact verify widths" in x86_row  # peak RSS (MiB), exactness, c(B)
     assert f"{x86['overall'][SPECULATIVE]['x_llamacpp']:.2f}" in x86_row
+    assert "plain → spec tok/s (speed-up; spec x llama.cpp)" in text  # per class, per device
     for p in (*PLOTS, PEER_PLOT):
         assert png_ok(tmp_path / "fleet" / p), p
 

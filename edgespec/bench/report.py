@@ -174,7 +174,9 @@ def _devices_table(runs: list[dict]) -> list[str]:
 
 def _compare_table(runs: list[dict]) -> list[str]:
     classes = _classes(runs)
-    head = "| run | " + " | ".join(f"{c} plain → spec tok/s (speed-up)" for c in [*classes, "overall"]) + " |"
+    peer = any(_has_peer(r) for r in runs)
+    what = "plain → spec tok/s (speed-up" + ("; spec x llama.cpp)" if peer else ")")
+    head = "| run | " + " | ".join(f"{c} {what}" for c in [*classes, "overall"]) + " |"
     rows = ["## Comparison", "", head, "|" + " --- |" * (len(classes) + 2)]
     for r in runs:
         cells = []
@@ -184,8 +186,9 @@ def _compare_table(runs: list[dict]) -> list[str]:
                 cells.append("–")
                 continue
             s = _spec(block) or {}
+            x = f"; {_f(s.get('x_llamacpp'), '.2f')}×" if peer else ""
             cells.append(f"{block[PLAIN]['tok_s']:.1f} → {_f(s.get('tok_s'), '.1f')} "
-                         f"(**{_f(s.get('speedup'), '.2f')}×**)")
+                         f"(**{_f(s.get('speedup'), '.2f')}×**{x})")
         rows.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     return rows + [""] + _devices_table(runs)
 
