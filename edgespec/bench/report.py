@@ -155,7 +155,8 @@ def _mismatch_lines(run: dict) -> list[str]:
 
 def _devices_table(runs: list[dict]) -> list[str]:
     """One row per run: what a fleet comparison needs at a glance (overall figures)."""
-    rows = ["| run | arch | ISA | plain tok/s | speculative tok/s | speed-up | acceptance | tokens / step | "
+    rows = ["Per run, over all prompts:", "",
+            "| run | arch | ISA | plain tok/s | speculative tok/s | speed-up | acceptance | tokens / step | "
             "peak RSS (MiB) | x llama.cpp (spec) | exactness | c(B) (B: cost over a one-token forward) |",
             "|" + " --- |" * 12]
     for r in runs:
