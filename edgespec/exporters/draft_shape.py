@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from .vocabtrim import always_kept_ids, builtin_prompts, calibrate, choose_vocab, coverage, read_prompt_file
+from .vocabtrim import (always_kept_ids, builtin_prompts, calibrate, calibrate_runtime, choose_vocab, coverage,
+                        read_prompt_file)
 
 __all__ = ["DraftShape", "select_layers", "shape_draft"]
 
@@ -38,8 +39,12 @@ def select_layers(n_layers: int, keep: int | tuple[int, ...]) -> tuple[int, ...]
 
 
 def shape_draft(source, spec, chat_template: str | None, *, vocab: int | None,
-                layers: int | tuple[int, ...] | None, calibration: Path | None, progress=None) -> DraftShape:
-    """Work out the layer subset and kept vocabulary of a draft derived from `source`."""
+                layers: int | tuple[int, ...] | None, calibration: Path | None, progress=None,
+                runtime=None, stop_ids=()) -> DraftShape:
+    """Work out the layer subset and kept vocabulary of a draft derived from `source`.
+
+    runtime: a callable returning an edgespec Runtime on the exported target, which generates the
+    VocabTrim calibration text when the source has no transformers model (a GGUF source)."""
     kept_layers = select_layers(spec.n_layers, layers) if layers is not None else None
     if vocab is None:
         return DraftShape(kept_layers, None, None)
@@ -61,7 +66,16 @@ def shape_draft(source, spec, chat_template: str | None, *, vocab: int | None,
     if vocab >= spec.vocab_size:
         raise ConfigError(f"--draft-vocab {vocab} is not smaller than the vocabulary ({spec.vocab_size}); "
                           "drop the flag to keep the full head")
-    cal = calibrate(source.model, source.tokenizer, prompts, label, chat_template=chat_template, progress=progress)
+    if runtime is not None:
+        rt = runtime()
+        try:
+            cal = calibrate_runtime(rt, source.tokenizer, prompts, label, chat_template=chat_template,
+                                    stop_ids=stop_ids, progress=progress)
+        finally:
+            rt.close()
+    else:
+        cal = calibrate(source.model, source.tokenizer, prompts, label, chat_template=chat_template,
+                        progress=progress)
     keep = choose_vocab(cal.counts, vocab, always)
     cov = coverage(cal.counts, keep)
     logger.info("VocabTrim: K=%d keeps %.1f%% of %d calibration tokens", vocab, 100 * cov, cal.n_tokens)

@@ -32,8 +32,10 @@ class ModelJob:
 
     role: str  # "target" or "draft": the artifact goes in bundle_dir / role
     spec: ModelSpec
-    weights: dict  # name -> float32 numpy array, transformers' state-dict names
-    precision: str | None  # fp32 | fp16 | int8 | int4 (None: as the source, fp32 if it must convert)
+    # name -> float32 numpy array, transformers' state-dict names; with precision "source" the
+    # GGUF's own blocks (gguf_transcode.BlockWeight) for the quantized tensors
+    weights: dict
+    precision: str | None  # fp32 | fp16 | int8 | int4 | source (None: as the source, fp32 if it must convert)
     opts: GraphOptions  # layers kept, VocabTrim rows kept (vocab_keep), tied or untied head
     source: Source
     bundle_dir: Path  # the staging folder; artifacts are named relative to it
@@ -48,8 +50,11 @@ FORMAT_WRITERS: dict[str, str] = {
 FORMATS = tuple(FORMAT_WRITERS)
 # format -> (import name, pip extra) its writer needs, checked before any work
 FORMAT_PACKAGES: dict[str, tuple[str, str]] = {"openvino": ("nncf", "openvino-export")}
-TARGET_PRECISIONS = ("fp32", "fp16", "int8", "int4")
-DRAFT_PRECISIONS = ("fp32", "int8", "int4")
+# "source": a GGUF's own quantized blocks, transcoded (onnx) or copied (gguf); fp32 for other sources
+TARGET_PRECISIONS = ("source", "fp32", "fp16", "int8", "int4")
+DRAFT_PRECISIONS = ("source", "fp32", "int8", "int4")
+# formats whose writer takes GGUF blocks as they are; the others get gguf-py's dequantized weights
+BLOCK_FORMATS = ("onnx",)
 
 
 @dataclass(frozen=True)
@@ -60,9 +65,10 @@ class ExportConfig:
     target: Path | None = None  # None: the default preset's GGUF
     draft: str | Path | None = "self"  # "self": a quantized copy of the target; None: no draft
     formats: tuple[str, ...] = ("onnx",)
-    # None: as the source where the format can keep it (GGUF source → GGUF copied), else fp32
+    # None: as the source ("source": a GGUF's own blocks, transcoded or copied), fp32 for a folder
     target_precision: str | None = None
-    draft_precision: str = "int8"
+    # None: a GGUF source's draft uses the target's blocks (its body is the target's), else int8
+    draft_precision: str | None = None
     # VocabTrim: keep K tokens in the draft's head; "auto" trims large vocabularies (see auto_draft_vocab)
     draft_vocab: int | str | None = "auto"
     draft_layers: tuple[int, ...] | int | None = None  # layer-cut draft: a count or explicit indices
@@ -81,7 +87,7 @@ class ExportConfig:
                 raise ConfigError(f"--format {fmt} needs {package}: pip install 'edgespec[{extra}]'")
         if self.target_precision is not None and self.target_precision not in TARGET_PRECISIONS:
             raise ConfigError(f"--target-precision must be one of {', '.join(TARGET_PRECISIONS)}")
-        if self.draft_precision not in DRAFT_PRECISIONS:
+        if self.draft_precision is not None and self.draft_precision not in DRAFT_PRECISIONS:
             raise ConfigError(f"--draft-precision must be one of {', '.join(DRAFT_PRECISIONS)}")
         if isinstance(self.draft_vocab, str) and self.draft_vocab != "auto":
             raise ConfigError(f"--draft-vocab takes a number, 'auto' or 'full', got {self.draft_vocab!r}")
@@ -113,12 +119,68 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
 
 
 def _weights(source: Source) -> dict[str, np.ndarray]:
+    """float32 weights under transformers' names (a GGUF's dequantized by gguf-py)."""
+    if source.kind == "gguf":
+        return source.model.dequantized()
     return {k: v.detach().float().numpy() for k, v in source.model.state_dict().items()}
+
+
+def _spec(source: Source) -> ModelSpec:
+    return source.model.spec if source.kind == "gguf" else spec_from_hf(source.model)
+
+
+def _resolve(source: Source, precision: str | None, role: str) -> str | None:
+    """The precision a job is written in: None and "source" keep a GGUF's own blocks; another
+    precision re-encodes them, which changes the model (said once, here)."""
+    if source.kind != "gguf":
+        return None if precision == "source" else precision
+    if precision in (None, "source"):
+        return "source"
+    if role == "target":
+        logger.warning("re-encoding the %s GGUF (%s) as %s: the exported model differs from the GGUF's; "
+                       "drop --target-precision to keep its own weights", role, source.model.file_type, precision)
+    return precision
+
+
+def _job_weights(source: Source, precision: str | None, dequantized: dict | None = None):
+    if precision == "source":
+        return source.model.tensors
+    return dequantized if dequantized is not None else _weights(source)
+
+
+def _source_quantization(job: ModelJob) -> tuple[str, dict]:
+    """Manifest precision and quantization of a GGUF transcoded into MatMulNBits."""
+    m = job.source.model
+    return m.precision, {"method": "gguf-transcode", "op": "com.microsoft.MatMulNBits",
+                         "gguf_file_type": m.file_type, "gguf_block_types": m.block_types,
+                         "accuracy_level": job.opts.nbits_accuracy}
+
+
+def _for_format(fmt: str, job: ModelJob) -> ModelJob:
+    """A "source" job as a writer without block support takes it: gguf copies the target file (None)
+    and re-encodes a shaped draft as int8; openvino gets the dequantized weights, the same model."""
+    if job.precision != "source" or fmt in BLOCK_FORMATS:
+        return job
+    weights = job.source.model.dequantized()
+    if fmt == "gguf":
+        precision = None if job.role == "target" else "int8"
+    else:
+        precision = None
+        logger.info("%s: the %s GGUF's blocks are written dequantized (fp32), the same model", fmt, job.role)
+    return replace(job, weights=weights, precision=precision)
 
 
 def write_onnx(job: ModelJob, bar) -> Artifact:
     """Build, optionally quantize, and save one decoder graph; return its manifest entry."""
     path = job.bundle_dir / job.role / "model.onnx"
+    if job.precision == "source":  # the GGUF's blocks as MatMulNBits, nothing re-encoded
+        bar.set_postfix_str(f"transcoding {job.role}")
+        opts = replace(job.opts, weight_dtype="fp32", kv_layout="append")
+        model = build_decoder(job.spec, job.weights, opts)
+        precision, quant = _source_quantization(replace(job, opts=opts))
+        bar.set_postfix_str(f"writing {job.role}")
+        _save(model, path)
+        return Artifact(file=str(path.relative_to(job.bundle_dir)), precision=precision, quantization=quant)
     job = replace(job, precision=job.precision or "fp32")
     # "append" KV: the runtime keeps fixed preallocated cache buffers (edgespec/memory, issue 6)
     opts = replace(job.opts, weight_dtype="fp16" if job.precision == "fp16" else "fp32", kv_layout="append")
@@ -137,7 +199,7 @@ def _write_formats(formats: tuple[str, ...], job: ModelJob, bar) -> dict[str, Ar
     out = {}
     for fmt in formats:
         module, fn = FORMAT_WRITERS[fmt].split(":")
-        out[fmt] = getattr(importlib.import_module(module), fn)(job, bar)
+        out[fmt] = getattr(importlib.import_module(module), fn)(_for_format(fmt, job), bar)
     return out
 
 
@@ -156,25 +218,55 @@ def _check_draft_vocab(target: Source, draft: Source) -> None:
         raise ExportError("the draft's tokenizer differs from the target's; pick a draft of the same family")
 
 
+def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx: Path | None):
+    """A factory of an onnxruntime Runtime on the exported target, for VocabTrim calibration
+    without torch; None for a transformers source (its model generates). Without an ONNX target
+    in the bundle, a scratch one is built (and removed with the staging folder's scratch)."""
+    if source.kind != "gguf":
+        return None
+
+    def make():
+        from ..runtimes.onnxruntime import OnnxRuntime
+
+        path = target_onnx
+        if path is None:
+            path = tmp / ".calibration" / "model.onnx"
+            model = build_decoder(spec, source.model.tensors, GraphOptions(kv_layout="append"))
+            _save(model, path)
+        return OnnxRuntime(path, kv_capacity=1024)
+    return make
+
+
+def _draft_precision(cfg: ExportConfig, source: Source, shaped: bool) -> str | None:
+    """None (default): a GGUF's self-draft keeps the target's blocks (its body is the target's, its
+    trimmed head the embedding's own rows); an unshaped one would be the target, so int8."""
+    if cfg.draft_precision is not None:
+        return cfg.draft_precision
+    return "source" if source.kind == "gguf" and cfg.draft == "self" and shaped else "int8"
+
+
 def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: ModelSpec, weights,
-                  chat_template: str | None) -> ModelEntry:
+                  chat_template: str | None, target_onnx: Path | None = None, stop_ids=()) -> ModelEntry:
     """Write the draft: a separate model, or the target itself made cheaper (quantized,
     layer-cut, VocabTrim head)."""
     if cfg.draft != "self":
         bar.set_postfix_str(f"loading draft {Path(cfg.draft).name}")
         draft = load_source(cfg.draft)
         _check_draft_vocab(source, draft)
-        source, spec, weights = draft, spec_from_hf(draft.model), None
+        source, spec, weights = draft, _spec(draft), None
+        target_onnx = None  # calibrate on the draft's own model
         bar.update()
-    if weights is None:
-        weights = _weights(source)
     vocab = auto_draft_vocab(spec.vocab_size) if cfg.draft_vocab == "auto" else cfg.draft_vocab
     bar.set_postfix_str("calibrating VocabTrim" if vocab else "shaping draft")
     shape = shape_draft(source, spec, chat_template, vocab=vocab, layers=cfg.draft_layers,
-                        calibration=cfg.calibration)
+                        calibration=cfg.calibration, runtime=_calibration_runtime(source, spec, tmp, target_onnx),
+                        stop_ids=stop_ids)
+    shaped = shape.layers is not None or shape.vocab_keep is not None
+    precision = _resolve(source, _draft_precision(cfg, source, shaped), "draft")
+    weights = _job_weights(source, precision, weights if precision != "source" else None)
     # an untied head lets the quantizer shrink the LM head too, the draft's costliest matmul
     opts = GraphOptions(layers=shape.layers, vocab_keep=shape.vocab_keep, tie_head=False)
-    arts = _write_formats(cfg.formats, ModelJob("draft", spec, weights, cfg.draft_precision, opts, source, tmp), bar)
+    arts = _write_formats(cfg.formats, ModelJob("draft", spec, weights, precision, opts, source, tmp), bar)
     id_map = None
     if shape.vocab_keep is not None:
         id_map = "draft/id_map.npy"
@@ -197,11 +289,12 @@ def export_bundle(cfg: ExportConfig) -> Path:
     ) as bar:
         bar.set_postfix_str(f"loading {Path(target_path).name}")
         source = load_source(target_path)
-        spec = spec_from_hf(source.model)
-        weights = _weights(source)
+        spec = _spec(source)
+        precision = _resolve(source, cfg.target_precision, "target")
+        weights = _job_weights(source, precision)
         bar.update()
         # the target keeps a tied embedding as one tensor (Gather and Gemm share it)
-        target_arts = _write_formats(cfg.formats, ModelJob("target", spec, weights, cfg.target_precision,
+        target_arts = _write_formats(cfg.formats, ModelJob("target", spec, weights, precision,
                                                            GraphOptions(tie_head=True), source, tmp), bar)
         bar.update()
         bar.set_postfix_str("tokenizer")
@@ -209,7 +302,9 @@ def export_bundle(cfg: ExportConfig) -> Path:
         bar.update()
         draft_entry = None
         if cfg.draft is not None:
-            draft_entry = _export_draft(cfg, tmp, bar, source, spec, weights, tok_info.chat_template)
+            target_onnx = tmp / target_arts["onnx"].file if "onnx" in target_arts else None
+            draft_entry = _export_draft(cfg, tmp, bar, source, spec, weights if precision != "source" else None,
+                                        tok_info.chat_template, target_onnx, tok_info.stop_token_ids)
         manifest = Manifest(
             schema_version=SCHEMA_VERSION,
             model_type=spec.model_type,

@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from .gguf_transcode import BlockWeight
 from .spec import ModelSpec
 
 __all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
@@ -54,6 +55,9 @@ class GraphOptions:
     # "append": sequence-major past (1, P, kvh, hd) in, only the new rows out (see _append_kv);
     # "buffer": the static-shape layout described above (OpenVINO)
     kv_layout: str = "present"
+    # MatMulNBits' accuracy_level for BlockWeight (GGUF-transcoded) weights: 0 computes in fp32,
+    # 4 lets the CPU kernels quantize activations to int8 per block (faster, not bit-faithful)
+    nbits_accuracy: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -68,6 +72,8 @@ class _G:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self._n = 0
+        self.nbits_accuracy = 0
+        self._blocks: dict[str, tuple[str, ...]] = {}  # BlockWeight initializers, shared by name
 
     def name(self, hint: str) -> str:
         self._n += 1
@@ -91,6 +97,84 @@ class _G:
         # fp16 halves the file; onnxruntime's CPU kernels are fp32, so cast once at load
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float16), name + ".fp16"))
         return self.op("Cast", [name + ".fp16"], hint=name, to=TensorProto.FLOAT)
+
+
+    def blocks(self, w: BlockWeight, name: str) -> tuple[str, ...]:
+        """(codes, scales[, zero points]) initializer names of a BlockWeight, written once per name."""
+        if name in self._blocks:
+            return self._blocks[name]
+        n, k = w.shape
+        names = [name + ".codes", name + ".scales"]
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(w.codes), names[0]))
+        self.inits.append(numpy_helper.from_array(w.scales.reshape(-1), names[1]))  # (N * k_blocks,)
+        if w.zero_points is not None:
+            zp = w.zero_points
+            if zp.dtype == np.uint8 and w.bits == 4:  # two per byte, each row padded to whole bytes
+                if zp.shape[1] % 2:
+                    zp = np.concatenate([zp, np.full((n, 1), 8, np.uint8)], axis=1)
+                zp = zp[:, 0::2] | (zp[:, 1::2] << np.uint8(4))
+            names.append(name + ".zero_points")
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(zp).reshape(-1), names[2]))
+        self._blocks[name] = tuple(names)
+        return self._blocks[name]
+
+    def matmul_nbits(self, x: str, w: BlockWeight, name: str) -> str:
+        """x @ w.T with onnxruntime's MatMulNBits on the weight's own blocks."""
+        n, k = w.shape
+        out = self.name(name)
+        self.nodes.append(helper.make_node(
+            "MatMulNBits", [x, *self.blocks(w, name)], [out], name=self.name("n"), domain="com.microsoft",
+            K=k, N=n, bits=w.bits, block_size=w.block_size, accuracy_level=self.nbits_accuracy))
+        if w.mins is None:
+            return out
+        # w = scale * q - min per block: x @ w^T = MatMulNBits(x) - (block sums of x) @ min^T
+        i64 = dict(dtype=np.int64)
+        kb = k // w.block_size
+        sums = self.op("ReduceSum", [self.op("Reshape", [x, self.const([-1, kb, w.block_size], **i64)]),
+                                     self.const([-1], **i64)], keepdims=0)  # (rows, kb)
+        if name + ".mins" not in self._blocks:
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(w.mins.T), name + ".mins"))  # (kb, N)
+            self._blocks[name + ".mins"] = (name + ".mins",)
+        corr = self.op("MatMul", [sums, name + ".mins"])
+        return self.op("Sub", [out, self.op("Reshape", [corr, self.op("Shape", [out])])])
+
+    def gather_blocks(self, w: BlockWeight, name: str, ids: str) -> str:
+        """Rows `ids` of a BlockWeight, dequantized in the graph: (1, S, K). Reads the same
+        initializers as a tied head's MatMulNBits, so the table is stored once."""
+        i64 = dict(dtype=np.int64)
+        n, k = w.shape
+        kb = k // w.block_size
+        names = self.blocks(w, name)
+        rows = self.op("Gather", [names[0], ids], axis=0)  # (1, S, kb, bytes)
+        if w.bits == 4:
+            lo = self.op("BitwiseAnd", [rows, self.const(np.uint8(0x0F))])
+            hi = self.op("BitShift", [rows, self.const(np.uint8(4))], direction="RIGHT")
+            pair = self.op("Concat", [self.op("Unsqueeze", [t, self.const([-1], **i64)]) for t in (lo, hi)], axis=-1)
+            rows = self.op("Reshape", [pair, self.const([1, -1, kb, w.block_size], **i64)])
+        q = self.op("Cast", [rows], to=TensorProto.FLOAT)
+        # block j of row r is element r * kb + j of the flat scales and zero points
+        flat = self.op("Add", [self.op("Mul", [self.op("Unsqueeze", [ids, self.const([-1], **i64)]), self.const(kb, **i64)]),
+                               self.const(np.arange(kb), **i64)])  # (1, S, kb)
+        col = lambda t: self.op("Unsqueeze", [t, self.const([-1], **i64)])  # noqa: E731
+        if w.zero_points is None:
+            q = self.op("Sub", [q, self.const(np.float32(1 << (w.bits - 1)))])
+        elif w.zero_points.dtype == np.uint8 and w.bits == 8:
+            q = self.op("Sub", [q, col(self.op("Cast", [self.op("Gather", [names[2], flat], axis=0)], to=TensorProto.FLOAT))])
+        elif w.zero_points.dtype == np.float32:
+            q = self.op("Sub", [q, col(self.op("Gather", [names[2], flat], axis=0))])
+        else:
+            raise ValueError("packed 4-bit zero points are not gathered (no GGUF type produces them)")
+        x = self.op("Mul", [q, col(self.op("Gather", [names[1], flat], axis=0))])
+        if w.mins is not None:
+            x = self.op("Sub", [x, col(self.op("Gather", [self._flat_mins(w, name), flat], axis=0))])
+        return self.op("Reshape", [x, self.const([1, -1, k], **i64)])
+
+    def _flat_mins(self, w: BlockWeight, name: str) -> str:
+        key = name + ".mins_rows"
+        if key not in self._blocks:
+            self.inits.append(numpy_helper.from_array(w.mins.reshape(-1), key))  # (N * k_blocks,)
+            self._blocks[key] = (key,)
+        return key
 
 
 def _rms_norm(g: _G, x: str, w: np.ndarray, name: str, eps: float, offset: float) -> str:
@@ -117,7 +201,10 @@ def _activation(g: _G, x: str, kind: str) -> str:
 
 def _linear(g: _G, x: str, w: np.ndarray, name: str, bias: np.ndarray | None = None) -> str:
     """x @ w.T (+ b); weights stored (in, out) so MatMul-based quantizers recognise them."""
-    y = g.op("MatMul", [x, g.weight(w.T, name)])
+    if isinstance(w, BlockWeight):
+        y = g.matmul_nbits(x, w, name)
+    else:
+        y = g.op("MatMul", [x, g.weight(w.T, name)])
     return g.op("Add", [y, g.weight(bias, name + ".bias")]) if bias is not None else y
 
 
@@ -260,6 +347,7 @@ def build_decoder(
     w = dict(weights)
     layers = options.layers if options.layers is not None else tuple(range(spec.n_layers))
     g = _G(options.weight_dtype)
+    g.nbits_accuracy = options.nbits_accuracy
     fam = spec.family
     ids, n_logits = "input_ids", "n_logits"
     inputs = [
@@ -288,8 +376,12 @@ def build_decoder(
                             else ("present", [1, spec.n_kv_heads, "T", spec.head_dim]))
 
     embed = w["model.embed_tokens.weight"]
-    emb_name = g.weight(embed, "model.embed_tokens.weight")
-    x = g.op("Gather", [emb_name, ids], axis=0)  # (1, S, hidden)
+    if isinstance(embed, BlockWeight):
+        emb_name = None
+        x = g.gather_blocks(embed, "model.embed_tokens.weight", ids)  # (1, S, hidden)
+    else:
+        emb_name = g.weight(embed, "model.embed_tokens.weight")
+        x = g.op("Gather", [emb_name, ids], axis=0)  # (1, S, hidden)
     if fam.embed_scale:
         x = g.op("Mul", [x, g.const(np.float32(spec.hidden_size**0.5), dtype=np.float32)])
 
@@ -332,19 +424,25 @@ def build_decoder(
     tied = head_w is None or spec.tie_embeddings
     keep = options.vocab_keep
     if tied and options.tie_head and keep is None:
-        logits = g.op("Gemm", [x2, emb_name], transB=1)  # shares the embedding initializer
+        if isinstance(embed, BlockWeight):  # the same blocks as the embedding's Gather
+            logits = g.matmul_nbits(x2, embed, "model.embed_tokens.weight")
+        else:
+            logits = g.op("Gemm", [x2, emb_name], transB=1)  # shares the embedding initializer
     else:
         hw = embed if tied else head_w
         if keep is not None:
-            hw = hw[np.asarray(keep)]
-        logits = g.op("MatMul", [x2, g.weight(hw.T, "lm_head.weight")])
+            hw = hw.rows(keep) if isinstance(hw, BlockWeight) else hw[np.asarray(keep)]
+        logits = _linear(g, x2, hw, "lm_head.weight")
     if spec.final_logit_softcap:
         cap = g.const(spec.final_logit_softcap, dtype=np.float32)
         logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
     g.nodes.append(helper.make_node("Unsqueeze", [logits, g.const([0], dtype=np.int64)], ["logits"]))
 
     graph = helper.make_graph(g.nodes, "edgespec_decoder", inputs, outputs, initializer=g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="edgespec")
+    opsets = [helper.make_opsetid("", OPSET)]
+    if any(n.domain == "com.microsoft" for n in g.nodes):
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="edgespec")
     model.ir_version = 10
     helper.set_model_props(model, _shape_metadata(spec, w, layers, n_vocab, options))
     return model

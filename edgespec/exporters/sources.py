@@ -1,4 +1,5 @@
-"""Load a source model (Hugging Face folder or GGUF file) with transformers, offline."""
+"""Load a source model offline: a GGUF file with gguf-py and numpy (no torch), a Hugging Face
+folder with transformers (the `export` extra)."""
 from __future__ import annotations
 
 import hashlib
@@ -10,7 +11,7 @@ from typing import Any
 
 from ..errors import ExportError
 
-__all__ = ["Source", "check_source", "load_source", "sha256_of"]
+__all__ = ["Source", "check_source", "load_source", "load_with_transformers", "sha256_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +22,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 class Source:
     """A loaded model and tokenizer plus where they came from."""
 
-    model: Any  # transformers PreTrainedModel
-    tokenizer: Any  # transformers PreTrainedTokenizerBase
+    model: Any  # transformers PreTrainedModel, or gguf_source.GGUFModel for a GGUF read by gguf-py
+    tokenizer: Any  # transformers PreTrainedTokenizerBase, or gguf_tokenizer.GGUFTokenizer
     kind: str  # "hf" or "gguf"
     path: Path
     sha256: str
@@ -60,7 +61,27 @@ def check_source(path: Path) -> str:
 
 
 def load_source(path: str | os.PathLike) -> Source:
-    """Load `path` in float32 on the CPU; every failure is a one-line ExportError."""
+    """Load `path`; every failure is a one-line ExportError. A GGUF keeps its quantized blocks
+    (read with gguf-py, no torch); a Hugging Face folder loads in float32 with transformers."""
+    path = Path(path).expanduser().resolve()
+    kind = check_source(path)
+    if kind == "gguf":
+        return _load_gguf(path)
+    return load_with_transformers(path)
+
+
+def _load_gguf(path: Path) -> Source:
+    from .gguf_source import open_gguf, read_gguf
+    from .gguf_tokenizer import GGUFTokenizer
+
+    reader = open_gguf(path)
+    model = read_gguf(path, reader)
+    tokenizer = GGUFTokenizer(reader)
+    return Source(model=model, tokenizer=tokenizer, kind="gguf", path=path, sha256=sha256_of([path]))
+
+
+def load_with_transformers(path: str | os.PathLike) -> Source:
+    """Load `path` (a folder, or a GGUF dequantized by transformers) in float32 with transformers."""
     path = Path(path).expanduser().resolve()
     kind = check_source(path)
     try:

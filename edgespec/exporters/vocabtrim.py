@@ -3,7 +3,8 @@ most often in the draft's LM head, plus every special, control and chat-template
 
 The target generates on calibration prompts (built-in and/or a user file); the counts of
 its generated tokens pick the kept set. The pure functions here are what tests exercise;
-`calibrate` is the one that runs the model.
+`calibrate` runs a transformers model, `calibrate_runtime` the exported target itself on an
+edgespec runtime (no torch: what a GGUF source uses).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from ..errors import ConfigError
 from ..models.families import Family
 
 __all__ = ["Calibration", "builtin_prompts", "read_prompt_file", "always_kept_ids", "choose_vocab",
-           "coverage", "token_counts", "calibrate"]
+           "coverage", "token_counts", "calibrate", "calibrate_runtime"]
 
 logger = logging.getLogger(__name__)
 
@@ -143,4 +144,34 @@ def calibrate(model, tokenizer, prompts: list[dict], source: str, *, chat_templa
         if progress:
             progress(len(chunk))
     counts = token_counts(generated, model.config.vocab_size)
+    return Calibration(counts=counts, source=source, n_tokens=int(counts.sum()))
+
+
+def calibrate_runtime(runtime, tokenizer, prompts: list[dict], source: str, *, chat_template: str | None = None,
+                      stop_ids: Iterable[int] = (), max_new_tokens: int = 64, seed: int = 0,
+                      progress=None) -> Calibration:
+    """As `calibrate`, with an edgespec Runtime (the exported target) generating one prompt at a time.
+
+    Sampled as transformers' generate() samples there (temperature 0.8, top-p 0.95, its default
+    top-k 50), so both kinds of source count the same distribution."""
+    from ..decoding.sampling import SamplingParams, probabilities, sample
+
+    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50)
+    rng = np.random.default_rng(seed)
+    stops = set(stop_ids)
+    generated: list[list[int]] = []
+    for ids in _prompt_ids(tokenizer, prompts, chat_template):
+        runtime.reset()
+        logits = runtime.forward(ids, 1)
+        out: list[int] = []
+        for _ in range(max_new_tokens):
+            tok = sample(probabilities(logits[-1], params), rng)
+            if tok in stops:
+                break
+            out.append(tok)
+            logits = runtime.forward([tok], 1)
+        generated.append(out)
+        if progress:
+            progress(1)
+    counts = token_counts(generated, runtime.vocab_size)
     return Calibration(counts=counts, source=source, n_tokens=int(counts.sum()))
