@@ -52,8 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output format(s): repeat the flag or separate with commas; one bundle may hold "
                         "several (default: onnx)")
     p.add_argument("--target-precision", default=None, choices=TARGET_PRECISIONS,
-                   help="default: fp32; a GGUF source exported to GGUF is copied as it is")
-    p.add_argument("--draft-precision", default="int8", choices=DRAFT_PRECISIONS)
+                   help="default 'source': a GGUF keeps its own quantized weights (transcoded to ONNX "
+                        "MatMulNBits, copied as GGUF); another precision re-encodes it, which changes the "
+                        "model; a model folder defaults to fp32")
+    p.add_argument("--draft-precision", default=None, choices=DRAFT_PRECISIONS,
+                   help="default: a GGUF's self-draft keeps the target's weights (its body is the "
+                        "target's), other drafts int8")
     p.add_argument("--draft-vocab", type=_vocab, default="auto", metavar="K|auto|full",
                    help="VocabTrim: keep the K tokens the target generates most often in the draft's head "
                         "(default auto: 16384 for vocabularies of 64k and more; full keeps the whole head)")
