@@ -1,0 +1,70 @@
+"""Load a bundle and decode greedily; print what was read and produced as one JSON object.
+
+tests/test_aarch64.py runs this same file with the x86-64 python and with the emulated aarch64
+python (.ci/aarch64) and compares the two outputs: the bundle's bytes (sha256 of every file,
+before and after loading) and the greedy token ids, plain and speculative, per backend.
+
+usage: python aarch64_probe.py BUNDLE --backend onnxruntime [--backend openvino] --max-tokens N PROMPT...
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import platform
+import sys
+from pathlib import Path
+
+
+def checksums(root: Path) -> dict[str, str]:
+    """sha256 of every file under `root`, by path relative to it."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def greedy(bundle: Path, backend: str, prompts: list[str], max_tokens: int, speculative: bool) -> dict:
+    """Greedy decoding of each prompt on one loaded engine (loading is the slow part under emulation)."""
+    from edgespec.api import load
+
+    # plain: no draft model and no prompt lookup; speculative: the bundle's draft model (and lookup),
+    # drafting even where the exactness probe finds a verify not bit-identical (the point is to compare)
+    kw = dict(use_draft=True, drafter="auto") if speculative else dict(use_draft=False, drafter="none")
+    out = []
+    with load(bundle, backend=backend, **kw) as engine:
+        for prompt in prompts:
+            ids: list[int] = []
+            drafted = 0
+            for r in engine.stream(prompt, max_tokens=max_tokens, temperature=0.0):
+                ids += r.token_ids
+                drafted = r.stats.drafted if r.stats is not None else drafted
+            out.append({"ids": ids, "text": engine.tokenizer.decode(ids), "drafted": drafted})
+        exactness = getattr(engine, "exactness", None)
+        verdict = exactness.describe() if exactness is not None and hasattr(exactness, "describe") else None
+    return {"drafter": engine.drafter_name, "exactness": verdict, "prompts": out}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="aarch64_probe.py")
+    p.add_argument("bundle", type=Path)
+    p.add_argument("prompts", nargs="+")
+    p.add_argument("--backend", action="append", required=True)
+    p.add_argument("--max-tokens", type=int, default=24)
+    args = p.parse_args(argv)
+    before = checksums(args.bundle)
+    runs = {b: {mode: greedy(args.bundle, b, args.prompts, args.max_tokens, mode == "speculative")
+                for mode in ("plain", "speculative")} for b in args.backend}
+    out = {
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "torch_installed": importlib.util.find_spec("torch") is not None,
+        "checksums": before,
+        "unchanged_by_loading": checksums(args.bundle) == before,
+        "runs": runs,
+    }
+    json.dump(out, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
