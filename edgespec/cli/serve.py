@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import ipaddress
 import logging
@@ -31,8 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set, else no key)")
     g.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: the bundle's folder name)")
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait for the engine (default: 64)")
-    g.add_argument("--max-tokens", type=int, default=512,
-                   help="reply length for chat requests that give no max_tokens (default: 512)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="reply length for chat requests that give no max_tokens (default: 512, or the cap if lower)")
+    g.add_argument("--max-tokens-cap", type=int, default=4096,
+                   help="most new tokens a request may ask for; more is a 400 (default: 4096)")
+    g.add_argument("--max-request-size", default="1MiB", metavar="SIZE",
+                   help="largest request body, e.g. 256KB or 4MiB; larger is a 413 (default: 1MiB)")
+    g.add_argument("--client-timeout", type=float, default=30.0, metavar="S",
+                   help="seconds a client may take to send its request, or to take each part of a reply "
+                        "(default: 30)")
+    g.add_argument("--template-timeout", type=float, default=5.0, metavar="S",
+                   help="seconds a chat prompt may take to render; a slower chat template is stopped (default: 5)")
     add_engine_args(p)
     return p
 
@@ -65,6 +75,34 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _server(config, on_exit):
+    """A uvicorn Server that tells the app when Ctrl-C (or SIGTERM) arrives, before it waits
+    for the requests in flight."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            on_exit()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
+
+
+@contextlib.contextmanager
+def _closing(engine, timeout_s: float):
+    """Close the engine on the way out, waiting at most `timeout_s` for a generation stuck in
+    a backend: stopping the server must not hang on the engine's lock."""
+    try:
+        yield engine
+    finally:
+        from ..errors import BusyError
+
+        try:
+            engine.close(timeout=timeout_s)
+        except BusyError:
+            logger.warning("a generation did not stop within %g s; exiting without closing the engine", timeout_s)
+
+
 def _url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
@@ -79,15 +117,25 @@ def main(argv: list[str]) -> int:
     try:
         import uvicorn
 
-        from ..server import ServerConfig, create_app
+        from ..server import ServerConfig, begin_shutdown, create_app
     except ImportError as e:
         raise ConfigError(f"edgespec serve needs {e.name}: pip install 'edgespec[serve]'") from None
+    from ..memory import parse_bytes
+
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    try:
+        max_request = parse_bytes(args.max_request_size)
+    except ConfigError:
+        raise ConfigError(f"--max-request-size must be a size like 256KB or 4MiB, got {args.max_request_size!r}") \
+            from None
+    # fails fast, before a model is loaded
     cfg = ServerConfig(model_id=args.model_name or "edgespec", api_key=api_key, max_queue=args.max_queue,
-                       max_tokens=args.max_tokens)  # fails fast, before a model is loaded
+                       max_tokens=args.max_tokens if args.max_tokens is not None else min(512, args.max_tokens_cap),
+                       max_tokens_cap=args.max_tokens_cap, max_request_bytes=max_request,
+                       client_timeout_s=args.client_timeout, template_timeout_s=args.template_timeout)
     sock = _listen(args.host, args.port)
     try:
-        with open_engine(args) as engine:
+        with _closing(open_engine(args), cfg.shutdown_timeout_s) as engine:
             cfg = dataclasses.replace(cfg, model_id=args.model_name or engine.bundle.path.name)
             app = create_app(engine, cfg)
             m = engine.bundle.manifest
@@ -102,8 +150,8 @@ def main(argv: list[str]) -> int:
             print(f"edgespec serve: {_url(sock)} (model {cfg.model_id}{', API key required' if api_key else ''}); "
                   "Ctrl-C stops", flush=True)
             level = "warning" if args.verbose == 0 else "info" if args.verbose == 1 else "debug"
-            server = uvicorn.Server(uvicorn.Config(app, log_level=level, access_log=args.verbose > 0,
-                                                   timeout_graceful_shutdown=5))
+            server = _server(uvicorn.Config(app, log_level=level, access_log=args.verbose > 0,
+                                            timeout_graceful_shutdown=5), on_exit=lambda: begin_shutdown(app))
             try:
                 server.run(sockets=[sock])
             except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises Ctrl-C

@@ -10,14 +10,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import BusyError, ConfigError, EdgespecError, EngineClosedError
+from ..errors import BusyError, ConfigError, ContextFullError, EdgespecError, EngineClosedError
 
 __all__ = ["APIError", "error_body", "install_error_handlers", "validation_message"]
 
 logger = logging.getLogger(__name__)
 
 _HTTP_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 503: "server_error"}
+               408: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "server_error"}
 
 
 class APIError(Exception):
@@ -41,6 +42,8 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 def _from_edgespec(e: EdgespecError) -> APIError:
     if isinstance(e, ConfigError):
         return APIError(400, str(e))
+    if isinstance(e, ContextFullError):
+        return APIError(400, str(e), code="context_length_exceeded")
     if isinstance(e, (BusyError, EngineClosedError)):
         return APIError(503, str(e), type="server_error", code="engine_unavailable")
     return APIError(500, str(e), type="server_error")

@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "Usage",
@@ -27,6 +27,20 @@ def now() -> int:
     return int(time.time())
 
 
+def _unicode(text: str) -> str:
+    # JSON may carry a lone surrogate ("\ud800"): not text, and the tokenizer and the reply's
+    # UTF-8 encoding would fail on it deep inside (a 500); here it is a 400 naming the field
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text (a lone surrogate \\u{ord(text[e.start]):04x} at offset "
+                         f"{e.start})") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -39,13 +53,13 @@ class _Request(BaseModel):
 
 class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -57,7 +71,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-Stop = str | Annotated[list[str], Field(max_length=4)] | None
+Stop = Text | Annotated[list[Text], Field(max_length=4)] | None
 
 
 class _Sampling(_Request):
@@ -111,7 +125,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] = Field(min_length=1)
+    prompt: Text | list[Text] | list[int] = Field(min_length=1)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
