@@ -352,3 +352,30 @@ def test_fuzz_random_bodies_never_get_a_5xx(fuzz_server, body, path, junk):
     elif "text/event-stream" in r.headers["content-type"]:
         events = sse_events(r)
         assert events[-1] == "[DONE]", events
+
+
+# -- item 10: shutdown is bounded ----------------------------------------------------------------
+
+def test_stopping_the_server_does_not_wait_forever_for_a_stuck_generation(zoo, monkeypatch, caplog):
+    from edgespec.cli.serve import _closing
+
+    engine = load(zoo.bundle("qwen2", DISAGREEING), drafter="none")
+    forward, release = engine.target.forward, threading.Event()
+
+    def stuck(token_ids, n_logits=1):  # a backend call that does not come back (a hung device)
+        release.wait(30)
+        return forward(token_ids, n_logits)
+
+    monkeypatch.setattr(engine.target, "forward", stuck)
+    t = threading.Thread(target=lambda: engine.generate("the cat", max_tokens=4, wait=True), daemon=True)
+    t.start()
+    while not engine.busy:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    with _closing(engine, 0.3):
+        pass
+    assert time.monotonic() - t0 < 2 and "did not stop within 0.3 s" in caplog.text
+    release.set()
+    t.join(30)
+    engine.close()
+    assert engine.closed
