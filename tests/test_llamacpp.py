@@ -18,7 +18,7 @@ pytest.importorskip("gguf")
 
 from edgespec.api import load  # noqa: E402
 from edgespec.bundle import load_bundle  # noqa: E402
-from edgespec.errors import BackendError  # noqa: E402
+from edgespec.errors import BackendError, ContextFullError  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle  # noqa: E402
 from edgespec.runtimes.llamacpp import LlamaCppRuntime, _chunks, available_devices  # noqa: E402
 from tests.test_export_onnx import N_NEW, decode, hf_logits, plain_references, verify_matches_decodes  # noqa: E402
@@ -220,7 +220,7 @@ def test_bad_device_and_capacity_are_one_line_errors(zoo):
         runtime(path, device="NPU")
     with runtime(path, kv_capacity=16) as rt:
         rt.forward(list(range(10, 26)))
-        with pytest.raises(BackendError, match="context is full"):
+        with pytest.raises(ContextFullError, match="context is full"):  # issue 27: not a bare BackendError
             rt.forward([5])
         assert rt.n_past == 16
 
