@@ -120,6 +120,8 @@ def test_peer_figures_in_the_json(peer_doc, tmp_path):
         assert row["agree_tokens"] == AGREE and row["configs"][SPECULATIVE]["x_llamacpp"] > 0
     (back,) = load_runs(save(doc, tmp_path / "peer.json"))
     assert back["overall"][PEER]["agree_tokens"] == AGREE
+    with pytest.raises(ConfigError, match="without a 'peer' record"):
+        validate({k: v for k, v in back.items() if k != "peer"})
 
 
 def test_x_llamacpp_is_the_median_of_paired_per_prompt_ratios():

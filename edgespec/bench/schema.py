@@ -119,6 +119,8 @@ def validate(doc: object, where: str = "bench result") -> dict:
             if c not in configs:
                 raise ConfigError(f"{where}: class '{cls}' has results for an unlisted configuration '{c}'")
             _check_metrics(m, f"{where}: {cls}/{c}", plain=c == "plain")
+    if "llama.cpp" in configs and not isinstance(doc.get("peer"), dict):
+        raise ConfigError(f"{where}: 'llama.cpp' results without a 'peer' record (what was measured)")
     if doc["identical"] != (not doc["mismatches"]):
         raise ConfigError(f"{where}: 'identical' disagrees with 'mismatches'")
     return doc
