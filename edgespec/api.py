@@ -27,13 +27,16 @@ from .choices import (DRAFT_BODIES, STATIC_DRAFT_WIDTH, alternating_options, bac
                       shared_body_blocker, static_options)
 from .decoding import DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
-from .runtimes import BACKENDS, open_runtime, open_shared_pair, pick_backend
+from .runtimes import BACKENDS, open_runtime, open_shared_pair, pick_backend, probe_exactness
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = ["load", "Engine", "Response", "GenerationStats", "DRAFT_BODIES", "default_bundle", "resolve_drafting",
            "shared_body_blocker"]
 
 logger = logging.getLogger(__name__)
+
+MAX_PROBE_WIDTH = 33  # the widest verify the exactness probe tries (and so the widest one allowed)
+_warned_inexact: set[tuple[str, float]] = set()
 
 
 @dataclass
@@ -138,7 +141,8 @@ class Engine:
                  draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
                  k: int | None = None, policy: str | None = None, drafter: str = "auto",
                  threads: int | None = None, memory_budget: str | int | None = None,
-                 max_context: int | None = None, static: bool = False, draft_body: str = "auto") -> None:
+                 max_context: int | None = None, static: bool = False, draft_body: str = "auto",
+                 require_exact: bool = False, retune: bool = False) -> None:
         m = bundle.manifest
         if draft_body not in DRAFT_BODIES:
             raise ConfigError(f"draft_body must be one of {', '.join(DRAFT_BODIES)}, got {draft_body!r}")
@@ -201,24 +205,53 @@ class Engine:
         self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
         if self.memory_plan is not None:
             self._apply_plan(self.memory_plan)
-        self.decoder = SpeculativeDecoder(
-            self.target, self.draft, id_map=bundle.id_map() if self.draft else None, drafter=self.drafter_name,
-            policy=make_policy(self.policy_name, self.k) if self.drafter_name is not None else None)
+        # which verify widths round like plain decoding on this machine (None: not drafting)
+        self.exactness = self._probe(fmt, threads, require_exact, retune) if self.drafter_name else None
+        verify_width = self.exactness.exact_width if self.exactness and self.exactness.exact_width >= 2 else None
         caps = [rt.kv_capacity for rt in (self.target, self.draft) if rt is not None and rt.kv_capacity]
         caps += [max_context] if max_context is not None else []
         if self.memory_plan is not None:
             caps.append(self.memory_plan.kv_capacity)
         # most tokens a sequence may hold (prompt + reply); None: no fixed limit
         self.context_limit: int | None = min(caps) if caps else None
-        self.decoder.context_limit = self.context_limit
-        if self.memory_plan is not None:
-            self.decoder.max_draft = self.memory_plan.max_draft
+        self.decoder = SpeculativeDecoder(
+            self.target, self.draft, id_map=bundle.id_map() if self.draft else None, drafter=self.drafter_name,
+            policy=make_policy(self.policy_name, self.k) if self.drafter_name is not None else None,
+            context_limit=self.context_limit, max_draft=self.memory_plan.max_draft if self.memory_plan else None,
+            verify_width=verify_width, draft_width=verify_width if self.shared_body else None)
         self._lock = threading.Lock()  # one generation at a time
         self._owner: int | None = None  # thread id of the running generation's consumer
         self._active: "weakref.ref | None" = None  # the running generation, for close()
         self._closing = threading.Event()  # tells a running generation to stop
         self._closed = False
         self.last_stats = GenerationStats()
+
+    def _probe(self, fmt: str, threads: int | None, require_exact: bool, retune: bool):
+        """The exactness probe of the target as opened (runtimes/exactness.py). Where no verify
+        width is exact here, drafting is refused under `require_exact`, else it runs with a warning."""
+        m = self.bundle.manifest
+        files = [self.bundle.file(m.target.formats[fmt].file)]
+        if self.shared_body:
+            files.append(self.bundle.file(m.draft.formats[fmt].file))
+        # adaptive policies draft up to 2k and lookup tails as many again
+        widest = self.k + 1 if self.policy_name == "fixed" else 4 * self.k + 1
+        if (cap := self.target.capabilities.max_batch_tokens) is not None:
+            widest = min(widest, cap)
+        verdict = probe_exactness(self.backend, self.target, files, max(2, min(widest, MAX_PROBE_WIDTH)),
+                                  threads=threads, retune=retune)
+        if verdict.exact_width >= 2:
+            return verdict
+        if require_exact:
+            logger.warning("%s: %s; drafting is off (require_exact)", self.backend, verdict.describe())
+            if self.draft is not None:
+                self.draft.close()
+                self.draft = self.draft_backend = None
+            self.drafter_name = None
+        elif (self.backend, verdict.worst_diff) not in _warned_inexact:  # once per process: chats reload
+            _warned_inexact.add((self.backend, verdict.worst_diff))
+            logger.warning("%s: %s; greedy output with drafting may differ from plain decoding on near-ties "
+                           "(--require-exact refuses to draft)", self.backend, verdict.describe())
+        return verdict
 
     def _budget(self, memory_budget, bundle: Bundle, backend: str, fmt: str, wants_draft: bool,
                 max_context: int | None):
@@ -424,7 +457,8 @@ def load(bundle: str | Path | None = None, *, backend: str | None = None, device
          draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
          k: int | None = None, policy: str | None = None, drafter: str = "auto",
          threads: int | None = None, memory_budget: str | int | None = None,
-         max_context: int | None = None, static: bool = False, draft_body: str = "auto") -> Engine:
+         max_context: int | None = None, static: bool = False, draft_body: str = "auto",
+         require_exact: bool = False, retune: bool = False) -> Engine:
     """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use).
 
     backend: a name from edgespec.runtimes.BACKENDS (default: the first installed one that runs a
@@ -445,9 +479,12 @@ def load(bundle: str | Path | None = None, *, backend: str | None = None, device
     body twice; "own" loads the draft's own body; "auto" (default) shares where the draft is a
     self-draft without a layer cut, the target is int8 or int4 and the backend can (OpenVINO,
     dynamic shapes, no memory budget). See shared_body_blocker.
+    require_exact: draft only where a verify is bit-identical to plain decoding on this machine
+    (the exactness probe, run at the first load and cached; `Engine.exactness` holds its verdict);
+    otherwise greedy drafting runs with a warning. retune: probe again instead of reading the cache.
     """
     path = Path(bundle) if bundle is not None else default_bundle()
     return Engine(load_bundle(path), backend=backend, device=device, draft_backend=draft_backend,
                   draft_device=draft_device, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
                   threads=threads, memory_budget=memory_budget, max_context=max_context, static=static,
-                  draft_body=draft_body)
+                  draft_body=draft_body, require_exact=require_exact, retune=retune)

@@ -52,6 +52,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="most tokens a conversation holds (default: 4096, or what --memory-budget allows); "
                         "chat drops its oldest turns beyond it")
+    g.add_argument("--require-exact", action=argparse.BooleanOptionalAction, default=None,
+                   help="draft only where a verify forward rounds bit for bit like plain decoding on this "
+                        "machine (measured by a probe at the first load, cached; `edgespec info BUNDLE` shows "
+                        "it); otherwise greedy drafting runs with a warning. Default: on for bench, off "
+                        "elsewhere")
+    g.add_argument("--retune", action="store_true",
+                   help="measure this machine again (the exactness probe) instead of reading the cache")
     g.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
 
 
@@ -91,6 +98,7 @@ def open_engine(args: argparse.Namespace):
                 draft_device=args.draft_device, use_draft=not args.no_draft, k=args.k, policy=args.policy,
                 drafter=args.drafter, threads=args.threads, static=getattr(args, "static", False),
                 draft_body=getattr(args, "draft_body", "auto"),
+                require_exact=bool(getattr(args, "require_exact", None)), retune=getattr(args, "retune", False),
                 **_memory_kwargs(args))
 
 

@@ -53,13 +53,45 @@ def _bundle(path: str) -> list[str]:
     return lines
 
 
+def _exactness(path: str, retune: bool) -> list[str]:
+    """Each installed backend's exactness verdict for the bundle on this machine (probed on the
+    first load, then read from the cache)."""
+    from ..api import load
+    from ..bundle import load_bundle
+    from ..errors import EdgespecError
+    from ..runtimes import BACKENDS, installed_backends
+
+    formats = load_bundle(path).manifest.target.formats
+    lines = ["exactness (a verify of k drafts against k+1 one-token forwards, bit for bit, on this machine):"]
+    for name in installed_backends():
+        if BACKENDS[name].bundle_format not in formats:
+            continue
+        try:
+            with load(path, backend=name, retune=retune) as engine:
+                v = engine.exactness
+        except EdgespecError as e:
+            lines.append(f"  {name:<12} cannot open: {e}")
+            continue
+        if v is None:
+            lines.append(f"  {name:<12} no drafting configured, nothing to verify")
+            continue
+        how = "cached" if v.cached else "measured now"
+        lines.append(f"  {name:<12} {v.describe()} [probe {v.probe_ms:.0f} ms, {how}]")
+    return lines
+
+
 @cli_entry
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="edgespec info", description="Show backends and a bundle.")
     p.add_argument("bundle", nargs="?", default=None)
+    p.add_argument("--no-probe", dest="probe", action="store_false",
+                   help="skip the exactness probe of each backend (it loads the bundle; cached after the first run)")
+    p.add_argument("--retune", action="store_true", help="probe again instead of reading the cache")
     args = p.parse_args(argv)
     print("backends:")
     print("\n".join(_backends()))
     if args.bundle:
         print("\n".join(_bundle(args.bundle)))
+        if args.probe:
+            print("\n".join(_exactness(args.bundle, args.retune)))
     return 0

@@ -109,10 +109,14 @@ class ModelDrafter(Drafter):
     source = "model"
 
     def __init__(self, runtime: Runtime, target_vocab: int, id_map: np.ndarray | None = None,
-                 guess: Callable[[list[int], list[int]], list[int]] | None = None) -> None:
+                 guess: Callable[[list[int], list[int]], list[int]] | None = None,
+                 max_width: int | None = None) -> None:
+        """max_width: the widest forward to run with lookahead guesses (None: the runtime's limit);
+        a draft on the target's body keeps to the widths that are exact there."""
         id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
         check_draft_model(runtime, target_vocab, id_map)
         self.runtime, self.target_vocab, self.id_map, self.guess = runtime, target_vocab, id_map, guess
+        self.max_width = max_width
         self.runtimes = (runtime,)
         # a trimmed draft keeps the full input embedding: it is fed target ids, and only its
         # outputs (K logits) need the id map
@@ -165,8 +169,9 @@ class ModelDrafter(Drafter):
             self._cache.trim(len(self._cache.ids) - stale)
         guesses = self.guess(tokens, drafts) if self.guess is not None and len(pending) <= 2 else []
         # guesses are extra: they must fit the forward and the cache, never make either fail
-        if (cap := batch_limit(self.runtime)) is not None:
-            guesses = guesses[:max(cap - len(pending), 0)]
+        for cap in (batch_limit(self.runtime), self.max_width):
+            if cap is not None:
+                guesses = guesses[:max(cap - len(pending), 0)]
         if (capacity := self.runtime.kv_capacity) is not None:
             guesses = guesses[:max(capacity - len(self._cache.ids) - len(pending), 0)]
         out = self._cache.feed(pending + guesses, n_logits=1 + len(guesses))
@@ -308,26 +313,28 @@ class DrafterKind:
     """A registered drafter: whether it needs a draft model, and how to build it."""
 
     needs_model: bool
-    build: Callable[[int, Runtime | None, np.ndarray | None], Drafter]  # (target_vocab, draft, id_map)
+    # (target_vocab, draft, id_map, max_width): max_width bounds a model drafter's widest forward
+    build: Callable[[int, Runtime | None, np.ndarray | None, int | None], Drafter]
     help: str
 
 
 DRAFTERS: dict[str, DrafterKind] = {
-    "model": DrafterKind(True, lambda v, d, m: ModelDrafter(d, v, m), "the draft model"),
-    "ngram": DrafterKind(False, lambda v, d, m: NgramDrafter(), "prompt lookup, no model"),
-    "both": DrafterKind(True, lambda v, d, m: _both(v, d, m),
+    "model": DrafterKind(True, lambda v, d, m, w: ModelDrafter(d, v, m, max_width=w), "the draft model"),
+    "ngram": DrafterKind(False, lambda v, d, m, w: NgramDrafter(), "prompt lookup, no model"),
+    "both": DrafterKind(True, lambda v, d, m, w: _both(v, d, m, w),
                         "prompt lookup when it pays more, else the draft model (with lookup tails and lookahead)"),
 }
 
 
-def _both(target_vocab: int, draft: Runtime, id_map: np.ndarray | None) -> BothDrafter:
+def _both(target_vocab: int, draft: Runtime, id_map: np.ndarray | None, max_width: int | None) -> BothDrafter:
     lookup = NgramDrafter()
-    return BothDrafter(lookup, ModelDrafter(draft, target_vocab, id_map, guess=lookup.guess))
+    return BothDrafter(lookup, ModelDrafter(draft, target_vocab, id_map, guess=lookup.guess, max_width=max_width))
 
 
 def build_drafter(spec: str | Drafter | None, target_vocab: int, draft: Runtime | None,
-                  id_map: np.ndarray | None) -> Drafter | None:
-    """The drafter named `spec` (None: the draft model if given, else no drafting)."""
+                  id_map: np.ndarray | None, max_width: int | None = None) -> Drafter | None:
+    """The drafter named `spec` (None: the draft model if given, else no drafting); max_width
+    bounds a model drafter's widest forward (ModelDrafter)."""
     if isinstance(spec, Drafter):
         if draft is not None or id_map is not None:
             raise ConfigError("give the draft model inside the drafter or as draft=, not both")
@@ -345,4 +352,4 @@ def build_drafter(spec: str | Drafter | None, target_vocab: int, draft: Runtime 
         raise ConfigError(f"drafter {spec!r} needs a draft model; pass draft= or use drafter='ngram'")
     if not kind.needs_model and (draft is not None or id_map is not None):
         raise ConfigError(f"drafter {spec!r} uses no draft model; drop draft= and id_map=")
-    return kind.build(target_vocab, draft, id_map)
+    return kind.build(target_vocab, draft, id_map, max_width)

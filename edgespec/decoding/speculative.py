@@ -92,18 +92,32 @@ class SpeculativeDecoder:
         id_map: np.ndarray | None = None,
         policy: DraftPolicy | None = None,
         drafter: str | Drafter | None = None,
+        context_limit: int | None = None,
+        max_draft: int | None = None,
+        verify_width: int | None = None,
+        draft_width: int | None = None,
     ) -> None:
+        """context_limit: most positions a sequence may reach; max_draft: most drafts per step (both
+        set by a memory plan, edgespec.memory). verify_width: the widest verify forward, drafts
+        included (the widths the exactness probe found bit-identical to one-token forwards,
+        runtimes/exactness.py); draft_width: the widest forward a model drafter may run, its
+        lookahead guesses included (the same bound when the draft runs on the target's body, whose
+        rows the verify reuses)."""
         if draft is not None and draft is target:
             raise ConfigError("draft and target must be separate runtimes (each owns its own KV cache)")
+        for name, value, least in (("context_limit", context_limit, 2), ("max_draft", max_draft, 0),
+                                   ("verify_width", verify_width, 1), ("draft_width", draft_width, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
         id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
-        self.drafter = build_drafter(drafter, target.vocab_size, draft, id_map)
+        self.drafter = build_drafter(drafter, target.vocab_size, draft, id_map, max_width=draft_width)
         _check_target(target, self.drafter, policy)
         self.target, self.draft, self.id_map = target, draft, id_map
         self.policy = policy if policy is not None else FixedK(DEFAULT_K if self.drafter is not None else 0)
         self._target = TrackedCache(target)
-        # set by a memory plan (edgespec.memory): most positions a sequence may reach, most drafts per step
-        self.context_limit: int | None = None
-        self.max_draft: int | None = None
+        self.context_limit = context_limit
+        self.max_draft = max_draft
+        self.verify_width = verify_width
 
     @property
     def policy(self) -> DraftPolicy:
@@ -180,6 +194,8 @@ class SpeculativeDecoder:
             limit = min(limit, cap - 1)
         if self.max_draft is not None:
             limit = min(limit, self.max_draft)
+        if self.verify_width is not None:  # wider verifies would round unlike plain decoding here
+            limit = min(limit, self.verify_width - 1)
         if self.context_limit is not None:  # the verify writes len(tokens) + drafts positions
             limit = min(limit, self.context_limit - len(tokens))
         if self.drafter is None or limit <= 0:

@@ -254,6 +254,8 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
         present_k = out_k = g.op("Concat", [past[0], k], axis=2)  # (1, KVH, T, hd)
         present_v = out_v = g.op("Concat", [past[1], v], axis=2)
     rep = H // KVH
+    if ctx["append"]:
+        return _attention_rows(g, spec, w, p, q, present_k, present_v, ctx["mask"][lt]), out_k, out_v
     # Group query heads under their KV head so MatMul broadcasts instead of copying K/V.
     q5 = g.op("Reshape", [q, g.const([1, KVH, rep, -1, hd], dtype=np.int64)])  # (1, KVH, rep, S, hd)
     k5 = g.op("Unsqueeze", [present_k, g.const([2], dtype=np.int64)])  # (1, KVH, 1, T, hd)
@@ -267,6 +269,40 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
     out = g.op("Transpose", [out], perm=[0, 2, 1, 3])
     out = g.op("Reshape", [out, g.const([1, -1, H * hd], dtype=np.int64)])
     return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
+
+
+def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, mask: str) -> str:
+    """Attention whose score and value MatMuls never see a single query row (onnxruntime's path).
+
+    onnxruntime multiplies a one-row left matrix with another kernel than a taller one (on AVX2
+    and AVX-512 alike: 1e-7 apart), so one-token decodes would round unlike a verify of several
+    tokens. Here each KV head's query heads are stacked as the rows of one MatMul (rep * S rows),
+    and a model with one query head per KV head (rep = 1) stacks its queries twice, so a
+    one-token forward multiplies two rows, as a verify's taller matrix does row by row.
+    q (1, H, S, hd); k, v (1, KVH, T, hd) -> (1, S, H * hd), then o_proj."""
+    hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
+    rep = H // KVH
+    copies = 2 if rep == 1 else 1
+    q = g.op("Mul", [q, g.const(spec.query_scale, dtype=np.float32)])
+    if copies == 2:
+        q = g.op("Concat", [q, q], axis=2)  # (1, H, 2S, hd)
+    rows = g.op("Reshape", [q, g.const([1, KVH, -1, hd], dtype=np.int64)])  # (1, KVH, rep*copies*S, hd)
+    scores = g.op("MatMul", [rows, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (1, KVH, R, T)
+    T = g.op("Shape", [k], start=2, end=3)
+    # (1, KVH, rep*copies, S, T): the mask broadcasts over each head's rows
+    scores = g.op("Reshape", [scores, g.op("Concat", [g.const([1, KVH, rep * copies, -1], dtype=np.int64), T],
+                                           axis=0)])
+    probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
+    probs = g.op("Reshape", [probs, g.op("Concat", [g.const([1, KVH, -1], dtype=np.int64), T], axis=0)])
+    out = g.op("MatMul", [probs, v])  # (1, KVH, R, hd)
+    out = g.op("Reshape", [out, g.const([1, KVH * rep, copies, -1, hd], dtype=np.int64)])  # (1, H, copies, S, hd)
+    if copies == 2:
+        out = g.op("Gather", [out, g.const(0, dtype=np.int64)], axis=2)  # the first copy: (1, H, S, hd)
+    else:
+        out = g.op("Reshape", [out, g.const([1, H, -1, hd], dtype=np.int64)])
+    out = g.op("Transpose", [out], perm=[0, 2, 1, 3])
+    out = g.op("Reshape", [out, g.const([1, -1, H * hd], dtype=np.int64)])
+    return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj")
 
 
 def _to_heads_major(g: _G, x: str, kvh: int) -> str:

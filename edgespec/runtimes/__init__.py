@@ -13,7 +13,7 @@ from ..errors import ConfigError
 from .base import Capabilities, Runtime
 
 __all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "open_runtime", "installed_backends",
-           "backend_devices", "pick_backend", "runtime_class", "open_shared_pair"]
+           "backend_devices", "pick_backend", "runtime_class", "open_shared_pair", "probe_exactness"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +93,21 @@ def open_shared_pair(backend: str, target_path: Path, draft_path: Path, **kwargs
         raise ConfigError(f"backend {backend} cannot run a draft on the target's body; use --draft-body own")
     module, fn = info.shared_body.split(":")
     return getattr(importlib.import_module(module), fn)(target_path, draft_path, **kwargs)
+
+
+def probe_exactness(backend: str, rt: Runtime, model_files: list[Path], max_width: int, *, threads: int | None = None,
+                    retune: bool = False):
+    """Which verify widths of `rt` are bit-identical to one-token forwards on this machine
+    (runtimes/exactness.py), probed once per machine, backend build, model file and options."""
+    from importlib import metadata
+
+    from .exactness import probe_cached
+
+    info = _info(backend)
+    try:
+        version = metadata.version(info.package.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        version = "?"
+    options = {"threads": threads, **rt.kernel_options()}
+    return probe_cached(rt, max_width, backend=backend, version=version, model_files=model_files, options=options,
+                        retune=retune)

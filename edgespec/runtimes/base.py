@@ -73,6 +73,13 @@ class Runtime(abc.ABC):
         planner can measure it; the cache is empty afterwards. False if the backend cannot."""
         return False
 
+    def kernel_options(self) -> dict:
+        """What decides which kernels this runtime runs (its capabilities and build), as JSON-able
+        data: the exactness probe's verdict is cached under it."""
+        caps = self.capabilities
+        return {"backend": caps.backend, "static": caps.static_shapes, "devices": list(caps.devices),
+                "extra": {k: v for k, v in sorted(caps.extra.items()) if isinstance(v, (str, int, float, bool))}}
+
     def fixed_bytes(self) -> int:
         """Bytes held whatever the context length: the weights as the backend holds them plus
         buffers sized at load (not the KV cache). Planners measure the process as a whole; this

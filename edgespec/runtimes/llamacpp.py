@@ -270,6 +270,10 @@ class LlamaCppRuntime(Runtime):
             raise BackendError(f"{name} has {table.n_embd}-wide embeddings, the model {self._n_embd}")
         return table
 
+    def kernel_options(self) -> dict:
+        # the same package version compiles to other kernels with other CMake flags
+        return {**super().kernel_options(), "build": system_info(), "extra_bufts": use_extra_buffer_types()}
+
     # -- Runtime -------------------------------------------------------------------------
     @property
     def n_past(self) -> int:

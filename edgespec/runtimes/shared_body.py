@@ -136,6 +136,13 @@ class SharedBodyRuntime(Runtime):
     def trim(self, n_past: int) -> None:
         del self._ids[max(0, n_past):]  # the body keeps its rows: the next forward checks the ids
 
+    def reset(self) -> None:
+        """Forget the sequence; the target (the body's owner) empties the body too, so the next
+        forward computes every row again (the exactness probe relies on that)."""
+        self._ids.clear()
+        if self.owner:
+            self.shared.reset()
+
     def model_sizes(self) -> dict[str, int]:
         return self.shared.body.model_sizes() if self.owner else {}
 

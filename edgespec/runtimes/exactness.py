@@ -1,0 +1,191 @@
+"""Is a verify forward bit-identical to one-token forwards on this machine? Measured, not assumed.
+
+Speculative greedy output equals plain greedy output only if a W-token forward (a verify of W-1
+drafts) gives every row the same bits as W one-token forwards (plain decoding). That is a
+property of the kernels, and kernels differ with the CPU's ISA: on an AVX-512 Xeon OpenVINO's
+padded mode is row-exact at every width, on an AVX2-only EPYC its int8/int4 matmuls are not at
+any width, and llama.cpp's quantized matmuls switch kernels at 8 rows or more. So the engine
+probes the runtime it opened, on the real model, and verifies only at widths the probe found
+exact.
+
+The probe: from a fixed prefix, W+1 one-token forwards give reference rows; then, for each width
+w in 2..W, one w-token forward from the same prefix must give the same bits in every row, and a
+one-token forward after it the same bits as the reference row that follows (so the K/V rows the
+wide forward wrote are exact too). Two prefixes, so that block boundaries of padded keys fall
+inside some of the widths. The verdict is cached per machine, backend version, model file and
+runtime options (a JSON file in edgespec's cache), so only the first load pays.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .base import Runtime
+
+__all__ = ["Exactness", "PROBE_STARTS", "PROBE_VERSION", "machine_fingerprint", "probe", "probe_cached"]
+
+logger = logging.getLogger(__name__)
+
+PROBE_VERSION = 1  # bump when the procedure changes: old verdicts are then probed again
+PROBE_STARTS = (5, 14)  # prefix lengths; keys padded to blocks of 16 cross a bound inside some widths
+_SEED = 20_251_124
+
+
+@dataclass(frozen=True)
+class Exactness:
+    """What the probe found for one runtime on this machine."""
+
+    max_width: int  # widths 2..max_width were probed
+    exact: tuple[int, ...]  # the probed widths whose every row matched one-token forwards bit for bit
+    worst_diff: float  # the largest |logit difference| seen at any width (0.0: all exact)
+    probe_ms: float  # what the probe cost when it ran (a cached verdict keeps the first run's figure)
+    cached: bool = False  # read from the cache, not measured in this process
+
+    @property
+    def exact_width(self) -> int:
+        """The widest verify that is exact together with every narrower one (1: none is)."""
+        width = 1
+        while width + 1 in self.exact:
+            width += 1
+        return width
+
+    @property
+    def fully_exact(self) -> bool:
+        return self.exact_width >= self.max_width
+
+    def describe(self) -> str:
+        """One line for `edgespec info` and bench reports."""
+        where = "on this machine"
+        if self.exact_width >= 2:
+            tail = "" if self.fully_exact else f" (not {self.exact_width + 1}+: up to {self.worst_diff:.2g} off)"
+            return f"exact verify widths {where}: 2-{self.exact_width}{tail}"
+        return f"not exact {where}: a verify of 2+ tokens differs from one-token forwards by up to {self.worst_diff:.2g}"
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["exact"] = list(self.exact)
+        out["exact_width"] = self.exact_width
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Exactness":
+        return cls(max_width=int(data["max_width"]), exact=tuple(int(w) for w in data["exact"]),
+                   worst_diff=float(data["worst_diff"]), probe_ms=float(data["probe_ms"]),
+                   cached=bool(data.get("cached", False)))
+
+
+def _ids(rt: Runtime, n: int) -> list[int]:
+    """Deterministic ids spread over the vocabulary (skipping the first ids, often specials)."""
+    rng = np.random.default_rng(_SEED)
+    low = min(16, max(rt.vocab_size - 1, 0))
+    return [int(t) for t in rng.integers(low, rt.vocab_size, size=n)]
+
+
+def _row_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """0.0 when bit-identical, else the largest absolute difference (inf where one is not finite)."""
+    if np.array_equal(a.view(np.uint32), b.view(np.uint32)):
+        return 0.0
+    with np.errstate(invalid="ignore"):
+        d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    return float(np.nanmax(d)) if np.isfinite(d).any() else float("inf")
+
+
+def _forward(rt: Runtime, ids: Sequence[int], n_logits: int) -> np.ndarray:
+    # a runtime may return a view valid until its next forward
+    return np.array(rt.forward(list(ids), n_logits=n_logits), dtype=np.float32)
+
+
+def _probe_start(rt: Runtime, ids: list[int], start: int, max_width: int) -> dict[int, float]:
+    """{width: worst difference} for widths 2..max_width from a prefix of `start` ids."""
+    rt.reset()
+    _forward(rt, ids[:start], 1)
+    ref = [_forward(rt, [t], 1)[0] for t in ids[start:start + max_width + 1]]
+    out = {}
+    for w in range(2, max_width + 1):
+        rt.reset()
+        _forward(rt, ids[:start], 1)
+        wide = _forward(rt, ids[start:start + w], w)
+        after = _forward(rt, [ids[start + w]], 1)[0]  # reads the K/V rows the wide forward wrote
+        out[w] = max(max(_row_diff(wide[i], ref[i]) for i in range(w)), _row_diff(after, ref[w]))
+    rt.reset()
+    return out
+
+
+def probe(rt: Runtime, max_width: int, starts: Sequence[int] = PROBE_STARTS) -> Exactness:
+    """Measure which verify widths 2..max_width of `rt` are bit-identical to one-token forwards.
+
+    Leaves `rt`'s cache empty. A runtime whose cache holds fewer positions than the probe needs
+    is probed from shorter prefixes."""
+    t0 = time.perf_counter()
+    cap = rt.kv_capacity
+    if cap is not None:
+        max_width = min(max_width, cap - 2)
+        starts = tuple(s for s in starts if s + max_width + 1 <= cap) or (1,)
+    max_width = max(max_width, 1)
+    ids = _ids(rt, max(starts) + max_width + 1)
+    worst: dict[int, float] = {w: 0.0 for w in range(2, max_width + 1)}
+    for s in starts:
+        for w, d in _probe_start(rt, ids, s, max_width).items():
+            worst[w] = max(worst[w], d)
+    ms = (time.perf_counter() - t0) * 1e3
+    exact = tuple(w for w, d in sorted(worst.items()) if d == 0.0)
+    return Exactness(max_width, exact, max(worst.values(), default=0.0), round(ms, 1))
+
+
+def machine_fingerprint() -> str:
+    """The CPU model and its feature flags: what decides which kernels a backend picks."""
+    parts = [platform.machine(), platform.system()]
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        text = ""
+    for key in ("model name", "flags", "Features", "CPU implementer", "CPU part"):
+        line = next((ln for ln in text.splitlines() if ln.split(":")[0].strip() == key), "")
+        parts.append(line.split(":", 1)[-1].strip())
+    parts.append(platform.processor())
+    return "|".join(parts)
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _cache_file(key: dict) -> Path:
+    from ..models.catalog import cache_dir
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return cache_dir() / "exactness" / f"{digest}.json"
+
+
+def probe_cached(rt: Runtime, max_width: int, *, backend: str, version: str, model_files: Sequence[Path],
+                 options: dict, retune: bool = False) -> Exactness:
+    """`probe`, or the verdict an earlier probe of the same runtime on this machine left in the
+    cache. `options` are the runtime's settings that choose kernels (threads, precision, modes)."""
+    key = {"probe": PROBE_VERSION, "machine": machine_fingerprint(), "backend": backend, "version": version,
+           "files": [_file_key(Path(p)) for p in model_files], "options": options, "max_width": max_width}
+    path = _cache_file(key)
+    if not retune:
+        try:
+            return Exactness.from_dict({**json.loads(path.read_text()), "cached": True})
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # not probed yet here (or an unreadable entry): probe again
+    verdict = probe(rt, max_width)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**verdict.to_dict(), "key": key}, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # an unwritable cache costs a probe per load, nothing else
+        logger.warning("cannot cache the exactness probe in %s: %s", path.parent, e)
+    logger.info("exactness probe (%s, %.0f ms): %s", backend, verdict.probe_ms, verdict.describe())
+    return verdict

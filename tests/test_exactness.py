@@ -1,0 +1,243 @@
+"""The exactness probe (runtimes/exactness.py) and what the decoder and engine do with its verdict:
+verify only at widths that round like one-token forwards on this machine, or refuse to draft."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from edgespec.api import load
+from edgespec.decoding import SamplingParams, SpeculativeDecoder
+from edgespec.errors import ConfigError
+from edgespec.runtimes import exactness
+from edgespec.runtimes.exactness import Exactness, probe, probe_cached
+from tests.toy import ToyRuntime, naive_greedy
+from tests.tiny import PROMPTS
+from tests.zoo import AGREEING
+
+
+class WideRounding(ToyRuntime):
+    """A toy whose forwards of `from_width`+ tokens round differently: each returned row is off by
+    `delta` (a large delta flips argmaxes, as llama.cpp's did), and with `kv=True` only the cache
+    rows they write are off, so the returned rows match and the next forward does not."""
+
+    def __init__(self, *args, from_width: int = 2, delta: float = 1e-4, kv: bool = False, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.from_width, self.delta, self.kv = from_width, delta, kv
+        self.widths: list[int] = []
+        self._off: set[int] = set()  # positions written by a wide forward (kv=True)
+
+    def forward(self, token_ids, n_logits=1):
+        self.widths.append(len(token_ids))
+        start = self.n_past
+        out = super().forward(token_ids, n_logits)
+        wide = len(token_ids) >= self.from_width
+        if wide and self.kv:
+            self._off |= set(range(start, self.n_past))
+            return out
+        if wide or any(p < self.n_past - len(token_ids) for p in self._off):
+            out = out + np.float32(self.delta) * (np.arange(out.shape[-1]) % 3 == 0)
+        return out
+
+    def trim(self, n_past):
+        super().trim(n_past)
+        self._off = {p for p in self._off if p < n_past}
+
+
+def test_a_batch_invariant_runtime_is_exact_at_every_width():
+    verdict = probe(ToyRuntime(vocab=40), 9)
+    assert verdict.exact == tuple(range(2, 10)) and verdict.exact_width == 9 and verdict.fully_exact
+    assert verdict.worst_diff == 0.0 and verdict.probe_ms > 0
+    assert verdict.describe() == "exact verify widths on this machine: 2-9"
+
+
+def test_the_probe_finds_where_widths_stop_being_exact():
+    verdict = probe(WideRounding(vocab=40, from_width=5, delta=3e-4), 8)
+    assert verdict.exact == (2, 3, 4) and verdict.exact_width == 4 and not verdict.fully_exact
+    assert verdict.worst_diff == pytest.approx(3e-4, rel=1e-2)
+    assert verdict.describe().startswith("exact verify widths on this machine: 2-4 (not 5+")
+
+
+def test_the_probe_reads_the_cache_rows_a_wide_forward_wrote():
+    """Rows returned right, K/V written wrong: only the forward after the verify shows it."""
+    verdict = probe(WideRounding(vocab=40, from_width=3, kv=True), 6)
+    assert verdict.exact == (2,) and verdict.exact_width == 2
+
+
+def test_no_exact_width_is_said_plainly():
+    verdict = probe(WideRounding(vocab=40, from_width=2), 5)
+    assert verdict.exact == () and verdict.exact_width == 1
+    assert verdict.describe().startswith("not exact on this machine")
+    assert Exactness.from_dict(verdict.to_dict()) == verdict  # the cache round-trips it
+
+
+def test_the_probe_leaves_the_cache_empty_and_fits_a_small_capacity():
+    rt = ToyRuntime(vocab=40)
+    rt.kv_capacity = 12
+    verdict = probe(rt, 16)
+    assert rt.n_past == 0 and verdict.max_width == 10  # capacity 12 leaves room for widths 2..10
+
+
+def test_a_verdict_is_cached_per_runtime_options_and_retune_probes_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    model = tmp_path / "model.bin"
+    model.write_bytes(b"weights")
+    rt = ToyRuntime(vocab=40)
+    kw = dict(backend="toy", version="1", model_files=[model], options={"threads": 2})
+    first = probe_cached(rt, 6, **kw)
+    calls = rt.calls
+    again = probe_cached(rt, 6, **kw)
+    assert rt.calls == calls and again.cached and not first.cached and again.exact == first.exact
+    probe_cached(rt, 6, **{**kw, "options": {"threads": 1}})  # other kernels: probed anew
+    assert rt.calls > calls
+    calls = rt.calls
+    assert not probe_cached(rt, 6, **kw, retune=True).cached and rt.calls > calls
+    model.write_bytes(b"re-exported")  # a new model file: probed anew
+    calls = rt.calls
+    assert not probe_cached(rt, 6, **kw).cached and rt.calls > calls
+
+
+def test_the_machine_fingerprint_names_the_cpu_architecture():
+    import platform
+
+    assert exactness.machine_fingerprint().startswith(platform.machine())
+
+
+# -- the decoder keeps to the exact widths ---------------------------------------------------
+
+def _greedy(decoder: SpeculativeDecoder, prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in decoder.stream(tokens, SamplingParams(), n):
+        pass
+    return tokens[len(prompt):]
+
+
+def test_verifies_stay_within_the_exact_widths_and_output_equals_plain():
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = naive_greedy(ToyRuntime(vocab=40), prompt, 40)
+    # wide forwards flip argmaxes: unbounded, speculative output leaves plain's
+    loose = WideRounding(vocab=40, from_width=4, delta=50.0)
+    assert _greedy(SpeculativeDecoder(loose, ToyRuntime(vocab=40), drafter="model"), prompt, 40) != plain
+    capped = WideRounding(vocab=40, from_width=4, delta=50.0)
+    draft = ToyRuntime(vocab=40)
+    dec = SpeculativeDecoder(capped, draft, drafter="model", verify_width=3)
+    assert _greedy(dec, prompt, 40) == plain
+    verifies = capped.widths[1:]  # after the prefill
+    assert max(verifies) == 3  # the default k=4 would verify 5 at a time
+
+
+def test_a_draft_on_the_target_body_keeps_its_lookahead_within_the_width():
+    from edgespec.decoding.drafters import ModelDrafter
+
+    draft = WideRounding(vocab=40, from_width=99)  # records widths only
+    drafter = ModelDrafter(draft, 40, guess=lambda tokens, drafts: [7, 8, 9, 10], max_width=3)
+    drafter.propose([1, 2, 3, 4, 5], 4, type("P", (), {"next_k": lambda self, s: 4, "uses_confidence": False})(),
+                    SamplingParams(), np.random.default_rng(0))
+    assert max(draft.widths[1:]) <= 3
+
+
+def test_widths_are_checked():
+    with pytest.raises(ConfigError, match="verify_width"):
+        SpeculativeDecoder(ToyRuntime(), ToyRuntime(), verify_width=0)
+
+
+# -- the engine: probed at load, refused under require_exact -----------------------------------
+
+def _wide_forwards_round_off(monkeypatch):
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    forward = OnnxRuntime.forward
+
+    def rounded(self, token_ids, n_logits=1):
+        out = forward(self, token_ids, n_logits)
+        return out + np.float32(1e-3) if len(token_ids) > 1 else out
+
+    monkeypatch.setattr(OnnxRuntime, "forward", rounded)
+
+
+def test_the_engine_probes_the_target_and_caps_its_verifies(zoo):
+    with load(zoo.bundle("llama", AGREEING), k=3, drafter="model") as e:
+        verdict = e.exactness
+        assert verdict is not None and verdict.max_width == 13  # 4k+1: adaptive drafts plus lookup tails
+        assert e.decoder.verify_width == (verdict.exact_width if verdict.exact_width >= 2 else None)
+    with load(zoo.bundle("llama", AGREEING), k=3, drafter="model") as e:
+        assert e.exactness.cached and e.exactness.exact == verdict.exact
+    with load(zoo.bundle("llama", AGREEING), use_draft=False) as e:
+        assert e.exactness is None  # plain decoding verifies nothing
+
+
+def test_no_exact_width_means_no_drafting_under_require_exact(zoo, monkeypatch, caplog):
+    _wide_forwards_round_off(monkeypatch)
+    bundle = zoo.bundle("llama", AGREEING)
+    with caplog.at_level(logging.WARNING), load(bundle, k=3, drafter="model", require_exact=True, retune=True) as e:
+        assert e.exactness.exact == () and e.drafter_name is None and e.draft is None
+        e.generate(PROMPTS[0], max_tokens=12)
+        assert e.last_stats.drafted == 0 and e.last_stats.new_tokens == 12
+    assert "drafting is off (require_exact)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), load(bundle, k=3, drafter="model") as e:
+        assert e.exactness.cached and e.drafter_name == "model" and e.decoder.verify_width is None
+        e.generate(PROMPTS[0], max_tokens=12)
+        assert e.last_stats.drafted > 0  # drafting still runs, with a warning
+    assert "may differ from plain decoding" in caplog.text
+
+
+# -- onnxruntime: the exported attention never multiplies one query row -----------------------
+
+def _mha_source(root):
+    """A tiny Llama with one query head per KV head (rep = 1): the case that stacks its queries twice."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.tiny import VOCAB, make_tokenizer
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    src = root / "mha"
+    model.save_pretrained(src)
+    make_tokenizer().save_pretrained(src)
+    return src, model
+
+
+def _attention_rows(path, ids: list[int]) -> list[int]:
+    """Rows of every attention MatMul's left matrix in a forward of `ids` from an empty cache."""
+    onnx = pytest.importorskip("onnx")
+    import onnxruntime as ort
+
+    model = onnx.load(str(path))
+    scores = [n.output[0] for n in model.graph.node if n.op_type == "MatMul" and not any(
+        i.name == n.input[1] for i in model.graph.initializer)]
+    model.graph.output.extend(onnx.ValueInfoProto(name=s) for s in scores)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    past = {i.name: np.zeros((1, 0, *i.shape[2:]), np.float32) for i in sess.get_inputs() if i.name.startswith("past_")}
+    outs = sess.run(scores, {"input_ids": np.array([ids], np.int64), "n_logits": np.array([1], np.int64), **past})
+    return [o.shape[-2] for o in outs]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "mha"])
+def test_onnx_attention_multiplies_at_least_two_rows_and_stays_right(zoo, tmp_path, name):
+    """onnxruntime multiplies a one-row matrix with another kernel than a taller one (1e-7 apart
+    on this project's CI CPUs), so the exported attention never gives it one row: a one-token
+    decode then rounds like each row of a verify. Numerics stay transformers' (rep = 1 included)."""
+    from edgespec.bundle import load_bundle
+    from edgespec.exporters.export import ExportConfig, export_bundle
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from tests.test_export_onnx import hf_logits
+
+    if name == "mha":
+        src, model = _mha_source(tmp_path)
+        path = export_bundle(ExportConfig(output=tmp_path / "mha.bundle", target=src, draft=None))
+    else:
+        path, model = zoo.bundle(name, None), zoo.hf_model(name)
+    onnx_file = load_bundle(path).file(load_bundle(path).manifest.target.formats["onnx"].file)
+    rows = _attention_rows(onnx_file, [5])
+    assert rows and min(rows) >= 2, rows
+    ids = [int(t) for t in np.random.default_rng(3).integers(3, 300, 12)]
+    rt = OnnxRuntime(onnx_file)
+    np.testing.assert_allclose(rt.forward(ids, n_logits=12), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+    verdict = probe(rt, 6)  # what this machine does with it, stated (not assumed) in the test log
+    print(f"{name}: {verdict.describe()}")
