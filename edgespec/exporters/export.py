@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -55,6 +56,11 @@ TARGET_PRECISIONS = ("source", "fp32", "fp16", "int8", "int4")
 DRAFT_PRECISIONS = ("source", "fp32", "int8", "int4")
 # formats whose writer takes GGUF blocks as they are; the others get gguf-py's dequantized weights
 BLOCK_FORMATS = ("onnx",)
+# MatMulNBits' accuracy_level for transcoded GGUF weights. 4: activations quantized to int8 per block,
+# as llama.cpp's own CPU kernels do against these blocks; onnxruntime's CPU kernels have no fp32
+# path for 8-bit codes (Q5_0/Q8_0/Q6_K here): with level 0 they dequantize the whole matrix on every
+# call (~200x slower, measured on a 2048x640 Q8_0 matrix), and 4-bit level 0 is 3x slower than level 4
+SOURCE_ACCURACY_LEVEL = 4
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,7 @@ def write_onnx(job: ModelJob, bar) -> Artifact:
     path = job.bundle_dir / job.role / "model.onnx"
     if job.precision == "source":  # the GGUF's blocks as MatMulNBits, nothing re-encoded
         bar.set_postfix_str(f"transcoding {job.role}")
-        opts = replace(job.opts, weight_dtype="fp32", kv_layout="append")
+        opts = replace(job.opts, weight_dtype="fp32", kv_layout="append", nbits_accuracy=SOURCE_ACCURACY_LEVEL)
         model = build_decoder(job.spec, job.weights, opts)
         precision, quant = _source_quantization(replace(job, opts=opts))
         bar.set_postfix_str(f"writing {job.role}")
@@ -231,7 +237,8 @@ def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx
         path = target_onnx
         if path is None:
             path = tmp / ".calibration" / "model.onnx"
-            model = build_decoder(spec, source.model.tensors, GraphOptions(kv_layout="append"))
+            model = build_decoder(spec, source.model.tensors,
+                                  GraphOptions(kv_layout="append", nbits_accuracy=SOURCE_ACCURACY_LEVEL))
             _save(model, path)
         return OnnxRuntime(path, kv_capacity=1024)
     return make
@@ -261,6 +268,7 @@ def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: Model
     shape = shape_draft(source, spec, chat_template, vocab=vocab, layers=cfg.draft_layers,
                         calibration=cfg.calibration, runtime=_calibration_runtime(source, spec, tmp, target_onnx),
                         stop_ids=stop_ids)
+    shutil.rmtree(tmp / ".calibration", ignore_errors=True)  # a scratch target, if one was built
     shaped = shape.layers is not None or shape.vocab_keep is not None
     precision = _resolve(source, _draft_precision(cfg, source, shaped), "draft")
     weights = _job_weights(source, precision, weights if precision != "source" else None)

@@ -3,7 +3,9 @@
 SentencePiece-style vocabularies (`tokenizer.ggml.model = llama`: Gemma, Llama 2) carry tokens and
 scores but no merges; llama.cpp merges the adjacent pair whose joined piece scores highest. A BPE
 whose merges are ordered by the joined piece's score does the same, so the merges are generated
-from the vocabulary (as transformers' GGUF converter does). Byte-level BPE vocabularies
+from the vocabulary, as transformers' GGUF converter does, with its two Gemma fixes: tokens of
+several spaces are stored as spaces but looked up as "▁" runs, and Gemma's merge order is its
+token order, not its scores. Byte-level BPE vocabularies
 (`gpt2`: Qwen, Llama 3) carry their merges. Control tokens are special added tokens and
 user-defined tokens plain added tokens, both matched before the model, as llama.cpp does.
 
@@ -26,17 +28,23 @@ logger = logging.getLogger(__name__)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 
+# architectures whose SentencePiece merge order is the token order (transformers' gemma_tokenizer)
+_MERGE_BY_POSITION = ("gemma", "gemma2", "gemma3")
+
+
 def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """Every split of a piece into two pieces of the vocabulary, best-scored joined piece first
-    (ties: the pair's own ids), which is the order llama.cpp's SentencePiece merging picks."""
+    """Every split of a piece into two pieces of the vocabulary, best-scored joined piece first;
+    ties by the longer left piece, then the longer right one (transformers' generate_merges order,
+    so both paths build the same tokenizer)."""
     ids = {t: i for i, t in enumerate(tokens)}
+    best = dict(zip(tokens, scores))  # a repeated piece keeps its last score, as a dict does there
     merges = []
-    for tok, score in zip(tokens, scores):
+    for tok, score in best.items():
         local = [(tok[:i], tok[i:]) for i in range(1, len(tok)) if tok[:i] in ids and tok[i:] in ids]
         local.sort(key=lambda p: (ids[p[0]], ids[p[1]]))
-        merges.extend((score, ids[tok], pair) for pair in local)
-    merges.sort(key=lambda m: (-m[0], m[1]))  # stable: one piece's splits keep their order
-    return [pair for _, _, pair in merges]
+        merges.extend((score, len(a), len(b), (a, b)) for a, b in local)
+    merges.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)  # stable among equal keys
+    return [m[3] for m in merges]
 
 
 def _field(reader, key: str, default=None):
@@ -45,7 +53,8 @@ def _field(reader, key: str, default=None):
 
 
 def build_tokenizer(reader):
-    """(tokenizers.Tokenizer, facts) from a GGUFReader's tokenizer.* metadata."""
+    """(tokenizers.Tokenizer, token types, token strings as the tokenizer spells them) from a
+    GGUFReader's tokenizer.* metadata."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
@@ -54,12 +63,17 @@ def build_tokenizer(reader):
     if kind is None or tokens is None:
         raise ExportError("the GGUF carries no tokenizer (tokenizer.ggml.model / tokens)")
     types = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    vocab = {t: i for i, t in enumerate(tokens)}
     unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
-    if kind == "llama":
+    arch = _field(reader, "general.architecture", "")
+    if kind == "llama" and arch in _MERGE_BY_POSITION:
+        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        scores = [-float(i) for i in range(len(tokens))]
+    elif kind == "llama":
         scores = _field(reader, "tokenizer.ggml.scores")
         if scores is None:
             raise ExportError("the GGUF's SentencePiece tokenizer has no scores")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if kind == "llama":
         unk = tokens[unk_id] if unk_id is not None else None
         tok = Tokenizer(BPE(vocab, spm_merges(tokens, scores), unk_token=unk, fuse_unk=True, byte_fallback=True))
         norms = [normalizers.Replace(" ", "▁")]
@@ -83,9 +97,11 @@ def build_tokenizer(reader):
         raise ExportError(f"the GGUF's tokenizer model '{kind}' is not supported (llama, gpt2)")
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
                             for i, t in enumerate(types) if t == _CONTROL])
+    # user-defined pieces are matched whole, as llama.cpp does (a respelled "▁" run is not one)
+    raw = _field(reader, "tokenizer.ggml.tokens")
     tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
-                    for i, t in enumerate(types) if t == _USER_DEFINED])
-    return tok, types
+                    for i, t in enumerate(types) if t == _USER_DEFINED and tokens[i] == raw[i]])
+    return tok, types, tokens
 
 
 @dataclass
@@ -98,8 +114,8 @@ class GGUFTokenizer:
     """The tokenizer of a GGUF source, with the transformers-tokenizer surface the exporter uses."""
 
     def __init__(self, reader) -> None:
-        self._tok, types = build_tokenizer(reader)
-        self._tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+        self._tok, types, tokens = build_tokenizer(reader)
+        self._tokens = list(tokens)
         ids = {k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding", "unknown")}
         self.bos_token_id = None if ids["bos"] is None else int(ids["bos"])
         self.eos_token_id = None if ids["eos"] is None else int(ids["eos"])
@@ -107,8 +123,9 @@ class GGUFTokenizer:
         self.unk_token_id = None if ids["unknown"] is None else int(ids["unknown"])
         self.add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", self.bos_token_id is not None))
         self.chat_template = _field(reader, "tokenizer.chat_template")
+        added = set(self._tok.get_added_tokens_decoder())
         self.added_tokens_decoder = {i: _Added(self._tokens[i], t == _CONTROL)
-                                     for i, t in enumerate(types) if t in (_CONTROL, _USER_DEFINED)}
+                                     for i, t in enumerate(types) if i in added}
         self.all_special_ids = sorted({i for i in (self.bos_token_id, self.eos_token_id, self.pad_token_id,
                                                    self.unk_token_id) if i is not None}
                                       | {i for i, a in self.added_tokens_decoder.items() if a.special})
