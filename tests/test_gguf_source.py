@@ -159,3 +159,57 @@ def test_gguf_path_imports_no_torch(zoo):
     proc = subprocess.run([sys.executable, "-c", code, str(src)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_gguf_self_draft_is_the_target_body_under_a_trimmed_head(zoo, tmp_path):
+    """The GGUF self-draft with a VocabTrim head, calibrated by the exported target on onnxruntime
+    (no torch model): the manifest calls it a self-draft, and its logits are the target's at the
+    kept ids (the same blocks under the embedding's own rows)."""
+    pytest.importorskip("onnxruntime")
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    src = _gguf(zoo, "gemma3", "int8")
+    out = export_bundle(ExportConfig(output=tmp_path / "b", target=src, draft_vocab=64))
+    b = load_bundle(out)
+    m = b.manifest
+    assert m.self_draft and m.draft.vocab_size == 64
+    art = m.draft.formats["onnx"]
+    assert art.quantization["method"] == "gguf-transcode" and art.precision == "int8"
+    assert m.draft.vocab_info["calibration_tokens"] > 0
+    assert not (out / ".calibration").exists()
+    keep = b.id_map()
+    ids = GGUFTokenizer(open_gguf(src))(LONG_PROMPT).input_ids
+    with OnnxRuntime(b.file(m.target.formats["onnx"].file)) as t, OnnxRuntime(b.file(art.file)) as d:
+        np.testing.assert_allclose(d.forward(ids, 4), t.forward(ids, 4)[:, keep], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_default_gguf_matches_the_transformers_path(tmp_path):
+    """The real default GGUF read without torch: the same token ids as transformers' GGUF tokenizer
+    on a few dozen strings, and the fp32 graph of its weights gives transformers' path's logits."""
+    pytest.importorskip("transformers")
+    import onnx
+
+    from edgespec.exporters.sources import load_source, load_with_transformers
+    from edgespec.exporters.spec import spec_from_hf
+    from edgespec.models.catalog import preset_source
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    strings = [*TEXTS, "multiple   internal    spaces", "tabs\tand\nnewlines\n\n\nthree", "日本語のテキストです。",
+               "emoji 😀🎉👍🏽 mixed", "def f(x):\n    return x ** 2", "<bos>literal", "<unused0> reserved", " ", "\n",
+               "Русский текст", "x" * 100, "don't can't", "{\"json\": [1, null]}", "\u200bzero\u200b", "\r\nwin\r\n",
+               "a" + " " * 31 + "b", "<start_of_image>", "  two", "SELECT * FROM t;", "¡¿Qué?!"]
+    path = preset_source()
+    ours, ref = load_source(path), load_with_transformers(path)
+    for s in strings:
+        assert ours.tokenizer(s).input_ids == ref.tokenizer(s).input_ids, s
+    weights = {k: v.detach().numpy() for k, v in ref.model.state_dict().items()}
+    paths = []
+    for name, spec, w in (("ours", ours.model.spec, ours.model.dequantized()), ("ref", spec_from_hf(ref.model), weights)):
+        paths.append(tmp_path / name / "model.onnx")
+        paths[-1].parent.mkdir()
+        onnx.save_model(build_decoder(spec, w, GraphOptions(kv_layout="append")), str(paths[-1]),
+                        save_as_external_data=True, location="model.onnx.data")
+    ids = ours.tokenizer(strings[0] + " " + strings[1]).input_ids
+    with OnnxRuntime(paths[0]) as a, OnnxRuntime(paths[1]) as b:
+        np.testing.assert_allclose(a.forward(ids, len(ids)), b.forward(ids, len(ids)), atol=1e-4, rtol=0)

@@ -182,3 +182,31 @@ def test_layer_cut_graph_matches_transformers_without_those_layers(tmp_path, fam
     with OnnxRuntime(tmp_path / "cut.onnx") as rt:
         got = rt.forward(ids[0].tolist(), n_logits=30)
     np.testing.assert_allclose(got, ref, atol=1e-4)
+
+
+class _IdsTokenizer:
+    """Text prompts of space-separated token ids."""
+
+    def __call__(self, text, add_special_tokens=True):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(input_ids=[int(t) for t in text.split()])
+
+
+def test_calibrate_runtime_counts_what_the_runtime_generates():
+    """The torch-free calibration: one prompt at a time on a runtime, reset between prompts,
+    sampled (seeded), stopping at stop ids, which are not counted."""
+    from edgespec.exporters.vocabtrim import calibrate_runtime
+    from tests.toy import ToyRuntime
+
+    prompts = [{"kind": "text", "text": " ".join(map(str, p))} for p in ([1, 2, 3], [4, 5], [7])]
+    rt = ToyRuntime(vocab=50)
+    cal = calibrate_runtime(rt, _IdsTokenizer(), prompts, "test", max_new_tokens=20)
+    assert cal.n_tokens == 60 and cal.counts.shape == (50,) and cal.source == "test"
+    assert rt.n_past == 1 + 20  # the last prompt alone: the runtime was reset before it
+    again = calibrate_runtime(ToyRuntime(vocab=50), _IdsTokenizer(), prompts, "test", max_new_tokens=20)
+    np.testing.assert_array_equal(again.counts, cal.counts)
+    stop = int(np.argmax(cal.counts))
+    stopped = calibrate_runtime(ToyRuntime(vocab=50), _IdsTokenizer(), prompts, "test", max_new_tokens=20,
+                                stop_ids=[stop])
+    assert stopped.counts[stop] == 0 and stopped.n_tokens < cal.n_tokens
