@@ -5,8 +5,16 @@ import argparse
 import sys
 
 from ..errors import ConfigError
-from .common import (add_engine_args, add_sampling_args, cli_entry, open_engine, print_memory_plan, sampling_kwargs,
-                     setup_logging, validate_sampling)
+from .common import (
+    add_engine_args,
+    add_sampling_args,
+    cli_entry,
+    open_engine,
+    print_memory_plan,
+    sampling_kwargs,
+    setup_logging,
+    validate_sampling,
+)
 
 __all__ = ["main", "build_parser"]
 

@@ -26,7 +26,7 @@ from . import responses as out
 from .errors import APIError, install_error_handlers
 from .guard import RequestGuard
 from .render import ChatRenderer, RendererStopped, RenderTimeout
-from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, now, new_id, unsupported_features
+from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, new_id, now, unsupported_features
 from .worker import GenerationWorker, Job, QueueFull
 
 if TYPE_CHECKING:
