@@ -179,9 +179,11 @@ class Engine:
                                         threads=threads, device=device, **ctx_kw,
                                         **static_options(backend, static, self.k + 1),
                                         **(alternating_options(backend) if alternating else {}))
+        open_pair = functools.partial(open_shared_pair, backend, bundle.file(m.target.formats[fmt].file),
+                                      bundle.file(m.draft.formats[fmt].file) if m.draft else None, threads=threads,
+                                      device=device, **ctx_kw)
         if self.shared_body:
-            pair = open_shared_pair(backend, bundle.file(m.target.formats[fmt].file),
-                                    bundle.file(m.draft.formats[fmt].file), threads=threads, device=device, **ctx_kw)
+            pair = open_pair()
             self.target = self._stack.enter_context(pair[0])
             self.draft = self._stack.enter_context(pair[1])
             self.draft_backend = backend
@@ -206,7 +208,11 @@ class Engine:
         if self.memory_plan is not None:
             self._apply_plan(self.memory_plan)
         # which verify widths round like plain decoding on this machine (None: not drafting)
-        self.exactness = self._probe(fmt, threads, require_exact, retune) if self.drafter_name else None
+        if self.drafter_name is None:
+            self.exactness = None
+        else:  # a budget planned the target as opened, and static shapes verify at one width only
+            reopen = None if budget is not None or static else open_pair if self.shared_body else open_target
+            self.exactness = self._probe(fmt, threads, require_exact, retune, reopen)
         verify_width = self.exactness.exact_width if self.exactness and self.exactness.exact_width >= 2 else None
         caps = [rt.kv_capacity for rt in (self.target, self.draft) if rt is not None and rt.kv_capacity]
         caps += [max_context] if max_context is not None else []
@@ -226,9 +232,12 @@ class Engine:
         self._closed = False
         self.last_stats = GenerationStats()
 
-    def _probe(self, fmt: str, threads: int | None, require_exact: bool, retune: bool):
-        """The exactness probe of the target as opened (runtimes/exactness.py). Where no verify
-        width is exact here, drafting is refused under `require_exact`, else it runs with a warning."""
+    def _probe(self, fmt: str, threads: int | None, require_exact: bool, retune: bool, reopen):
+        """The exactness probe of the target as opened (runtimes/exactness.py). Where some verify
+        widths are not exact here, the backend's exact modes (BackendInfo.exact_modes) are opened
+        through `reopen(**options)` and probed too, and the target (with a draft on its body)
+        switches to the first that is exact at every width, else to the one exact the widest.
+        Where no width is exact, drafting is refused under `require_exact`, else it runs with a warning."""
         m = self.bundle.manifest
         files = [self.bundle.file(m.target.formats[fmt].file)]
         if self.shared_body:
@@ -237,8 +246,28 @@ class Engine:
         widest = self.k + 1 if self.policy_name == "fixed" else 4 * self.k + 1
         if (cap := self.target.capabilities.max_batch_tokens) is not None:
             widest = min(widest, cap)
-        verdict = probe_exactness(self.backend, self.target, files, max(2, min(widest, MAX_PROBE_WIDTH)),
-                                  threads=threads, retune=retune)
+        widest = max(2, min(widest, MAX_PROBE_WIDTH))
+        verdict = probe_exactness(self.backend, self.target, files, widest, threads=threads, retune=retune)
+        for options in BACKENDS[self.backend].exact_modes if reopen is not None else ():
+            if verdict.fully_exact:
+                break
+            opened = reopen(**options)
+            pair = opened if isinstance(opened, tuple) else (opened, None)
+            other = probe_exactness(self.backend, pair[0], files, widest, threads=threads, retune=retune)
+            if other.exact_width <= verdict.exact_width:
+                for rt in pair:
+                    if rt is not None:
+                        rt.close()
+                continue
+            logger.info("%s: switching to %s, exact here (%s)", self.backend, options, other.describe())
+            old = (self.target, self.draft if self.shared_body else None)
+            self.target = self._stack.enter_context(pair[0])
+            if pair[1] is not None:
+                self.draft = self._stack.enter_context(pair[1])
+            for rt in old:
+                if rt is not None:
+                    rt.close()
+            verdict = other
         if verdict.exact_width >= 2:
             return verdict
         if require_exact:

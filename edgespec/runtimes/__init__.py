@@ -27,6 +27,9 @@ class BackendInfo:
     # "module:function" opening (target, draft) runtimes on one body, the draft reading it through
     # its own head (runtimes/shared_body.py); None: the backend cannot
     shared_body: str | None = None
+    # runtime options of slower modes that are exact where the default is not (a verify rounding
+    # unlike one-token forwards), in the order the engine tries them when its probe asks
+    exact_modes: tuple[dict, ...] = ()
 
 
 # order = preference when a bundle holds several formats and no backend is named
@@ -34,7 +37,10 @@ BACKENDS: dict[str, BackendInfo] = {
     "onnxruntime": BackendInfo("onnxruntime", "onnx", "edgespec.runtimes.onnxruntime", "OnnxRuntime", "onnx",
                                "onnxruntime"),
     "openvino": BackendInfo("openvino", "openvino", "edgespec.runtimes.openvino", "OpenVinoRuntime", "openvino",
-                            "openvino", "edgespec.runtimes.openvino_split:open_shared_pair"),
+                            "openvino", "edgespec.runtimes.openvino_split:open_shared_pair",
+                            # CPUs whose one-row FullyConnected rounds unlike a taller one (AVX2 with
+                            # int8/int4 weights): no forward computes fewer than two rows
+                            exact_modes=({"pad_rows": True},)),
     "llamacpp": BackendInfo("llamacpp", "gguf", "edgespec.runtimes.llamacpp", "LlamaCppRuntime", "llamacpp",
                             "llama_cpp"),
 }

@@ -154,9 +154,13 @@ class OpenVinoRuntime(Runtime):
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
                  kv_capacity: int | None = None, static: bool = False, width: int | None = None,
                  precision: str | None = None, kv: str | None = None,
-                 dynamic_quantization: bool | None = None, output: str = "logits", wide: bool = False) -> None:
+                 dynamic_quantization: bool | None = None, output: str = "logits", wide: bool = False,
+                 pad_rows: bool = False) -> None:
         """wide: run forwards of more than one token on a second compiled copy (see the module
-        docstring); only the dynamic buffer mode on CPU has one, elsewhere it is ignored."""
+        docstring); only the dynamic buffer mode on CPU has one, elsewhere it is ignored.
+        pad_rows: compute every forward one row wider and drop that row (the dynamic buffer mode
+        only): the exact mode where one-row kernels round unlike taller ones, chosen by the
+        exactness probe (runtimes/exactness.py); a decode then costs a two-row forward."""
         ov = import_ov()
         path = Path(model_path)
         if precision is not None and precision not in PRECISIONS:
@@ -213,6 +217,8 @@ class OpenVinoRuntime(Runtime):
         self._compiled = compile_ir()
         self._req = self._compiled.create_infer_request()
         self._wide_req, self._wide_bytes = None, 0
+        # every forward one row wider (dynamic buffer mode only; see forward)
+        self._pad_rows = pad_rows and self._padded
         if wide and self._padded and device.startswith("CPU"):  # the same model, compiled once more
             self._wide_req = compile_ir().create_infer_request()
             self._wide_bytes = repacked_bytes(model)
@@ -236,7 +242,8 @@ class OpenVinoRuntime(Runtime):
             free_batch_tokens=self._width if static else 1,
             devices=(device,), batch_variance=self._batch_variance(device, dynamic_quantization),
             extra={"precision": self.precision, "kv_capacity": cap, "kv": kv,
-                   "dynamic_quantization": dynamic_quantization, "wide": self._wide_req is not None})
+                   "dynamic_quantization": dynamic_quantization, "wide": self._wide_req is not None,
+                   "pad_rows": self._pad_rows})
 
     def _batch_variance(self, device: str, dynamic_quantization: bool) -> str | None:
         """Why a k-token forward may round unlike k one-token forwards (None: it does not, or only
@@ -279,7 +286,14 @@ class OpenVinoRuntime(Runtime):
         S, n = len(token_ids), self._n_past
         n_logits = min(max(n_logits, 1), S)
         self._reserve(n + S)
-        feed = self._static_feed(token_ids) if self._static else self._dynamic_feed(token_ids, n_logits)
+        if self._static:
+            feed = self._static_feed(token_ids)
+        else:
+            # pad_rows: the last token once more at the next position, its outputs dropped, so no
+            # forward multiplies one row: on CPUs whose one-row FullyConnected kernel rounds unlike
+            # the taller one (AVX2 with int8/int4 weights), a decode then rounds like a verify's rows
+            fed = [*token_ids, token_ids[-1]] if self._pad_rows else token_ids
+            feed = self._dynamic_feed(fed, n_logits, rows=S)
         req = self._wide_req if S > 1 and self._wide_req is not None else self._req
         try:
             for name, array in feed.items():  # shared, not copied: the arrays outlive the call
@@ -297,15 +311,17 @@ class OpenVinoRuntime(Runtime):
         # static: one row per slot of the width, keep the real tokens' last n_logits; dynamic: the
         # requested rows. A view of the request's output, valid until the next forward (the
         # Runtime contract): no 1 MB copy per row
-        logits = logits[S - n_logits:S] if self._static else logits
+        logits = logits[S - n_logits:S] if self._static else logits[:n_logits]
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 
-    def _dynamic_feed(self, token_ids: Sequence[int], n_logits: int) -> dict:
+    def _dynamic_feed(self, token_ids: Sequence[int], n_logits: int, rows: int) -> dict:
+        """The inputs of a forward of `token_ids`, whose first `rows` are kept (the rest is padding)."""
         S, n = len(token_ids), self._n_past
         feed = {"input_ids": np.asarray([token_ids], dtype=np.int64),
                 "position_ids": np.arange(n, n + S, dtype=np.int64)[None],
                 "attention_mask": np.ones((1, n + S), dtype=np.int64),
-                "logits_index": np.arange(S - n_logits, S, dtype=np.int64)}
+                # a padded forward's head takes two rows where one is asked: its one-row kernel rounds apart too
+                "logits_index": np.arange(rows - n_logits, rows + (S > rows and n_logits == 1), dtype=np.int64)}
         if self._stateful:  # the plugin holds the past
             return feed
         for j in range(self._n_layers):

@@ -30,9 +30,11 @@ class OpenVinoHead:
     and a verify's rows agree with the fused IR's."""
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
-                 precision: str | None = None, in_body: bool = False) -> None:
+                 precision: str | None = None, in_body: bool = False, pad_rows: bool = False) -> None:
         """in_body: the IR is also loaded as a body runtime, which reports its whole file, so this
-        head reports no weights of its own (the memory report would count them twice)."""
+        head reports no weights of its own (the memory report would count them twice).
+        pad_rows: a one-row call multiplies two rows (the row twice), as the body does with the
+        option (OpenVinoRuntime): where one-row kernels round unlike taller ones."""
         path = Path(model_path)
         core, model, device = read_ir(path, device)
         self.precision = model_precision(model, device, precision, threads)
@@ -45,15 +47,19 @@ class OpenVinoHead:
         self._compiled = compile_model(core, head, path, device, self.precision, threads, True)
         self._req = self._compiled.create_infer_request()
         self._tensor = import_ov().Tensor
+        self.pad_rows = pad_rows
 
     def __call__(self, hidden: np.ndarray) -> np.ndarray:
         x = np.ascontiguousarray(hidden, dtype=np.float32)[None]  # (1, R, H)
+        rows = x.shape[1]
+        if self.pad_rows and rows == 1:
+            x = np.concatenate([x, x], axis=1)
         try:
             self._req.set_input_tensor(0, self._tensor(x, shared_memory=True))
             self._req.infer()
         except Exception as e:
             raise BackendError(f"OpenVINO head inference failed: {ov_reason(e)}") from e
-        return self._req.get_output_tensor(0).data[0]
+        return self._req.get_output_tensor(0).data[0][:rows]
 
     def close(self) -> None:
         self._req = None
@@ -61,19 +67,20 @@ class OpenVinoHead:
 
 
 def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLike, *, threads: int | None = None,
-                     device: str | None = None, kv_capacity: int | None = None, wide: bool = True
-                     ) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
+                     device: str | None = None, kv_capacity: int | None = None, wide: bool = True,
+                     pad_rows: bool = False) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
     """(target, draft): the target IR's body with its own head, and with the draft IR's head.
     The draft IR's body is never loaded. wide: the body runs its one-token forwards (drafts, plain
     steps) and its wider ones (verifies) on two compiled copies (OpenVinoRuntime), which on CPU
-    saves ~5 ms per change of width for ~77 MB (int4 Gemma 3 270M)."""
+    saves ~5 ms per change of width for ~77 MB (int4 Gemma 3 270M). pad_rows: body and heads never
+    multiply one row (OpenVinoRuntime), the exact mode on CPUs whose one-row kernels round apart."""
     body = OpenVinoRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, output=HIDDEN,
-                           wide=wide)
+                           wide=wide, pad_rows=pad_rows)
     heads: list[OpenVinoHead] = []
     try:
         for path, in_body in ((target_path, True), (draft_path, False)):
             heads.append(OpenVinoHead(path, threads=threads, device=device, precision=body.precision,
-                                      in_body=in_body))
+                                      in_body=in_body, pad_rows=pad_rows))
         if heads[1].hidden_size != heads[0].hidden_size:
             raise BackendError(f"the draft's head reads hidden states of size {heads[1].hidden_size}, the target's "
                                f"body makes {heads[0].hidden_size}: not a draft of this target's body")
