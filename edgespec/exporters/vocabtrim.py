@@ -156,7 +156,9 @@ def calibrate_runtime(runtime, tokenizer, prompts: list[dict], source: str, *, c
     top-k 50), so both kinds of source count the same distribution."""
     from ..decoding.sampling import SamplingParams, probabilities, sample
 
-    params = SamplingParams(temperature=0.8, top_p=0.95, top_k=50)
+    # top-k first, on the k best logits only: the same distribution as SamplingParams(top_k=50) over
+    # the whole row, without sorting a 262k vocabulary every token (0.6 s a token against 18 ms)
+    top_k, params = 50, SamplingParams(temperature=0.8, top_p=0.95)
     rng = np.random.default_rng(seed)
     stops = set(stop_ids)
     generated: list[list[int]] = []
@@ -165,7 +167,9 @@ def calibrate_runtime(runtime, tokenizer, prompts: list[dict], source: str, *, c
         logits = runtime.forward(ids, 1)
         out: list[int] = []
         for _ in range(max_new_tokens):
-            tok = sample(probabilities(logits[-1], params), rng)
+            row = logits[-1]
+            best = np.argpartition(row, -top_k)[-top_k:] if len(row) > top_k else np.arange(len(row))
+            tok = int(best[sample(probabilities(row[best], params), rng)])
             if tok in stops:
                 break
             out.append(tok)
