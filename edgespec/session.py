@@ -22,17 +22,51 @@ if TYPE_CHECKING:
     from .bundle import Manifest
     from .tokenizer import Tokenizer
 
-__all__ = ["ChatSession", "ChatFormat", "ChatPrompt", "chat_format_for"]
+__all__ = ["ChatSession", "ChatFormat", "ChatPrompt", "ReplyShaper", "chat_format_for"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """What one chat turn feeds the engine: the tokens and the strings that end the reply."""
+    """What one chat turn feeds the engine: the tokens and the strings that end the reply.
+
+    A transcript reply is also shaped as it streams (ReplyShaper: its opening whitespace dropped,
+    ended at a blank line after some text where the format says so): see `shaper()`."""
 
     tokens: list[int]
     stop: tuple[str, ...]
+    transcript: bool = False
+    blank_line_ends: bool = False
+
+    def shaper(self) -> "ReplyShaper | None":
+        return ReplyShaper(self.blank_line_ends) if self.transcript else None
+
+
+@dataclass
+class ReplyShaper:
+    """Shapes a transcript reply as it streams: drops the whitespace that opens it (the space
+    after "Answer:", the blank line before a code block), holds back trailing whitespace, and
+    where the format says so ends the reply at its first blank line after some text. A plain
+    stop string cannot say "after some text": a reply opening with a blank line would end empty."""
+
+    blank_line_ends: bool
+    _held: str = ""
+    _started: bool = False
+
+    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """The text to emit now, and whether the reply ends here (a blank line)."""
+        s, self._held = self._held + text, ""
+        if not self._started:
+            s = s.lstrip()
+            self._started = bool(s)
+        if self.blank_line_ends and "\n\n" in s:
+            return s[:s.index("\n\n")].rstrip(), True
+        if final:
+            return s.rstrip(), False
+        keep = len(s.rstrip())  # trailing whitespace: a blank line forming, or the reply's end
+        self._held = s[keep:]
+        return s[:keep], False
 
 
 @dataclass(frozen=True)
@@ -54,7 +88,9 @@ class ChatFormat:
 
     def prompt(self, tokenizer: "Tokenizer", messages: Sequence[dict], stop: Sequence[str] = ()) -> ChatPrompt:
         """Tokens for `messages` and the format's stop strings after the caller's `stop`."""
-        return ChatPrompt(self.encode(tokenizer, messages), tuple(stop) + self.stop)
+        t = self.transcript
+        return ChatPrompt(self.encode(tokenizer, messages), tuple(stop) + self.stop, transcript=t is not None,
+                          blank_line_ends=t is not None and t.blank_line_ends)
 
     def describe(self) -> str:
         """One phrase for notes: what the model is shown."""
@@ -122,15 +158,21 @@ class ChatSession:
         try:
             # may drop the oldest turns; a message too long for the context raises ContextFullError
             tokens = self._fit_context(max_tokens)
-            started = self.format.transcript is None
-            for r in self.engine.stream_ids(tokens, params, max_tokens, stop, stats=stats,
-                                            stop_event=stop_event, wait=wait):
-                if not started:  # a transcript reply follows "Answer:" with a space: not part of it
-                    text = r.text.lstrip()
-                    started = bool(text)
-                    r = dataclasses.replace(r, text=text)
-                reply.append(r.text)
-                yield r
+            t = self.format.transcript
+            shaper = ReplyShaper(t.blank_line_ends) if t is not None else None
+            stream = self.engine.stream_ids(tokens, params, max_tokens, stop, stats=stats,
+                                            stop_event=stop_event, wait=wait)
+            try:
+                for r in stream:
+                    if shaper is not None:
+                        text, ended = shaper.push(r.text, final=r.finish_reason is not None)
+                        r = dataclasses.replace(r, text=text, finish_reason="stop" if ended else r.finish_reason)
+                    reply.append(r.text)
+                    yield r
+                    if r.finish_reason is not None:
+                        break
+            finally:
+                stream.close()  # ended by the shaper, or by the consumer: the engine rewinds its caches
         finally:
             if stats.steps:  # answered, fully or in part: keep what was said
                 self.messages.append({"role": "assistant", "content": "".join(reply)})

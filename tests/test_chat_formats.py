@@ -15,7 +15,8 @@ from edgespec.errors import ConfigError
 from edgespec.models.chat_formats import (CHAT_FORMAT_CHOICES, DEFAULT_TRANSCRIPT, TRANSCRIPTS, Transcript,
                                           pick_chat_format)
 from edgespec.models.families import FAMILIES
-from edgespec.session import ChatFormat, chat_format_for
+from edgespec.session import ChatFormat, ChatPrompt, ReplyShaper, chat_format_for
+from tests.tiny import PROMPTS
 from tests.zoo import DISAGREEING
 
 QA = TRANSCRIPTS["qa"]
@@ -37,11 +38,40 @@ def test_qa_transcript_renders_turns_and_ends_at_the_answer_marker():
 
 
 def test_stop_strings_travel_with_the_format():
-    assert QA.stop == ("\nQuestion:", "\nAnswer:", "\n\n")
-    ua = TRANSCRIPTS["user-assistant"]
-    assert "\nUser:" in ua.stop and "\nAssistant:" in ua.stop
-    assert Transcript("t", "", "Q:", "A:", blank_line_ends=False).stop == ("\nQ:", "\nA:")
+    assert QA.stop == ("\nQuestion:", "\nAnswer:") and QA.blank_line_ends
+    assert TRANSCRIPTS["user-assistant"].stop == ("\nUser:", "\nAssistant:")
     assert ChatFormat("template").stop == ()  # the template's end-of-turn token is a stop id
+    prompt = ChatFormat("qa", QA).prompt(_Chars(), [{"role": "user", "content": "hi"}], stop=["END"])
+    assert prompt.stop == ("END", *QA.stop) and prompt.tokens == [ord(c) for c in QA.render(
+        [{"role": "user", "content": "hi"}])]
+    assert isinstance(prompt.shaper(), ReplyShaper) and ChatPrompt([1], ()).shaper() is None
+
+
+class _Chars:
+    """A tokenizer stand-in: one id per character."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+def shape(chunks: list[str], blank_line_ends: bool = True) -> tuple[list[str], bool]:
+    shaper, out = ReplyShaper(blank_line_ends), []
+    for i, chunk in enumerate(chunks):
+        text, ended = shaper.push(chunk, final=i == len(chunks) - 1)
+        out.append(text)
+        if ended:
+            return out, True
+    return out, False
+
+
+def test_reply_shaper_drops_opening_whitespace_and_ends_at_a_blank_line_after_text():
+    assert shape([" Paris", ".", "\n\n", "Question"]) == ([ "Paris", ".", ""], True)
+    # a code block after a blank line is the reply, up to the next blank line
+    out, ended = shape(["\n\n", "def f(s):", "\n", "    return s", "\n", "\n", "print(f(1))"])
+    assert "".join(out) == "def f(s):\n    return s" and ended
+    out, ended = shape(["\n\n", "def f(s):", "\n", "    return s", "\n", "\n", "print(f(1))"], blank_line_ends=False)
+    assert "".join(out) == "def f(s):\n    return s\n\nprint(f(1))" and not ended
+    assert shape([" a ", "b ", " "]) == (["a", " b", ""], False)  # trailing space held, then dropped
 
 
 def test_transcripts_refuse_bad_markers_and_roles():
@@ -130,20 +160,27 @@ def count_fed_tokens(engine, monkeypatch) -> list[int]:
     return fed
 
 
+def _mid_reply_stop(text: str) -> int | None:
+    """Where a 3-character stop string can form mid-reply (random weights write bytes, not words)."""
+    return next((i for i in range(3, len(text) - 3) if "\ufffd" not in text[i:i + 3] and not text[i].isspace()
+                 and text.find(text[i:i + 3]) == i), None)
+
+
 def test_format_stop_strings_are_cut_and_the_next_turn_reuses_the_cache(base_engine, monkeypatch):
-    free = base_engine.chat()
-    full = "".join(r.text for r in free.send("hello world", max_tokens=16))
-    # a stop string that forms mid-reply (random weights write bytes, not words)
-    at = next((i for i in range(3, len(full) - 3) if "\ufffd" not in full[i:i + 3] and not full[i].isspace()
-               and full.find(full[i:i + 3]) == i), None)
+    fields = {f: getattr(QA, f) for f in ("name", "description", "user", "assistant")}
+    for message in ("hello world", *PROMPTS):  # the first whose greedy reply has room for a stop string
+        free = base_engine.chat()
+        free.format = ChatFormat("qa", Transcript(**fields))
+        full = "".join(r.text for r in free.send(message, max_tokens=16))
+        at = _mid_reply_stop(full)
+        if at is not None:
+            break
     assert at is not None, f"the test needs a longer reply than {full!r}"
-    stop_word, expected = full[at:at + 3], full[:at]
+    stop_word, expected = full[at:at + 3], full[:at].rstrip()  # the shaper drops trailing whitespace
 
     session = base_engine.chat()
-    session.format = ChatFormat("qa", _WordStop(**{f: getattr(QA, f) for f in ("name", "description", "user",
-                                                                               "assistant", "preamble")},
-                                                 word=stop_word))
-    rs = list(session.send("hello world", max_tokens=16))
+    session.format = ChatFormat("qa", _WordStop(**fields, word=stop_word))
+    rs = list(session.send(message, max_tokens=16))
     reply = "".join(r.text for r in rs)
     assert reply == expected and stop_word not in reply
     assert rs[-1].finish_reason == "stop"
@@ -153,8 +190,8 @@ def test_format_stop_strings_are_cut_and_the_next_turn_reuses_the_cache(base_eng
     turn1 = session.turn_stats[-1].prompt_tokens
     fed = count_fed_tokens(base_engine, monkeypatch)
     list(session.send("one two three", max_tokens=1))  # one token: prefill + 1, no drafts
-    rendered = QA.render(session.messages[:-1])
-    assert f"Question: hello world\nAnswer: {expected.strip()}\n\nQuestion: one two three\nAnswer:" in rendered
+    rendered = session.format.transcript.render(session.messages[:-1])
+    assert f"Question: {message}\nAnswer: {expected.strip()}\n\nQuestion: one two three\nAnswer:" in rendered
     turn2 = session.turn_stats[-1].prompt_tokens
     assert turn2 == len(base_engine.tokenizer.encode(rendered))
     assert 0 < sum(fed) <= turn2 - turn1  # the whole first prompt came from the cache

@@ -30,7 +30,7 @@ class Transcript:
     user: str  # speaker marker before a user message, e.g. "Question:"
     assistant: str  # speaker marker the reply follows, e.g. "Answer:"
     preamble: str = ""  # first paragraph of the transcript; a system prompt follows it
-    blank_line_ends: bool = True  # a blank line ends the reply (answers are one paragraph)
+    blank_line_ends: bool = True  # a blank line after some text ends the reply (one paragraph, one code block)
 
     def __post_init__(self) -> None:
         if not self.user.strip() or not self.assistant.strip() or self.user == self.assistant:
@@ -38,10 +38,11 @@ class Transcript:
 
     @property
     def stop(self) -> tuple[str, ...]:
-        """Strings that end a reply: the next speaker's marker (either one, on a new line), and a
-        blank line where the format says so. EOS ends it too (the tokenizer's stop ids)."""
-        stops = (f"\n{self.user}", f"\n{self.assistant}")
-        return stops + (("\n\n",) if self.blank_line_ends else ())
+        """Strings that end a reply: the next speaker's marker (either one, on a new line). EOS
+        ends it too (the tokenizer's stop ids), and a blank line after some text where
+        `blank_line_ends` says so (session.ReplyShaper: a reply may open with a blank line
+        before a code block, so that is no plain stop string)."""
+        return (f"\n{self.user}", f"\n{self.assistant}")
 
     def render(self, messages: Sequence[dict]) -> str:
         """The transcript of `messages`, ending with the assistant's marker for the reply.
@@ -58,7 +59,8 @@ class Transcript:
             elif role == "user":
                 turns.append(f"{self.user} {text}")
             elif role == "assistant":
-                turns.append(f"{self.assistant} {text}" + ("\n" if self.blank_line_ends else ""))
+                # a reply stopped before its first word is the bare marker
+                turns.append(f"{self.assistant} {text}".rstrip() + ("\n" if self.blank_line_ends else ""))
             else:
                 raise ConfigError(f"chat message role must be system, user or assistant, got {role!r}")
         preamble = "\n".join(head) + "\n\n" if head else ""
@@ -67,8 +69,13 @@ class Transcript:
 
 TRANSCRIPTS: dict[str, Transcript] = {
     t.name: t for t in (
+        # two worked examples anchor the answers' style (as llama.cpp's chat-with-bob prompt does):
+        # without them a base model copies the style of the conversation's last answers
         Transcript("qa", "Question: ... / Answer: ... (a Q&A transcript)", "Question:", "Answer:",
-                   preamble="Questions and correct, short answers."),
+                   preamble="Questions and correct, short answers.\n\n"
+                            "Question: What is the capital of Spain?\nAnswer: The capital of Spain is Madrid.\n\n"
+                            "Question: Write a Python function that adds two numbers.\n"
+                            "Answer: def add(a, b):\n    return a + b"),
         Transcript("user-assistant", "User: ... / Assistant: ... (a dialogue transcript)", "User:", "Assistant:",
                    preamble="A conversation between a user and a helpful, knowledgeable assistant."),
     )
