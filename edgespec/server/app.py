@@ -132,7 +132,11 @@ def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         worker.start()
+        starting = asyncio.create_task(renderer.start())  # a second or more: not on the first request
         yield
+        starting.cancel()
+        with suppress(asyncio.CancelledError):
+            await starting
         await renderer.close()
         await asyncio.to_thread(worker.close, cfg.shutdown_timeout_s)
 

@@ -8,9 +8,10 @@ exit on Ctrl-C while one runs). So the server turns chat requests into tokens (t
 `python -m edgespec.server.render`, which it kills and replaces when a request passes the time
 limit; the event loop only awaits a pipe.
 
-The protocol is one JSON object per line: the parent first sends the bundle folder, then one
-`{"messages": [...], "stop": [...]}` per request; the child answers
-`{"ids": [...], "stop": [...]}` or `{"error": "...", "kind": "config" | "internal"}`.
+The protocol is one JSON object per line: the parent first sends the bundle folder and the
+child answers `{"ready": true}` once it has loaded the tokenizer (a second or more on a busy
+machine: not counted against the time limit); then one `{"messages": [...], "stop": [...]}` per
+request, answered by `{"ids": [...], "stop": [...]}` or `{"error": "...", "kind": ...}`.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 _LINE_LIMIT = 64 << 20  # one answer line: the ids of a prompt at the request-size cap, as JSON
 _CHILD_MEMORY = 4 << 30  # address space of the child: a tokenizer and one rendered prompt
+STARTUP_TIMEOUT_S = 120.0  # for a child to import edgespec and load the tokenizer
 
 
 class RenderTimeout(Exception):
@@ -57,12 +59,32 @@ class ChatRenderer:
         self._stopping = False
 
     async def _child(self) -> asyncio.subprocess.Process:
-        if self._proc is None or self._proc.returncode is not None:
-            self._proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                limit=_LINE_LIMIT)
-            self._proc.stdin.write(self._hello.encode())
-        return self._proc
+        """The running child, started (and awaited until ready) if there is none."""
+        if self._proc is not None and self._proc.returncode is None:
+            return self._proc
+        self._proc = proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", __name__, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            limit=_LINE_LIMIT)
+        try:
+            proc.stdin.write(self._hello.encode())
+            await proc.stdin.drain()
+            ready = await asyncio.wait_for(proc.stdout.readline(), STARTUP_TIMEOUT_S)
+            if json.loads(ready or b"null") != {"ready": True}:
+                raise ValueError(f"it answered {ready[:80]!r}")
+        except (OSError, ValueError, asyncio.TimeoutError) as e:
+            await self._kill()
+            raise BackendError(f"the chat template renderer did not start: {e or type(e).__name__}") from None
+        return proc
+
+    async def start(self) -> None:
+        """Start the child ahead of the first request (the server's startup calls this)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            try:
+                await self._child()
+            except BackendError as e:
+                logger.warning("%s; chat requests will try again", e)
 
     async def prompt(self, messages: list[dict[str, str]], stop: list[str]) -> "ChatPrompt":
         """The conversation's tokens and stop strings in the bundle's chat format. ConfigError:
@@ -79,6 +101,12 @@ class ChatRenderer:
             try:
                 proc.stdin.write(line.encode())
                 answer = await asyncio.wait_for(self._answer(proc), self.timeout_s)
+            except asyncio.CancelledError:
+                # the answer would reach the next request: this child must not serve another
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                self._proc = None
+                raise
             except asyncio.TimeoutError:
                 self.restarts += 1
                 await self._kill()
@@ -141,6 +169,8 @@ def _serve(stdin, stdout) -> None:
     m = bundle.manifest
     tok = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
     fmt = chat_format_for(m, tok)
+    stdout.write(json.dumps({"ready": True}) + "\n")
+    stdout.flush()
     for line in stdin:
         try:
             request = json.loads(line)
