@@ -157,12 +157,14 @@ def _wide_forwards_round_off(monkeypatch):
 
 
 def test_the_engine_probes_the_target_and_caps_its_verifies(zoo):
-    with load(zoo.bundle("llama", AGREEING), k=3, drafter="model") as e:
+    with load(zoo.bundle("llama", AGREEING), k=3, policy="cost", drafter="model") as e:
         verdict = e.exactness
         assert verdict is not None and verdict.max_width == 13  # 4k+1: adaptive drafts plus lookup tails
         assert e.decoder.verify_width == (verdict.exact_width if verdict.exact_width >= 2 else None)
-    with load(zoo.bundle("llama", AGREEING), k=3, drafter="model") as e:
+    with load(zoo.bundle("llama", AGREEING), k=3, policy="cost", drafter="model") as e:
         assert e.exactness.cached and e.exactness.exact == verdict.exact
+    with load(zoo.bundle("llama", AGREEING), k=3, policy="fixed", drafter="model") as e:
+        assert e.exactness.max_width == 4  # a fixed k verifies k+1 at most
     with load(zoo.bundle("llama", AGREEING), use_draft=False) as e:
         assert e.exactness is None  # plain decoding verifies nothing
 

