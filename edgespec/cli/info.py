@@ -62,7 +62,7 @@ def _exactness(path: str, retune: bool) -> list[str]:
     from ..runtimes import BACKENDS, installed_backends
 
     formats = load_bundle(path).manifest.target.formats
-    lines = ["exactness (a verify of k drafts against k+1 one-token forwards, bit for bit, on this machine):"]
+    lines = ["exactness (a k-token verify against k one-token forwards, bit for bit, on this machine):"]
     for name in installed_backends():
         if BACKENDS[name].bundle_format not in formats:
             continue

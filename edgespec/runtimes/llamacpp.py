@@ -7,6 +7,12 @@ directly: edgespec tokenizes and renders chat templates itself, so llama.cpp's o
 tokenizer and chat formatting (its "llama-2" fallback for GGUFs without a template) are
 never involved.
 
+Exactness: built without llamafile and without repacked weights, a verify of up to 7 tokens
+rounds bit for bit like one-token forwards on the CPUs measured so far; on a 2-vCPU AVX2 EPYC,
+8+ rows round apart by up to 4 logits (not the thread count, not the KV dtype; cause not found).
+The engine does not assume either: its exactness probe (runtimes/exactness.py) measures the
+widths and the decoder verifies within them.
+
 A VocabTrim draft (exporters/gguf_export.py) is a GGUF whose vocabulary is the K kept
 tokens; it is fed input *embeddings* through the batch's `embd` field, looked up here from
 the full input embedding stored beside it, so its per-token head costs K rows, not V.
