@@ -35,7 +35,9 @@ __all__ = ["ChatRenderer", "RenderTimeout", "RendererStopped"]
 logger = logging.getLogger(__name__)
 
 _LINE_LIMIT = 64 << 20  # one answer line: the ids of a prompt at the request-size cap, as JSON
-_CHILD_MEMORY = 4 << 30  # address space of the child: a tokenizer and one rendered prompt
+# address space of the child: a tokenizer and one rendered prompt take a few hundred MB; the
+# margin is for the allocator's per-thread arenas on machines with many cores
+_CHILD_MEMORY = 8 << 30
 STARTUP_TIMEOUT_S = 120.0  # for a child to import edgespec and load the tokenizer
 
 
@@ -197,6 +199,8 @@ if __name__ == "__main__":
     # Ctrl-C in the server's terminal reaches the whole process group: the parent stops this
     # child (closes its input), so it must not die on SIGINT with a traceback of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # this process only: one prompt at a time needs no tokenizer thread pool under the memory cap
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if sys.platform != "win32":
         import resource
 
