@@ -87,10 +87,16 @@ class ChatFormat:
         return tokenizer.encode(self.transcript.render(messages))  # with BOS, as a plain prompt
 
     def prompt(self, tokenizer: "Tokenizer", messages: Sequence[dict], stop: Sequence[str] = ()) -> ChatPrompt:
-        """Tokens for `messages` and the format's stop strings after the caller's `stop`."""
+        """Tokens for `messages` and the format's stop strings after the caller's `stop`, for a
+        caller that only has stop strings (the server). There a blank line ending the reply is
+        the plain stop string "\n\n": the transcript's worked examples start a reply on the
+        marker's line (all 18 of docs/chat-formats.md's questions did), so it does not end the
+        reply before its text. ChatSession shapes replies instead (ReplyShaper), which also
+        copes with a reply that opens with a blank line."""
         t = self.transcript
-        return ChatPrompt(self.encode(tokenizer, messages), tuple(stop) + self.stop, transcript=t is not None,
-                          blank_line_ends=t is not None and t.blank_line_ends)
+        blank = t is not None and t.blank_line_ends
+        return ChatPrompt(self.encode(tokenizer, messages), tuple(stop) + self.stop + (("\n\n",) if blank else ()),
+                          transcript=t is not None, blank_line_ends=blank)
 
     def describe(self) -> str:
         """One phrase for notes: what the model is shown."""

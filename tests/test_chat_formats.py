@@ -42,7 +42,7 @@ def test_stop_strings_travel_with_the_format():
     assert TRANSCRIPTS["user-assistant"].stop == ("\nUser:", "\nAssistant:")
     assert ChatFormat("template").stop == ()  # the template's end-of-turn token is a stop id
     prompt = ChatFormat("qa", QA).prompt(_Chars(), [{"role": "user", "content": "hi"}], stop=["END"])
-    assert prompt.stop == ("END", *QA.stop) and prompt.tokens == [ord(c) for c in QA.render(
+    assert prompt.stop == ("END", *QA.stop, "\n\n") and prompt.tokens == [ord(c) for c in QA.render(
         [{"role": "user", "content": "hi"}])]
     assert isinstance(prompt.shaper(), ReplyShaper) and ChatPrompt([1], ()).shaper() is None
 
@@ -245,7 +245,7 @@ def test_server_chats_with_a_base_model_through_the_transcript(base_engine):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}]
     fmt = chat_format_for(base_engine.bundle.manifest, base_engine.tokenizer)
     prompt = fmt.prompt(base_engine.tokenizer, messages)
-    assert prompt.stop == QA.stop
+    assert prompt.stop == (*QA.stop, "\n\n")  # a stop-strings-only caller ends at a blank line
     # the reference: the engine itself on the transcript, with the format's stop strings
     expected = base_engine.generate(prompt.tokens, max_tokens=8, stop=prompt.stop, wait=True)
     with running(create_app(base_engine)) as url:
