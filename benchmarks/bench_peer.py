@@ -62,7 +62,10 @@ def main() -> int:
     print(f"{n} prompts: {' '.join(cmd[1:])}", file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     log = f"$ edgespec {' '.join(cmd[3:])}\n\n{proc.stderr}\n{proc.stdout}"
-    for local, shown in ((str(HERE.parent) + "/", ""), (str(Path.home()), "~")):  # no machine paths in results
+    local_paths = [(str(HERE.parent) + "/", ""), (str(Path.home()), "~")]
+    if args.bundle:
+        local_paths.insert(0, (str(args.bundle), Path(args.bundle).name))
+    for local, shown in local_paths:  # no machine paths in results
         log = log.replace(local, shown)
     (args.out / "run.log").write_text(log, encoding="utf-8")
     sys.stderr.write(proc.stderr)

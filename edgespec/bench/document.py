@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, is_dataclass
 from datetime import datetime, timezone
+from pathlib import Path
 
 from .. import __version__
 from .machine import library_versions, machine_info, run_label
@@ -53,6 +54,13 @@ def bundle_summary(engine) -> dict:
             "target": _entry(m.target, fmt), "draft": _entry(m.draft, dfmt)}
 
 
+def _prompts_name(spec: str) -> str:
+    """A prompt file by its name only: results travel between machines, local paths do not."""
+    if spec.endswith(".jsonl") or "/" in spec:
+        return Path(spec).name
+    return spec
+
+
 def exactness_summary(engine) -> dict | None:
     """The engine's exactness probe (which verify widths are bit-exact on this machine), when the
     engine ran one: {"summary": its one-line description, **its figures}."""
@@ -90,7 +98,7 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
         "libraries": {**library_versions(), "edgespec": __version__},
         "backend": backend,
         "bundle": bundle_summary(engine),
-        "config": {"prompts": prompts_spec, **asdict(cfg), "k_sweep": list(cfg.k_sweep), "sampling": "greedy",
+        "config": {"prompts": _prompts_name(prompts_spec), **asdict(cfg), "k_sweep": list(cfg.k_sweep), "sampling": "greedy",
                    "drafter": engine.drafter_name, "policy": engine.policy_name, "k": engine.k,
                    "memory_budget": memory_budget,
                    "draft_body": "shared" if getattr(engine, "shared_body", False) else "own" if engine.draft else None},
