@@ -1,7 +1,7 @@
 """One timed greedy/sampled decoding run on given runtimes, and a peak-RSS sampler.
 
 Configurations are compared by running them alternately in one process on the same
-runtimes (see examples/), so a busy neighbour slows all of them alike."""
+runtimes (see benchmarks/), so a busy neighbour slows all of them alike."""
 from __future__ import annotations
 
 from dataclasses import dataclass

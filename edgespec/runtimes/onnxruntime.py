@@ -10,7 +10,7 @@ as well: a step allocates nothing per candidate, accepted or rejected.
 Older bundles ("present" layout) still run: the cache is then the list of `present_*`
 OrtValues the last run returned, bound back as the next past (it grows by reallocation
 every step; rolling back copies the kept prefix). This is also the naive baseline that
-examples/bench_memory.py compares against.
+benchmarks/bench_memory.py compares against.
 """
 from __future__ import annotations
 
