@@ -243,3 +243,45 @@ def test_onnx_attention_multiplies_at_least_two_rows_and_stays_right(zoo, tmp_pa
     np.testing.assert_allclose(rt.forward(ids, n_logits=12), hf_logits(model, ids), atol=1e-4, rtol=1e-4)
     verdict = probe(rt, 6)  # what this machine does with it, stated (not assumed) in the test log
     print(f"{name}: {verdict.describe()}")
+
+
+# -- onnxruntime's padded-rows mode (what the engine switches to where one row rounds apart) --------
+
+def test_onnx_padded_rows_compute_the_same_model_up_to_capacity(zoo):
+    from edgespec.bundle import load_bundle
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    b = load_bundle(zoo.bundle("qwen2", None))
+    path = b.file(b.manifest.target.formats["onnx"].file)
+    plain, padded = OnnxRuntime(path, kv_capacity=12), OnnxRuntime(path, kv_capacity=12, pad_rows=True)
+    assert padded.capabilities.extra["pad_rows"] and not plain.capabilities.extra["pad_rows"]
+    ids = [int(t) for t in np.random.default_rng(5).integers(3, 300, 12)]
+    np.testing.assert_allclose(padded.forward(ids[:6], n_logits=2), plain.forward(ids[:6], n_logits=2), atol=1e-4)
+    for t in ids[6:12]:  # up to the last slot: the padding row has room past it
+        np.testing.assert_allclose(padded.forward([t]), plain.forward([t]), atol=1e-4)
+    assert padded.n_past == plain.n_past == 12
+    padded.trim(4)
+    plain.trim(4)
+    np.testing.assert_allclose(padded.forward(ids[4:9], n_logits=5), plain.forward(ids[4:9], n_logits=5), atol=1e-4)
+
+
+def test_the_engine_switches_onnxruntime_to_padded_rows_where_one_row_rounds_apart(zoo, monkeypatch):
+    """A CPU whose one-row forwards round unlike wider ones (made here by perturbing wider unpadded
+    forwards, as MatMulNBits with int8 activations does by whole logits): the engine reopens the
+    target with padded rows, where the probe decides again, and greedy output stays plain's."""
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    forward = OnnxRuntime.forward
+
+    def rounded(self, token_ids, n_logits=1):
+        out = forward(self, token_ids, n_logits)
+        return out + np.float32(1e-3) if len(token_ids) > 1 and not self.capabilities.extra["pad_rows"] else out
+
+    monkeypatch.setattr(OnnxRuntime, "forward", rounded)
+    bundle = zoo.bundle("llama", AGREEING)
+    with load(bundle, k=3, drafter="model", retune=True) as e:
+        assert e.target.capabilities.extra["pad_rows"] == (e.exactness.exact_width > 1)
+        spec = e.generate(PROMPTS[1], max_tokens=16)
+        assert e.last_stats.drafted > 0 or e.exactness.exact_width < 2
+    with load(bundle, use_draft=False) as plain:
+        assert plain.generate(PROMPTS[1], max_tokens=16) == spec

@@ -35,7 +35,10 @@ class BackendInfo:
 # order = preference when a bundle holds several formats and no backend is named
 BACKENDS: dict[str, BackendInfo] = {
     "onnxruntime": BackendInfo("onnxruntime", "onnx", "edgespec.runtimes.onnxruntime", "OnnxRuntime", "onnx",
-                               "onnxruntime"),
+                               "onnxruntime",
+                               # a one-row MatMulNBits with int8 activations rounds unlike a taller
+                               # one (whole logits apart on Gemma 3 270M): no forward of one row
+                               exact_modes=({"pad_rows": True},)),
     "openvino": BackendInfo("openvino", "openvino", "edgespec.runtimes.openvino", "OpenVinoRuntime", "openvino",
                             "openvino", "edgespec.runtimes.openvino_split:open_shared_pair",
                             # CPUs whose one-row FullyConnected rounds unlike a taller one (AVX2 with

@@ -35,7 +35,7 @@ __all__ = ["Exactness", "PROBE_STARTS", "PROBE_VERSION", "machine_fingerprint", 
 
 logger = logging.getLogger(__name__)
 
-PROBE_VERSION = 1  # bump when the procedure changes: old verdicts are then probed again
+PROBE_VERSION = 2  # bump when the procedure changes: old verdicts are then probed again
 PROBE_STARTS = (5, 14)  # prefix lengths; keys padded to blocks of 16 cross a bound inside some widths
 _SEED = 20_251_124
 
@@ -114,11 +114,19 @@ def _prefill(rt: Runtime, ids: list[int]) -> None:
 
 def _probe_start(rt: Runtime, ids: list[int], start: int, max_width: int) -> dict[int, float]:
     """{width: worst difference} for widths 2..max_width from a prefix of `start` ids."""
+    from .shared_body import SharedBodyRuntime
+
+    # a shared body keeps rows by token ids, so a trim would let the wide forward reuse the
+    # reference rows: it is emptied and fed the prefix again instead
+    refill = isinstance(rt, SharedBodyRuntime)
     _prefill(rt, ids[:start])
     ref = [_forward(rt, [t], 1)[0] for t in ids[start:start + max_width + 1]]
     out = {}
     for w in range(2, max_width + 1):
-        _prefill(rt, ids[:start])
+        if refill:
+            _prefill(rt, ids[:start])
+        else:  # the prefix's rows are the same bits either way: keep them
+            rt.trim(start)
         wide = _forward(rt, ids[start:start + w], w)
         after = _forward(rt, [ids[start + w]], 1)[0]  # reads the K/V rows the wide forward wrote
         out[w] = max(max(_row_diff(wide[i], ref[i]) for i in range(w)), _row_diff(after, ref[w]))

@@ -51,11 +51,17 @@ class OnnxRuntime(Runtime):
     """One edgespec decoder graph in an onnxruntime InferenceSession."""
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
-                 kv_capacity: int | None = None, kv_dtype: str | None = None, spin: bool = True) -> None:
+                 kv_capacity: int | None = None, kv_dtype: str | None = None, spin: bool = True,
+                 pad_rows: bool = False) -> None:
         """spin: idle intra-op threads spin-wait for the next run (onnxruntime's default). A session
         that alternates with another model's forwards (a draft and its target) should not: its
         spinning threads hold the cores the other needs (default bundle, 2 threads, speculative
-        decoding 1.11x faster without; a plain decode alone 0.89x)."""
+        decoding 1.11x faster without; a plain decode alone 0.89x).
+        pad_rows: compute every forward one row wider (its last token again) and drop that row, so
+        no MatMul multiplies one row: the exact mode where a one-row kernel rounds unlike a taller
+        one (MatMulNBits with int8 activations does, by whole logits), chosen by the exactness
+        probe (runtimes/exactness.py). The fixed-buffer layout only; a decode then costs a
+        two-row forward."""
         ort = _import_ort()
         if device not in (None, "CPU", "cpu"):
             raise BackendError(f"onnxruntime: device '{device}' is not available (available: "
@@ -95,20 +101,22 @@ class OnnxRuntime(Runtime):
         self.kv_bytes_per_token = 2 * self._n_layers * self._kv_heads * self._head_dim * 4
         self._n_past = 0
         self._past: list = []
+        self._pad = int(pad_rows and self._append)  # rows added to every forward
         if self._append:
             self.kv_capacity = int(kv_capacity or DEFAULT_KV_CAPACITY)
-            shape = (self.kv_capacity, self._kv_heads, self._head_dim)
+            # the padding row's K/V lands one slot past the sequence: room for it at capacity
+            shape = (self.kv_capacity + self._pad, self._kv_heads, self._head_dim)
             # zeroed pages are committed as they are written: RSS follows the context actually used
             self._kv = [np.zeros(shape, dtype=np.float32) for _ in range(2 * self._n_layers)]
             self._logits = np.zeros((_LOGIT_ROWS, vocab), dtype=np.float32)
-            self._ids = np.zeros((1, self.kv_capacity), dtype=np.int64)
+            self._ids = np.zeros((1, self.kv_capacity + self._pad), dtype=np.int64)
             self._n_logits = np.zeros(1, dtype=np.int64)
             self._binding = self._sess.io_binding()
         else:
             logger.info("%s uses the old growing KV layout; export the bundle again for fixed KV buffers", path.name)
             self.kv_capacity = kv_capacity  # enforced as a limit only
         self.capabilities = Capabilities(backend="onnxruntime", can_trim=True, devices=("CPU",),
-                                         fixed_kv=self._append)
+                                         fixed_kv=self._append, extra={"pad_rows": bool(self._pad)})
         self.reset()
 
     @property
@@ -133,13 +141,16 @@ class OnnxRuntime(Runtime):
         return self._forward_growing(token_ids, n_logits)
 
     def _forward_fixed(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
-        s, p = len(token_ids), self._n_past
-        if n_logits > len(self._logits):  # a wider verify than planned: grow once, keep it
-            self._logits = np.zeros((n_logits, self.vocab_size), dtype=np.float32)
+        p, real = self._n_past, len(token_ids)
+        # with padding, the graph also returns the padding row's logits (it returns the last rows)
+        s, rows = real + self._pad, n_logits + self._pad
+        if rows > len(self._logits):  # a wider verify than planned: grow once, keep it
+            self._logits = np.zeros((rows, self.vocab_size), dtype=np.float32)
         b, f32, i64 = self._binding, np.float32, np.int64
         ids = self._ids[:, :s]
-        ids[0] = token_ids
-        self._n_logits[0] = n_logits
+        ids[0, :real] = token_ids
+        ids[0, real:] = token_ids[-1]
+        self._n_logits[0] = rows
         b.bind_input("input_ids", "cpu", 0, i64, [1, s], ids.ctypes.data)
         b.bind_input("n_logits", "cpu", 0, i64, [1], self._n_logits.ctypes.data)
         row = self._kv_heads * self._head_dim * 4
@@ -147,9 +158,9 @@ class OnnxRuntime(Runtime):
             j, base = i // 2, buf.ctypes.data
             b.bind_input(f"past_{kind}_{j}", "cpu", 0, f32, [1, p, self._kv_heads, self._head_dim], base)
             b.bind_output(f"new_{kind}_{j}", "cpu", 0, f32, [1, s, self._kv_heads, self._head_dim], base + p * row)
-        b.bind_output("logits", "cpu", 0, f32, [1, n_logits, self.vocab_size], self._logits.ctypes.data)
+        b.bind_output("logits", "cpu", 0, f32, [1, rows, self.vocab_size], self._logits.ctypes.data)
         self._sess.run_with_iobinding(b)
-        self._n_past = p + s
+        self._n_past = p + real
         return self._logits[:n_logits]
 
     def _forward_growing(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
