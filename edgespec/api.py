@@ -27,7 +27,7 @@ from .choices import (DRAFT_BODIES, STATIC_DRAFT_WIDTH, alternating_options, bac
                       shared_body_blocker, static_options)
 from .decoding import DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
-from .runtimes import BACKENDS, open_runtime, open_shared_pair, pick_backend, probe_exactness
+from .runtimes import BACKENDS, exact_mode_memory, open_runtime, open_shared_pair, pick_backend, probe_exactness
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = ["load", "Engine", "Response", "GenerationStats", "DRAFT_BODIES", "default_bundle", "resolve_drafting",
@@ -175,13 +175,20 @@ class Engine:
                 raise ConfigError(f"--draft-body shared: {why}")
             self.shared_body = why is None
         alternating = wants_draft and not self.shared_body  # two models take turns on the cores
-        open_target = functools.partial(open_runtime, backend, bundle.file(m.target.formats[fmt].file),
-                                        threads=threads, device=device, **ctx_kw,
+        # the exact mode (runtimes/exactness.py) this engine settled on here last time, opened
+        # straight away; a budget plans the target as opened, and static shapes have one width
+        switchable = self.drafter_name is not None and budget is None and not static
+        files = [bundle.file(m.target.formats[fmt].file)] + ([bundle.file(m.draft.formats[fmt].file)]
+                                                            if self.shared_body else [])
+        recall, self._remember_mode = exact_mode_memory(backend, files, {
+            "threads": threads, "device": device, "shared_body": self.shared_body, "alternating": alternating,
+            **ctx_kw}) if switchable else (dict, None)
+        mode = {} if retune else recall()
+        open_target = functools.partial(open_runtime, backend, files[0], threads=threads, device=device, **ctx_kw,
                                         **static_options(backend, static, self.k + 1),
-                                        **(alternating_options(backend) if alternating else {}))
-        open_pair = functools.partial(open_shared_pair, backend, bundle.file(m.target.formats[fmt].file),
-                                      bundle.file(m.draft.formats[fmt].file) if m.draft else None, threads=threads,
-                                      device=device, **ctx_kw)
+                                        **(alternating_options(backend) if alternating else {}), **mode)
+        open_pair = functools.partial(open_shared_pair, backend, files[0], files[-1], threads=threads, device=device,
+                                      **ctx_kw, **mode)
         if self.shared_body:
             pair = open_pair()
             self.target = self._stack.enter_context(pair[0])
@@ -211,8 +218,8 @@ class Engine:
         if self.drafter_name is None:
             self.exactness = None
         else:  # a budget planned the target as opened, and static shapes verify at one width only
-            reopen = None if budget is not None or static else open_pair if self.shared_body else open_target
-            self.exactness = self._probe(fmt, threads, require_exact, retune, reopen)
+            reopen = open_pair if self.shared_body else open_target
+            self.exactness = self._probe(files, threads, require_exact, retune, reopen if switchable else None, mode)
         verify_width = self.exactness.exact_width if self.exactness and self.exactness.exact_width >= 2 else None
         caps = [rt.kv_capacity for rt in (self.target, self.draft) if rt is not None and rt.kv_capacity]
         caps += [max_context] if max_context is not None else []
@@ -232,16 +239,13 @@ class Engine:
         self._closed = False
         self.last_stats = GenerationStats()
 
-    def _probe(self, fmt: str, threads: int | None, require_exact: bool, retune: bool, reopen):
+    def _probe(self, files: list[Path], threads: int | None, require_exact: bool, retune: bool, reopen, mode: dict):
         """The exactness probe of the target as opened (runtimes/exactness.py). Where some verify
         widths are not exact here, the backend's exact modes (BackendInfo.exact_modes) are opened
         through `reopen(**options)` and probed too, and the target (with a draft on its body)
         switches to the first that is exact at every width, else to the one exact the widest.
+        The mode kept is remembered, so the next load opens it directly (`mode`: the one opened now).
         Where no width is exact, drafting is refused under `require_exact`, else it runs with a warning."""
-        m = self.bundle.manifest
-        files = [self.bundle.file(m.target.formats[fmt].file)]
-        if self.shared_body:
-            files.append(self.bundle.file(m.draft.formats[fmt].file))
         # adaptive policies draft up to 2k and lookup tails as many again
         widest = self.k + 1 if self.policy_name == "fixed" else 4 * self.k + 1
         if (cap := self.target.capabilities.max_batch_tokens) is not None:
@@ -251,7 +255,7 @@ class Engine:
         for options in BACKENDS[self.backend].exact_modes if reopen is not None else ():
             if verdict.fully_exact:
                 break
-            opened = reopen(**options)
+            opened = reopen.func(*reopen.args, **{**reopen.keywords, **options})
             pair = opened if isinstance(opened, tuple) else (opened, None)
             other = probe_exactness(self.backend, pair[0], files, widest, threads=threads, retune=retune)
             if other.exact_width <= verdict.exact_width:
@@ -267,7 +271,9 @@ class Engine:
             for rt in old:
                 if rt is not None:
                     rt.close()
-            verdict = other
+            verdict, mode = other, options
+        if reopen is not None:
+            self._remember_mode(mode)
         if verdict.exact_width >= 2:
             return verdict
         if require_exact:

@@ -285,3 +285,14 @@ def test_the_engine_switches_onnxruntime_to_padded_rows_where_one_row_rounds_apa
         assert e.last_stats.drafted > 0 or e.exactness.exact_width < 2
     with load(bundle, use_draft=False) as plain:
         assert plain.generate(PROMPTS[1], max_tokens=16) == spec
+    opened = []
+    init = OnnxRuntime.__init__
+
+    def counting(self, *args, **kw):
+        opened.append(kw.get("pad_rows", False))
+        init(self, *args, **kw)
+
+    monkeypatch.setattr(OnnxRuntime, "__init__", counting)
+    with load(bundle, k=3, drafter="model") as e:  # the mode settled on is remembered: opened directly
+        assert e.exactness.cached and opened[0] == e.target.capabilities.extra["pad_rows"]
+        assert len(opened) == 2  # the target once, and the draft

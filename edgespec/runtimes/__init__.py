@@ -13,7 +13,8 @@ from ..errors import ConfigError
 from .base import Capabilities, Runtime
 
 __all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "open_runtime", "installed_backends",
-           "backend_devices", "pick_backend", "runtime_class", "open_shared_pair", "probe_exactness"]
+           "backend_devices", "pick_backend", "runtime_class", "open_shared_pair", "probe_exactness",
+           "exact_mode_memory"]
 
 
 @dataclass(frozen=True)
@@ -104,19 +105,32 @@ def open_shared_pair(backend: str, target_path: Path, draft_path: Path, **kwargs
     return getattr(importlib.import_module(module), fn)(target_path, draft_path, **kwargs)
 
 
+def _version(backend: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(_info(backend).package.replace("_", "-"))
+    except metadata.PackageNotFoundError:
+        return "?"
+
+
+def exact_mode_memory(backend: str, model_files: list[Path], options: dict):
+    """(recall, remember): the runtime options an engine with these `options` settled on for these
+    models on this machine last time, and a function storing the ones it settles on now."""
+    from .exactness import remember_mode, remembered_mode
+
+    version = _version(backend)
+    return (lambda: remembered_mode(backend, version, model_files, options),
+            lambda mode: remember_mode(backend, version, model_files, options, mode))
+
+
 def probe_exactness(backend: str, rt: Runtime, model_files: list[Path], max_width: int, *, threads: int | None = None,
                     retune: bool = False):
     """Which verify widths of `rt` are bit-identical to one-token forwards on this machine
     (runtimes/exactness.py), probed once per machine, backend build, model file and options."""
-    from importlib import metadata
-
     from .exactness import probe_cached
 
-    info = _info(backend)
-    try:
-        version = metadata.version(info.package.replace("_", "-"))
-    except metadata.PackageNotFoundError:
-        version = "?"
+    version = _version(backend)
     options = {"threads": threads, **rt.kernel_options()}
     return probe_cached(rt, max_width, backend=backend, version=version, model_files=model_files, options=options,
                         retune=retune)

@@ -31,7 +31,8 @@ import numpy as np
 
 from .base import Runtime
 
-__all__ = ["Exactness", "PROBE_STARTS", "PROBE_VERSION", "machine_fingerprint", "probe", "probe_cached"]
+__all__ = ["Exactness", "PROBE_STARTS", "PROBE_VERSION", "machine_fingerprint", "probe", "probe_cached",
+           "remember_mode", "remembered_mode"]
 
 logger = logging.getLogger(__name__)
 
@@ -203,3 +204,30 @@ def probe_cached(rt: Runtime, max_width: int, *, backend: str, version: str, mod
         logger.warning("cannot cache the exactness probe in %s: %s", path.parent, e)
     logger.info("exactness probe (%s, %.0f ms): %s", backend, verdict.probe_ms, verdict.describe())
     return verdict
+
+
+def _mode_file(backend: str, version: str, model_files: Sequence[Path], options: dict) -> Path:
+    key = {"probe": PROBE_VERSION, "machine": machine_fingerprint(), "backend": backend, "version": version,
+           "files": [_file_key(Path(p)) for p in model_files], "options": options, "kind": "mode"}
+    return _cache_file(key)
+
+
+def remembered_mode(backend: str, version: str, model_files: Sequence[Path], options: dict) -> dict:
+    """The runtime options the engine settled on for these models here last time (an exact mode
+    such as padded rows; {} for the default), so a later load opens that mode straight away."""
+    try:
+        mode = json.loads(_mode_file(backend, version, model_files, options).read_text())
+    except (OSError, ValueError):
+        return {}
+    return mode if isinstance(mode, dict) else {}
+
+
+def remember_mode(backend: str, version: str, model_files: Sequence[Path], options: dict, mode: dict) -> None:
+    path = _mode_file(backend, version, model_files, options)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(mode))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("cannot remember the exact mode in %s: %s", path.parent, e)
