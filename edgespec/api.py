@@ -17,14 +17,21 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from .bundle import Bundle, load_bundle
-from .choices import (DRAFT_BODIES, STATIC_DRAFT_WIDTH, alternating_options, backend_for_device, resolve_drafting,
-                      shared_body_blocker, static_options)
+from .choices import (
+    DRAFT_BODIES,
+    STATIC_DRAFT_WIDTH,
+    alternating_options,
+    backend_for_device,
+    resolve_drafting,
+    shared_body_blocker,
+    static_options,
+)
 from .decoding import DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
 from .runtimes import BACKENDS, exact_mode_memory, open_runtime, open_shared_pair, pick_backend, probe_exactness
@@ -48,7 +55,7 @@ class Response:
     from_draft: int  # how many of token_ids were accepted drafts
     tokens_per_s: float  # running decode speed of this generation
     finish_reason: str | None = None  # "stop", "length", "cancelled" or None while running
-    stats: "GenerationStats | None" = None
+    stats: GenerationStats | None = None
     memory: dict[str, dict[str, int]] = field(default_factory=dict)  # bytes per model: weights, kv
 
     @property
@@ -153,7 +160,8 @@ class Engine:
         self.drafter_name, self.policy_name, self.k = resolve_drafting(
             drafter, policy, k, has_draft=m.draft is not None, use_draft=use_draft)
         if fmt not in m.target.formats:
-            raise ConfigError(f"bundle has no {fmt} artifacts for backend {backend} (it has: {', '.join(bundle.formats())})")
+            raise ConfigError(f"bundle has no {fmt} artifacts for backend {backend} "
+                              f"(it has: {', '.join(bundle.formats())})")
         self.bundle = bundle
         self.backend = backend
         self.tokenizer = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
@@ -207,7 +215,8 @@ class Engine:
                                   f"{', '.join(m.draft.formats)}); use --drafter ngram or --no-draft")
             self.draft_backend = dback
             open_draft = functools.partial(open_runtime, dback, bundle.file(m.draft.formats[dfmt].file),
-                                           threads=threads, device=draft_device or (device if dback == backend else None),
+                                           threads=threads,
+                                           device=draft_device or (device if dback == backend else None),
                                            **ctx_kw, **static_options(dback, static, STATIC_DRAFT_WIDTH),
                                            **alternating_options(dback))
             self.draft = self._stack.enter_context(budget.open_draft(open_draft) if budget else open_draft())
@@ -234,7 +243,7 @@ class Engine:
             verify_width=verify_width, draft_width=verify_width if self.shared_body else None)
         self._lock = threading.Lock()  # one generation at a time
         self._owner: int | None = None  # thread id of the running generation's consumer
-        self._active: "weakref.ref | None" = None  # the running generation, for close()
+        self._active: weakref.ref | None = None  # the running generation, for close()
         self._closing = threading.Event()  # tells a running generation to stop
         self._closed = False
         self.last_stats = GenerationStats()
@@ -481,7 +490,7 @@ class Engine:
         finally:
             self._lock.release()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -13,11 +13,12 @@ import re
 import shutil
 import tempfile
 import typing
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import MISSING as _MISSING
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -99,7 +100,7 @@ class Manifest:
         return json.dumps(asdict(self), indent=2, sort_keys=False)
 
     @classmethod
-    def from_dict(cls, d: Any) -> "Manifest":
+    def from_dict(cls, d: Any) -> Manifest:
         """A manifest from parsed JSON; any wrong value is a one-line BundleError naming the field."""
         if not isinstance(d, dict):
             raise BundleError("broken manifest: not a JSON object")

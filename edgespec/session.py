@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from .decoding import SamplingParams
 from .errors import ConfigError, ContextFullError
@@ -39,7 +40,7 @@ class ChatPrompt:
     transcript: bool = False
     blank_line_ends: bool = False
 
-    def shaper(self) -> "ReplyShaper | None":
+    def shaper(self) -> ReplyShaper | None:
         return ReplyShaper(self.blank_line_ends) if self.transcript else None
 
 
@@ -81,12 +82,12 @@ class ChatFormat:
         # a template's end-of-turn token is among the tokenizer's stop ids already
         return self.transcript.stop if self.transcript else ()
 
-    def encode(self, tokenizer: "Tokenizer", messages: Sequence[dict]) -> list[int]:
+    def encode(self, tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
         if self.transcript is None:
             return tokenizer.encode_chat(list(messages))
         return tokenizer.encode(self.transcript.render(messages))  # with BOS, as a plain prompt
 
-    def prompt(self, tokenizer: "Tokenizer", messages: Sequence[dict], stop: Sequence[str] = ()) -> ChatPrompt:
+    def prompt(self, tokenizer: Tokenizer, messages: Sequence[dict], stop: Sequence[str] = ()) -> ChatPrompt:
         """Tokens for `messages` and the format's stop strings after the caller's `stop`, for a
         caller that only has stop strings (the server). There a blank line ending the reply is
         the plain stop string "\n\n": the transcript's worked examples start a reply on the
@@ -107,7 +108,7 @@ class ChatFormat:
                 f"next speaker{' or a blank line' if t.blank_line_ends else ''})")
 
 
-def chat_format_for(manifest: "Manifest", tokenizer: "Tokenizer", requested: str | None = None) -> ChatFormat:
+def chat_format_for(manifest: Manifest, tokenizer: Tokenizer, requested: str | None = None) -> ChatFormat:
     """The chat format of a bundle: `requested` ("auto", "template" or a transcript name; None is
     "auto") checked against what the bundle has. "auto" uses a model's own template, and for a
     base model its family's transcript (or the default transcript): see pick_chat_format."""
@@ -123,13 +124,13 @@ def chat_format_for(manifest: "Manifest", tokenizer: "Tokenizer", requested: str
 class ChatSession:
     """Messages plus the token sequence the engine's caches hold for them."""
 
-    def __init__(self, engine: "Engine", system: str | None = None, chat_format: str | None = None) -> None:
+    def __init__(self, engine: Engine, system: str | None = None, chat_format: str | None = None) -> None:
         self.format = chat_format_for(engine.bundle.manifest, engine.tokenizer, chat_format)
         self.engine = engine
         self.system = system
         self.messages: list[dict[str, str]] = []
         self.tokens: list[int] = []  # what the last turn left in the caches
-        self.turn_stats: list["GenerationStats"] = []
+        self.turn_stats: list[GenerationStats] = []
         self.notices: list[str] = []  # one line per time old turns were dropped to fit the context
         self.reset()
 
@@ -141,7 +142,7 @@ class ChatSession:
 
     def send(self, message: str, *, max_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
-             stop_event: "threading.Event | None" = None, wait: bool | float = False) -> Iterator["Response"]:
+             stop_event: threading.Event | None = None, wait: bool | float = False) -> Iterator[Response]:
         """Add a user message and stream the reply. The reply is recorded in the history
         even when the stream is stopped early (a Stop button setting `stop_event`, leaving the
         loop, Ctrl-C); a turn refused before its first token (BusyError) leaves no trace.
@@ -155,7 +156,7 @@ class ChatSession:
         return self._turn(message, params, max_tokens, tuple(stop) + self.format.stop, stop_event, wait)
 
     def _turn(self, message: str, params: SamplingParams, max_tokens: int, stop: tuple[str, ...],
-              stop_event, wait) -> Iterator["Response"]:
+              stop_event, wait) -> Iterator[Response]:
         from .api import GenerationStats
 
         self.messages.append({"role": "user", "content": message})

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from .bundle import TokenizerInfo
 from .errors import BundleError, ConfigError

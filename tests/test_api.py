@@ -10,8 +10,8 @@ from edgespec.api import Engine, GenerationStats, Response, load
 from edgespec.bundle import load_bundle
 from edgespec.decoding import SamplingParams
 from edgespec.errors import BusyError, ConfigError, EngineClosedError
-from tests.zoo import DISAGREEING
 from tests.tiny import LONG_PROMPT, PROMPTS
+from tests.zoo import DISAGREEING
 
 PROMPT = PROMPTS[1]
 
@@ -316,7 +316,8 @@ def test_other_threads_wait_or_are_refused(engine, fresh):
     with pytest.raises(ConfigError, match="wait"):
         engine.generate(PROMPT, wait=-1)
     out: dict = {}
-    waiter = threading.Thread(target=lambda: out.setdefault("text", engine.generate(LONG_PROMPT, max_tokens=8, wait=True)))
+    waiter = threading.Thread(
+        target=lambda: out.setdefault("text", engine.generate(LONG_PROMPT, max_tokens=8, wait=True)))
     waiter.start()
     waiter.join(0.3)
     assert waiter.is_alive() and "text" not in out  # it waits for its turn
@@ -363,7 +364,7 @@ def test_chat_stop_event_keeps_the_conversation_and_a_refused_turn_leaves_no_tra
 
     session = chat_engine.chat()
     stop = threading.Event()
-    for i, r in enumerate(session.send("hello world", max_tokens=30, stop_event=stop)):
+    for i, r in enumerate(session.send("hello world", max_tokens=30, stop_event=stop)):  # noqa: B007 - r, the last Response, is read after the loop
         if i == 1:
             stop.set()
     assert r.finish_reason == "cancelled"

@@ -15,8 +15,22 @@ import pytest
 
 from edgespec.api import load
 from edgespec.bench import (
-    PLAIN, SPECULATIVE, SUITES, BenchConfig, Prompt, RunRecord, build_decoders, build_document, encode_prompt,
-    load_prompts, load_runs, merge_runs, run_bench, save, summarise, validate,
+    PLAIN,
+    SPECULATIVE,
+    SUITES,
+    BenchConfig,
+    Prompt,
+    RunRecord,
+    build_decoders,
+    build_document,
+    encode_prompt,
+    load_prompts,
+    load_runs,
+    merge_runs,
+    run_bench,
+    save,
+    summarise,
+    validate,
 )
 from edgespec.bench.machine import cpu_model, isa_features
 from edgespec.bench.schema import SCHEMA_VERSION
@@ -88,7 +102,8 @@ def test_builtin_suites_are_varied_data():
 
 def test_prompt_file_and_bad_specs(tmp_path):
     f = tmp_path / "mine.jsonl"
-    f.write_text('{"id": "a", "text": "hello"}\n\n{"id": "b", "class": "x", "messages": [{"role": "user", "content": "hi"}]}\n')
+    f.write_text('{"id": "a", "text": "hello"}\n\n'
+                 '{"id": "b", "class": "x", "messages": [{"role": "user", "content": "hi"}]}\n')
     ps = load_prompts(str(f))
     assert [(p.cls, p.id, p.is_chat) for p in ps] == [("mine", "a", False), ("x", "b", True)]
     with pytest.raises(ConfigError, match="unknown prompt suite nope"):
@@ -114,7 +129,8 @@ def test_chat_prompts_use_the_template_or_plain_text(zoo):
 
 def test_cpu_model_names():
     assert cpu_model("processor\t: 0\nmodel name\t: AMD Ryzen 7 5800U\n") == "AMD Ryzen 7 5800U"
-    pi = "processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd08\n\nHardware\t: BCM2835\nModel\t: Raspberry Pi 4 Model B Rev 1.4\n"
+    pi = ("processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd08\n\nHardware\t: BCM2835\n"
+          "Model\t: Raspberry Pi 4 Model B Rev 1.4\n")
     assert cpu_model(pi) == "Raspberry Pi 4 Model B Rev 1.4"
     assert cpu_model("processor\t: 0\nCPU implementer\t: 0x41\nCPU part\t: 0xd05\nCPU part\t: 0xd0d\n") == \
         "ARM implementer 0x41 part 0xd05/0xd0d"
@@ -141,7 +157,8 @@ def test_isa_features_from_cpuinfo():
     arm = "processor\t: 0\nBogoMIPS\t: 108.00\nFeatures\t: {f}\nCPU implementer\t: 0x41\nCPU part\t: 0xd0b\n\n"
     assert isa_features(arm.format(f=PI5_FEATURES)) == ["NEON", "FP16", "DOTPROD"]  # Cortex-A76: no i8mm
     assert isa_features(arm.format(f=GRAVITON3_FEATURES)) == ["NEON", "FP16", "DOTPROD", "SVE", "I8MM", "BF16"]
-    armv7 = "processor\t: 0\nmodel name\t: ARMv7 Processor rev 4 (v7l)\nFeatures\t: half thumb fastmult vfp edsp neon vfpv3\n"
+    armv7 = ("processor\t: 0\nmodel name\t: ARMv7 Processor rev 4 (v7l)\n"
+             "Features\t: half thumb fastmult vfp edsp neon vfpv3\n")
     assert isa_features(armv7) == ["NEON"]
     assert isa_features("") == []  # macOS, Windows: no /proc/cpuinfo
 
@@ -196,7 +213,8 @@ def _rec(config, cls, prompt, rep, n, ttft, total, tokens=None, drafted=0, accep
 def test_summary_speedup_is_a_ratio_of_measured_medians():
     runs = [
         # plain: decode times 1.0, 1.2, 5.0 (an outlier) -> median 1.2; 11 tokens -> 10 decoded
-        _rec(PLAIN, "c", "p", 0, 11, 0.1, 1.1), _rec(PLAIN, "c", "p", 1, 11, 0.1, 1.3), _rec(PLAIN, "c", "p", 2, 11, 0.1, 5.1),
+        _rec(PLAIN, "c", "p", 0, 11, 0.1, 1.1), _rec(PLAIN, "c", "p", 1, 11, 0.1, 1.3),
+        _rec(PLAIN, "c", "p", 2, 11, 0.1, 5.1),
         # speculative: decode 0.5, 0.6, 0.4 -> median 0.5
         _rec(SPECULATIVE, "c", "p", 0, 11, 0.2, 0.7, drafted=8, accepted=6),
         _rec(SPECULATIVE, "c", "p", 1, 11, 0.2, 0.8, drafted=8, accepted=6),
@@ -277,7 +295,8 @@ def test_report_warns_loudly_on_a_mismatch(doc, tmp_path):
     from edgespec.bench.report import markdown
 
     bad = copy.deepcopy(doc)
-    bad["mismatches"] = [{"class": "chat", "prompt": "story", "config": SPECULATIVE, "repeat": 0, "first_difference": 4}]
+    bad["mismatches"] = [{"class": "chat", "prompt": "story", "config": SPECULATIVE, "repeat": 0,
+                          "first_difference": 4}]
     bad["identical"] = False
     bad["classes"]["chat"][SPECULATIVE]["identical"] = False
     text = markdown([validate(bad)], [])

@@ -13,8 +13,20 @@ from types import SimpleNamespace
 import pytest
 
 from edgespec.api import load
-from edgespec.bench import PLAIN, SPECULATIVE, BenchConfig, Prompt, RunRecord, build_decoders, build_document
-from edgespec.bench import load_runs, measure_run, run_bench, save, summarise, validate
+from edgespec.bench import (
+    PLAIN,
+    SPECULATIVE,
+    BenchConfig,
+    RunRecord,
+    build_decoders,
+    build_document,
+    load_runs,
+    measure_run,
+    run_bench,
+    save,
+    summarise,
+    validate,
+)
 from edgespec.bench.document import exactness_summary
 from edgespec.bench.measure import PEER
 from edgespec.decoding import SpeculativeDecoder

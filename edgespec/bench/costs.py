@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from statistics import median
-from typing import Sequence
 
 import numpy as np
 

@@ -186,7 +186,7 @@ class LlamaCppPeer:
         if llm is not None and hasattr(llm, "close"):
             llm.close()
 
-    def __enter__(self) -> "LlamaCppPeer":
+    def __enter__(self) -> LlamaCppPeer:
         return self
 
     def __exit__(self, *exc) -> None:

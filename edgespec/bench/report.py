@@ -209,7 +209,7 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
             lines += [f"Exactness probe: {r['exactness']['summary']}.", ""]
         if (r.get("verify_costs") or {}).get("c"):
             vc = r["verify_costs"]
-            lines += [f"Cost of a B-token target forward over a one-token forward (c(B)): "
+            lines += ["Cost of a B-token target forward over a one-token forward (c(B)): "
                       + ", ".join(f"c({b}) = {c:.2f}" for b, c in vc["c"].items())
                       + f", at {vc['one_token_ms']:.1f} ms per one-token forward.", ""]
         lines += _mismatch_lines(r)

@@ -49,7 +49,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["SCHEMA_VERSION", "KIND", "COMPARE_KIND", "validate", "save", "save_compare", "load_runs", "compare_document",
+__all__ = ["SCHEMA_VERSION", "KIND", "COMPARE_KIND", "validate", "save", "save_compare", "load_runs",
+           "compare_document",
            "check_json_path"]
 
 SCHEMA_VERSION = 1

@@ -74,7 +74,8 @@ def build_compare_parser() -> argparse.ArgumentParser:
 
 
 def _load_engine(args: argparse.Namespace):
-    if getattr(args, "require_exact", None) is None:  # bench checks that drafting output equals plain: only draft where exact
+    # bench checks that drafting output equals plain: only draft where exact
+    if getattr(args, "require_exact", None) is None:
         args.require_exact = True
     return open_engine(args)  # the shared engine flags, --memory-budget and --max-context included
 

@@ -10,8 +10,16 @@ import sys
 
 from ..errors import ConfigError, EdgespecError
 from ..models.chat_formats import CHAT_FORMAT_CHOICES, CHAT_SAMPLING, TRANSCRIPTS
-from .common import (add_engine_args, add_sampling_args, cli_entry, open_engine, print_memory_plan, sampling_kwargs,
-                     setup_logging, validate_sampling)
+from .common import (
+    add_engine_args,
+    add_sampling_args,
+    cli_entry,
+    open_engine,
+    print_memory_plan,
+    sampling_kwargs,
+    setup_logging,
+    validate_sampling,
+)
 from .generate import _format_stats
 
 __all__ = ["main", "build_parser", "k_over_time"]
@@ -59,7 +67,8 @@ def _session_stats(session) -> str:
     drafted, accepted = sum(t.drafted for t in turns), sum(t.accepted for t in turns)
     last_turn = turns[-1]
     ks = k_over_time(last_turn.k_history, last_turn.source_history)
-    k_line = f"k over time (last reply; L = prompt lookup): {ks}" if last_turn.drafted else "no drafts in the last reply"
+    k_line = (f"k over time (last reply; L = prompt lookup): {ks}" if last_turn.drafted
+              else "no drafts in the last reply")
     total = f"session: {len(turns)} replies, {sum(t.new_tokens for t in turns)} tokens"
     if drafted:
         total += f", acceptance {accepted / drafted:.0%}"

@@ -4,9 +4,9 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from .common import cli_entry, setup_logging
 
@@ -34,7 +34,8 @@ def _formats(known: tuple[str, ...]):
         out = [f.strip() for f in text.split(",") if f.strip()]
         bad = [f for f in out if f not in known]
         if bad or not out:
-            raise argparse.ArgumentTypeError(f"unknown format '{bad[0] if bad else text}' (available: {', '.join(known)})")
+            raise argparse.ArgumentTypeError(f"unknown format '{bad[0] if bad else text}' "
+                                             f"(available: {', '.join(known)})")
         return out
     return parse
 

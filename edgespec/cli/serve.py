@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_ENV} if set, else no key)")
-    g.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: the bundle's folder name)")
+    g.add_argument("--model-name", default=None,
+                   help="model id reported by /v1/models (default: the bundle's folder name)")
     g.add_argument("--max-queue", type=int, default=64, help="requests that may wait for the engine (default: 64)")
     g.add_argument("--max-tokens", type=int, default=None,
                    help="reply length for chat requests that give no max_tokens (default: 512, or the cap if lower)")

@@ -5,7 +5,7 @@ Pure functions: each takes arrays and returns numbers, so every rule is testable
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

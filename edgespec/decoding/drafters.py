@@ -26,8 +26,8 @@ from __future__ import annotations
 import abc
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 

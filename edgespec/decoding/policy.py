@@ -18,8 +18,8 @@ import logging
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 from edgespec.errors import ConfigError
 

@@ -51,7 +51,7 @@ class PeakRSS:
             self._sample()
             time.sleep(self.interval_s)
 
-    def start(self) -> "PeakRSS":
+    def start(self) -> PeakRSS:
         self.base = self.peak = self._window = rss_bytes()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="edgespec-peak-rss", daemon=True)
@@ -72,7 +72,7 @@ class PeakRSS:
         self._sample()
         return self.peak
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -13,7 +13,8 @@ from ..errors import MemoryBudgetError
 from .budget import format_bytes
 from .footprint import ModelMemory, candidate_bytes
 
-__all__ = ["BOUND_HEADROOM", "MIN_CONTEXT", "MAX_CONTEXT", "PREFILL_CHUNK", "WANT_CONTEXT", "Plan", "Bounds", "lower_bounds",
+__all__ = ["BOUND_HEADROOM", "MIN_CONTEXT", "MAX_CONTEXT", "PREFILL_CHUNK", "WANT_CONTEXT", "Plan", "Bounds",
+           "lower_bounds",
            "plan_memory", "describe_plan"]
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class Bounds:
     least_plain: int = 0
 
     @classmethod
-    def from_needs(cls, speculative: int | None, plain: int, min_context: int) -> "Bounds":
+    def from_needs(cls, speculative: int | None, plain: int, min_context: int) -> Bounds:
         def up(n: int) -> int:  # headroom, rounded up to a MiB
             return -(-int(n * (1 + BOUND_HEADROOM)) // 2**20) * 2**20
 

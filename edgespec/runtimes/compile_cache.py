@@ -18,8 +18,8 @@ import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ..models.catalog import cache_dir
 

@@ -23,9 +23,9 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -69,7 +69,8 @@ class Exactness:
         if self.exact_width >= 2:
             tail = "" if self.fully_exact else f" (not {self.exact_width + 1}+: up to {self.worst_diff:.2g} off)"
             return f"exact verify widths {where}: 2-{self.exact_width}{tail}"
-        return f"not exact {where}: a verify of 2+ tokens differs from one-token forwards by up to {self.worst_diff:.2g}"
+        return (f"not exact {where}: a verify of 2+ tokens differs from one-token forwards "
+                f"by up to {self.worst_diff:.2g}")
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -78,7 +79,7 @@ class Exactness:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Exactness":
+    def from_dict(cls, data: dict) -> Exactness:
         return cls(max_width=int(data["max_width"]), exact=tuple(int(w) for w in data["exact"]),
                    worst_diff=float(data["worst_diff"]), probe_ms=float(data["probe_ms"]),
                    cached=bool(data.get("cached", False)))

@@ -23,8 +23,8 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -143,7 +143,8 @@ class _EmbeddingTable:
         try:
             reader = GGUFReader(str(path))
         except Exception as e:  # gguf raises ValueError/struct errors on a bad file
-            raise BackendError(f"cannot read {path.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from e
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise BackendError(f"cannot read {path.name}: {reason}") from e
         t = next((t for t in reader.tensors if t.name == tensor), None)
         if t is None:
             raise BackendError(f"{path.name} has no tensor {tensor}")

@@ -24,8 +24,9 @@ rejected draft was).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -109,7 +110,7 @@ def _reply_limit(asked: int | None, default: int, cap: int) -> int:
     return n
 
 
-def _check_context(engine: "Engine", tokens: list[int], param: str) -> None:
+def _check_context(engine: Engine, tokens: list[int], param: str) -> None:
     """A prompt that leaves no room for a reply is a 400 before anything streams."""
     limit = engine.context_limit
     if limit is not None and len(tokens) >= limit:
@@ -123,7 +124,7 @@ def begin_shutdown(app: FastAPI) -> None:
     app.state.renderer.interrupt()
 
 
-def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
+def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     """An ASGI app serving `engine` (which stays the caller's to close)."""
     cfg = config or ServerConfig()
     worker = GenerationWorker(engine, cfg.max_queue)
@@ -150,7 +151,7 @@ def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
     v1 = APIRouter(prefix="/v1")
     created = now()
 
-    def submit(tokens: list[int], req, max_tokens: int, stop: "list[str] | tuple[str, ...] | None" = None) -> Job:
+    def submit(tokens: list[int], req, max_tokens: int, stop: list[str] | tuple[str, ...] | None = None) -> Job:
         stop = req.stop_list() if stop is None else list(stop)
         job = Job(tokens, _sampling(req), max_tokens, stop, asyncio.get_running_loop())
         try:
@@ -236,7 +237,7 @@ class _JobStream(StreamingResponse):
             self.job.cancel.set()
 
 
-def _prompt_tokens(engine: "Engine", prompt: str | list) -> list[int]:
+def _prompt_tokens(engine: Engine, prompt: str | list) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         bad = [t for t in prompt if not 0 <= t < engine.target.vocab_size]
         if bad:

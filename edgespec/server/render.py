@@ -88,7 +88,7 @@ class ChatRenderer:
             except BackendError as e:
                 logger.warning("%s; chat requests will try again", e)
 
-    async def prompt(self, messages: list[dict[str, str]], stop: list[str]) -> "ChatPrompt":
+    async def prompt(self, messages: list[dict[str, str]], stop: list[str]) -> ChatPrompt:
         """The conversation's tokens and stop strings in the bundle's chat format. ConfigError:
         the template refused the messages (raise_exception); RenderTimeout: past the limit."""
         from ..session import ChatPrompt

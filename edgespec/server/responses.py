@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi.sse import format_sse_event
 
@@ -17,7 +18,7 @@ __all__ = ["usage", "finish_reason", "chat_completion", "chat_chunk", "completio
 DONE = b"data: [DONE]\n\n"
 
 
-def usage(st: "GenerationStats") -> dict[str, int]:
+def usage(st: GenerationStats) -> dict[str, int]:
     return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.new_tokens,
             "total_tokens": st.prompt_tokens + st.new_tokens}
 
@@ -28,7 +29,7 @@ def finish_reason(reason: str | None) -> str:
 
 
 def _body(obj: str, id_: str, model: str, created: int, choice: dict[str, Any] | None,
-          st: "GenerationStats | None") -> dict[str, Any]:
+          st: GenerationStats | None) -> dict[str, Any]:
     """The envelope every response and chunk shares; `choice` None: an empty choices list."""
     body: dict[str, Any] = {"id": id_, "object": obj, "created": created, "model": model,
                             "choices": [] if choice is None else [{"index": 0, **choice}]}
@@ -38,26 +39,26 @@ def _body(obj: str, id_: str, model: str, created: int, choice: dict[str, Any] |
 
 
 def chat_completion(id_: str, model: str, created: int, text: str, reason: str | None,
-                    st: "GenerationStats") -> dict[str, Any]:
+                    st: GenerationStats) -> dict[str, Any]:
     return _body("chat.completion", id_, model, created,
                  {"message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish_reason(reason)}, st)
 
 
 def chat_chunk(id_: str, model: str, created: int, delta: dict[str, Any], reason: str | None = None,
-               st: "GenerationStats | None" = None, choices: bool = True) -> dict[str, Any]:
+               st: GenerationStats | None = None, choices: bool = True) -> dict[str, Any]:
     choice = {"delta": delta, "logprobs": None, "finish_reason": reason} if choices else None
     return _body("chat.completion.chunk", id_, model, created, choice, st)
 
 
 def completion(id_: str, model: str, created: int, text: str, reason: str | None,
-               st: "GenerationStats") -> dict[str, Any]:
+               st: GenerationStats) -> dict[str, Any]:
     return _body("text_completion", id_, model, created,
                  {"text": text, "logprobs": None, "finish_reason": finish_reason(reason)}, st)
 
 
 def completion_chunk(id_: str, model: str, created: int, text: str, reason: str | None = None,
-                     st: "GenerationStats | None" = None, choices: bool = True) -> dict[str, Any]:
+                     st: GenerationStats | None = None, choices: bool = True) -> dict[str, Any]:
     choice = {"text": text, "logprobs": None, "finish_reason": reason} if choices else None
     return _body("text_completion", id_, model, created, choice, st)
 
@@ -78,7 +79,7 @@ def sse_error(e: Exception) -> bytes:
     return sse(error_body(message, "server_error"))
 
 
-async def collect(responses: AsyncIterator["Response"]) -> tuple[str, str | None, "GenerationStats | None"]:
+async def collect(responses: AsyncIterator[Response]) -> tuple[str, str | None, GenerationStats | None]:
     """Text, finish reason and stats of a whole generation."""
     parts, reason, st = [], None, None
     async for r in responses:

@@ -8,8 +8,9 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 from ..api import GenerationStats
 from ..errors import EdgespecError
@@ -34,7 +35,7 @@ class Job:
     """One request's generation: its input, a cancel flag, and an asyncio queue of outputs."""
 
     tokens: list[int]
-    params: "SamplingParams"
+    params: SamplingParams
     max_tokens: int
     stop: Sequence[str]
     loop: asyncio.AbstractEventLoop
@@ -50,7 +51,7 @@ class Job:
         except RuntimeError:  # the event loop is gone (the server is shutting down)
             self.cancel.set()
 
-    async def responses(self) -> AsyncIterator["Response"]:
+    async def responses(self) -> AsyncIterator[Response]:
         """The generation's Responses as they come. Leaving early (a client that disconnected)
         cancels the job."""
         try:
@@ -68,7 +69,7 @@ class Job:
 class GenerationWorker:
     """Runs queued Jobs on `engine` in one thread, first come first served."""
 
-    def __init__(self, engine: "Engine", max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, max_queue: int = 64) -> None:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
