@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -120,7 +119,6 @@ def agreement(lean: Path, fp32: Path, gguf: Path, ids_list: list[list[int]], n: 
     llm = Llama(str(gguf), n_ctx=2048, n_threads=threads, n_batch=512, logits_all=True, verbose=False)
     agree = total = 0
     run_fp32, run_lean, times = [], [], {"lean": [], "fp32": []}
-    import numpy as np
 
     for ids in ids_list:
         t = time.perf_counter()

@@ -17,8 +17,8 @@ from edgespec.errors import BundleError, ConfigError
 from edgespec.exporters.export import ExportConfig, export_bundle
 from edgespec.models.families import GEMMA_CHAT_TEMPLATE
 from edgespec.runtimes.onnxruntime import OnnxRuntime
-from tests.zoo import AGREEING, DISAGREEING, FAMILIES, OTHER_SEED, VARIANTS
 from tests.tiny import CHATML, LONG_PROMPT, PROMPTS, VOCAB
+from tests.zoo import AGREEING, DISAGREEING, FAMILIES, OTHER_SEED, VARIANTS
 
 N_NEW = 40
 SLIDING_WINDOW = 16  # tests/tiny.py's Gemma 3
@@ -267,8 +267,14 @@ def test_export_refuses_an_existing_path_unless_forced(zoo, tmp_path):
     with pytest.raises(BundleError, match="exists.*--force"):
         export_bundle(ExportConfig(**cfg))
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
-    export_bundle(ExportConfig(**cfg, force=True))
-    assert load_bundle(out).manifest.draft is None and not (out / "keep.txt").exists()
+    # --force replaces a bundle, never a folder of the user's files (issue 27)
+    with pytest.raises(BundleError):
+        export_bundle(ExportConfig(**cfg, force=True))
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    export_bundle(ExportConfig(**cfg, force=True))  # an empty folder may be replaced
+    export_bundle(ExportConfig(**cfg, force=True))  # and so may a bundle
+    assert load_bundle(out).manifest.draft is None
     assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
 
 

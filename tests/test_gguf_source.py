@@ -205,7 +205,8 @@ def test_default_gguf_matches_the_transformers_path(tmp_path):
         assert ours.tokenizer(s).input_ids == ref.tokenizer(s).input_ids, s
     weights = {k: v.detach().numpy() for k, v in ref.model.state_dict().items()}
     paths = []
-    for name, spec, w in (("ours", ours.model.spec, ours.model.dequantized()), ("ref", spec_from_hf(ref.model), weights)):
+    for name, spec, w in (("ours", ours.model.spec, ours.model.dequantized()),
+                          ("ref", spec_from_hf(ref.model), weights)):
         paths.append(tmp_path / name / "model.onnx")
         paths[-1].parent.mkdir()
         onnx.save_model(build_decoder(spec, w, GraphOptions(kv_layout="append")), str(paths[-1]),

@@ -138,7 +138,8 @@ def _run_graph(w: BlockWeight, ids: np.ndarray | None = None) -> np.ndarray:
     g.nodes.append(helper.make_node("Identity", [y], ["y"]))
     graph = helper.make_graph(g.nodes, "t", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                               initializer=g.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 10
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(["y"], feed)[0]

@@ -9,8 +9,15 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from .vocabtrim import (always_kept_ids, builtin_prompts, calibrate, calibrate_runtime, choose_vocab, coverage,
-                        read_prompt_file)
+from .vocabtrim import (
+    always_kept_ids,
+    builtin_prompts,
+    calibrate,
+    calibrate_runtime,
+    choose_vocab,
+    coverage,
+    read_prompt_file,
+)
 
 __all__ = ["DraftShape", "select_layers", "shape_draft"]
 

@@ -98,7 +98,8 @@ class ExportConfig:
         if isinstance(self.draft_vocab, str) and self.draft_vocab != "auto":
             raise ConfigError(f"--draft-vocab takes a number, 'auto' or 'full', got {self.draft_vocab!r}")
         shaped = self.draft_vocab not in (None, "auto") or self.draft_layers is not None
-        if self.draft == "self" and not shaped and self.draft_precision == "fp32" and self.target_precision in (None, "fp32"):
+        if (self.draft == "self" and not shaped and self.draft_precision == "fp32"
+                and self.target_precision in (None, "fp32")):
             raise ConfigError("a 'self' draft in fp32 is the target itself; give --draft-precision int8 or int4")
         if self.draft is None and (shaped or self.calibration):
             raise ConfigError("--draft-vocab, --draft-layers and --calibration shape a draft; drop --draft none")
@@ -108,7 +109,7 @@ class ExportConfig:
             raise ConfigError("--calibration only matters with --draft-vocab")
 
 
-# Measured on Gemma 3 270M (examples/sweep_vocabtrim.py): K = 16k keeps the full head's
+# Measured on Gemma 3 270M (benchmarks/sweep_vocabtrim.py): K = 16k keeps the full head's
 # acceptance (92.6%) and cuts the int8 draft's cost per token by ~28%.
 AUTO_DRAFT_VOCAB = 16384
 

@@ -26,8 +26,8 @@ codes 1, zero point 0 and the offset as its scale, which is the same weight exac
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -67,7 +67,7 @@ class BlockWeight:
         extra = sum(a.nbytes for a in (self.zero_points, self.mins) if a is not None)
         return self.codes.nbytes + self.scales.nbytes + extra
 
-    def rows(self, index: np.ndarray) -> "BlockWeight":
+    def rows(self, index: np.ndarray) -> BlockWeight:
         """The weight of output rows `index` (a trimmed head): the same blocks, no requantization."""
         index = np.asarray(index)
         pick = lambda a: None if a is None else np.ascontiguousarray(a[index])  # noqa: E731

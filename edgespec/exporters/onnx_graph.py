@@ -27,8 +27,8 @@ masking slots out (attention_mask 0) instead of reallocating.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import onnx
@@ -153,13 +153,15 @@ class _G:
             rows = self.op("Reshape", [pair, self.const([1, -1, kb, w.block_size], **i64)])
         q = self.op("Cast", [rows], to=TensorProto.FLOAT)
         # block j of row r is element r * kb + j of the flat scales and zero points
-        flat = self.op("Add", [self.op("Mul", [self.op("Unsqueeze", [ids, self.const([-1], **i64)]), self.const(kb, **i64)]),
+        flat = self.op("Add", [self.op("Mul", [self.op("Unsqueeze", [ids, self.const([-1], **i64)]),
+                                               self.const(kb, **i64)]),
                                self.const(np.arange(kb), **i64)])  # (1, S, kb)
         col = lambda t: self.op("Unsqueeze", [t, self.const([-1], **i64)])  # noqa: E731
         if w.zero_points is None:
             q = self.op("Sub", [q, self.const(np.float32(1 << (w.bits - 1)))])
         elif w.zero_points.dtype == np.uint8 and w.bits == 8:
-            q = self.op("Sub", [q, col(self.op("Cast", [self.op("Gather", [names[2], flat], axis=0)], to=TensorProto.FLOAT))])
+            zero = self.op("Cast", [self.op("Gather", [names[2], flat], axis=0)], to=TensorProto.FLOAT)
+            q = self.op("Sub", [q, col(zero)])
         elif w.zero_points.dtype == np.float32:
             q = self.op("Sub", [q, col(self.op("Gather", [names[2], flat], axis=0))])
         else:
@@ -193,10 +195,12 @@ def _activation(g: _G, x: str, kind: str) -> str:
         x3 = g.op("Mul", [g.op("Mul", [x, x]), x])
         inner = g.op("Add", [x, g.op("Mul", [x3, g.const(0.044715, dtype=np.float32)])])
         t = g.op("Tanh", [g.op("Mul", [inner, g.const(np.sqrt(2 / np.pi), dtype=np.float32)])])
-        return g.op("Mul", [g.op("Mul", [x, g.const(0.5, dtype=np.float32)]), g.op("Add", [t, g.const(1.0, dtype=np.float32)])])
+        return g.op("Mul", [g.op("Mul", [x, g.const(0.5, dtype=np.float32)]),
+                            g.op("Add", [t, g.const(1.0, dtype=np.float32)])])
     # exact gelu: 0.5 x (1 + erf(x / sqrt 2))
     e = g.op("Erf", [g.op("Mul", [x, g.const(1 / np.sqrt(2), dtype=np.float32)])])
-    return g.op("Mul", [g.op("Mul", [x, g.const(0.5, dtype=np.float32)]), g.op("Add", [e, g.const(1.0, dtype=np.float32)])])
+    return g.op("Mul", [g.op("Mul", [x, g.const(0.5, dtype=np.float32)]),
+                        g.op("Add", [e, g.const(1.0, dtype=np.float32)])])
 
 
 def _linear(g: _G, x: str, w: np.ndarray, name: str, bias: np.ndarray | None = None) -> str:
@@ -432,18 +436,24 @@ def build_decoder(
                       for t in (pk, pv))
         g.nodes.append(helper.make_node("Identity", [pk], [f"{out_names}_key_{j}"]))
         g.nodes.append(helper.make_node("Identity", [pv], [f"{out_names}_value_{j}"]))
-        outputs += [helper.make_tensor_value_info(f"{out_names}_{n}_{j}", TensorProto.FLOAT, out_shape) for n in ("key", "value")]
+        outputs += [helper.make_tensor_value_info(f"{out_names}_{n}_{j}", TensorProto.FLOAT, out_shape)
+                    for n in ("key", "value")]
+
+        def norm(x: str, name: str, p: str = p) -> str:  # used within this layer only
+            return _rms_norm(g, x, w[p + name + ".weight"], p + name, spec.rms_eps, fam.norm_offset)
+
         if fam.sandwich_norm:
-            attn = _rms_norm(g, attn, w[p + "post_attention_layernorm.weight"], p + "post_attention_layernorm", spec.rms_eps, fam.norm_offset)
+            attn = norm(attn, "post_attention_layernorm")
             x = g.op("Add", [x, attn])
-            h = _rms_norm(g, x, w[p + "pre_feedforward_layernorm.weight"], p + "pre_feedforward_layernorm", spec.rms_eps, fam.norm_offset)
+            h = norm(x, "pre_feedforward_layernorm")
         else:
             x = g.op("Add", [x, attn])
-            h = _rms_norm(g, x, w[p + "post_attention_layernorm.weight"], p + "post_attention_layernorm", spec.rms_eps, fam.norm_offset)
+            h = norm(x, "post_attention_layernorm")
         gate = _activation(g, _linear(g, h, w[p + "mlp.gate_proj.weight"], p + "gate_proj"), spec.activation)
-        m = _linear(g, g.op("Mul", [gate, _linear(g, h, w[p + "mlp.up_proj.weight"], p + "up_proj")]), w[p + "mlp.down_proj.weight"], p + "down_proj")
+        up = _linear(g, h, w[p + "mlp.up_proj.weight"], p + "up_proj")
+        m = _linear(g, g.op("Mul", [gate, up]), w[p + "mlp.down_proj.weight"], p + "down_proj")
         if fam.sandwich_norm:
-            m = _rms_norm(g, m, w[p + "post_feedforward_layernorm.weight"], p + "post_feedforward_layernorm", spec.rms_eps, fam.norm_offset)
+            m = norm(m, "post_feedforward_layernorm")
         x = g.op("Add", [x, m])
         if progress:
             progress(1)
