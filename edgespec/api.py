@@ -150,6 +150,26 @@ class Engine:
                  threads: int | None = None, memory_budget: str | int | None = None,
                  max_context: int | None = None, static: bool = False, draft_body: str = "auto",
                  require_exact: bool = False, retune: bool = False) -> None:
+        self._stack = ExitStack()  # every runtime opened, closed with the engine
+        self._lock = threading.Lock()  # one generation at a time
+        self._owner: int | None = None  # thread id of the running generation's consumer
+        self._active: weakref.ref | None = None  # the running generation, for close()
+        self._closing = threading.Event()  # tells a running generation to stop
+        self._closed = False
+        self.last_stats = GenerationStats()
+        try:
+            self._open(bundle, backend=backend, device=device, draft_backend=draft_backend,
+                       draft_device=draft_device, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
+                       threads=threads, memory_budget=memory_budget, max_context=max_context, static=static,
+                       draft_body=draft_body, require_exact=require_exact, retune=retune)
+        except BaseException:  # a later step failed: what was opened must not outlive the error
+            self._stack.close()
+            raise
+
+    def _open(self, bundle: Bundle, *, backend, device, draft_backend, draft_device, use_draft, k, policy, drafter,
+              threads, memory_budget, max_context, static, draft_body, require_exact, retune) -> None:
+        """Assemble the engine: pick the backend, open the target (and draft), plan memory, probe
+        exactness, build the decoder. Everything opened is entered into `self._stack`."""
         m = bundle.manifest
         if draft_body not in DRAFT_BODIES:
             raise ConfigError(f"draft_body must be one of {', '.join(DRAFT_BODIES)}, got {draft_body!r}")
@@ -165,7 +185,6 @@ class Engine:
         self.bundle = bundle
         self.backend = backend
         self.tokenizer = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
-        self._stack = ExitStack()
         wants_draft = self.drafter_name is not None and DRAFTERS[self.drafter_name].needs_model
         if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
                                         or max_context < 2):
@@ -241,12 +260,6 @@ class Engine:
             policy=make_policy(self.policy_name, self.k) if self.drafter_name is not None else None,
             context_limit=self.context_limit, max_draft=self.memory_plan.max_draft if self.memory_plan else None,
             verify_width=verify_width, draft_width=verify_width if self.shared_body else None)
-        self._lock = threading.Lock()  # one generation at a time
-        self._owner: int | None = None  # thread id of the running generation's consumer
-        self._active: weakref.ref | None = None  # the running generation, for close()
-        self._closing = threading.Event()  # tells a running generation to stop
-        self._closed = False
-        self.last_stats = GenerationStats()
 
     def _probe(self, files: list[Path], threads: int | None, require_exact: bool, retune: bool, reopen, mode: dict):
         """The exactness probe of the target as opened (runtimes/exactness.py). Where some verify
@@ -266,7 +279,13 @@ class Engine:
                 break
             opened = reopen.func(*reopen.args, **{**reopen.keywords, **options})
             pair = opened if isinstance(opened, tuple) else (opened, None)
-            other = probe_exactness(self.backend, pair[0], files, widest, threads=threads, retune=retune)
+            try:
+                other = probe_exactness(self.backend, pair[0], files, widest, threads=threads, retune=retune)
+            except BaseException:
+                for rt in pair:
+                    if rt is not None:
+                        rt.close()
+                raise
             if other.exact_width <= verdict.exact_width:
                 for rt in pair:
                     if rt is not None:

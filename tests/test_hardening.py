@@ -466,3 +466,22 @@ def test_llamacpp_context_full_is_a_context_full_error(zoo):
     with pytest.raises(ContextFullError, match="the context is full"):
         rt.forward([3, 4, 5])
     assert rt.n_past == 6
+
+
+def test_a_failed_load_closes_what_it_opened(zoo, monkeypatch):
+    """Engine construction failing after the runtimes opened (here: building the decoder) leaves
+    none of them open (issue 27, item 10)."""
+    import edgespec.api as api
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    closed: list[OnnxRuntime] = []
+    close = OnnxRuntime.close
+    monkeypatch.setattr(OnnxRuntime, "close", lambda self: (closed.append(self), close(self))[1])
+
+    def broken(*args, **kwargs):
+        raise ConfigError("decoder refused")
+
+    monkeypatch.setattr(api, "SpeculativeDecoder", broken)
+    with pytest.raises(ConfigError, match="decoder refused"):
+        api.load(zoo.bundle("llama", AGREEING), drafter="model", k=2)
+    assert len(closed) >= 2 and all(rt._sess is None for rt in closed)  # the target and the draft
