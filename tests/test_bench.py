@@ -195,6 +195,8 @@ def test_context_limit_skips_prompts_and_limits_reach_every_decoder(zoo, caplog)
         engine.decoder.context_limit = engine.context_limit
         decs = build_decoders(engine, (1,))
         assert all(getattr(d, "context_limit", None) == engine.context_limit for d in decs.values())
+        # the widths the exactness probe found exact here bound every decoder bench makes
+        assert all(d.verify_width == engine.decoder.verify_width for d in decs.values())
         cfg = BenchConfig(repeat=1, max_tokens=6, warmup=0)
         runs = run_bench(engine, [short, long_], cfg)
         assert {r.prompt for r in runs} == {"raw"} and "skipping code/long" in caplog.text

@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 PLAIN, SPECULATIVE = "plain", "speculative"
 PEER = "llama.cpp"  # llama-cpp-python's own plain decode (peer.py), when the bench measures it
-LIMITS = ("context_limit", "max_draft")  # decoder attributes an engine may set from its memory plan
+# what an engine's decoder is built with and every decoder bench makes must keep: a memory plan's
+# limits, and the verify widths the exactness probe found exact on this machine
+LIMITS = ("context_limit", "max_draft", "verify_width", "draft_width")
 WARMUP_TOKENS = 16
 
 
@@ -96,15 +98,12 @@ def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, Speculative
                               "--memory-budget or use --drafter ngram")
         raise ConfigError("nothing to compare: this configuration drafts nothing (--drafter none, -k 0, "
                           "or --no-draft); use --drafter ngram for prompt lookup without a draft model")
-    decoders = {PLAIN: SpeculativeDecoder(engine.target), SPECULATIVE: engine.decoder}
+    limits = {name: getattr(engine.decoder, name, None) for name in LIMITS}
+    decoders = {PLAIN: SpeculativeDecoder(engine.target, **limits), SPECULATIVE: engine.decoder}
     id_map = engine.bundle.id_map() if engine.draft is not None else None
     for k in k_sweep:
         decoders[f"k={k}"] = SpeculativeDecoder(engine.target, engine.draft, id_map=id_map,
-                                                drafter=engine.drafter_name, policy=FixedK(k))
-    for dec in decoders.values():  # limits the engine set on its decoder (a memory plan's KV capacity) hold for all
-        for attr in LIMITS:
-            if hasattr(engine.decoder, attr):
-                setattr(dec, attr, getattr(engine.decoder, attr))
+                                                drafter=engine.drafter_name, policy=FixedK(k), **limits)
     return decoders
 
 

@@ -118,6 +118,7 @@ class SpeculativeDecoder:
         self.context_limit = context_limit
         self.max_draft = max_draft
         self.verify_width = verify_width
+        self.draft_width = draft_width
 
     @property
     def policy(self) -> DraftPolicy:
