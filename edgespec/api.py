@@ -32,7 +32,7 @@ from .choices import (
     shared_body_blocker,
     static_options,
 )
-from .decoding import DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
+from .decoding import DEFAULT_K, DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
 from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
 from .runtimes import BACKENDS, exact_mode_memory, open_runtime, open_shared_pair, pick_backend, probe_exactness
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -202,15 +202,17 @@ class Engine:
                 raise ConfigError(f"--draft-body shared: {why}")
             self.shared_body = why is None
         alternating = wants_draft and not self.shared_body  # two models take turns on the cores
-        # the exact mode (runtimes/exactness.py) this engine settled on here last time, opened
-        # straight away; a budget plans the target as opened, and static shapes have one width
-        switchable = self.drafter_name is not None and budget is None and not static
+        # The target's mode (runtimes/exactness.py): the one settled on here last time, opened
+        # straight away. Plain and speculative engines share it, so that their greedy outputs are
+        # the same model's (an exact mode such as padded rows rounds unlike the default). A budget
+        # plans the target as opened, and static shapes have one width: neither switches.
+        switchable = budget is None and not static and bool(BACKENDS[backend].exact_modes)
         files = [bundle.file(m.target.formats[fmt].file)] + ([bundle.file(m.draft.formats[fmt].file)]
                                                             if self.shared_body else [])
-        recall, self._remember_mode = exact_mode_memory(backend, files, {
-            "threads": threads, "device": device, "shared_body": self.shared_body, "alternating": alternating,
-            **ctx_kw}) if switchable else (dict, None)
-        mode = {} if retune else recall()
+        recall, self._remember_mode = exact_mode_memory(backend, files[:1], {
+            "threads": threads, "device": device, **ctx_kw}) if switchable else (lambda: None, None)
+        remembered = None if retune else recall()
+        mode = remembered or {}
         open_target = functools.partial(open_runtime, backend, files[0], threads=threads, device=device, **ctx_kw,
                                         **static_options(backend, static, self.k + 1),
                                         **(alternating_options(backend) if alternating else {}), **mode)
@@ -242,10 +244,11 @@ class Engine:
         self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
         if self.memory_plan is not None:
             self._apply_plan(self.memory_plan)
-        # which verify widths round like plain decoding on this machine (None: not drafting)
-        if self.drafter_name is None:
+        # which verify widths round like plain decoding on this machine; a plain engine probes only
+        # to settle its target's mode where no engine has here yet (None: not probed)
+        if self.drafter_name is None and not (switchable and remembered is None):
             self.exactness = None
-        else:  # a budget planned the target as opened, and static shapes verify at one width only
+        else:
             reopen = open_pair if self.shared_body else open_target
             self.exactness = self._probe(files, threads, require_exact, retune, reopen if switchable else None, mode)
         verify_width = self.exactness.exact_width if self.exactness and self.exactness.exact_width >= 2 else None
@@ -268,8 +271,10 @@ class Engine:
         switches to the first that is exact at every width, else to the one exact the widest.
         The mode kept is remembered, so the next load opens it directly (`mode`: the one opened now).
         Where no width is exact, drafting is refused under `require_exact`, else it runs with a warning."""
-        # adaptive policies draft up to 2k and lookup tails as many again
-        widest = self.k + 1 if self.policy_name == "fixed" else 4 * self.k + 1
+        # adaptive policies draft up to 2k and lookup tails as many again; a plain engine probes
+        # what the default speculative one does
+        k = self.k if self.drafter_name is not None else DEFAULT_K
+        widest = k + 1 if self.policy_name == "fixed" and self.drafter_name is not None else 4 * k + 1
         if (cap := self.target.capabilities.max_batch_tokens) is not None:
             widest = min(widest, cap)
         widest = max(2, min(widest, MAX_PROBE_WIDTH))
@@ -302,7 +307,7 @@ class Engine:
             verdict, mode = other, options
         if reopen is not None:
             self._remember_mode(mode)
-        if verdict.exact_width >= 2:
+        if verdict.exact_width >= 2 or self.drafter_name is None:
             return verdict
         if require_exact:
             logger.warning("%s: %s; drafting is off (require_exact)", self.backend, verdict.describe())

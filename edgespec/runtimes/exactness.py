@@ -213,14 +213,15 @@ def _mode_file(backend: str, version: str, model_files: Sequence[Path], options:
     return _cache_file(key)
 
 
-def remembered_mode(backend: str, version: str, model_files: Sequence[Path], options: dict) -> dict:
-    """The runtime options the engine settled on for these models here last time (an exact mode
-    such as padded rows; {} for the default), so a later load opens that mode straight away."""
+def remembered_mode(backend: str, version: str, model_files: Sequence[Path], options: dict) -> dict | None:
+    """The runtime options an engine settled on for these models here last time (an exact mode
+    such as padded rows; {} for the default), so a later load opens that mode straight away;
+    None where no engine has settled one here yet."""
     try:
         mode = json.loads(_mode_file(backend, version, model_files, options).read_text())
     except (OSError, ValueError):
-        return {}
-    return mode if isinstance(mode, dict) else {}
+        return None
+    return mode if isinstance(mode, dict) else None
 
 
 def remember_mode(backend: str, version: str, model_files: Sequence[Path], options: dict, mode: dict) -> None:
