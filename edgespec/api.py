@@ -130,6 +130,13 @@ def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
     return max(len(text) - hold, 0), False
 
 
+def _close(runtimes) -> None:
+    """Close the runtimes of a (target, shared draft) pair; None stands for no draft."""
+    for rt in runtimes:
+        if rt is not None:
+            rt.close()
+
+
 def _wait_timeout(wait: bool | float) -> float | None:
     """Lock timeout for `wait`: 0 = refuse at once, None = wait as long as it takes."""
     if wait is True:
@@ -287,23 +294,17 @@ class Engine:
             try:
                 other = probe_exactness(self.backend, pair[0], files, widest, threads=threads, retune=retune)
             except BaseException:
-                for rt in pair:
-                    if rt is not None:
-                        rt.close()
+                _close(pair)
                 raise
             if other.exact_width <= verdict.exact_width:
-                for rt in pair:
-                    if rt is not None:
-                        rt.close()
+                _close(pair)
                 continue
             logger.info("%s: switching to %s, exact here (%s)", self.backend, options, other.describe())
             old = (self.target, self.draft if self.shared_body else None)
             self.target = self._stack.enter_context(pair[0])
             if pair[1] is not None:
                 self.draft = self._stack.enter_context(pair[1])
-            for rt in old:
-                if rt is not None:
-                    rt.close()
+            _close(old)
             verdict, mode = other, options
         if reopen is not None:
             self._remember_mode(mode)
