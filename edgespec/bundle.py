@@ -126,7 +126,7 @@ def _entry(e: Any, where: str) -> ModelEntry | None:
     formats = e.get("formats")
     if not isinstance(formats, dict) or not formats:
         raise BundleError(f"broken manifest: {where}.formats must be an object naming at least one format")
-    arts = {name: _build(Artifact, a, f"{where}.formats.{name}") for name, a in formats.items()}
+    arts = {name: _build(Artifact, a, f"{where}.formats.{_key(name)}") for name, a in formats.items()}
     return _build(ModelEntry, e, where, formats=arts)
 
 
@@ -172,7 +172,7 @@ def _build(kind: type, d: Any, where: str, **built: Any) -> Any:
     names = [f.name for f in fields(kind)]
     unexpected = [k for k in d if k not in names]
     if unexpected:
-        raise BundleError(f"broken manifest: unexpected field {where}.{unexpected[0]}")
+        raise BundleError(f"broken manifest: unexpected field {where}.{_key(unexpected[0])}")
     hints = typing.get_type_hints(kind)
     values = {**d, **built}
     for f in fields(kind):
@@ -183,6 +183,12 @@ def _build(kind: type, d: Any, where: str, **built: Any) -> Any:
             raise BundleError(f"broken manifest: {where}.{f.name} must be {_describe(hints[f.name])}, "
                               f"got {_json(values[f.name])}")
     return kind(**values)
+
+
+def _key(name: str) -> str:
+    """A manifest key as it may appear in a one-line error: plain when it is a plain name,
+    JSON-quoted (newlines escaped, long keys cut) when a broken manifest put anything else there."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]{1,40}", name) else _json(name)
 
 
 def _json(value: Any) -> str:
@@ -207,7 +213,7 @@ def _check_values(m: Manifest) -> None:
         if e.layers is not None and any(i < 0 for i in e.layers):
             raise BundleError(f"broken manifest: {where}.layers must not hold negative indices")
         for fmt, a in e.formats.items():
-            check_relative(a.file, f"{where}.formats.{fmt}.file")
+            check_relative(a.file, f"{where}.formats.{_key(fmt)}.file")
         if e.id_map is not None:
             check_relative(e.id_map, f"{where}.id_map")
 

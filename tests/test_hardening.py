@@ -161,6 +161,21 @@ def test_fuzz_manifests_never_raise_anything_but_bundle_errors(zoo, bundle, data
                 assert b.file(art.file).resolve().is_relative_to(bundle.resolve())
 
 
+@pytest.mark.parametrize("where", [("tokenizer",), ("target", "formats")])
+@pytest.mark.parametrize("key", ["\n", "a\nb" * 30, "\u2028"])
+def test_a_manifest_key_with_a_newline_still_gives_a_one_line_error(zoo, bundle, where, key):
+    # found by the fuzz test in CI: an unexpected key was printed raw
+    d = json.loads((zoo.bundle("llama") / MANIFEST).read_text())
+    node = d
+    for k in where:
+        node = node[k]
+    node[key] = None
+    (bundle / MANIFEST).write_text(json.dumps(d))
+    with pytest.raises(BundleError) as e:
+        load_bundle(bundle)
+    assert len(str(e.value).splitlines()) == 1 and len(str(e.value)) < 200
+
+
 @settings(max_examples=200, deadline=None)
 @given(raw=_JSON)
 def test_fuzz_any_json_value_as_a_manifest(raw):

@@ -99,7 +99,7 @@ def test_the_slow_tier_runs_when_asked(how):
     args, env = (how, None) if how[0] == "--slow" else ((), how[1])
     run = _pytest("--setup-plan", *args, slow_env=env)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "test_default_greedy_matches_transformers" in run.stdout and "skipped" not in run.stdout
+    assert "test_default_greedy_is_exact_and_the_gguf_s_own_model" in run.stdout and "skipped" not in run.stdout
 
 
 def test_the_python_api_example_runs(zoo, capsys):
