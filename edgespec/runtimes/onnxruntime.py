@@ -52,7 +52,7 @@ class OnnxRuntime(Runtime):
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
                  kv_capacity: int | None = None, kv_dtype: str | None = None, spin: bool = True,
-                 pad_rows: bool = False) -> None:
+                 pad_rows: bool = False, output: str = "logits", initializers: dict | None = None) -> None:
         """spin: idle intra-op threads spin-wait for the next run (onnxruntime's default). A session
         that alternates with another model's forwards (a draft and its target) should not: its
         spinning threads hold the cores the other needs (default bundle, 2 threads, speculative
@@ -61,7 +61,11 @@ class OnnxRuntime(Runtime):
         no MatMul multiplies one row: the exact mode where a one-row kernel rounds unlike a taller
         one (MatMulNBits with int8 activations does, by whole logits), chosen by the exactness
         probe (runtimes/exactness.py). The fixed-buffer layout only; a decode then costs a
-        two-row forward."""
+        two-row forward.
+        output: "logits", or "hidden": the graph cut before its head (runtimes/onnxruntime_split.py),
+        whose forward returns final hidden rows (n_logits, hidden) instead of logits: the body a
+        draft shares with its target. initializers: name -> OrtValue the session uses instead of
+        the file's (a tied table the head's session holds too); with output="hidden" only."""
         ort = _import_ort()
         if device not in (None, "CPU", "cpu"):
             raise BackendError(f"onnxruntime: device '{device}' is not available (available: "
@@ -71,20 +75,21 @@ class OnnxRuntime(Runtime):
                                f"{', '.join(self.kv_dtypes)})")
         if kv_capacity is not None and kv_capacity < 1:
             raise BackendError(f"kv_capacity must be >= 1, got {kv_capacity}")
+        if output not in ("logits", "hidden"):
+            raise BackendError(f"onnxruntime: output must be 'logits' or 'hidden', got {output!r}")
         path = Path(model_path)
         if not path.is_file():
             raise BackendError(f"ONNX model not found: {path}")
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            opts.intra_op_num_threads = threads
         self.spin = spin
-        if not spin:
-            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        try:
-            self._sess = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime raises its own exception types; keep one line
-            raise BackendError(f"cannot load {path.name}: {str(e).splitlines()[0]}") from e
+        self._output = output
+        self._initializers = dict(initializers or {})  # OrtValues the session reads: kept alive with it
+        if output == "hidden":
+            from .onnxruntime_split import body_model, session
+
+            self._sess = session(body_model(path), path.parent, threads=threads, spin=spin,
+                                 initializers=self._initializers)
+        else:
+            self._sess = self._open(ort, path, threads, spin)
         self._ort = ort
         names = [i.name for i in self._sess.get_inputs()]
         if names[:3] != ["input_ids", "n_logits", "past_key_0"]:
@@ -93,7 +98,7 @@ class OnnxRuntime(Runtime):
         self._append = any(o.name == "new_key_0" for o in self._sess.get_outputs())
         kv = self._sess.get_inputs()[2].shape  # present: (1, kvh, P, hd); append: (1, P, kvh, hd)
         self._kv_heads, self._head_dim = (int(kv[2]), int(kv[3])) if self._append else (int(kv[1]), int(kv[3]))
-        vocab = self._sess.get_outputs()[0].shape[2]  # (1, n_logits, vocab)
+        vocab = self._sess.get_outputs()[0].shape[2]  # (1, n_logits, vocab or hidden)
         if not isinstance(vocab, int):
             raise BackendError(f"{path.name} is not an edgespec decoder graph (no fixed vocabulary size)")
         self.vocab_size = vocab
@@ -118,6 +123,19 @@ class OnnxRuntime(Runtime):
         self.capabilities = Capabilities(backend="onnxruntime", can_trim=True, devices=("CPU",),
                                          fixed_kv=self._append, extra={"pad_rows": bool(self._pad)})
         self.reset()
+
+    @staticmethod
+    def _open(ort, path: Path, threads: int | None, spin: bool):
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if threads:
+            opts.intra_op_num_threads = threads
+        if not spin:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        try:
+            return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types; keep one line
+            raise BackendError(f"cannot load {path.name}: {str(e).splitlines()[0]}") from e
 
     @property
     def n_past(self) -> int:
@@ -158,7 +176,7 @@ class OnnxRuntime(Runtime):
             j, base = i // 2, buf.ctypes.data
             b.bind_input(f"past_{kind}_{j}", "cpu", 0, f32, [1, p, self._kv_heads, self._head_dim], base)
             b.bind_output(f"new_{kind}_{j}", "cpu", 0, f32, [1, s, self._kv_heads, self._head_dim], base + p * row)
-        b.bind_output("logits", "cpu", 0, f32, [1, rows, self.vocab_size], self._logits.ctypes.data)
+        b.bind_output(self._output, "cpu", 0, f32, [1, rows, self.vocab_size], self._logits.ctypes.data)
         self._sess.run_with_iobinding(b)
         self._n_past = p + real
         return self._logits[:n_logits]
@@ -170,7 +188,7 @@ class OnnxRuntime(Runtime):
         for j in range(self._n_layers):
             binding.bind_ortvalue_input(f"past_key_{j}", self._past[2 * j])
             binding.bind_ortvalue_input(f"past_value_{j}", self._past[2 * j + 1])
-        binding.bind_output("logits")
+        binding.bind_output(self._output)
         for j in range(self._n_layers):
             binding.bind_output(f"present_key_{j}")
             binding.bind_output(f"present_value_{j}")
@@ -231,6 +249,7 @@ class OnnxRuntime(Runtime):
             self._binding = None
             self._kv = []
         self._sess = None
+        self._initializers = {}
 
 
 def _file_bytes(path: Path) -> int:

@@ -1,0 +1,280 @@
+"""An edgespec ONNX decoder split at its final hidden state, for a draft on the target's body.
+
+The exporter (exporters/onnx_graph.py) ends every decoder graph the same way, in every bundle
+written so far (fp32, fp16, int8 quantized, GGUF-transcoded MatMulNBits; present and append KV
+layouts): the final norm, `Slice(x, -n_logits)` (the rows that reach the head), then the head
+(Reshape, MatMul / Gemm / MatMulNBits, an optional softcap) into `logits`. Cutting at that Slice's
+output gives
+  - the body: the graph with `hidden` (1, N, hidden) as its first output instead of `logits`
+    (runtimes/onnxruntime.py opens it with `output="hidden"`), and
+  - a head: the nodes from the Slice's output to `logits`, alone (`OnnxHead`).
+Both are rebuilt at load from the bundle's own .onnx (no file is written): the protos are read
+without their external data, and onnxruntime reads each session's weights from the bundle's
+folder (`session.model_external_initializers_file_folder_path`).
+
+A tied head (the input embedding's table, also the target's head: a Gather and a Gemm, or a
+GatherBlockQuantized-style Gather and a MatMulNBits on the same GGUF blocks) is mapped from the
+file once and handed to both sessions with `SessionOptions.add_initializer`, so the table is in
+memory once, as in the fused graph (each session still prepacks what its kernels prepack there).
+
+`open_shared_pair` joins the target's body to the target's head and to the draft's (VocabTrim)
+head through runtimes/shared_body.py; the draft's body and KV cache are never loaded.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BackendError
+from .shared_body import SharedBodyRuntime, shared_pair
+
+__all__ = ["HIDDEN", "OnnxHead", "body_model", "head_model", "map_initializers", "open_shared_pair",
+           "shared_names"]
+
+logger = logging.getLogger(__name__)
+
+HIDDEN = "hidden"  # the body's first output and the head's input: final hidden rows, (1, N, hidden)
+LOGITS = "logits"
+
+
+def _load(path: Path):
+    import onnx
+
+    if not path.is_file():
+        raise BackendError(f"ONNX model not found: {path}")
+    return onnx.load(str(path), load_external_data=False)  # the protos only: ~200 KB for Gemma 3 270M
+
+
+def _cut(graph, name: str) -> str:
+    """The tensor the head reads: the output of `Slice(final norm, -n_logits)`."""
+    neg = {n.output[0] for n in graph.node if n.op_type == "Neg" and list(n.input) == ["n_logits"]}
+    cut = [n.output[0] for n in graph.node if n.op_type == "Slice" and len(n.input) > 1 and n.input[1] in neg]
+    if len(cut) != 1 or not any(o.name == LOGITS for o in graph.output):
+        raise BackendError(f"{name} is not an edgespec decoder graph with a head to cut (export the bundle again)")
+    return cut[0]
+
+
+def _needed(graph, outputs: Iterable[str], stop: str | None = None) -> list:
+    """The nodes that `outputs` depend on (not past `stop`), in the graph's (topological) order."""
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output}
+    keep, todo = set(), [o for o in outputs if o != stop]
+    while todo:
+        i = producer.get(todo.pop())
+        if i is None or i in keep:
+            continue
+        keep.add(i)
+        todo += [t for t in graph.node[i].input if t and t != stop]
+    return [graph.node[i] for i in sorted(keep)]
+
+
+def _model(src, nodes: list, inputs: list, outputs: list, name: str):
+    """A model of `nodes` with the source's opsets, metadata and the initializers they read."""
+    from onnx import helper
+
+    used = {t for n in nodes for t in n.input}
+    inits = [t for t in src.graph.initializer if t.name in used]
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=inits)
+    model = helper.make_model(graph, opset_imports=list(src.opset_import), producer_name=src.producer_name)
+    model.ir_version = src.ir_version
+    model.metadata_props.extend(src.metadata_props)
+    return model
+
+
+def _hidden_size(model, cut: str) -> int:
+    """The head's input width: the exporter records it; older bundles have it in the Reshape
+    that follows the cut ([-1, hidden])."""
+    from onnx import numpy_helper
+
+    meta = {p.key: p.value for p in model.metadata_props}
+    if "edgespec.hidden_size" in meta:
+        return int(meta["edgespec.hidden_size"])
+    consts = {t.name: t for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type == "Reshape" and n.input[0] == cut and n.input[1] in consts:
+            return int(numpy_helper.to_array(consts[n.input[1]])[-1])
+    raise BackendError("cannot tell the hidden size of this ONNX graph (export the bundle again)")
+
+
+def body_model(path: str | os.PathLike):
+    """The decoder at `path` without its head: outputs `hidden` (1, N, hidden), the final hidden
+    rows of the last n_logits positions, then the graph's KV outputs."""
+    from onnx import TensorProto, helper
+
+    src = _load(Path(path))
+    cut = _cut(src.graph, Path(path).name)
+    width = _hidden_size(src, cut)
+    kv_out = [o for o in src.graph.output if o.name != LOGITS]
+    nodes = _needed(src.graph, [cut, *(o.name for o in kv_out)])
+    nodes.append(helper.make_node("Identity", [cut], [HIDDEN], name="edgespec_hidden"))
+    out = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, "N", width]), *kv_out]
+    return _model(src, nodes, list(src.graph.input), out, "edgespec_body")
+
+
+def head_model(path: str | os.PathLike):
+    """The decoder's head alone: `hidden` (1, N, hidden) -> `logits` (1, N, vocab)."""
+    from onnx import TensorProto, helper
+
+    src = _load(Path(path))
+    cut = _cut(src.graph, Path(path).name)
+    width = _hidden_size(src, cut)
+    nodes = _needed(src.graph, [LOGITS], stop=cut)
+    nodes.insert(0, helper.make_node("Identity", [HIDDEN], [cut], name="edgespec_hidden"))
+    inp = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, "N", width])]
+    out = [o for o in src.graph.output if o.name == LOGITS]
+    return _model(src, nodes, inp, out, "edgespec_head")
+
+
+def shared_names(*models) -> list[str]:
+    """Initializers every model reads (a tied table: the body's embedding, the head's matrix)."""
+    sets = [{t.name for t in m.graph.initializer} for m in models]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def map_initializers(model, folder: Path, names: Iterable[str]) -> dict[str, np.ndarray]:
+    """`names` of `model`'s initializers as arrays: mapped read-only from their external data
+    file (file pages, shared by every session handed them), or copied from the proto."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    protos = {t.name: t for t in model.graph.initializer}
+    out = {}
+    for name in names:
+        t = protos[name]
+        if t.data_location != TensorProto.EXTERNAL:
+            out[name] = np.ascontiguousarray(numpy_helper.to_array(t))
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+        count = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
+        if int(info.get("length", count * dtype.itemsize)) != count * dtype.itemsize:
+            raise BackendError(f"initializer {name} is not stored as plain {dtype} (export the bundle again)")
+        arr = np.memmap(folder / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
+                        shape=(count,))
+        out[name] = arr.reshape(tuple(t.dims))
+    return out
+
+
+def session(model, folder: Path, *, threads: int | None, spin: bool, initializers: dict):
+    """An onnxruntime CPU session of a rebuilt `model` whose external data lives in `folder`;
+    `initializers`: name -> OrtValue used instead of the file's (shared with another session)."""
+    from .onnxruntime import _import_ort
+
+    ort = _import_ort()
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+    if not spin:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    present = {t.name for t in model.graph.initializer}
+    for name, value in initializers.items():
+        if name in present:
+            opts.add_initializer(name, value)
+    try:
+        return ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types; keep one line
+        raise BackendError(f"cannot load the split graph of {folder.name}: {str(e).splitlines()[0]}") from e
+
+
+def ort_values(arrays: dict[str, np.ndarray]) -> dict:
+    """OrtValues over the arrays' own memory (no copy): they must outlive every session given them."""
+    from .onnxruntime import _import_ort
+
+    ort = _import_ort()
+    return {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in arrays.items()}
+
+
+class OnnxHead:
+    """`head(hidden)`: logits (R, V) of hidden rows (R, H), a view valid until the next call.
+
+    The head's rows do not depend on how many rows share its call (a MatMul, Gemm or MatMulNBits
+    per row) except where a one-row kernel rounds unlike a taller one: `pad_rows` then multiplies
+    a lone row twice, as the fused graph's padded mode does (runtimes/onnxruntime.py)."""
+
+    def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, pad_rows: bool = False,
+                 initializers: dict | None = None, in_body: bool = False) -> None:
+        """initializers: name -> OrtValue shared with the body's session (a tied table).
+        in_body: the file is also loaded as the body, which reports it whole, so this head reports
+        no weights of its own (the memory report would count them twice)."""
+        path = Path(model_path)
+        model = head_model(path)
+        self._values = dict(initializers or {})  # kept alive as long as the session
+        self._sess = session(model, path.parent, threads=threads, spin=False, initializers=self._values)
+        out = self._sess.get_outputs()[0].shape  # (1, N, V)
+        if not isinstance(out[2], int):
+            raise BackendError(f"{path.name}'s head has no fixed vocabulary size")
+        self.vocab_size = int(out[2])
+        self.hidden_size = int(self._sess.get_inputs()[0].shape[2])
+        shared = {t.name for t in model.graph.initializer} & set(self._values)
+        self.weight_bytes = 0 if in_body else _initializer_bytes(model, exclude=shared)
+        self.pad_rows = pad_rows
+        self._in = np.zeros((2, self.hidden_size), dtype=np.float32)
+        self._out = np.zeros((2, self.vocab_size), dtype=np.float32)
+        self._binding = self._sess.io_binding()
+
+    def __call__(self, hidden: np.ndarray) -> np.ndarray:
+        rows = len(hidden)
+        n = rows + int(self.pad_rows and rows == 1)
+        if n > len(self._in):  # a wider read than before: grow once, keep it
+            self._in = np.zeros((n, self.hidden_size), dtype=np.float32)
+            self._out = np.zeros((n, self.vocab_size), dtype=np.float32)
+        x = self._in[:n]
+        x[:rows] = hidden
+        x[rows:] = hidden[-1]
+        b, f32 = self._binding, np.float32
+        b.bind_input(HIDDEN, "cpu", 0, f32, [1, n, self.hidden_size], x.ctypes.data)
+        b.bind_output(LOGITS, "cpu", 0, f32, [1, n, self.vocab_size], self._out.ctypes.data)
+        self._sess.run_with_iobinding(b)
+        return self._out[:rows]
+
+    def close(self) -> None:
+        self._binding = None
+        self._sess = None
+        self._values = {}
+
+
+def _initializer_bytes(model, exclude: set[str]) -> int:
+    """Bytes of `model`'s initializers (external or inline), those in `exclude` left out."""
+    from onnx import helper
+
+    total = 0
+    for t in model.graph.initializer:
+        if t.name in exclude:
+            continue
+        count = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
+        total += count * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    return total
+
+
+def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLike, *, threads: int | None = None,
+                     device: str | None = None, kv_capacity: int | None = None, pad_rows: bool = False,
+                     **kw) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
+    """(target, draft): the target graph's body with its own head, and with the draft graph's head.
+    The draft graph's body is never loaded. pad_rows: body and heads never multiply one row
+    (OnnxRuntime), the exact mode where one-row kernels round apart. kw: OnnxRuntime's options
+    (kv_dtype, spin)."""
+    from .onnxruntime import OnnxRuntime
+
+    target_path, draft_path = Path(target_path), Path(draft_path)
+    body_proto, head_proto = body_model(target_path), head_model(target_path)
+    # the tied table (embedding and head) mapped once, handed to the body's and the head's sessions
+    tied = ort_values(map_initializers(body_proto, target_path.parent, shared_names(body_proto, head_proto)))
+    body = OnnxRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, pad_rows=pad_rows,
+                       output=HIDDEN, initializers=tied, **kw)
+    heads: list[OnnxHead] = []
+    try:
+        heads.append(OnnxHead(target_path, threads=threads, pad_rows=pad_rows, initializers=tied, in_body=True))
+        heads.append(OnnxHead(draft_path, threads=threads, pad_rows=pad_rows))
+        if heads[1].hidden_size != heads[0].hidden_size:
+            raise BackendError(f"the draft's head reads hidden states of size {heads[1].hidden_size}, the target's "
+                               f"body makes {heads[0].hidden_size}: not a draft of this target's body")
+    except BaseException:
+        for h in heads:
+            h.close()
+        body.close()
+        raise
+    return shared_pair(body, heads[0], heads[1])

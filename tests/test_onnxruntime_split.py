@@ -1,0 +1,172 @@
+"""A draft on the target's body on onnxruntime (runtimes/onnxruntime_split.py), on tiny models:
+the split graph computes the fused graph's logits bit for bit (fp32 and GGUF-transcoded
+MatMulNBits bundles, append and present KV layouts, padded rows), the draft's head on the
+target's body gives the separate draft's logits where their bodies are the same blocks, the
+exactness probe finds the pair exact where it finds the fused target exact, speculative greedy
+on the pair is plain greedy, and a tied table is in memory once."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from edgespec.api import load  # noqa: E402
+from edgespec.bundle import load_bundle  # noqa: E402
+from edgespec.runtimes import BACKENDS  # noqa: E402
+from edgespec.runtimes.exactness import probe  # noqa: E402
+from edgespec.runtimes.onnxruntime import OnnxRuntime  # noqa: E402
+from edgespec.runtimes.onnxruntime_split import open_shared_pair  # noqa: E402
+from tests.test_export_onnx import decode  # noqa: E402
+from tests.zoo import DISAGREEING  # noqa: E402
+
+SPLIT = "edgespec.runtimes.onnxruntime_split:open_shared_pair"
+
+
+def files(path):
+    m = load_bundle(path).manifest
+    return path / m.target.formats["onnx"].file, path / m.draft.formats["onnx"].file
+
+
+@pytest.fixture(scope="module")
+def lean_gguf(zoo):
+    """A tiny tied Gemma 3 GGUF in Q8_0 blocks (quantized by llama.cpp)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
+    src = zoo.bundle("gemma3-tied", None, formats=("gguf",), target_precision="int8")
+    return src / load_bundle(src).manifest.target.formats["gguf"].file
+
+
+@pytest.fixture(scope="module")
+def lean(lean_gguf, tmp_path_factory):
+    """The GGUF's bundle: its blocks in MatMulNBits, a tied head on the embedding's blocks, and a
+    self-draft whose body is the target's blocks under a 64-token VocabTrim head."""
+    from edgespec.exporters.export import ExportConfig, export_bundle
+
+    return export_bundle(ExportConfig(output=tmp_path_factory.mktemp("lean") / "b", target=lean_gguf,
+                                      draft_vocab=64))
+
+
+def ids_of(vocab: int, n: int, seed: int = 2) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]
+
+
+# a prefill, one-token decodes, verifies of several widths, a rollback and decodes again
+STEPS = [(0, 20, 3), *[(i, i + 1, 1) for i in range(20, 26)], (26, 31, 5), (31, 40, 9), (34, 35, 1), (35, 36, 1)]
+
+
+def assert_same_logits(split, fused, ids, steps=STEPS) -> None:
+    for rt in (split, fused):
+        rt.reset()
+    for lo, hi, n in steps:
+        if lo < split.n_past:  # a rejected draft: both roll back
+            split.trim(lo)
+            fused.trim(lo)
+        np.testing.assert_array_equal(np.array(split.forward(ids[lo:hi], n_logits=n)),
+                                      fused.forward(ids[lo:hi], n_logits=n), err_msg=f"{lo}:{hi}")
+
+
+@pytest.mark.parametrize("pad_rows", [False, True], ids=["default", "padded"])
+@pytest.mark.parametrize("name", ["llama", "gemma3-tied"])
+def test_the_split_graph_computes_the_fused_logits_bit_for_bit(zoo, name, pad_rows):
+    target, draft = files(zoo.bundle(name, DISAGREEING))
+    pair = open_shared_pair(target, draft, pad_rows=pad_rows)
+    with pair[0] as split, pair[1], OnnxRuntime(target, pad_rows=pad_rows) as fused:
+        assert split.capabilities.extra["pad_rows"] == pad_rows
+        assert_same_logits(split, fused, ids_of(fused.vocab_size, 40))
+
+
+@pytest.mark.parametrize("pad_rows", [False, True], ids=["default", "padded"])
+def test_the_lean_split_is_the_fused_target_and_the_separate_draft(lean, pad_rows):
+    """On the GGUF bundle (int8 activations in MatMulNBits): target logits are the fused graph's,
+    and the draft's are its own graph's, whose body is the same blocks (no layer cut)."""
+    target, draft = files(lean)
+    keep = load_bundle(lean).id_map()
+    pair = open_shared_pair(target, draft, pad_rows=pad_rows)
+    with pair[0] as t, pair[1] as d, OnnxRuntime(target, pad_rows=pad_rows) as fused, \
+            OnnxRuntime(draft, pad_rows=pad_rows) as own:
+        ids = ids_of(fused.vocab_size, 40)
+        assert_same_logits(t, fused, ids)
+        assert d.vocab_size == own.vocab_size == len(keep)
+        d.reset()
+        for lo, hi, n in ((0, 12, 2), (12, 13, 1), (13, 14, 1), (14, 18, 4)):
+            got = np.array(d.forward(ids[lo:hi], n_logits=n))
+            np.testing.assert_array_equal(got, own.forward(ids[lo:hi], n_logits=n), err_msg=f"{lo}:{hi}")
+        # ...which are the target's logits at the kept ids (another MatMulNBits width: not bit for bit)
+        fused.reset()
+        np.testing.assert_allclose(got, fused.forward(ids[:18], n_logits=4)[:, keep], rtol=1e-4, atol=1e-4)
+
+
+def test_the_tied_table_is_in_memory_once(lean):
+    """The embedding's blocks are the tied head's: one mapping of the file, handed to the body's and
+    the head's sessions (the fused graph holds it once too); the draft holds only its head."""
+    target, draft = files(lean)
+    t, d = open_shared_pair(target, draft)
+    with t, d:
+        body = t.shared.body
+        shared = sorted(body._initializers)
+        assert shared and all(n.startswith("model.embed_tokens.weight") for n in shared)
+        assert sorted(t.head._values) == shared and not d.head._values
+        for n in shared:
+            assert t.head._values[n].data_ptr() == body._initializers[n].data_ptr()
+        mem_t, mem_d = t.memory_bytes(), d.memory_bytes()
+        with OnnxRuntime(target) as fused:
+            assert mem_t["weights"] == fused.memory_bytes()["weights"]  # the file, counted once
+            assert mem_t["kv"] == fused.memory_bytes()["kv"]
+        vocab, hidden = load_bundle(lean).manifest.draft.vocab_size, t.head.hidden_size
+        assert mem_d["kv"] == 0 and 0 < mem_d["weights"] < 2 * vocab * hidden  # 64 rows of blocks
+
+
+def test_an_old_present_layout_graph_splits_too(lean_gguf, tmp_path):
+    """Bundles of the growing ("present") KV layout: the same cut, the same bits. (No rollback
+    here: this layout's one-row attention rounds unlike a wider one, so a row the shared body
+    kept from a verify is not what the fused graph recomputes alone; the probe finds that.)"""
+    import onnx
+
+    from edgespec.exporters.gguf_source import read_gguf
+    from edgespec.exporters.onnx_graph import GraphOptions, build_decoder
+
+    model = read_gguf(lean_gguf)
+    path = tmp_path / "old" / "model.onnx"
+    path.parent.mkdir()
+    onnx.save_model(build_decoder(model.spec, model.tensors, GraphOptions(kv_layout="present")), str(path))
+    pair = open_shared_pair(path, path)
+    with pair[0] as split, pair[1], OnnxRuntime(path) as fused:
+        assert not split.capabilities.fixed_kv
+        assert_same_logits(split, fused, ids_of(fused.vocab_size, 40), STEPS[:-2])
+
+
+@pytest.mark.parametrize("pad_rows", [False, True], ids=["default", "padded"])
+def test_the_probe_finds_the_pair_exact_where_the_fused_target_is(lean, pad_rows):
+    target, draft = files(lean)
+    pair = open_shared_pair(target, draft, pad_rows=pad_rows)
+    with pair[0] as split, pair[1], OnnxRuntime(target, pad_rows=pad_rows) as fused:
+        a, b = probe(split, 9), probe(fused, 9)
+        assert a.exact == b.exact and a.exact_width == b.exact_width
+        assert split.kernel_options() != fused.kernel_options()  # cached apart
+
+
+@pytest.fixture
+def shared_onnxruntime(monkeypatch):
+    """The registry as the lead will flip it: onnxruntime runs a draft on the target's body."""
+    monkeypatch.setitem(BACKENDS, "onnxruntime", replace(BACKENDS["onnxruntime"], shared_body=SPLIT))
+
+
+@pytest.mark.parametrize("drafter", ["model", "both"])
+def test_speculative_greedy_on_the_pair_is_plain_greedy(zoo, lean, shared_onnxruntime, drafter):
+    """(The lean draft keeps 64 ids a random model seldom picks: it drafts, mostly rejected.)"""
+    total = 0
+    for path in (zoo.bundle("llama", DISAGREEING), lean):
+        prompt = ids_of(load_bundle(path).manifest.target.vocab_size, 12, seed=5)
+        with load(path, backend="onnxruntime", k=4, drafter=drafter, draft_body="shared") as engine, \
+                load(path, backend="onnxruntime", use_draft=False) as plain:
+            assert engine.shared_body and engine.draft.shared is engine.target.shared
+            out, drafted, accepted = decode(engine, prompt, 40)
+            assert drafted > 0
+            total += accepted
+            assert out == decode(plain, prompt, 40)[0]
+            mem = engine.memory()
+        assert mem["draft"]["kv"] == 0 and mem["draft"]["weights"] < mem["target"]["weights"] / 2
+    assert total > 0, "rollback and acceptance both tested"
