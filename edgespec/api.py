@@ -17,33 +17,36 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
+from .assembly import EnginePlan, plan_engine, probe_width
 from .bundle import Bundle, load_bundle
-from .choices import (
-    DRAFT_BODIES,
-    STATIC_DRAFT_WIDTH,
-    alternating_options,
-    backend_for_device,
-    resolve_drafting,
-    shared_body_blocker,
-    static_options,
+from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
+from .config import EngineConfig, engine_config
+from .decoding import (
+    DRAFTERS,
+    DraftPolicy,
+    GenerationStats,
+    SamplingParams,
+    SpeculativeDecoder,
+    check_max_tokens,
+    make_policy,
 )
-from .decoding import DEFAULT_K, DRAFTERS, SamplingParams, SpeculativeDecoder, make_policy
+from .decoding.cache import batch_limit
 from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
-from .runtimes import BACKENDS, exact_mode_memory, open_runtime, open_shared_pair, pick_backend, probe_exactness
+from .exact_mode import inexact_drafting, settle_exact_mode
+from .runtimes import BACKENDS, exact_mode_memory, installed_backends, open_runtime, open_shared_pair
 from .tokenizer import IncrementalDecoder, Tokenizer
 
-__all__ = ["load", "Engine", "Response", "GenerationStats", "DRAFT_BODIES", "default_bundle", "resolve_drafting",
-           "shared_body_blocker"]
+__all__ = ["load", "Engine", "EngineConfig", "Response", "GenerationStats", "DRAFT_BODIES", "default_bundle",
+           "resolve_drafting", "shared_body_blocker"]
 
 logger = logging.getLogger(__name__)
-
-MAX_PROBE_WIDTH = 33  # the widest verify the exactness probe tries (and so the widest one allowed)
-_warned_inexact: set[tuple[str, float]] = set()
 
 
 @dataclass
@@ -63,49 +66,6 @@ class Response:
         """Bytes held by the models (weights, KV caches, buffers) after this step; `kv_used`, the
         filled part of a preallocated cache, is already inside `kv`."""
         return sum(v for parts in self.memory.values() for k, v in parts.items() if k != "kv_used")
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    new_tokens: int = 0
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
-    first_token_s: float = 0.0  # prompt processing + first step
-    elapsed_s: float = 0.0
-    k_history: list[int] = field(default_factory=list)  # drafted tokens per step: k over time
-    source_history: list[str] = field(default_factory=list)  # who drafted each step ("model", "ngram:3", "")
-
-    def add(self, step, now_s: float) -> None:
-        """Account one decoding step that ended `now_s` seconds into the generation."""
-        if self.steps == 0:
-            self.first_token_s = now_s
-        self.steps += 1
-        self.new_tokens += len(step.tokens)
-        self.drafted += step.drafted
-        self.accepted += step.accepted
-        self.draft_ms += step.draft_ms
-        self.verify_ms += step.verify_ms
-        self.k_history.append(step.drafted)
-        self.source_history.append(step.source)
-        self.elapsed_s = now_s
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens committed per target forward (1 = no speed-up from drafting)."""
-        return self.new_tokens / self.steps if self.steps else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        decode = self.elapsed_s - self.first_token_s
-        return (self.new_tokens - 1) / decode if decode > 0 and self.new_tokens > 1 else 0.0
 
 
 def default_bundle() -> Path:
@@ -130,13 +90,6 @@ def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
     return max(len(text) - hold, 0), False
 
 
-def _close(runtimes) -> None:
-    """Close the runtimes of a (target, shared draft) pair; None stands for no draft."""
-    for rt in runtimes:
-        if rt is not None:
-            rt.close()
-
-
 def _wait_timeout(wait: bool | float) -> float | None:
     """Lock timeout for `wait`: 0 = refuse at once, None = wait as long as it takes."""
     if wait is True:
@@ -149,14 +102,16 @@ def _wait_timeout(wait: bool | float) -> float | None:
 
 
 class Engine:
-    """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder."""
+    """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder.
 
-    def __init__(self, bundle: Bundle, *, backend: str | None = None, device: str | None = None,
-                 draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
-                 k: int | None = None, policy: str | None = None, drafter: str = "auto",
-                 threads: int | None = None, memory_budget: str | int | None = None,
-                 max_context: int | None = None, static: bool = False, draft_body: str = "auto",
-                 require_exact: bool = False, retune: bool = False) -> None:
+    Engine(bundle, config) opens what `assembly.plan_engine` decides for `config` (keyword
+    overrides of it are accepted too, as `load` takes them). `clock` (seconds) is what the decoder,
+    its drafters and the generation statistics read; a replay passes a virtual one."""
+
+    def __init__(self, bundle: Bundle, config: EngineConfig | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter, **overrides) -> None:
+        self.config = engine_config(config, **overrides)
+        self._clock = clock
         self._stack = ExitStack()  # every runtime opened, closed with the engine
         self._lock = threading.Lock()  # one generation at a time
         self._owner: int | None = None  # thread id of the running generation's consumer
@@ -165,187 +120,145 @@ class Engine:
         self._closed = False
         self.last_stats = GenerationStats()
         try:
-            self._open(bundle, backend=backend, device=device, draft_backend=draft_backend,
-                       draft_device=draft_device, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
-                       threads=threads, memory_budget=memory_budget, max_context=max_context, static=static,
-                       draft_body=draft_body, require_exact=require_exact, retune=retune)
+            self._open(bundle, plan_engine(bundle.manifest, self.config, installed_backends()))
         except BaseException:  # a later step failed: what was opened must not outlive the error
             self._stack.close()
             raise
 
-    def _open(self, bundle: Bundle, *, backend, device, draft_backend, draft_device, use_draft, k, policy, drafter,
-              threads, memory_budget, max_context, static, draft_body, require_exact, retune) -> None:
-        """Assemble the engine: pick the backend, open the target (and draft), plan memory, probe
-        exactness, build the decoder. Everything opened is entered into `self._stack`."""
-        m = bundle.manifest
-        if draft_body not in DRAFT_BODIES:
-            raise ConfigError(f"draft_body must be one of {', '.join(DRAFT_BODIES)}, got {draft_body!r}")
-        backend = pick_backend(m.target.formats, backend or backend_for_device(device, m.target.formats))
-        if static and "openvino" not in (backend, draft_backend):
-            raise ConfigError(f"static shapes need the openvino backend, not {backend} (add --backend openvino)")
-        fmt = BACKENDS[backend].bundle_format
-        self.drafter_name, self.policy_name, self.k = resolve_drafting(
-            drafter, policy, k, has_draft=m.draft is not None, use_draft=use_draft)
-        if fmt not in m.target.formats:
-            raise ConfigError(f"bundle has no {fmt} artifacts for backend {backend} "
-                              f"(it has: {', '.join(bundle.formats())})")
-        self.bundle = bundle
-        self.backend = backend
+    def _open(self, bundle: Bundle, plan: EnginePlan) -> None:
+        """Execute `plan`: open the target (and draft), plan memory under a budget, settle the
+        target's exact mode, build the decoder. Everything opened is entered into `self._stack`."""
+        c, m, backend = self.config, bundle.manifest, plan.backend
+        self.plan, self.bundle, self.backend = plan, bundle, backend
+        self.drafter_name, self.policy_name, self.k = plan.drafter, plan.policy, plan.k
+        self.shared_body = plan.shared_body  # the draft reads the target's body through its own head
+        self.draft = self.draft_backend = None
         self.tokenizer = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
-        wants_draft = self.drafter_name is not None and DRAFTERS[self.drafter_name].needs_model
-        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
-                                        or max_context < 2):
-            raise ConfigError(f"max_context must be an integer >= 2, got {max_context!r}")
-        budget = self._budget(memory_budget, bundle, backend, fmt, wants_draft, max_context)  # None: no budget
-        ctx_kw = {"kv_capacity": max_context} if max_context is not None and budget is None else {}
-        self.draft = None
-        self.draft_backend = None
-        self.shared_body = False  # the draft reads the target's body through its own head
-        if wants_draft and draft_body != "own":
-            why = shared_body_blocker(m, fmt, backend, draft_backend=draft_backend, device=device,
-                                      draft_device=draft_device, static=static, budgeted=budget is not None,
-                                      auto=draft_body == "auto")
-            if why is not None and draft_body == "shared":
-                raise ConfigError(f"--draft-body shared: {why}")
-            self.shared_body = why is None
-        alternating = wants_draft and not self.shared_body  # two models take turns on the cores
+        budget = self._budget(bundle, plan)  # None: no budget
+        files = [bundle.file(plan.target.file)] + ([bundle.file(plan.draft.file)] if plan.shared_body else [])
         # The target's mode (runtimes/exactness.py): the one settled on here last time, opened
         # straight away. Plain and speculative engines share it, so that their greedy outputs are
-        # the same model's (an exact mode such as padded rows rounds unlike the default). A budget
-        # plans the target as opened, and static shapes have one width: neither switches.
-        switchable = budget is None and not static and bool(BACKENDS[backend].exact_modes)
-        files = [bundle.file(m.target.formats[fmt].file)] + ([bundle.file(m.draft.formats[fmt].file)]
-                                                            if self.shared_body else [])
-        recall, self._remember_mode = exact_mode_memory(backend, files[:1], {
-            "threads": threads, "device": device, **ctx_kw}) if switchable else (lambda: None, None)
-        remembered = None if retune else recall()
+        # the same model's (an exact mode such as padded rows rounds unlike the default).
+        ctx_kw = {"kv_capacity": c.max_context} if c.max_context is not None and budget is None else {}
+        recall, remember = exact_mode_memory(backend, files[:1], {"threads": c.threads, "device": c.device, **ctx_kw}
+                                             ) if plan.switchable else (lambda: None, None)
+        remembered = None if c.retune else recall()
         mode = remembered or {}
-        open_target = functools.partial(open_runtime, backend, files[0], threads=threads, device=device, **ctx_kw,
-                                        **static_options(backend, static, self.k + 1),
-                                        **(alternating_options(backend) if alternating else {}), **mode)
-        open_pair = functools.partial(open_shared_pair, backend, files[0], files[-1], threads=threads, device=device,
-                                      **ctx_kw, **mode)
-        if self.shared_body:
-            pair = open_pair()
+        options = {**plan.target.options, **mode}
+        if plan.shared_body:
+            reopen = functools.partial(open_shared_pair, backend, files[0], files[-1], **options)
+            pair = reopen()
             self.target = self._stack.enter_context(pair[0])
             self.draft = self._stack.enter_context(pair[1])
             self.draft_backend = backend
         else:
-            self.target = self._stack.enter_context(budget.open_target(open_target) if budget else open_target())
-        if wants_draft and budget is not None and not budget.load_draft:
+            reopen = functools.partial(open_runtime, backend, files[0], **options)
+            self.target = self._stack.enter_context(budget.open_target(reopen) if budget else reopen())
+        if plan.wants_draft_model and budget is not None and not budget.load_draft:
             self.drafter_name = None  # the draft model does not fit; finish() says so once
-        if self.drafter_name is not None and DRAFTERS[self.drafter_name].needs_model and not self.shared_body:
-            # the draft may run on another backend/device; its id map is one per bundle, so it agrees
-            dback = draft_backend or (backend if fmt in m.draft.formats else pick_backend(m.draft.formats))
-            dfmt = BACKENDS[pick_backend(m.draft.formats, dback)].bundle_format
-            if dfmt not in m.draft.formats:
-                raise ConfigError(f"the bundle's draft has no {dfmt} artifact for backend {dback} (it has: "
-                                  f"{', '.join(m.draft.formats)}); use --drafter ngram or --no-draft")
-            self.draft_backend = dback
-            open_draft = functools.partial(open_runtime, dback, bundle.file(m.draft.formats[dfmt].file),
-                                           threads=threads,
-                                           device=draft_device or (device if dback == backend else None),
-                                           **ctx_kw, **static_options(dback, static, STATIC_DRAFT_WIDTH),
-                                           **alternating_options(dback))
+        if self.drafter_name is not None and plan.draft is not None and not plan.shared_body:
+            open_draft = functools.partial(open_runtime, plan.draft.backend, bundle.file(plan.draft.file),
+                                           **plan.draft.options)
             self.draft = self._stack.enter_context(budget.open_draft(open_draft) if budget else open_draft())
+            self.draft_backend = plan.draft.backend
         self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
-        if self.memory_plan is not None:
-            self._apply_plan(self.memory_plan)
+        if self.memory_plan is not None and self.draft is not None and not self.memory_plan.use_draft:
+            self._drop_draft()  # measured, it does not fit after all
+        # an engine-side limit: prompts prefill in the chunks the memory plan sized scratch memory for
+        mp = self.memory_plan
+        max_batch = max(mp.prefill_chunk, mp.max_draft + 1, 2) if mp is not None else None
         # which verify widths round like plain decoding on this machine; a plain engine probes only
         # to settle its target's mode where no engine has here yet (None: not probed)
-        if self.drafter_name is None and not (switchable and remembered is None):
-            self.exactness = None
-        else:
-            reopen = open_pair if self.shared_body else open_target
-            self.exactness = self._probe(files, threads, require_exact, retune, reopen if switchable else None, mode)
+        self.exactness = None
+        if self.drafter_name is not None or (plan.switchable and remembered is None):
+            widest = probe_width(self.drafter_name, self.policy_name, self.k, batch_limit(self.target, max_batch))
+            settled = settle_exact_mode(backend, self.target, self.draft if plan.shared_body else None, files, widest,
+                                        threads=c.threads, retune=c.retune, mode=mode, stack=self._stack,
+                                        reopen=reopen if plan.switchable else None, remember=remember)
+            self.target, self.exactness = settled.target, settled.verdict
+            if plan.shared_body:
+                self.draft = settled.shared_draft
+            if (settled.verdict.exact_width < 2 and self.drafter_name is not None
+                    and not inexact_drafting(backend, settled.verdict, c.require_exact)):
+                self._drop_draft()
         verify_width = self.exactness.exact_width if self.exactness and self.exactness.exact_width >= 2 else None
         caps = [rt.kv_capacity for rt in (self.target, self.draft) if rt is not None and rt.kv_capacity]
-        caps += [max_context] if max_context is not None else []
-        if self.memory_plan is not None:
-            caps.append(self.memory_plan.kv_capacity)
+        caps += [c.max_context] if c.max_context is not None else []
+        caps += [mp.kv_capacity] if mp is not None else []
         # most tokens a sequence may hold (prompt + reply); None: no fixed limit
         self.context_limit: int | None = min(caps) if caps else None
-        self.decoder = SpeculativeDecoder(
-            self.target, self.draft, id_map=bundle.id_map() if self.draft else None, drafter=self.drafter_name,
-            policy=make_policy(self.policy_name, self.k) if self.drafter_name is not None else None,
-            context_limit=self.context_limit, max_draft=self.memory_plan.max_draft if self.memory_plan else None,
-            verify_width=verify_width, draft_width=verify_width if self.shared_body else None)
+        # what every decoder on these runtimes is built with (Engine.variant)
+        self.limits = MappingProxyType({
+            "context_limit": self.context_limit, "max_draft": mp.max_draft if mp is not None else None,
+            "verify_width": verify_width, "draft_width": verify_width if self.shared_body else None,
+            "max_batch": max_batch})
+        self.decoder = self.variant()
 
-    def _probe(self, files: list[Path], threads: int | None, require_exact: bool, retune: bool, reopen, mode: dict):
-        """The exactness probe of the target as opened (runtimes/exactness.py). Where some verify
-        widths are not exact here, the backend's exact modes (BackendInfo.exact_modes) are opened
-        through `reopen(**options)` and probed too, and the target (with a draft on its body)
-        switches to the first that is exact at every width, else to the one exact the widest.
-        The mode kept is remembered, so the next load opens it directly (`mode`: the one opened now).
-        Where no width is exact, drafting is refused under `require_exact`, else it runs with a warning."""
-        # adaptive policies draft up to 2k and lookup tails as many again; a plain engine probes
-        # what the default speculative one does
-        k = self.k if self.drafter_name is not None else DEFAULT_K
-        widest = k + 1 if self.policy_name == "fixed" and self.drafter_name is not None else 4 * k + 1
-        if (cap := self.target.capabilities.max_batch_tokens) is not None:
-            widest = min(widest, cap)
-        widest = max(2, min(widest, MAX_PROBE_WIDTH))
-        verdict = probe_exactness(self.backend, self.target, files, widest, threads=threads, retune=retune)
-        for options in BACKENDS[self.backend].exact_modes if reopen is not None else ():
-            if verdict.fully_exact:
-                break
-            opened = reopen.func(*reopen.args, **{**reopen.keywords, **options})
-            pair = opened if isinstance(opened, tuple) else (opened, None)
-            try:
-                other = probe_exactness(self.backend, pair[0], files, widest, threads=threads, retune=retune)
-            except BaseException:
-                _close(pair)
-                raise
-            if other.exact_width <= verdict.exact_width:
-                _close(pair)
-                continue
-            logger.info("%s: switching to %s, exact here (%s)", self.backend, options, other.describe())
-            old = (self.target, self.draft if self.shared_body else None)
-            self.target = self._stack.enter_context(pair[0])
-            if pair[1] is not None:
-                self.draft = self._stack.enter_context(pair[1])
-            _close(old)
-            verdict, mode = other, options
-        if reopen is not None:
-            self._remember_mode(mode)
-        if verdict.exact_width >= 2 or self.drafter_name is None:
-            return verdict
-        if require_exact:
-            logger.warning("%s: %s; drafting is off (require_exact)", self.backend, verdict.describe())
-            if self.draft is not None:
-                self.draft.close()
-                self.draft = self.draft_backend = None
-            self.drafter_name = None
-        elif (self.backend, verdict.worst_diff) not in _warned_inexact:  # once per process: chats reload
-            _warned_inexact.add((self.backend, verdict.worst_diff))
-            logger.warning("%s: %s; greedy output with drafting may differ from plain decoding on near-ties "
-                           "(--require-exact refuses to draft)", self.backend, verdict.describe())
-        return verdict
+    def _drop_draft(self) -> None:
+        """Decode without the draft model from here on (it does not fit, or drafting is refused)."""
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = self.draft_backend = None
+        self.drafter_name = None
 
-    def _budget(self, memory_budget, bundle: Bundle, backend: str, fmt: str, wants_draft: bool,
-                max_context: int | None):
+    def _budget(self, bundle: Bundle, plan: EnginePlan):
         """The budgeted-load helper (edgespec.memory), or None when no budget is given."""
-        if memory_budget is None:
+        if not plan.budgeted:
             return None
-        from .memory import parse_bytes
         from .memory.loading import EngineBudget
         from .runtimes import runtime_class
 
-        m = bundle.manifest
+        m, fmt = bundle.manifest, plan.target.format
         dfmt = fmt if m.draft is not None and fmt in m.draft.formats else None
-        max_k = self.k if self.policy_name == "fixed" else 2 * self.k
-        k = self.k if self.drafter_name is not None else 0
-        return EngineBudget(parse_bytes(memory_budget), bundle, fmt, dfmt, runtime_class(backend).kv_dtypes, k,
-                            max_k if k else 0, wants_draft, max_context)
+        k = plan.k if plan.drafter is not None else 0
+        return EngineBudget(self.config.budget_bytes, bundle, fmt, dfmt, runtime_class(plan.backend).kv_dtypes, k,
+                            plan.max_k if k else 0, plan.wants_draft_model, self.config.max_context)
 
-    def _apply_plan(self, plan) -> None:
-        from .memory.loading import apply_plan
+    # -- seams for tools: decoder variants on the same runtimes, a description for reports ------
+    def variant(self, *, plain: bool = False, drafter: str | None = None, policy: str | DraftPolicy | None = None,
+                k: int | None = None, clock: Callable[[], float] | None = None) -> SpeculativeDecoder:
+        """A decoder on this engine's runtimes, built with its limits (context, memory plan, the
+        verify widths exact here). By default the engine's own drafting; `plain`: no drafting;
+        `drafter`: another drafter name; `policy` (a name or a DraftPolicy) and `k`: another
+        draft length (k alone selects the fixed policy); `clock`: another clock. The variants
+        share the runtimes' caches: run one at a time, and reset the runtimes between them."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed; load the bundle again")
+        clock = clock or self._clock
+        name = None if plain else (drafter or self.drafter_name)
+        if name is None:
+            return SpeculativeDecoder(self.target, **self.limits, clock=clock)
+        kind = DRAFTERS.get(name)
+        if kind is None:
+            raise ConfigError(f"unknown drafter {name!r}; choose one of: {', '.join(DRAFTERS)}")
+        if kind.needs_model and self.draft is None:
+            raise ConfigError(f"drafter {name!r} needs the draft model, which this engine has not loaded")
+        if not isinstance(policy, DraftPolicy):
+            policy = make_policy(policy or ("fixed" if k is not None else self.policy_name), self.k if k is None else k)
+        draft = self.draft if kind.needs_model else None
+        return SpeculativeDecoder(self.target, draft, id_map=self.bundle.id_map() if draft is not None else None,
+                                  drafter=name, policy=policy, **self.limits, clock=clock)
 
-        if self.draft is not None and not plan.use_draft:  # measured, it does not fit after all
-            self.draft.close()
-            self.draft = self.draft_backend = None
-            self.drafter_name = None
-        apply_plan(plan, [rt for rt in (self.target, self.draft) if rt is not None])
+    def describe(self) -> dict[str, Any]:
+        """What this engine runs, as plain values for reports: backends, formats and precisions
+        per model, the draft's body, drafting, limits, the exactness verdict and the config."""
+        def model(role: str, backend: str | None) -> dict | None:
+            entry = getattr(self.bundle.manifest, role)
+            if backend is None or entry is None:
+                return None
+            fmt = BACKENDS[backend].bundle_format
+            art = entry.formats.get(fmt)
+            return {"backend": backend, "format": fmt, "precision": art.precision if art else None,
+                    "quantization": art.quantization if art else None}
+
+        probe = self.exactness
+        return {"bundle": self.bundle.path.name, "target": model("target", self.backend),
+                "draft": model("draft", self.draft_backend),
+                "draft_body": "shared" if self.shared_body and self.draft else "own" if self.draft else None,
+                "drafter": self.drafter_name, "policy": self.policy_name, "k": self.k,
+                "limits": dict(self.limits),
+                "exactness": None if probe is None else {"summary": probe.describe(), **probe.to_dict()},
+                "config": self.config.to_dict()}
 
     # -- layered API: step (ids) → stream (Response) → generate (text) -----------------
     def stream_ids(self, tokens: list[int], params: SamplingParams, max_tokens: int,
@@ -406,14 +319,14 @@ class Engine:
         max_tokens = self._fit_context(tokens, max_tokens)
         dec = IncrementalDecoder(self.tokenizer)
         text, sent = "", 0
-        t0 = time.perf_counter()
+        t0 = self._clock()
         steps = self.decoder.stream(tokens, params, max_tokens, self.tokenizer.stop_ids)
         try:
             while not cancelled():
                 step = next(steps, None)
                 if step is None:  # the decoder ended on its own (it always gives a reason first)
                     return
-                st.add(step, time.perf_counter() - t0)
+                st.add(step, self._clock() - t0)
                 ended = step.tokens[-1] in self.tokenizer.stop_ids
                 text += dec.push([t for t in step.tokens if t not in self.tokenizer.stop_ids])
                 done = ended or st.new_tokens >= max_tokens
@@ -432,7 +345,7 @@ class Engine:
             yield Response(text[sent:] + dec.flush(), [], 0, st.tokens_per_s, "cancelled", st, self.memory())
         finally:
             steps.close()  # rewinds caches if we stopped early
-            st.elapsed_s = time.perf_counter() - t0
+            st.elapsed_s = self._clock() - t0
 
     def _fit_context(self, tokens: list[int], max_tokens: int) -> int:
         """New tokens that fit the context: a reply that reaches the limit ends with "length"."""
@@ -451,8 +364,7 @@ class Engine:
 
         stop: strings that end the text (not included); stop_event / wait: see stream_ids."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        if max_tokens < 1:
-            raise ConfigError(f"max-tokens must be >= 1, got {max_tokens}")
+        check_max_tokens(max_tokens)
         if isinstance(prompt, str) and not prompt.isascii():
             try:  # a lone surrogate (from a bad byte in argv or a JSON escape) is not text
                 prompt.encode("utf-8")
@@ -522,13 +434,27 @@ class Engine:
         self.close()
 
 
-def load(bundle: str | Path | None = None, *, backend: str | None = None, device: str | None = None,
-         draft_backend: str | None = None, draft_device: str | None = None, use_draft: bool = True,
-         k: int | None = None, policy: str | None = None, drafter: str = "auto",
-         threads: int | None = None, memory_budget: str | int | None = None,
-         max_context: int | None = None, static: bool = False, draft_body: str = "auto",
-         require_exact: bool = False, retune: bool = False) -> Engine:
+def _with_config_fields(fn):
+    """Show EngineConfig's fields as `fn`'s keyword parameters (help(), IDEs, inspect.signature):
+    generated from the dataclass, so there is no second list to keep equal."""
+    import dataclasses
+    import inspect
+
+    sig = inspect.signature(fn)
+    fixed = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+             for f in dataclasses.fields(EngineConfig)]
+    fn.__signature__ = sig.replace(parameters=fixed + extra)
+    return fn
+
+
+@_with_config_fields
+def load(bundle: str | Path | None = None, config: EngineConfig | None = None, **overrides) -> Engine:
     """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use).
+
+    config: an EngineConfig (edgespec.config; default: EngineConfig()), and keyword overrides of
+    its fields, e.g. load(path, backend="openvino", k=3). The fields, in short (their docstrings
+    and `edgespec generate --help` say more):
 
     backend: a name from edgespec.runtimes.BACKENDS (default: the first installed one that runs a
     format the bundle has); device: e.g. "CPU", "GPU", "NPU", "AUTO" where the backend has them;
@@ -552,8 +478,7 @@ def load(bundle: str | Path | None = None, *, backend: str | None = None, device
     (the exactness probe, run at the first load and cached; `Engine.exactness` holds its verdict);
     otherwise greedy drafting runs with a warning. retune: probe again instead of reading the cache.
     """
+    cfg = engine_config(config, **overrides)  # checked before a default bundle is built
     path = Path(bundle) if bundle is not None else default_bundle()
-    return Engine(load_bundle(path), backend=backend, device=device, draft_backend=draft_backend,
-                  draft_device=draft_device, use_draft=use_draft, k=k, policy=policy, drafter=drafter,
-                  threads=threads, memory_budget=memory_budget, max_context=max_context, static=static,
-                  draft_body=draft_body, require_exact=require_exact, retune=retune)
+    return Engine(load_bundle(path), cfg)
+

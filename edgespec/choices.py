@@ -8,8 +8,8 @@ from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, make_policy
 from .errors import ConfigError
 from .runtimes import BACKENDS, installed_backends
 
-__all__ = ["DRAFT_BODIES", "QUANTIZED", "STATIC_DRAFT_WIDTH", "alternating_options", "backend_for_device",
-           "resolve_drafting", "shared_body_blocker", "static_options"]
+__all__ = ["DRAFT_BODIES", "QUANTIZED", "STATIC_DRAFT_WIDTH", "backend_for_device", "resolve_drafting",
+           "shared_body_blocker"]
 
 
 def resolve_drafting(drafter: str, policy: str | None, k: int | None, *, has_draft: bool,
@@ -20,11 +20,9 @@ def resolve_drafting(drafter: str, policy: str | None, k: int | None, *, has_dra
     prompt lookup alone otherwise, and not at all under use_draft=False (--no-draft). A k given
     without a policy asks for exactly that draft length, so it selects the fixed policy.
     """
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-        raise ConfigError(f"k must be an integer >= 0, got {k}")
     policy = policy or ("fixed" if k is not None else DEFAULT_POLICY)
     k = DEFAULT_K if k is None else k
-    make_policy(policy, k)  # an unknown name fails even when nothing will be drafted
+    make_policy(policy, k)  # checks the name and k, even when nothing will be drafted
     choices = ("auto", "none", *DRAFTERS)
     if drafter not in choices:
         raise ConfigError(f"unknown drafter {drafter!r}; choose one of: {', '.join(choices)}")
@@ -72,20 +70,9 @@ def shared_body_blocker(manifest, fmt: str, backend: str, *, draft_backend: str 
 STATIC_DRAFT_WIDTH = 2
 
 
-def static_options(backend: str, static: bool, width: int) -> dict:
-    """Runtime options for the static-shape mode, which only the openvino backend has (it also
-    gets the width when not asked: an NPU device turns the mode on by itself)."""
-    return {"static": static, "width": width} if backend == "openvino" else {}
-
-
-def alternating_options(backend: str) -> dict:
-    """Runtime options for a model whose forwards alternate with another model's in this process
-    (a separate draft and its target): onnxruntime's threads must not spin-wait between runs."""
-    return {"spin": False} if backend == "onnxruntime" else {}
-
-
-def backend_for_device(device: str | None, formats) -> str | None:
-    """A device only OpenVINO drives (GPU, NPU, AUTO) picks it when no backend is named."""
+def backend_for_device(device: str | None, formats, installed: list[str] | None = None) -> str | None:
+    """A device only OpenVINO drives (GPU, NPU, AUTO) picks it when no backend is named
+    (`installed`: the backends installed here, default: looked up)."""
     if device is None or device.upper() == "CPU" or "openvino" not in formats:
         return None
-    return "openvino" if "openvino" in installed_backends() else None
+    return "openvino" if "openvino" in (installed_backends() if installed is None else installed) else None

@@ -12,14 +12,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .decoding import SamplingParams
+from .decoding import GenerationStats, SamplingParams, check_max_tokens
 from .errors import ConfigError, ContextFullError
 from .models.chat_formats import TEMPLATE, TRANSCRIPTS, Transcript, pick_chat_format
 
 if TYPE_CHECKING:
     import threading
 
-    from .api import Engine, GenerationStats, Response
+    from .api import Engine, Response
     from .bundle import Manifest
     from .tokenizer import Tokenizer
 
@@ -150,15 +150,12 @@ class ChatSession:
         Greedy by default (reproducible); CLI chat samples with models.chat_formats.CHAT_SAMPLING."""
         if not message.strip():
             raise ConfigError("empty message")
-        if max_tokens < 1:
-            raise ConfigError(f"max-tokens must be >= 1, got {max_tokens}")
+        check_max_tokens(max_tokens)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         return self._turn(message, params, max_tokens, tuple(stop) + self.format.stop, stop_event, wait)
 
     def _turn(self, message: str, params: SamplingParams, max_tokens: int, stop: tuple[str, ...],
               stop_event, wait) -> Iterator[Response]:
-        from .api import GenerationStats
-
         self.messages.append({"role": "user", "content": message})
         reply, stats = [], GenerationStats()
         tokens = None

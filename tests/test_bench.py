@@ -189,10 +189,11 @@ def test_configs_share_the_loaded_runtimes(zoo):
 
 def test_context_limit_skips_prompts_and_limits_reach_every_decoder(zoo, caplog):
     """Under a memory budget (edgespec.memory) the engine fixes a context limit on its decoder."""
-    with load(zoo.bundle("llama"), drafter="model", k=2) as engine:
-        short, long_ = SMALL[2], Prompt("long", "code", text="the cat and the dog " * 40)
-        engine.context_limit = len(encode_prompt(engine.tokenizer, short)) + 6
-        engine.decoder.context_limit = engine.context_limit
+    short, long_ = SMALL[2], Prompt("long", "code", text="the cat and the dog " * 40)
+    with load(zoo.bundle("llama"), drafter="none") as plain:
+        limit = len(encode_prompt(plain.tokenizer, short)) + 6
+    with load(zoo.bundle("llama"), drafter="model", k=2, max_context=limit) as engine:
+        assert engine.context_limit == limit
         decs = build_decoders(engine, (1,))
         assert all(getattr(d, "context_limit", None) == engine.context_limit for d in decs.values())
         # the widths the exactness probe found exact here bound every decoder bench makes

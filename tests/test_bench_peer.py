@@ -334,7 +334,7 @@ def test_unusable_json_path_fails_before_measuring(zoo, tmp_path, capsys, monkey
 
 
 def test_results_are_written_atomically_and_never_lost(peer_doc, tmp_path):
-    from edgespec.cli.bench import _save
+    from edgespec.bench.orchestrate import save_results as _save
 
     doc = _clean(peer_doc)
     target = tmp_path / "r.json"

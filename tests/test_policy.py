@@ -6,7 +6,7 @@ import pytest
 
 from edgespec.choices import DRAFT_BODIES
 from edgespec.cli.chat import k_over_time
-from edgespec.cli.common import DRAFT_BODY_CHOICES, DRAFTER_CHOICES, POLICY_CHOICES
+from edgespec.config import DRAFT_BODY_CHOICES, DRAFTER_CHOICES, POLICY_CHOICES
 from edgespec.decoding import DEFAULT_POLICY, DRAFTERS, POLICIES, CostAwareK, FixedK, HeuristicK, make_policy
 from edgespec.decoding.policy import (
     best_k,

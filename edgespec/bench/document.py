@@ -103,7 +103,9 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
                    "drafter": engine.drafter_name, "policy": engine.policy_name, "k": engine.k,
                    "memory_budget": memory_budget,
                    "draft_body": ("shared" if getattr(engine, "shared_body", False)
-                                  else "own" if engine.draft else None)},
+                                  else "own" if engine.draft else None),
+                   # every engine option as given (edgespec.config.EngineConfig), whole
+                   "engine": asdict(engine.config)},
         "memory": memory,
         **extra,
         "configs": configs,

@@ -8,11 +8,10 @@ slows all of them alike; the summary then compares medians (summary.py).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ..decoding import FixedK, SamplingParams, SpeculativeDecoder
+from ..decoding import FixedK, GenerationStats, SamplingParams, SpeculativeDecoder
 from ..errors import ConfigError
 from ..memory.measure import PeakRSS
 from .suites import Prompt, encode_prompt
@@ -24,9 +23,6 @@ logger = logging.getLogger(__name__)
 
 PLAIN, SPECULATIVE = "plain", "speculative"
 PEER = "llama.cpp"  # llama-cpp-python's own plain decode (peer.py), when the bench measures it
-# what an engine's decoder is built with and every decoder bench makes must keep: a memory plan's
-# limits, and the verify widths the exactness probe found exact on this machine
-LIMITS = ("context_limit", "max_draft", "verify_width", "draft_width")
 WARMUP_TOKENS = 16
 
 
@@ -71,6 +67,13 @@ class RunRecord:
     peak_rss: int = 0
     by_k: dict[str, list[int]] = field(default_factory=dict)  # "model:4" -> [steps, accepted]
 
+    @classmethod
+    def from_stats(cls, st: GenerationStats, tokens: list[int], total_s: float) -> RunRecord:
+        """A record of one measured generation (config, class, prompt and repeat left blank)."""
+        return cls("", "", "", 0, st.prompt_tokens, tokens, st.first_token_s if st.steps else total_s, total_s,
+                   steps=st.steps, drafted=st.drafted, accepted=st.accepted, draft_ms=st.draft_ms,
+                   verify_ms=st.verify_ms, by_k=st.by_draft_length())
+
     @property
     def decode_s(self) -> float:
         return max(self.total_s - self.ttft_s, 0.0)
@@ -80,10 +83,6 @@ class RunRecord:
         """Decode speed after the first token."""
         n = len(self.tokens)
         return (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else 0.0
-
-
-def _source_kind(source: str) -> str:
-    return source.split(":", 1)[0] if source else "none"
 
 
 def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, SpeculativeDecoder]:
@@ -98,12 +97,11 @@ def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, Speculative
                               "--memory-budget or use --drafter ngram")
         raise ConfigError("nothing to compare: this configuration drafts nothing (--drafter none, -k 0, "
                           "or --no-draft); use --drafter ngram for prompt lookup without a draft model")
-    limits = {name: getattr(engine.decoder, name, None) for name in LIMITS}
-    decoders = {PLAIN: SpeculativeDecoder(engine.target, **limits), SPECULATIVE: engine.decoder}
-    id_map = engine.bundle.id_map() if engine.draft is not None else None
+    # variants on the engine's runtimes keep its limits: a memory plan's, and the verify widths the
+    # exactness probe found exact on this machine
+    decoders = {PLAIN: engine.variant(plain=True), SPECULATIVE: engine.decoder}
     for k in k_sweep:
-        decoders[f"k={k}"] = SpeculativeDecoder(engine.target, engine.draft, id_map=id_map,
-                                                drafter=engine.drafter_name, policy=FixedK(k), **limits)
+        decoders[f"k={k}"] = engine.variant(policy=FixedK(k))
     return decoders
 
 
@@ -122,24 +120,12 @@ def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_token
     if rss is not None:
         rss.mark()
     tokens = list(ids)
-    rec = RunRecord("", "", "", 0, len(ids), [], 0.0, 0.0)
-    t0 = time.perf_counter()
-    first = None
+    clock = decoder.clock  # the decoder's own: a replay's virtual clock times its runs too
+    st = GenerationStats(prompt_tokens=len(ids))
+    t0 = clock()
     for step in decoder.stream(tokens, params, max_tokens, stop_ids):
-        if first is None:
-            first = time.perf_counter() - t0
-        rec.steps += 1
-        rec.drafted += step.drafted
-        rec.accepted += step.accepted
-        rec.draft_ms += step.draft_ms
-        rec.verify_ms += step.verify_ms
-        if step.drafted:
-            slot = rec.by_k.setdefault(f"{_source_kind(step.source)}:{step.drafted}", [0, 0])
-            slot[0] += 1
-            slot[1] += step.accepted
-    rec.total_s = time.perf_counter() - t0
-    rec.ttft_s = rec.total_s if first is None else first
-    rec.tokens = tokens[len(ids):]
+        st.add(step, clock() - t0)
+    rec = RunRecord.from_stats(st, tokens[len(ids):], clock() - t0)
     if rss is not None:
         rec.peak_rss = rss.mark()
     return rec

@@ -1,4 +1,5 @@
-"""Flags and error handling shared by the verbs: one source for sampling and engine options."""
+"""Flags and error handling shared by the verbs. The engine flags are generated from
+edgespec.config's EngineConfig fields; importing this module loads no decoding code."""
 from __future__ import annotations
 
 import argparse
@@ -10,56 +11,39 @@ from collections.abc import Callable
 from ..errors import EdgespecError
 
 __all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "cli_entry", "setup_logging", "open_engine",
-           "print_memory_plan"]
-
-
-# listed here, not imported, so `--help` loads no decoding code; tests/test_policy.py keeps them
-# equal to edgespec.decoding's DRAFTERS and POLICIES and edgespec.choices' DRAFT_BODIES
-DRAFTER_CHOICES = ("auto", "model", "ngram", "both", "none")
-POLICY_CHOICES = ("fixed", "heuristic", "confidence", "cost")
-DRAFT_BODY_CHOICES = ("auto", "shared", "own")
+           "engine_config_from_args", "print_memory_plan"]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags, one per EngineConfig field (edgespec.config.OPTIONS), plus -v."""
+    from ..config import OPTIONS, EngineConfig
+
     g = p.add_argument_group("engine")
-    g.add_argument("--backend", default=None,
-                   help="runtime backend (default: the first installed one that runs the bundle; see `edgespec info`)")
-    g.add_argument("--device", default=None, help="device for the target, e.g. CPU, GPU, NPU, AUTO (default: CPU)")
-    g.add_argument("--draft-backend", default=None, help="run the draft on another backend (default: as the target)")
-    g.add_argument("--draft-device", default=None, help="device for the draft (default: as the target)")
-    g.add_argument("--no-draft", action="store_true",
-                   help="do not load the draft model: plain decoding, or prompt lookup with --drafter ngram")
-    g.add_argument("--drafter", choices=DRAFTER_CHOICES, default="auto",
-                   help="who proposes drafts: the draft model, ngram (prompt lookup, no model needed), both, "
-                        "or none; auto = both when the bundle has a draft model, else ngram")
-    g.add_argument("--draft-policy", choices=POLICY_CHOICES, default=None, dest="policy",
-                   help="draft length per step: fixed; heuristic (+2/-1); confidence (fixed, stops when the "
-                        "draft is unsure); cost (measures costs and acceptance online, falls back to plain "
-                        "decoding when drafting does not pay). Default: cost, or fixed when -k is given")
-    g.add_argument("-k", "--draft-tokens", type=int, default=None, dest="k",
-                   help="draft length per step; adaptive policies range up to twice this (default: 4)")
-    g.add_argument("--draft-body", choices=DRAFT_BODY_CHOICES, default="auto",
-                   help="shared: run the draft model on the target's body, loading only the draft's head (one "
-                        "body's weights and KV cache); own: load the draft's own body; auto (default): shared "
-                        "for a self-draft without a layer cut on an int8/int4 target, where the backend can "
-                        "(OpenVINO, dynamic shapes, no --memory-budget)")
-    g.add_argument("--static-shapes", action="store_true", dest="static",
-                   help="OpenVINO: fixed KV capacity and verify width k+1, as NPUs need (NPU turns it on)")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads per model (default: backend's choice)")
-    g.add_argument("--memory-budget", default=None, metavar="SIZE",
-                   help="memory for the whole process, e.g. 1.5GB or 900MiB: sizes the KV cache and draft length, "
-                        "drops the draft model if it does not fit (see `edgespec plan`)")
-    g.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="most tokens a conversation holds (default: 4096, or what --memory-budget allows); "
-                        "chat drops its oldest turns beyond it")
-    g.add_argument("--require-exact", action=argparse.BooleanOptionalAction, default=None,
-                   help="draft only where a verify forward rounds bit for bit like plain decoding on this "
-                        "machine (measured by a probe at the first load, cached; `edgespec info BUNDLE` shows "
-                        "it); otherwise greedy drafting runs with a warning. Default: on for bench, off "
-                        "elsewhere")
-    g.add_argument("--retune", action="store_true",
-                   help="measure this machine again (the exactness probe) instead of reading the cache")
+    defaults = EngineConfig()
+    for name, opt in OPTIONS.items():
+        if opt.kind == "true":
+            g.add_argument(*opt.flags, action="store_true", dest=name, help=opt.help)
+        elif opt.kind == "false":
+            g.add_argument(*opt.flags, action="store_false", dest=name, help=opt.help)
+        elif opt.kind == "both":  # None: the verb's default (bench turns it on)
+            g.add_argument(*opt.flags, action=argparse.BooleanOptionalAction, default=None, dest=name, help=opt.help)
+        else:
+            g.add_argument(*opt.flags, type=opt.type, choices=opt.choices, default=getattr(defaults, name),
+                           dest=name, metavar=opt.metavar, help=opt.help)
     g.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+
+
+def engine_config_from_args(args: argparse.Namespace, **verb_defaults):
+    """The EngineConfig of the parsed engine flags (validated here, before any model loads);
+    `verb_defaults` fill the flags left unset (None), e.g. bench's require_exact=True."""
+    from ..config import OPTIONS, EngineConfig
+
+    given = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}
+    for name, value in verb_defaults.items():
+        if given.get(name) is None:
+            given[name] = value
+    given = {name: value for name, value in given.items() if value is not None or OPTIONS[name].kind == "value"}
+    return EngineConfig(**given)
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -80,40 +64,17 @@ def sampling_kwargs(args: argparse.Namespace) -> dict:
 
 def validate_sampling(args: argparse.Namespace) -> None:
     """Fail on bad sampling flags before any model is loaded."""
-    from ..decoding import SamplingParams
-    from ..errors import ConfigError
+    from ..decoding import SamplingParams, check_max_tokens
 
     SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    if args.max_tokens < 1:
-        raise ConfigError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    check_max_tokens(args.max_tokens, "--max-tokens")
 
 
-def open_engine(args: argparse.Namespace):
+def open_engine(args: argparse.Namespace, **verb_defaults):
+    """Load `args.bundle` with the engine flags (see engine_config_from_args)."""
     from ..api import load
-    from ..errors import ConfigError
 
-    if args.k is not None and args.k < 0:
-        raise ConfigError(f"-k must be >= 0, got {args.k}")
-    return load(args.bundle, backend=args.backend, device=args.device, draft_backend=args.draft_backend,
-                draft_device=args.draft_device, use_draft=not args.no_draft, k=args.k, policy=args.policy,
-                drafter=args.drafter, threads=args.threads, static=getattr(args, "static", False),
-                draft_body=getattr(args, "draft_body", "auto"),
-                require_exact=bool(getattr(args, "require_exact", None)), retune=getattr(args, "retune", False),
-                **_memory_kwargs(args))
-
-
-def _memory_kwargs(args: argparse.Namespace) -> dict:
-    """--memory-budget, validated before any model loads; absent for verbs without it."""
-    out = {}
-    if getattr(args, "max_context", None) is not None:
-        out["max_context"] = args.max_context
-    budget = getattr(args, "memory_budget", None)
-    if budget is not None:
-        from ..memory import parse_bytes
-
-        parse_bytes(budget)
-        out["memory_budget"] = budget
-    return out
+    return load(args.bundle, engine_config_from_args(args, **verb_defaults))
 
 
 def print_memory_plan(engine, verbose: int) -> None:

@@ -26,9 +26,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     unbounded = args.memory_budget is None
-    if unbounded:
-        args.memory_budget = _UNBOUNDED
-    with open_engine(args) as engine:
+    with open_engine(args, memory_budget=_UNBOUNDED) as engine:
         from ..memory import describe_plan
 
         text = describe_plan(engine.memory_plan)

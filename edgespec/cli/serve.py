@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 
-from .common import add_engine_args, cli_entry, open_engine, setup_logging
+from .common import add_engine_args, cli_entry, engine_config_from_args, setup_logging
 
 __all__ = ["main", "build_parser"]
 
@@ -129,14 +129,17 @@ def main(argv: list[str]) -> int:
     except ConfigError:
         raise ConfigError(f"--max-request-size must be a size like 256KB or 4MiB, got {args.max_request_size!r}") \
             from None
-    # fails fast, before a model is loaded
+    # fails fast, before a model is loaded: the engine's options and the server's
+    engine_cfg = engine_config_from_args(args)
     cfg = ServerConfig(model_id=args.model_name or "edgespec", api_key=api_key, max_queue=args.max_queue,
                        max_tokens=args.max_tokens if args.max_tokens is not None else min(512, args.max_tokens_cap),
                        max_tokens_cap=args.max_tokens_cap, max_request_bytes=max_request,
                        client_timeout_s=args.client_timeout, template_timeout_s=args.template_timeout)
     sock = _listen(args.host, args.port)
     try:
-        with _closing(open_engine(args), cfg.shutdown_timeout_s) as engine:
+        from ..api import load
+
+        with _closing(load(args.bundle, engine_cfg), cfg.shutdown_timeout_s) as engine:
             cfg = dataclasses.replace(cfg, model_id=args.model_name or engine.bundle.path.name)
             app = create_app(engine, cfg)
             m = engine.bundle.manifest

@@ -16,8 +16,9 @@ from edgespec.decoding.policy import (
     HeuristicK,
     make_policy,
 )
-from edgespec.decoding.sampling import SamplingParams, probabilities, sample
+from edgespec.decoding.sampling import SamplingParams, check_max_tokens, probabilities, sample
 from edgespec.decoding.speculative import DEFAULT_K, SpeculativeDecoder, StepResult
+from edgespec.decoding.stats import GenerationStats
 
 __all__ = [
     "DEFAULT_K",
@@ -30,6 +31,7 @@ __all__ = [
     "DraftPolicy",
     "Drafter",
     "FixedK",
+    "GenerationStats",
     "HeuristicK",
     "ModelDrafter",
     "NgramDrafter",
@@ -40,6 +42,7 @@ __all__ = [
     "accept_point_masses",
     "accept_sampled",
     "build_drafter",
+    "check_max_tokens",
     "make_policy",
     "map_draft_ids",
     "probabilities",

@@ -17,18 +17,27 @@ __all__ = ["TrackedCache", "batch_limit", "common_prefix"]
 logger = logging.getLogger(__name__)
 
 
-def batch_limit(rt: Runtime) -> int | None:
-    """Most tokens one forward of `rt` accepts (None: no limit)."""
+def batch_limit(rt: Runtime, max_batch: int | None = None) -> int | None:
+    """Most tokens one forward of `rt` runs (None: no limit): what its capabilities accept, and at
+    most `max_batch`, a limit of the engine's own (a memory plan's prefill chunk)."""
     caps = getattr(rt, "capabilities", None)
-    return getattr(caps, "max_batch_tokens", None)
+    limits = [n for n in (getattr(caps, "max_batch_tokens", None), max_batch) if n is not None]
+    return min(limits) if limits else None
 
 
 class TrackedCache:
-    """`rt` plus `ids`, the target ids its cache holds (a prefix of the committed sequence)."""
+    """`rt` plus `ids`, the target ids its cache holds (a prefix of the committed sequence).
+    `max_batch`: most tokens per forward, below what the runtime accepts (None: its own limit)."""
 
-    def __init__(self, rt: Runtime) -> None:
+    def __init__(self, rt: Runtime, max_batch: int | None = None) -> None:
         self.rt = rt
+        self.max_batch = max_batch
         self.ids: list[int] = []
+
+    @property
+    def limit(self) -> int | None:
+        """Most tokens one forward takes (None: no limit)."""
+        return batch_limit(self.rt, self.max_batch)
 
     def pending(self, tokens: Sequence[int]) -> list[int]:
         """The ids of `tokens` the cache does not hold yet (call `align` first)."""
@@ -40,7 +49,7 @@ class TrackedCache:
         Drafts with a trimmed head keep the full input embedding, so they too are fed target ids."""
         if not ids:
             return None
-        limit = batch_limit(self.rt) or len(ids)
+        limit = self.limit or len(ids)
         # every chunk but the last is prefill whose logits are discarded
         split = max(len(ids) - limit, 0)
         for start in range(0, split, limit):

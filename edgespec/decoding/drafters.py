@@ -32,14 +32,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgespec.decoding.acceptance import map_draft_ids, point_masses, scatter_to_target
-from edgespec.decoding.cache import TrackedCache, batch_limit
+from edgespec.decoding.cache import TrackedCache
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.sampling import SamplingParams, probabilities, sample, top_probability
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Runtime
 
 __all__ = [
-    "DRAFTERS", "BothDrafter", "Draft", "Drafter", "DrafterKind", "ModelDrafter", "NgramDrafter",
+    "DRAFTERS", "BothDrafter", "Draft", "Drafter", "DrafterKind", "DrafterLimits", "ModelDrafter", "NgramDrafter",
     "NgramIndex", "build_drafter", "lookup_source",
 ]
 
@@ -110,17 +110,21 @@ class ModelDrafter(Drafter):
 
     def __init__(self, runtime: Runtime, target_vocab: int, id_map: np.ndarray | None = None,
                  guess: Callable[[list[int], list[int]], list[int]] | None = None,
-                 max_width: int | None = None) -> None:
+                 max_width: int | None = None, max_batch: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         """max_width: the widest forward to run with lookahead guesses (None: the runtime's limit);
-        a draft on the target's body keeps to the widths that are exact there."""
+        a draft on the target's body keeps to the widths that are exact there. max_batch: most
+        tokens per forward, below the runtime's own limit (a memory plan's prefill chunk). clock:
+        seconds, read to measure the marginal cost of a drafted token."""
         id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
         check_draft_model(runtime, target_vocab, id_map)
         self.runtime, self.target_vocab, self.id_map, self.guess = runtime, target_vocab, id_map, guess
         self.max_width = max_width
+        self.clock = clock
         self.runtimes = (runtime,)
         # a trimmed draft keeps the full input embedding: it is fed target ids, and only its
         # outputs (K logits) need the id map
-        self._cache = TrackedCache(runtime)
+        self._cache = TrackedCache(runtime, max_batch)
         self.guessed = self.guess_hits = 0  # lookahead tokens fed, and those the draft then drew
 
     def propose(self, tokens, limit, policy, params, rng) -> Draft:
@@ -134,7 +138,7 @@ class ModelDrafter(Drafter):
         ahead: list[tuple[int, np.ndarray]] = []  # guesses fed past the last draft, with the logits after each
         pending = self._cache.pending(tokens)  # fed next; empty when the last draft was a guess already fed
         for _ in range(k):
-            t0 = time.perf_counter()
+            t0 = self.clock()
             computed = 0  # catch-up rows this iteration's forward computed (a guess hit needs none)
             if pending:
                 ahead = self._feed(tokens, drafts, pending, len(ahead))
@@ -150,7 +154,7 @@ class ModelDrafter(Drafter):
             # a long catch-up is not the cost of one more token; one the runtime held already
             # (a draft on the target's body, after a lookup step) costs what a draft forward does
             if computed <= 2:
-                steady.append(time.perf_counter() - t0)
+                steady.append(self.clock() - t0)
             new = map_draft_ids([draft_id], self.id_map)
             drafts.extend(new)
             pending = [] if ahead and ahead[0][0] == new[0] else new
@@ -169,7 +173,7 @@ class ModelDrafter(Drafter):
             self._cache.trim(len(self._cache.ids) - stale)
         guesses = self.guess(tokens, drafts) if self.guess is not None and len(pending) <= 2 else []
         # guesses are extra: they must fit the forward and the cache, never make either fail
-        for cap in (batch_limit(self.runtime), self.max_width):
+        for cap in (self._cache.limit, self.max_width):
             if cap is not None:
                 guesses = guesses[:max(cap - len(pending), 0)]
         if (capacity := self.runtime.kv_capacity) is not None:
@@ -236,27 +240,27 @@ class NgramDrafter(Drafter):
     """Prompt lookup over the prompt and everything generated so far. Proposals are keyed by
     match length ("ngram:3"), so adaptive policies learn how far each kind of match carries."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
         for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {v}")
         if min_ngram > max_ngram:
             raise ConfigError(f"min_ngram ({min_ngram}) exceeds max_ngram ({max_ngram})")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.clock = clock
         self._index = NgramIndex(min_ngram, max_ngram)
 
     def propose(self, tokens, limit, policy, params, rng) -> Draft:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         found, source = self.candidate(tokens, limit)
         return self.take(found, source, policy, t0)
 
-    @staticmethod
-    def take(found: list[int], source: str, policy: DraftPolicy, t0: float) -> Draft:
+    def take(self, found: list[int], source: str, policy: DraftPolicy, t0: float) -> Draft:
         """The draft of as much of a `candidate` as the policy wants (a lookup begun at `t0`)."""
         k = min(policy.next_k(source), len(found)) if found else 0
         if k <= 0:
             return Draft([])
-        return Draft(found[:k], None, source, 1e3 * (time.perf_counter() - t0) / k)
+        return Draft(found[:k], None, source, 1e3 * (self.clock() - t0) / k)
 
     def guess(self, tokens: list[int], drafts: list[int]) -> list[int]:
         """What the lookup predicts after `drafts` (uncommitted, continuing `tokens`): a model
@@ -292,7 +296,7 @@ class BothDrafter(Drafter):
         self.runtimes = model.runtimes
 
     def propose(self, tokens, limit, policy, params, rng) -> Draft:
-        t0 = time.perf_counter()
+        t0 = self.lookup.clock()
         found, source = self.lookup.candidate(tokens, limit)
         if found and policy.prefers(source, self.model.source):
             draft = self.lookup.take(found, source, policy, t0)
@@ -309,32 +313,46 @@ class BothDrafter(Drafter):
 
 
 @dataclass(frozen=True)
+class DrafterLimits:
+    """What a built drafter is bounded by and reads its time from (see ModelDrafter)."""
+
+    max_width: int | None = None  # a model drafter's widest forward, lookahead guesses included
+    max_batch: int | None = None  # most tokens per forward, below the runtime's own limit
+    clock: Callable[[], float] = time.perf_counter
+
+
+@dataclass(frozen=True)
 class DrafterKind:
     """A registered drafter: whether it needs a draft model, and how to build it."""
 
     needs_model: bool
-    # (target_vocab, draft, id_map, max_width): max_width bounds a model drafter's widest forward
-    build: Callable[[int, Runtime | None, np.ndarray | None, int | None], Drafter]
+    # (target_vocab, draft, id_map, limits)
+    build: Callable[[int, Runtime | None, np.ndarray | None, DrafterLimits], Drafter]
     help: str
 
 
 DRAFTERS: dict[str, DrafterKind] = {
-    "model": DrafterKind(True, lambda v, d, m, w: ModelDrafter(d, v, m, max_width=w), "the draft model"),
-    "ngram": DrafterKind(False, lambda v, d, m, w: NgramDrafter(), "prompt lookup, no model"),
-    "both": DrafterKind(True, lambda v, d, m, w: _both(v, d, m, w),
+    "model": DrafterKind(True, lambda v, d, m, lim: ModelDrafter(d, v, m, max_width=lim.max_width,
+                                                                 max_batch=lim.max_batch, clock=lim.clock),
+                         "the draft model"),
+    "ngram": DrafterKind(False, lambda v, d, m, lim: NgramDrafter(clock=lim.clock), "prompt lookup, no model"),
+    "both": DrafterKind(True, lambda v, d, m, lim: _both(v, d, m, lim),
                         "prompt lookup when it pays more, else the draft model (with lookup tails and lookahead)"),
 }
 
 
-def _both(target_vocab: int, draft: Runtime, id_map: np.ndarray | None, max_width: int | None) -> BothDrafter:
-    lookup = NgramDrafter()
-    return BothDrafter(lookup, ModelDrafter(draft, target_vocab, id_map, guess=lookup.guess, max_width=max_width))
+def _both(target_vocab: int, draft: Runtime, id_map: np.ndarray | None, lim: DrafterLimits) -> BothDrafter:
+    lookup = NgramDrafter(clock=lim.clock)
+    return BothDrafter(lookup, ModelDrafter(draft, target_vocab, id_map, guess=lookup.guess, max_width=lim.max_width,
+                                            max_batch=lim.max_batch, clock=lim.clock))
 
 
 def build_drafter(spec: str | Drafter | None, target_vocab: int, draft: Runtime | None,
-                  id_map: np.ndarray | None, max_width: int | None = None) -> Drafter | None:
+                  id_map: np.ndarray | None, max_width: int | None = None, max_batch: int | None = None,
+                  clock: Callable[[], float] = time.perf_counter) -> Drafter | None:
     """The drafter named `spec` (None: the draft model if given, else no drafting); max_width
-    bounds a model drafter's widest forward (ModelDrafter)."""
+    bounds a model drafter's widest forward and max_batch its prefill chunks (ModelDrafter); the
+    drafter reads `clock` for its costs."""
     if isinstance(spec, Drafter):
         if draft is not None or id_map is not None:
             raise ConfigError("give the draft model inside the drafter or as draft=, not both")
@@ -352,4 +370,4 @@ def build_drafter(spec: str | Drafter | None, target_vocab: int, draft: Runtime 
         raise ConfigError(f"drafter {spec!r} needs a draft model; pass draft= or use drafter='ngram'")
     if not kind.needs_model and (draft is not None or id_map is not None):
         raise ConfigError(f"drafter {spec!r} uses no draft model; drop draft= and id_map=")
-    return kind.build(target_vocab, draft, id_map, max_width)
+    return kind.build(target_vocab, draft, id_map, DrafterLimits(max_width, max_batch, clock))

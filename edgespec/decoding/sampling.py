@@ -9,7 +9,7 @@ import numpy as np
 
 from edgespec.errors import ConfigError
 
-__all__ = ["SamplingParams", "probabilities", "sample", "top_probability"]
+__all__ = ["SamplingParams", "check_max_tokens", "probabilities", "sample", "top_probability"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_max_tokens(max_tokens: int, name: str = "max-tokens") -> int:
+    """`max_tokens` if it asks for at least one new token; the one check every caller uses."""
+    if isinstance(max_tokens, bool) or not hasattr(max_tokens, "__index__") or max_tokens < 1:
+        raise ConfigError(f"{name} must be >= 1, got {max_tokens}")
+    return int(max_tokens)
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

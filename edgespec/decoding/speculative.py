@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,7 +54,8 @@ def truncate_commit(new: list[int], stop_ids: Container[int], budget: int) -> li
     return new
 
 
-def _check_target(target: Runtime, drafter: Drafter | None, policy: DraftPolicy | None) -> None:
+def _check_target(target: Runtime, drafter: Drafter | None, policy: DraftPolicy | None,
+                  max_batch: int | None = None) -> None:
     """Reject a target that cannot verify, or a policy with nothing to steer, naming the fix."""
     if drafter is None:
         if policy is not None:
@@ -67,7 +68,7 @@ def _check_target(target: Runtime, drafter: Drafter | None, policy: DraftPolicy 
     if caps is not None and not caps.can_trim:
         raise ConfigError(f"speculative decoding rolls back rejected drafts, but the target backend "
                           f"{caps.backend!r} cannot trim its KV cache; run without drafting")
-    if batch_limit(target) == 1:
+    if batch_limit(target, max_batch) == 1:
         raise ConfigError("the target backend takes one token per forward, so it cannot verify drafts")
     variance = caps.batch_variance if caps is not None else None
     if variance and variance not in _warned:  # once per process: a chat builds decoders often
@@ -96,25 +97,33 @@ class SpeculativeDecoder:
         max_draft: int | None = None,
         verify_width: int | None = None,
         draft_width: int | None = None,
+        max_batch: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """context_limit: most positions a sequence may reach; max_draft: most drafts per step (both
         set by a memory plan, edgespec.memory). verify_width: the widest verify forward, drafts
         included (the widths the exactness probe found bit-identical to one-token forwards,
         runtimes/exactness.py); draft_width: the widest forward a model drafter may run, its
         lookahead guesses included (the same bound when the draft runs on the target's body, whose
-        rows the verify reuses)."""
+        rows the verify reuses). max_batch: most tokens per forward of either model, below what
+        the runtimes accept (a memory plan's prefill chunk). clock: seconds, read around each phase
+        (the drafters and the cost policy learn from it; a replay passes a virtual one)."""
         if draft is not None and draft is target:
             raise ConfigError("draft and target must be separate runtimes (each owns its own KV cache)")
         for name, value, least in (("context_limit", context_limit, 2), ("max_draft", max_draft, 0),
-                                   ("verify_width", verify_width, 1), ("draft_width", draft_width, 1)):
+                                   ("verify_width", verify_width, 1), ("draft_width", draft_width, 1),
+                                   ("max_batch", max_batch, 2)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
         id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
-        self.drafter = build_drafter(drafter, target.vocab_size, draft, id_map, max_width=draft_width)
-        _check_target(target, self.drafter, policy)
+        self.drafter = build_drafter(drafter, target.vocab_size, draft, id_map, max_width=draft_width,
+                                     max_batch=max_batch, clock=clock)
+        _check_target(target, self.drafter, policy, max_batch)
         self.target, self.draft, self.id_map = target, draft, id_map
         self.policy = policy if policy is not None else FixedK(DEFAULT_K if self.drafter is not None else 0)
-        self._target = TrackedCache(target)
+        self._target = TrackedCache(target, max_batch)
+        self.clock = clock
+        self.max_batch = max_batch
         self.context_limit = context_limit
         self.max_draft = max_draft
         self.verify_width = verify_width
@@ -162,9 +171,9 @@ class SpeculativeDecoder:
             while n_new < max_new_tokens:
                 budget = max_new_tokens - n_new
                 # 1. draft
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 draft = self._propose(tokens, budget, params, rng)
-                t1 = time.perf_counter()
+                t1 = self.clock()
                 # 2. verify: one target forward scores every draft plus the bonus position
                 pending = self._target.pending(tokens) + draft.tokens
                 logits = self._target.feed(pending, n_logits=len(draft.tokens) + 1)
@@ -177,7 +186,7 @@ class SpeculativeDecoder:
                 n_new += len(new)
                 # 5. rollback: drop rejected drafts from every cache
                 self._rollback(tokens)
-                t2 = time.perf_counter()
+                t2 = self.clock()
                 step = StepResult(new, len(draft.tokens), n_acc, (t1 - t0) * 1e3, (t2 - t1) * 1e3, draft.source,
                                   draft.tail)
                 self._learn(step, draft, reused)
@@ -191,7 +200,7 @@ class SpeculativeDecoder:
     def _propose(self, tokens: list[int], budget: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
         """Phase 1: the drafter's proposal, capped so the commit fits the budget and the verify one batch."""
         limit = budget - 1  # verify always adds one token of its own
-        if (cap := batch_limit(self.target)) is not None:
+        if (cap := self._target.limit) is not None:
             limit = min(limit, cap - 1)
         if self.max_draft is not None:
             limit = min(limit, self.max_draft)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -31,6 +31,16 @@ class BackendInfo:
     # runtime options of slower modes that are exact where the default is not (a verify rounding
     # unlike one-token forwards), in the order the engine tries them when its probe asks
     exact_modes: tuple[dict, ...] = ()
+    # the backend has a static-shape mode (as NPUs need): it takes `static` and the fixed forward
+    # `width`, and turns the mode on by itself on a device that needs it, so it always gets the width
+    static_shapes: bool = False
+    # runtime options for a model whose forwards alternate with another model's in this process
+    # (a separate draft and its target): e.g. threads that must not spin-wait between runs
+    alternating: dict = field(default_factory=dict)
+
+    def static_options(self, static: bool, width: int) -> dict:
+        """Runtime options for the static-shape mode (none where the backend has no such mode)."""
+        return {"static": static, "width": width} if self.static_shapes else {}
 
 
 # order = preference when a bundle holds several formats and no backend is named
@@ -39,12 +49,14 @@ BACKENDS: dict[str, BackendInfo] = {
                                "onnxruntime",
                                # a one-row MatMulNBits with int8 activations rounds unlike a taller
                                # one (whole logits apart on Gemma 3 270M): no forward of one row
-                               exact_modes=({"pad_rows": True},)),
+                               exact_modes=({"pad_rows": True},),
+                               # its threads spin-wait between runs by default, which starves the other model
+                               alternating={"spin": False}),
     "openvino": BackendInfo("openvino", "openvino", "edgespec.runtimes.openvino", "OpenVinoRuntime", "openvino",
                             "openvino", "edgespec.runtimes.openvino_split:open_shared_pair",
                             # CPUs whose one-row FullyConnected rounds unlike a taller one (AVX2 with
                             # int8/int4 weights): no forward computes fewer than two rows
-                            exact_modes=({"pad_rows": True},)),
+                            exact_modes=({"pad_rows": True},), static_shapes=True),
     "llamacpp": BackendInfo("llamacpp", "gguf", "edgespec.runtimes.llamacpp", "LlamaCppRuntime", "llamacpp",
                             "llama_cpp"),
 }
@@ -60,12 +72,13 @@ def backend_devices(backend: str) -> list[str]:
     return list(importlib.import_module(_info(backend).module).available_devices())
 
 
-def pick_backend(formats, backend: str | None = None) -> str:
-    """`backend` if given (checked), else the first installed backend that runs one of `formats`."""
+def pick_backend(formats, backend: str | None = None, installed: list[str] | None = None) -> str:
+    """`backend` if given (checked), else the first installed backend that runs one of `formats`
+    (`installed`: the backends installed here, default: looked up)."""
     if backend is not None:
         _info(backend)
         return backend
-    installed = installed_backends()
+    installed = installed_backends() if installed is None else installed
     for name in installed:
         if BACKENDS[name].bundle_format in formats:
             return name

@@ -1,0 +1,158 @@
+"""What an Engine opens, decided before anything is opened: a pure plan.
+
+    plan = plan_engine(bundle.manifest, EngineConfig(k=3), installed_backends())
+
+From the manifest, the validated EngineConfig and the backends installed on this machine, the
+plan says which backend runs each model and from which bundle format, whether the draft runs on
+the target's body (and why not, where it does not), the runtime options of each model, and the
+limits the decoder gets. `Engine` (api.py) only executes it: open what the plan lists, plan memory
+under a budget, probe exactness (exact_mode.py), build the decoder. Each rule is testable with a
+fake manifest and no model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from .choices import STATIC_DRAFT_WIDTH, backend_for_device, resolve_drafting, shared_body_blocker
+from .config import EngineConfig
+from .decoding import DEFAULT_K, DRAFTERS
+from .errors import ConfigError
+from .runtimes import BACKENDS, pick_backend
+
+__all__ = ["ModelPlan", "EnginePlan", "plan_engine", "MAX_PROBE_WIDTH", "probe_width"]
+
+MAX_PROBE_WIDTH = 33  # the widest verify the exactness probe tries (and so the widest one allowed)
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model to open: on which backend, from which artifact, with which runtime options."""
+
+    backend: str
+    format: str
+    file: str  # the artifact's file, relative to the bundle
+    precision: str | None
+    options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Everything `Engine` opens and the limits it builds its decoder with."""
+
+    config: EngineConfig
+    target: ModelPlan
+    # the draft model on its own body, or the draft's head on the target's body (shared_body);
+    # None: no draft model (plain decoding, or prompt lookup only)
+    draft: ModelPlan | None
+    drafter: str | None  # a name from DRAFTERS, None: plain decoding
+    policy: str
+    k: int
+    shared_body: bool
+    draft_body_reason: str  # why the draft's body is the target's, its own, or absent
+    budgeted: bool  # a memory budget plans capacities when the models open
+    switchable: bool  # the target may reopen in one of its backend's exact modes (exact_mode.py)
+    max_context: int | None
+    max_k: int  # the longest draft a policy may ask for (adaptive policies go up to 2k)
+
+    @property
+    def backend(self) -> str:
+        return self.target.backend
+
+    @property
+    def wants_draft_model(self) -> bool:
+        return self.drafter is not None and DRAFTERS[self.drafter].needs_model
+
+    def describe(self) -> dict[str, Any]:
+        """The plan as plain values, for reports."""
+        def model(p: ModelPlan | None) -> dict | None:
+            return None if p is None else {"backend": p.backend, "format": p.format, "precision": p.precision,
+                                           "options": dict(p.options)}
+
+        return {"target": model(self.target), "draft": model(self.draft), "drafter": self.drafter,
+                "policy": self.policy, "k": self.k,
+                "draft_body": ("shared" if self.shared_body else "own" if self.draft else None),
+                "draft_body_reason": self.draft_body_reason, "budgeted": self.budgeted,
+                "max_context": self.max_context}
+
+
+def probe_width(drafter: str | None, policy: str, k: int, max_batch: int | None) -> int:
+    """The widest verify the exactness probe checks: what the drafting may ask for (a plain engine
+    probes what the default speculative one does), within the target's widest forward."""
+    k = k if drafter is not None else DEFAULT_K
+    # adaptive policies draft up to 2k and lookup tails as many again
+    widest = k + 1 if policy == "fixed" and drafter is not None else 4 * k + 1
+    if max_batch is not None:
+        widest = min(widest, max_batch)
+    return max(2, min(widest, MAX_PROBE_WIDTH))
+
+
+def _frozen(options: dict) -> MappingProxyType:
+    return MappingProxyType(dict(options))
+
+
+def plan_engine(manifest, config: EngineConfig, installed: list[str]) -> EnginePlan:
+    """The plan for opening a bundle with `manifest` under `config` where `installed` backends are."""
+    c = config
+    m = manifest
+    backend = pick_backend(m.target.formats, c.backend or backend_for_device(c.device, m.target.formats, installed),
+                           installed)
+    if c.static and not (BACKENDS[backend].static_shapes
+                         or (c.draft_backend is not None and BACKENDS[c.draft_backend].static_shapes)):
+        need = next((n for n, b in BACKENDS.items() if b.static_shapes), "openvino")
+        raise ConfigError(f"static shapes need the {need} backend, not {backend} (add --backend {need})")
+    fmt = BACKENDS[backend].bundle_format
+    drafter, policy, k = resolve_drafting(c.drafter, c.policy, c.k, has_draft=m.draft is not None,
+                                          use_draft=c.use_draft)
+    if fmt not in m.target.formats:
+        raise ConfigError(f"bundle has no {fmt} artifacts for backend {backend} "
+                          f"(it has: {', '.join(sorted(m.target.formats))})")
+    wants_draft = drafter is not None and DRAFTERS[drafter].needs_model
+    budgeted = c.memory_budget is not None
+    common = {"threads": c.threads, "device": c.device,
+              **({"kv_capacity": c.max_context} if c.max_context is not None and not budgeted else {})}
+    shared, reason = False, "no draft model"
+    if wants_draft:
+        reason = "--draft-body own"
+        if c.draft_body != "own":
+            why = shared_body_blocker(m, fmt, backend, draft_backend=c.draft_backend, device=c.device,
+                                      draft_device=c.draft_device, static=c.static, budgeted=budgeted,
+                                      auto=c.draft_body == "auto")
+            if why is not None and c.draft_body == "shared":
+                raise ConfigError(f"--draft-body shared: {why}")
+            shared, reason = why is None, why or "a self-draft on a quantized target: one body"
+    info = BACKENDS[backend]
+    alternating = wants_draft and not shared  # two models take turns on the cores
+    target_art = m.target.formats[fmt]
+    if shared:
+        target_opts = common
+    else:
+        target_opts = {**common, **info.static_options(c.static, k + 1), **(info.alternating if alternating else {})}
+    target = ModelPlan(backend, fmt, target_art.file, target_art.precision, _frozen(target_opts))
+    draft = None
+    if shared:
+        art = m.draft.formats[fmt]
+        draft = ModelPlan(backend, fmt, art.file, art.precision, _frozen(common))
+    elif wants_draft:
+        draft = _own_draft(m, c, backend, fmt, common, installed)
+    # a budget plans the target as opened, and static shapes have one width: neither switches
+    switchable = not budgeted and not c.static and bool(info.exact_modes)
+    return EnginePlan(c, target, draft, drafter, policy, k, shared, reason, budgeted, switchable, c.max_context,
+                      k if policy == "fixed" else 2 * k)
+
+
+def _own_draft(m, c: EngineConfig, backend: str, fmt: str, common: dict, installed: list[str]) -> ModelPlan:
+    """The draft model on its own body: on --draft-backend, else the target's backend where the
+    draft has its format, else the first installed one that runs a format it has. Its id map is
+    one per bundle, so any format agrees."""
+    dback = c.draft_backend or (backend if fmt in m.draft.formats else pick_backend(m.draft.formats, None, installed))
+    info = BACKENDS[dback]
+    dfmt = info.bundle_format
+    if dfmt not in m.draft.formats:
+        raise ConfigError(f"the bundle's draft has no {dfmt} artifact for backend {dback} (it has: "
+                          f"{', '.join(m.draft.formats)}); use --drafter ngram or --no-draft")
+    options = {**common, "device": c.draft_device or (c.device if dback == backend else None),
+               **info.static_options(c.static, STATIC_DRAFT_WIDTH), **info.alternating}
+    art = m.draft.formats[dfmt]
+    return ModelPlan(dback, dfmt, art.file, art.precision, _frozen(options))

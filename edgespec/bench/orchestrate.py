@@ -1,0 +1,167 @@
+"""One `edgespec bench` run as a library call: check the outputs, load the engine, open the
+llama.cpp peer, measure, and return the JSON document (schema.py). `cli/bench.py` parses flags,
+calls `run_benchmark` and prints; a desktop app or a script can call it the same way.
+
+    doc = run_benchmark(BenchRequest(bundle="my.bundle", bench=BenchConfig(repeat=2)))
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from ..config import EngineConfig
+from ..errors import ConfigError
+from .measure import BenchConfig
+
+__all__ = ["BenchRequest", "check_request", "run_benchmark", "save_results"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """What to measure and where the results go. The engine measures only where drafting is exact
+    unless `engine` says otherwise: bench checks that drafting's output equals plain decoding's."""
+
+    bundle: str | None = None  # None: the default bundle
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(require_exact=True))
+    bench: BenchConfig = field(default_factory=BenchConfig)
+    prompts: str = "all"  # a suite name, several joined by commas, or a .jsonl file
+    json: str | None = None
+    report: str | None = None
+    label: str | None = None
+    peer_gguf: str | None = None  # None: the GGUF the bundle's target came from, if any
+    peer: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.peer and self.peer_gguf:
+            raise ConfigError("--peer-gguf and --no-peer contradict each other; give one")
+
+
+def check_request(req: BenchRequest) -> None:
+    """Every output and input checked before minutes of measuring, not after."""
+    if req.json:
+        from .schema import check_json_path
+
+        check_json_path(req.json)
+    if req.peer_gguf:
+        from .peer import check_gguf
+
+        check_gguf(req.peer_gguf)
+    if req.report:
+        from .report import check_report_dir, require_matplotlib
+
+        require_matplotlib()
+        check_report_dir(req.report)
+
+
+def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
+    """The llama.cpp peer for this bundle (or `peer_gguf`), or None: no GGUF to run it on, or
+    llama-cpp-python missing (then `notify` says how to get it, and the bench runs without it)."""
+    from .peer import LlamaCppPeer, find_peer_gguf, missing_reason
+
+    source = find_peer_gguf(engine.bundle, req.peer_gguf)
+    if source is None:
+        return None
+    reason = missing_reason()
+    if reason is not None:
+        notify(f"no llama.cpp column: {reason}")
+        return None
+    threads = req.engine.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                     else os.cpu_count())
+    peer = LlamaCppPeer(source, threads=threads, n_ctx=engine.context_limit or 4096,
+                        vocab_size=engine.target.vocab_size)
+    notify(f"peer llama.cpp (llama-cpp-python {peer.describe()['version']}) on {source.path.name}, {threads} threads")
+    return peer
+
+
+def _announce(engine, machine: dict, prompts, configs: list[str], cfg: BenchConfig, notify) -> dict | None:
+    """Say what runs, and measure the target's c(B) (costs.py), which the document records."""
+    from .costs import verify_costs
+
+    classes = list(dict.fromkeys(p.cls for p in prompts))
+    notify(f"{engine.bundle.path.name} on {machine['cpu']} ({machine['arch']}, {machine['cores_usable']} cores), "
+           f"{engine.backend}; drafter {engine.drafter_name}, policy {engine.policy_name}, k={engine.k}; "
+           f"{len(prompts)} prompts in {len(classes)} classes × {cfg.repeat} repeats × {len(configs)} "
+           f"configurations, {cfg.max_tokens} tokens each")
+    if engine.exactness is not None:
+        notify(engine.exactness.describe())
+    costs = verify_costs(engine.target)
+    if costs is not None:
+        notify("c(B) " + ", ".join(f"{b}: {c:.2f}" for b, c in costs["c"].items())
+               + f" over {costs['one_token_ms']:.1f} ms")
+    return costs
+
+
+def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = None, live: bool = True) -> dict:
+    """Measure `req` and return its document; `notify` receives one-line progress notes, `live`
+    shows the running table (live.py). Outputs are checked first (check_request), not written."""
+    import psutil
+
+    from .. import api
+    from .document import build_document
+    from .live import LiveTable
+    from .machine import machine_info
+    from .measure import build_decoders, run_bench
+    from .runner import PeakRSS
+    from .suites import load_prompts
+
+    notify = notify or (lambda line: logger.info("%s", line))
+    prompts = load_prompts(req.prompts)
+    check_request(req)
+    cfg = req.bench
+    machine = machine_info()
+    proc = psutil.Process()
+    rss = PeakRSS()
+    rss.start()
+    try:
+        rss_before = proc.memory_info().rss
+        with api.load(req.bundle, req.engine) as engine, contextlib.ExitStack() as stack:
+            rss_after = proc.memory_info().rss
+            configs = list(build_decoders(engine, cfg.k_sweep))  # fails early if nothing drafts
+            peer = _open_peer(req, engine, notify) if req.peer else None
+            if peer is not None:
+                stack.callback(peer.close)
+                configs.append(peer.name)
+            costs = _announce(engine, machine, prompts, configs, cfg, notify)
+            table = LiveTable(configs, list(dict.fromkeys(p.cls for p in prompts)), repeat=cfg.repeat) if live \
+                else None
+            started, t0 = datetime.now(timezone.utc), time.perf_counter()
+            try:
+                runs = run_bench(engine, prompts, cfg, on_run=table.update if table else None, rss=rss, peer=peer)
+            finally:
+                if table is not None:
+                    table.close()
+            c = engine.config
+            return build_document(
+                engine, runs, cfg, prompts_spec=req.prompts, configs=configs, machine=machine, label=req.label,
+                prompts=prompts,
+                backend={"name": engine.backend, "device": c.device, "draft_backend": engine.draft_backend,
+                         "draft_device": c.draft_device or (c.device if engine.draft_backend else None),
+                         "threads": c.threads},
+                memory={"rss_before_load": rss_before, "rss_after_load": rss_after, "engine": engine.memory()},
+                memory_budget=c.memory_budget, started=started, duration_s=time.perf_counter() - t0,
+                peer=peer.describe() if peer is not None else None, verify_costs=costs)
+    finally:
+        rss.stop()
+
+
+def save_results(doc: dict, path: str) -> str:
+    """Write the results; if that fails after all (the folder went away), keep them in a temporary
+    file and say where, so a long run is never lost."""
+    import tempfile
+
+    from .schema import save
+
+    try:
+        return str(save(doc, path))
+    except ConfigError as e:
+        fd, spare = tempfile.mkstemp(prefix="edgespec-bench-", suffix=".json")
+        os.close(fd)
+        save(doc, spare)
+        raise ConfigError(f"{e}; the results are in {spare}") from None

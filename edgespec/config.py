@@ -1,0 +1,161 @@
+"""One engine configuration: every option of `edgespec.load`, validated once, when it is built.
+
+    cfg = EngineConfig(backend="openvino", k=3)      # a ConfigError names the bad field
+    engine = edgespec.load(bundle, cfg)               # or load(bundle, k=3): overrides of the default
+
+The CLI's engine flags (`cli/common.py`), the server's and bench's engine settings are derived
+from this one value: each field carries its flag and help text in `OPTIONS`, and the choice
+lists come from the registries (BACKENDS, DRAFTERS, POLICIES, DRAFT_BODIES). Nothing downstream
+checks these values again.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .choices import DRAFT_BODIES
+from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, POLICIES, make_policy
+from .errors import ConfigError
+from .runtimes import BACKENDS
+
+__all__ = ["EngineConfig", "Option", "OPTIONS", "DRAFTER_CHOICES", "POLICY_CHOICES", "DRAFT_BODY_CHOICES",
+           "engine_config"]
+
+# the choices of the CLI flags, from the registries: "auto" picks from what the bundle has, "none"
+# decodes plainly
+DRAFTER_CHOICES = ("auto", *DRAFTERS, "none")
+POLICY_CHOICES = tuple(POLICIES)
+DRAFT_BODY_CHOICES = DRAFT_BODIES
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one EngineConfig field appears on the command line."""
+
+    flags: tuple[str, ...]
+    help: str
+    kind: str = "value"  # "value" (typed by `type`), "true" (a switch), "false" (a switch that clears), "both"
+    type: Any = str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+
+def _opt(*flags: str, help: str, **kw) -> dict:
+    return {"cli": Option(flags, help, **kw)}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that decides how a bundle is opened; frozen, and validated in __post_init__."""
+
+    backend: str | None = field(default=None, metadata=_opt(
+        "--backend", choices=tuple(BACKENDS),
+        help="runtime backend (default: the first installed one that runs the bundle; see `edgespec info`)"))
+    device: str | None = field(default=None, metadata=_opt(
+        "--device", help="device for the target, e.g. CPU, GPU, NPU, AUTO (default: CPU)"))
+    draft_backend: str | None = field(default=None, metadata=_opt(
+        "--draft-backend", choices=tuple(BACKENDS), help="run the draft on another backend (default: as the target)"))
+    draft_device: str | None = field(default=None, metadata=_opt(
+        "--draft-device", help="device for the draft (default: as the target)"))
+    use_draft: bool = field(default=True, metadata=_opt(
+        "--no-draft", kind="false",
+        help="do not load the draft model: plain decoding, or prompt lookup with --drafter ngram"))
+    drafter: str = field(default="auto", metadata=_opt(
+        "--drafter", choices=DRAFTER_CHOICES,
+        help="who proposes drafts: the draft model, ngram (prompt lookup, no model needed), both, or none; "
+             "auto = both when the bundle has a draft model, else ngram"))
+    policy: str | None = field(default=None, metadata=_opt(
+        "--draft-policy", choices=POLICY_CHOICES,
+        help="draft length per step: fixed; heuristic (+2/-1); confidence (fixed, stops when the draft is "
+             "unsure); cost (measures costs and acceptance online, falls back to plain decoding when drafting "
+             f"does not pay). Default: {DEFAULT_POLICY}, or fixed when -k is given"))
+    k: int | None = field(default=None, metadata=_opt(
+        "-k", "--draft-tokens", type=int,
+        help=f"draft length per step; adaptive policies range up to twice this (default: {DEFAULT_K})"))
+    draft_body: str = field(default="auto", metadata=_opt(
+        "--draft-body", choices=DRAFT_BODY_CHOICES,
+        help="shared: run the draft model on the target's body, loading only the draft's head (one body's "
+             "weights and KV cache); own: load the draft's own body; auto (default): shared for a self-draft "
+             "without a layer cut on an int8/int4 target, where the backend can (no --memory-budget)"))
+    static: bool = field(default=False, metadata=_opt(
+        "--static-shapes", kind="true",
+        help="OpenVINO: fixed KV capacity and verify width k+1, as NPUs need (NPU turns it on)"))
+    threads: int | None = field(default=None, metadata=_opt(
+        "--threads", type=int, help="CPU threads per model (default: backend's choice)"))
+    memory_budget: str | int | None = field(default=None, metadata=_opt(
+        "--memory-budget", metavar="SIZE",
+        help="memory for the whole process, e.g. 1.5GB or 900MiB: sizes the KV cache and draft length, drops "
+             "the draft model if it does not fit (see `edgespec plan`)"))
+    max_context: int | None = field(default=None, metadata=_opt(
+        "--max-context", type=int, metavar="N",
+        help="most tokens a conversation holds (default: 4096, or what --memory-budget allows); chat drops its "
+             "oldest turns beyond it"))
+    require_exact: bool = field(default=False, metadata=_opt(
+        "--require-exact", kind="both",
+        help="draft only where a verify forward rounds bit for bit like plain decoding on this machine "
+             "(measured by a probe at the first load, cached; `edgespec info BUNDLE` shows it); otherwise "
+             "greedy drafting runs with a warning. Default: on for bench, off elsewhere"))
+    retune: bool = field(default=False, metadata=_opt(
+        "--retune", kind="true", help="measure this machine again (the exactness probe) instead of reading the cache"))
+
+    def __post_init__(self) -> None:
+        for name in ("backend", "draft_backend"):
+            value = getattr(self, name)
+            if value is not None and value not in BACKENDS:
+                raise ConfigError(f"unknown backend '{value}' (available: {', '.join(BACKENDS)})")
+        for name in ("device", "draft_device"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{name} must be a device name such as CPU or GPU, got {value!r}")
+        if self.drafter not in DRAFTER_CHOICES:
+            raise ConfigError(f"unknown drafter {self.drafter!r}; choose one of: {', '.join(DRAFTER_CHOICES)}")
+        # the policy registry checks the name and k (an unknown name fails even when nothing drafts)
+        make_policy(self.policy or DEFAULT_POLICY, DEFAULT_K if self.k is None else self.k)
+        if self.draft_body not in DRAFT_BODIES:
+            raise ConfigError(f"draft_body must be one of {', '.join(DRAFT_BODIES)}, got {self.draft_body!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if self.max_context is not None and (isinstance(self.max_context, bool)
+                                             or not isinstance(self.max_context, int) or self.max_context < 2):
+            raise ConfigError(f"max_context must be an integer >= 2, got {self.max_context!r}")
+        if self.memory_budget is not None:
+            from .memory.budget import parse_bytes
+
+            parse_bytes(self.memory_budget)
+        for name in ("use_draft", "static", "require_exact", "retune"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The memory budget in bytes (None: no budget)."""
+        if self.memory_budget is None:
+            return None
+        from .memory.budget import parse_bytes
+
+        return parse_bytes(self.memory_budget)
+
+    def replace(self, **overrides) -> EngineConfig:
+        """A copy with `overrides`, validated again; an unknown name is a ConfigError."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"unknown engine option{'s' * (len(unknown) > 1)} {', '.join(unknown)}; "
+                              f"known: {', '.join(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# field name -> its command-line form; the CLI builds its engine flags from this table alone
+OPTIONS: dict[str, Option] = {f.name: f.metadata["cli"] for f in dataclasses.fields(EngineConfig)}
+
+
+def engine_config(config: EngineConfig | None = None, **overrides) -> EngineConfig:
+    """`config` (default: EngineConfig()) with keyword overrides, as `edgespec.load` takes them."""
+    base = config if config is not None else EngineConfig()
+    if not isinstance(base, EngineConfig):
+        raise ConfigError(f"config must be an EngineConfig, got {type(base).__name__}")
+    return base.replace(**overrides) if overrides else base
