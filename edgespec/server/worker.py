@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..api import GenerationStats
+from ..decoding import GenerationStats
 from ..errors import EdgespecError
 
 if TYPE_CHECKING:
