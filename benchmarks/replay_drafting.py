@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import types
 from pathlib import Path
 
 import numpy as np
@@ -156,18 +155,18 @@ def main() -> int:
     from edgespec.api import Engine
     from edgespec.bench.suites import encode_prompt, load_prompts
     from edgespec.bundle import load_bundle
-    from edgespec.decoding import SamplingParams, drafters, speculative
+    from edgespec.decoding import SamplingParams
 
     bundle = load_bundle(args.bundle)
     clock = Clock(args.noise)
-    engines = {name: Engine(bundle, backend="openvino", threads=args.threads) for name in VARIANTS}
+    # the decoder, its drafters and the cost policy read the virtual clock
+    engines = {name: Engine(bundle, backend="openvino", threads=args.threads, clock=clock.perf_counter)
+               for name in VARIANTS}
     if not all(e.shared_body for e in engines.values()):
         raise SystemExit("the replay models a draft on the target's body; this bundle's draft has its own")
     costs = (json.loads(args.costs.read_text())["cost_model_ms"] if args.costs
              else measure_costs(next(iter(engines.values()))))
     print("cost model (ms): " + ", ".join(f"{k} {a:.2f} + {b:.3f}/token" for k, (a, b) in costs.items()))
-    fake_time = types.SimpleNamespace(perf_counter=clock.perf_counter)
-    drafters.time = speculative.time = fake_time  # the decoder and the policy read the virtual clock
     for name, e in engines.items():
         instrument(e, clock, costs)
         switch_off(e, VARIANTS[name])
