@@ -32,8 +32,7 @@ import numpy as np
 from ..errors import BackendError
 from .shared_body import SharedBodyRuntime, shared_pair
 
-__all__ = ["HIDDEN", "OnnxHead", "body_model", "head_model", "map_initializers", "open_shared_pair",
-           "shared_names"]
+__all__ = ["HIDDEN", "MappedTables", "OnnxHead", "body_model", "head_model", "open_shared_pair", "shared_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,27 +133,62 @@ def shared_names(*models) -> list[str]:
     return sorted(set.intersection(*sets)) if sets else []
 
 
-def map_initializers(model, folder: Path, names: Iterable[str]) -> dict[str, np.ndarray]:
-    """`names` of `model`'s initializers as arrays: mapped read-only from their external data
-    file (file pages, shared by every session handed them), or copied from the proto."""
-    from onnx import TensorProto, helper, numpy_helper
+class MappedTables:
+    """Initializers mapped read-only from their external data files (one mapping per file): file
+    pages, shared by every session handed them, that the kernel may drop and read back.
 
-    protos = {t.name: t for t in model.graph.initializer}
-    out = {}
-    for name in names:
-        t = protos[name]
-        if t.data_location != TensorProto.EXTERNAL:
-            out[name] = np.ascontiguousarray(numpy_helper.to_array(t))
-            continue
-        info = {e.key: e.value for e in t.external_data}
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-        count = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
-        if int(info.get("length", count * dtype.itemsize)) != count * dtype.itemsize:
-            raise BackendError(f"initializer {name} is not stored as plain {dtype} (export the bundle again)")
-        arr = np.memmap(folder / info["location"], dtype=dtype, mode="r", offset=int(info.get("offset", 0)),
-                        shape=(count,))
-        out[name] = arr.reshape(tuple(t.dims))
-    return out
+    After the sessions that read them are built (a head's MatMulNBits prepacks its own copy then),
+    `drop_pages()` lets the pages go: what a Gather reads later (the embedding rows of the tokens
+    seen) comes back, the rest of the table no longer counts in the process's memory."""
+
+    def __init__(self, model, folder: Path, names: Iterable[str]) -> None:
+        import mmap
+
+        from onnx import TensorProto, helper, numpy_helper
+
+        protos = {t.name: t for t in model.graph.initializer}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._ranges: list[tuple[Path, int, int]] = []  # (file, offset, length) of each mapped table
+        self.arrays: dict[str, np.ndarray] = {}
+        for name in names:
+            t = protos[name]
+            if t.data_location != TensorProto.EXTERNAL:
+                self.arrays[name] = np.ascontiguousarray(numpy_helper.to_array(t))
+                continue
+            info = {e.key: e.value for e in t.external_data}
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+            count = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
+            if int(info.get("length", count * dtype.itemsize)) != count * dtype.itemsize:
+                raise BackendError(f"initializer {name} is not stored as plain {dtype} (export the bundle again)")
+            file = info["location"]
+            if file not in self._maps:
+                with open(folder / file, "rb") as f:
+                    self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            offset = int(info.get("offset", 0))
+            flat = np.frombuffer(self._maps[file], dtype=dtype, count=count, offset=offset)
+            self.arrays[name] = flat.reshape(tuple(t.dims))
+            self._ranges.append((folder / file, offset, count * dtype.itemsize))
+
+    def drop_pages(self) -> None:
+        """Unmap the resident pages (they stay in the file): the next read faults them back in.
+
+        A row read later must bring back its own page, not the large folio the file was cached in
+        when it was read whole (on Linux 6.x, one random embedding row mapped ~3 MB back): so reads
+        are marked random (no read-around) and the tables' cached pages are dropped too."""
+        import mmap
+
+        if not (hasattr(mmap, "MADV_DONTNEED") and hasattr(mmap, "MADV_RANDOM")):
+            return  # not Linux or macOS: the pages stay mapped, as a session's own copy would
+        for m in self._maps.values():
+            m.madvise(mmap.MADV_RANDOM)
+            m.madvise(mmap.MADV_DONTNEED)
+        if hasattr(os, "posix_fadvise"):
+            for path, offset, length in self._ranges:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
 
 
 def session(model, folder: Path, *, threads: int | None, spin: bool, initializers: dict):
@@ -261,13 +295,18 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
 
     target_path, draft_path = Path(target_path), Path(draft_path)
     body_proto, head_proto = body_model(target_path), head_model(target_path)
-    # the tied table (embedding and head) mapped once, handed to the body's and the head's sessions
-    tied = ort_values(map_initializers(body_proto, target_path.parent, shared_names(body_proto, head_proto)))
-    body = OnnxRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, pad_rows=pad_rows,
-                       output=HIDDEN, initializers=tied, **kw)
+    # the tied table (embedding and head) mapped once, handed to the head's and the body's sessions
+    tables = MappedTables(body_proto, target_path.parent, shared_names(body_proto, head_proto))
+    tied = ort_values(tables.arrays)
     heads: list[OnnxHead] = []
+    body = None
     try:
+        # the head first: it prepacks its own copy of the table while the body's weights are not
+        # loaded yet (the peak), then the table's pages go, and only gathered rows come back
         heads.append(OnnxHead(target_path, threads=threads, pad_rows=pad_rows, initializers=tied, in_body=True))
+        tables.drop_pages()
+        body = OnnxRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, pad_rows=pad_rows,
+                           output=HIDDEN, initializers=tied, **kw)
         heads.append(OnnxHead(draft_path, threads=threads, pad_rows=pad_rows))
         if heads[1].hidden_size != heads[0].hidden_size:
             raise BackendError(f"the draft's head reads hidden states of size {heads[1].hidden_size}, the target's "
@@ -275,6 +314,7 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
     except BaseException:
         for h in heads:
             h.close()
-        body.close()
+        if body is not None:
+            body.close()
         raise
     return shared_pair(body, heads[0], heads[1])
