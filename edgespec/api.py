@@ -24,7 +24,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from .assembly import EnginePlan, plan_engine, probe_width
+from .assembly import EnginePlan, decoder_limits, plan_engine, probe_width
 from .bundle import Bundle, load_bundle
 from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
 from .config import EngineConfig, engine_config
@@ -128,14 +128,33 @@ class Engine:
     def _open(self, bundle: Bundle, plan: EnginePlan) -> None:
         """Execute `plan`: open the target (and draft), plan memory under a budget, settle the
         target's exact mode, build the decoder. Everything opened is entered into `self._stack`."""
-        c, m, backend = self.config, bundle.manifest, plan.backend
-        self.plan, self.bundle, self.backend = plan, bundle, backend
+        m = bundle.manifest
+        self.plan, self.bundle, self.backend = plan, bundle, plan.backend
         self.drafter_name, self.policy_name, self.k = plan.drafter, plan.policy, plan.k
         self.shared_body = plan.shared_body  # the draft reads the target's body through its own head
         self.draft = self.draft_backend = None
+        self.exactness = None  # the probe's verdict: which verify widths round like plain decoding here
         self.tokenizer = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
         budget = self._budget(bundle, plan)  # None: no budget
         files = [bundle.file(plan.target.file)] + ([bundle.file(plan.draft.file)] if plan.shared_body else [])
+        reopen, mode, remembered, remember = self._open_models(bundle, plan, budget, files)
+        self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
+        if self.memory_plan is not None and self.draft is not None and not self.memory_plan.use_draft:
+            self._drop_draft()  # measured, it does not fit after all
+        # a plain engine probes only to settle its target's mode where no engine has here yet
+        if self.drafter_name is not None or (plan.switchable and remembered is None):
+            self._settle(plan, files, reopen if plan.switchable else None, mode, remember)
+        kv = [rt.kv_capacity for rt in (self.target, self.draft) if rt is not None]
+        self.limits = MappingProxyType(decoder_limits(self.config.max_context, kv, self.memory_plan, self.exactness,
+                                                      self.shared_body))
+        # most tokens a sequence may hold (prompt + reply); None: no fixed limit
+        self.context_limit: int | None = self.limits["context_limit"]
+        self.decoder = self.variant()
+
+    def _open_models(self, bundle: Bundle, plan: EnginePlan, budget, files: list[Path]):
+        """Open the target (with a draft on its body) in the mode settled on here last time, and a
+        draft on its own body; (reopen, mode, remembered, remember) for settling the mode."""
+        c, backend = self.config, plan.backend
         # The target's mode (runtimes/exactness.py): the one settled on here last time, opened
         # straight away. Plain and speculative engines share it, so that their greedy outputs are
         # the same model's (an exact mode such as padded rows rounds unlike the default).
@@ -161,38 +180,23 @@ class Engine:
                                            **plan.draft.options)
             self.draft = self._stack.enter_context(budget.open_draft(open_draft) if budget else open_draft())
             self.draft_backend = plan.draft.backend
-        self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
-        if self.memory_plan is not None and self.draft is not None and not self.memory_plan.use_draft:
-            self._drop_draft()  # measured, it does not fit after all
-        # an engine-side limit: prompts prefill in the chunks the memory plan sized scratch memory for
+        return reopen, mode, remembered, remember
+
+    def _settle(self, plan: EnginePlan, files: list[Path], reopen, mode: dict, remember) -> None:
+        """Probe exactness and keep the target's exact mode (exact_mode.py); where no verify width
+        is exact, drafting goes under require_exact."""
         mp = self.memory_plan
-        max_batch = max(mp.prefill_chunk, mp.max_draft + 1, 2) if mp is not None else None
-        # which verify widths round like plain decoding on this machine; a plain engine probes only
-        # to settle its target's mode where no engine has here yet (None: not probed)
-        self.exactness = None
-        if self.drafter_name is not None or (plan.switchable and remembered is None):
-            widest = probe_width(self.drafter_name, self.policy_name, self.k, batch_limit(self.target, max_batch))
-            settled = settle_exact_mode(backend, self.target, self.draft if plan.shared_body else None, files, widest,
-                                        threads=c.threads, retune=c.retune, mode=mode, stack=self._stack,
-                                        reopen=reopen if plan.switchable else None, remember=remember)
-            self.target, self.exactness = settled.target, settled.verdict
-            if plan.shared_body:
-                self.draft = settled.shared_draft
-            if (settled.verdict.exact_width < 2 and self.drafter_name is not None
-                    and not inexact_drafting(backend, settled.verdict, c.require_exact)):
-                self._drop_draft()
-        verify_width = self.exactness.exact_width if self.exactness and self.exactness.exact_width >= 2 else None
-        caps = [rt.kv_capacity for rt in (self.target, self.draft) if rt is not None and rt.kv_capacity]
-        caps += [c.max_context] if c.max_context is not None else []
-        caps += [mp.kv_capacity] if mp is not None else []
-        # most tokens a sequence may hold (prompt + reply); None: no fixed limit
-        self.context_limit: int | None = min(caps) if caps else None
-        # what every decoder on these runtimes is built with (Engine.variant)
-        self.limits = MappingProxyType({
-            "context_limit": self.context_limit, "max_draft": mp.max_draft if mp is not None else None,
-            "verify_width": verify_width, "draft_width": verify_width if self.shared_body else None,
-            "max_batch": max_batch})
-        self.decoder = self.variant()
+        widest = probe_width(self.drafter_name, self.policy_name, self.k,
+                             batch_limit(self.target, decoder_limits(None, [], mp, None, False)["max_batch"]))
+        settled = settle_exact_mode(plan.backend, self.target, self.draft if plan.shared_body else None, files,
+                                    widest, threads=self.config.threads, retune=self.config.retune, mode=mode,
+                                    stack=self._stack, reopen=reopen, remember=remember)
+        self.target, self.exactness = settled.target, settled.verdict
+        if plan.shared_body:
+            self.draft = settled.shared_draft
+        if (settled.verdict.exact_width < 2 and self.drafter_name is not None
+                and not inexact_drafting(plan.backend, settled.verdict, self.config.require_exact)):
+            self._drop_draft()
 
     def _drop_draft(self) -> None:
         """Decode without the draft model from here on (it does not fit, or drafting is refused)."""

@@ -21,7 +21,7 @@ from .decoding import DEFAULT_K, DRAFTERS
 from .errors import ConfigError
 from .runtimes import BACKENDS, pick_backend
 
-__all__ = ["ModelPlan", "EnginePlan", "plan_engine", "MAX_PROBE_WIDTH", "probe_width"]
+__all__ = ["ModelPlan", "EnginePlan", "plan_engine", "MAX_PROBE_WIDTH", "probe_width", "decoder_limits"]
 
 MAX_PROBE_WIDTH = 33  # the widest verify the exactness probe tries (and so the widest one allowed)
 
@@ -86,6 +86,22 @@ def probe_width(drafter: str | None, policy: str, k: int, max_batch: int | None)
     if max_batch is not None:
         widest = min(widest, max_batch)
     return max(2, min(widest, MAX_PROBE_WIDTH))
+
+
+def decoder_limits(max_context: int | None, kv_capacities: list[int | None], memory_plan, exactness,
+                   shared_body: bool) -> dict[str, int | None]:
+    """What every decoder on an engine's runtimes is built with (SpeculativeDecoder's limits):
+    the context the caches and the config allow, a memory plan's draft length and prefill chunk,
+    and the verify widths the exactness probe found exact (a draft on the target's body keeps to
+    them too). None: no limit."""
+    mp = memory_plan
+    caps = [n for n in kv_capacities if n] + ([max_context] if max_context is not None else [])
+    caps += [mp.kv_capacity] if mp is not None else []
+    exact = exactness.exact_width if exactness is not None and exactness.exact_width >= 2 else None
+    return {"context_limit": min(caps) if caps else None, "max_draft": mp.max_draft if mp is not None else None,
+            "verify_width": exact, "draft_width": exact if shared_body else None,
+            # prompts prefill in the chunks the memory plan sized the scratch memory for
+            "max_batch": max(mp.prefill_chunk, mp.max_draft + 1, 2) if mp is not None else None}
 
 
 def _frozen(options: dict) -> MappingProxyType:

@@ -217,3 +217,20 @@ def test_an_injected_clock_times_the_generation(zoo):
     # every duration is a whole number of virtual seconds: nothing read the wall clock
     assert st.elapsed_s == int(st.elapsed_s) and st.verify_ms % 1000 == 0 and st.draft_ms % 1000 == 0
     assert st.verify_ms >= 1000 * st.steps
+
+
+def test_decoder_limits_take_the_tightest_bound():
+    from edgespec.assembly import decoder_limits
+
+    assert decoder_limits(None, [None, None], None, None, False) == {
+        "context_limit": None, "max_draft": None, "verify_width": None, "draft_width": None, "max_batch": None}
+    exact = SimpleNamespace(exact_width=5)
+    lim = decoder_limits(512, [4096, None], None, exact, True)
+    assert lim["context_limit"] == 512 and lim["verify_width"] == lim["draft_width"] == 5
+    assert decoder_limits(None, [], None, exact, False)["draft_width"] is None
+    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=1), True)["verify_width"] is None
+    plan = SimpleNamespace(kv_capacity=300, max_draft=3, prefill_chunk=32)
+    lim = decoder_limits(1000, [400], plan, None, False)
+    assert lim["context_limit"] == 300 and lim["max_draft"] == 3 and lim["max_batch"] == 32
+    assert decoder_limits(None, [], SimpleNamespace(kv_capacity=9, max_draft=40, prefill_chunk=8), None,
+                          False)["max_batch"] == 41  # a verify of every draft still fits one forward
