@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 from edgespec.errors import ExportError  # noqa: E402
-from edgespec.exporters.gguf_transcode import TRANSCODABLE, BlockWeight, transcode  # noqa: E402
+from edgespec.exporters.gguf_transcode import TRANSCODABLE, BlockWeight, fold_mins, transcode  # noqa: E402
 
 N, K = 12, 512  # two K-quant super-blocks per row
 # integer zero points (and 8-bit mins kept apart): the same float32 products as gguf-py's
@@ -24,10 +24,10 @@ def _f16(rng, n, lo=-0.05, hi=0.05) -> np.ndarray:
     return rng.uniform(lo, hi, n).astype(np.float16).view(np.uint8).reshape(n, 2)
 
 
-def _raw_k_blocks(name: str, rng: np.random.Generator) -> np.ndarray:
+def _raw_k_blocks(name: str, rng: np.random.Generator, n: int = N, k: int = K) -> np.ndarray:
     """Random K-quant blocks built by bytes (gguf-py cannot quantize these): random codes, 6-bit
     scales and mins, finite fp16 super-block scales; some super-blocks with d = 0 or dmin = 0."""
-    n_blocks = N * K // 256
+    n_blocks = n * k // 256
     blocks = rng.integers(0, 256, size=(n_blocks, _RAW_BYTES[name]), dtype=np.uint8)
     if name == "Q6_K":
         blocks[:, 208:210] = _f16(rng, n_blocks)
@@ -37,19 +37,19 @@ def _raw_k_blocks(name: str, rng: np.random.Generator) -> np.ndarray:
         blocks[:, 2:4] = _f16(rng, n_blocks, 0.0, 0.05)
         blocks[0, 0:2] = 0  # d = 0: every sub-block is the constant -dmin * m
         blocks[1, 2:4] = 0  # dmin = 0: no offset
-    return blocks.reshape(N, -1)
+    return blocks.reshape(n, -1)
 
 
-def _source(name: str, rng: np.random.Generator) -> np.ndarray:
-    """(N, row bytes) raw GGUF data of type `name`."""
+def raw_blocks(name: str, rng: np.random.Generator, n: int = N, k: int = K) -> np.ndarray:
+    """(n, row bytes) raw GGUF data of type `name` (k a multiple of 256 for K-quants)."""
     if name in _RAW_BYTES:
-        return _raw_k_blocks(name, rng)
-    data = rng.normal(0, 0.1, (N, K)).astype(np.float32)
+        return _raw_k_blocks(name, rng, n, k)
+    data = rng.normal(0, 0.1, (n, k)).astype(np.float32)
     data[0, :32] = 0.25  # a constant block: Q4_1's d = 0
     return quantize(data, T[name])
 
 
-def _block_tolerance(w: BlockWeight) -> np.ndarray:
+def block_tolerance(w: BlockWeight) -> np.ndarray:
     """Per-element bound: a few float32 ulps of the block's largest term |scale| * max code + |offset|."""
     n, k = w.shape
     zp = np.zeros_like(w.scales) if w.zero_points is None else w.zero_points.astype(np.float32)
@@ -61,7 +61,7 @@ def _block_tolerance(w: BlockWeight) -> np.ndarray:
 @pytest.mark.parametrize("name", EXACT + AFFINE)
 def test_every_block_dequantizes_like_gguf(name):
     rng = np.random.default_rng(0)
-    raw = _source(name, rng)
+    raw = raw_blocks(name, rng)
     w = transcode(raw, T[name], (N, K), f"blk.0.{name}.weight")
     assert isinstance(w, BlockWeight) and w.shape == (N, K) and w.source_type == name
     ref = dequantize(raw, T[name]).reshape(N, K)
@@ -70,7 +70,7 @@ def test_every_block_dequantizes_like_gguf(name):
     if name in EXACT:
         np.testing.assert_array_equal(got, ref)
     else:
-        bad = np.abs(got - ref) > _block_tolerance(w)
+        bad = np.abs(got - ref) > block_tolerance(w)
         assert not bad.any(), f"{bad.sum()} elements off, first at {np.argwhere(bad)[0]}"
 
 
@@ -78,7 +78,7 @@ def test_every_block_dequantizes_like_gguf(name):
 @pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 def test_codes_are_the_gguf_codes(name):
     """No requantization: the codes' bit width and block size follow the GGUF type."""
-    w = transcode(_source(name, np.random.default_rng(1)), T[name], (N, K), "t")
+    w = transcode(raw_blocks(name, np.random.default_rng(1)), T[name], (N, K), "t")
     bits, block = {"Q4_0": (4, 32), "Q5_0": (8, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q5_K": (8, 32),
                    "Q6_K": (8, 16)}[name]
     assert (w.bits, w.block_size) == (bits, block)
@@ -111,8 +111,23 @@ def test_unknown_block_type_is_a_one_line_error(name):
     assert "\n" not in msg and name in msg and "blk.3.ffn_up.weight" in msg
 
 
+@pytest.mark.parametrize("name", ["Q5_1", "Q5_K", "Q4_K"])
+def test_folded_mins_dequantize_like_gguf(name):
+    """fold_mins (OpenVINO's form: float zero points, no mins) keeps the codes and gives the GGUF's
+    weights within float32 rounding of min / scale, constant (scale 0) blocks included."""
+    raw = raw_blocks(name, np.random.default_rng(7))
+    w = transcode(raw, T[name], (N, K), "t")
+    f = fold_mins(w)
+    assert f.mins is None and f.bits == w.bits and f.block_size == w.block_size
+    kept = w.scales != 0  # only constant blocks' codes change
+    np.testing.assert_array_equal(f.codes[kept], w.codes[kept])
+    ref = dequantize(raw, T[name]).reshape(N, K)
+    bad = np.abs(f.dequantize() - ref) > block_tolerance(w)
+    assert not bad.any(), f"{bad.sum()} elements off, max {np.abs(f.dequantize() - ref).max()}"
+
+
 def test_rows_keep_the_blocks():
-    w = transcode(_source("Q4_K", np.random.default_rng(4)), T.Q4_K, (N, K), "t")
+    w = transcode(raw_blocks("Q4_K", np.random.default_rng(4)), T.Q4_K, (N, K), "t")
     keep = np.array([7, 0, 3])
     np.testing.assert_array_equal(w.rows(keep).dequantize(), w.dequantize()[keep])
 
@@ -147,22 +162,22 @@ def _run_graph(w: BlockWeight, ids: np.ndarray | None = None) -> np.ndarray:
 
 @pytest.mark.parametrize("name", EXACT + AFFINE)
 def test_onnxruntime_matmulnbits_dequantizes_like_gguf(name):
-    raw = _source(name, np.random.default_rng(5))
+    raw = raw_blocks(name, np.random.default_rng(5))
     w = transcode(raw, T[name], (N, K), "t")
     ref = dequantize(raw, T[name]).reshape(N, K)
     got = _run_graph(w).T  # I @ W^T
-    bad = np.abs(got - ref) > _block_tolerance(w) + 1e-30
+    bad = np.abs(got - ref) > block_tolerance(w) + 1e-30
     assert not bad.any(), f"{name}: {bad.sum()} elements off, max {np.abs(got - ref).max()}"
 
 
 @pytest.mark.parametrize("name", EXACT + AFFINE)
 def test_embedding_gather_dequantizes_like_gguf(name):
-    raw = _source(name, np.random.default_rng(6))
+    raw = raw_blocks(name, np.random.default_rng(6))
     w = transcode(raw, T[name], (N, K), "t")
     ref = dequantize(raw, T[name]).reshape(N, K)
     ids = np.array([3, 0, 11, 3])
     got = _run_graph(w, ids)[0]
-    tol = _block_tolerance(w)[ids]
+    tol = block_tolerance(w)[ids]
     assert not (np.abs(got - ref[ids]) > tol).any()
 
 

@@ -51,11 +51,12 @@ FORMAT_WRITERS: dict[str, str] = {
 FORMATS = tuple(FORMAT_WRITERS)
 # format -> (import name, pip extra) its writer needs, checked before any work
 FORMAT_PACKAGES: dict[str, tuple[str, str]] = {"openvino": ("nncf", "openvino-export")}
-# "source": a GGUF's own quantized blocks, transcoded (onnx) or copied (gguf); fp32 for other sources
+# "source": a GGUF's own quantized blocks, transcoded (onnx, openvino) or copied (gguf); fp32 for other sources
 TARGET_PRECISIONS = ("source", "fp32", "fp16", "int8", "int4")
 DRAFT_PRECISIONS = ("source", "fp32", "int8", "int4")
-# formats whose writer takes GGUF blocks as they are; the others get gguf-py's dequantized weights
-BLOCK_FORMATS = ("onnx",)
+# formats whose writer takes GGUF blocks as they are (onnx: MatMulNBits, openvino: compressed u4/u8
+# constants); the others get gguf-py's dequantized weights
+BLOCK_FORMATS = ("onnx", "openvino")
 # MatMulNBits' accuracy_level for transcoded GGUF weights. 4: activations quantized to int8 per block,
 # as llama.cpp's own CPU kernels do against these blocks; onnxruntime's CPU kernels have no fp32
 # path for 8-bit codes (Q5_0/Q8_0/Q6_K here): with level 0 they dequantize the whole matrix on every
@@ -165,16 +166,13 @@ def _source_quantization(job: ModelJob) -> tuple[str, dict]:
 
 def _for_format(fmt: str, job: ModelJob) -> ModelJob:
     """A "source" job as a writer without block support takes it: gguf copies the target file (None)
-    and re-encodes a shaped draft as int8; openvino gets the dequantized weights, the same model."""
+    and re-encodes a shaped draft as int8 from the dequantized weights."""
     if job.precision != "source" or fmt in BLOCK_FORMATS:
         return job
-    weights = job.source.model.dequantized()
-    if fmt == "gguf":
-        precision = None if job.role == "target" else "int8"
-    else:
-        precision = None
-        logger.info("%s: the %s GGUF's blocks are written dequantized (fp32), the same model", fmt, job.role)
-    return replace(job, weights=weights, precision=precision)
+    if fmt != "gguf":
+        raise ExportError(f"--format {fmt} cannot take a GGUF's blocks; give --target-precision")
+    precision = None if job.role == "target" else "int8"
+    return replace(job, weights=job.source.model.dequantized(), precision=precision)
 
 
 def write_onnx(job: ModelJob, bar) -> Artifact:

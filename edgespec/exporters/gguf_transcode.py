@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import ExportError
 
-__all__ = ["BlockWeight", "transcode", "TRANSCODABLE", "dequantize_blockweight", "quant_type_name"]
+__all__ = ["BlockWeight", "transcode", "TRANSCODABLE", "dequantize_blockweight", "quant_type_name", "fold_mins"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,24 @@ def dequantize_blockweight(w: BlockWeight) -> np.ndarray:
     if w.mins is not None:
         out = out - w.mins[..., None]
     return out.reshape(w.shape).astype(np.float32, copy=False)
+
+
+def fold_mins(w: BlockWeight) -> BlockWeight:
+    """The same weight with its block mins folded into float zero points, w = scale (q - min / scale),
+    for consumers that take zero points of any type with any bit width (OpenVINO's compressed
+    constants); exact up to float32 rounding of min / scale, as 4-bit K-quants already are. A block
+    whose scale is 0 keeps its constant value -min as codes 1, zero point 0, scale -min."""
+    if w.mins is None:
+        return w
+    zero = w.scales == 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zp = np.where(zero, 0.0, w.mins / np.where(zero, 1.0, w.scales)).astype(np.float32)
+    codes, scales = w.codes, w.scales
+    if zero.any():
+        codes = codes.copy()
+        codes[zero] = 1 if w.bits == 8 else 0x11  # 8-bit codes are unpacked; 4-bit two per byte
+        scales = np.where(zero, -w.mins, w.scales).astype(np.float32)
+    return BlockWeight(codes, scales, zp, w.bits, w.block_size, w.source_type)
 
 
 def _pack4(q: np.ndarray) -> np.ndarray:

@@ -11,6 +11,15 @@ The IR uses the graph's buffer KV layout (see onnx_graph.py): position ids, an a
 mask and only the new KV rows as outputs, with every size a shape. The runtime keeps the KV
 buffer, so one IR serves the dynamic mode and the static-shape (NPU) mode, where it is
 reshaped to a fixed KV capacity and verify width at load time.
+
+A GGUF source in its own precision ("source") keeps its blocks: the graph is built on the
+GGUF's BlockWeights (gguf_transcode) as onnxruntime's MatMulNBits, and OpenVINO's ONNX frontend
+turns each MatMulNBits into the compressed-weight pattern NNCF writes and the CPU plugin fuses
+into its compressed FullyConnected: Constant u4/u8 (N, K/block, block) -> Convert f32 ->
+Subtract zero point -> Multiply scale -> Reshape (N, K) -> MatMul. The codes are the GGUF's
+own; block mins are folded into float zero points first (fold_mins), since OpenVINO takes
+zero points of any type with 8-bit codes. The tied embedding stays one table: its Gather reads
+the head's codes and dequantizes the gathered rows only. Nothing goes through NNCF or fp32.
 """
 from __future__ import annotations
 
@@ -19,11 +28,15 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
+
 from ..bundle import Artifact
 from ..errors import ExportError
+from .gguf_transcode import BlockWeight, fold_mins
 from .onnx_graph import build_decoder
 
-__all__ = ["OVScheme", "OV_SCHEMES", "INFERENCE_PRECISION", "write_openvino", "compress"]
+__all__ = ["OVScheme", "OV_SCHEMES", "INFERENCE_PRECISION", "write_openvino", "compress", "convert_graph",
+           "source_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +106,47 @@ def _group_size(hidden: int, wanted: int) -> int:
     return g if hidden % g == 0 else -1
 
 
-def write_openvino(job, bar) -> Artifact:
-    """Build the buffer-layout graph, convert it, compress its weights, save the IR."""
+def source_weights(weights: dict) -> dict:
+    """A GGUF job's weights as the OpenVINO graph takes them: BlockWeights with mins folded into
+    float zero points (the codes untouched), float tensors as they are."""
+    return {k: fold_mins(v) if isinstance(v, BlockWeight) else v for k, v in weights.items()}
+
+
+def _exact_shifts(model) -> int:
+    """Rewrite the ONNX frontend's BitShift (Divide(x, Power(2, n)) on unsigned integers) as
+    BitwiseRightShift(x, n); returns how many. The CPU plugin computes that Power and Divide in
+    floating point (measured: 155 / Power(2, 4) gave 10), which corrupts the high nibbles a
+    4-bit table's Gather unpacks (onnx_graph.gather_blocks)."""
+    import openvino.opset15 as ops
+
+    ov = _import_ov()
+    n = 0
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "Divide" or node.get_output_element_type(0) not in (ov.Type.u8, ov.Type.u16,
+                                                                                          ov.Type.u32, ov.Type.u64):
+            continue
+        power = node.input_value(1).get_node()
+        args = [power.input_value(i).get_node() for i in range(power.get_input_size())]
+        if power.get_type_name() != "Power" or any(a.get_type_name() != "Constant" for a in args):
+            continue
+        base, exp = (np.asarray(a.get_data()) for a in args)
+        if base.size != 1 or int(base.reshape(-1)[0]) != 2:
+            continue
+        shift = ops.bitwise_right_shift(node.input_value(0), ops.constant(exp.astype(node.get_output_element_type(0)
+                                                                                   .to_dtype())))
+        node.output(0).replace(shift.output(0))
+        n += 1
+    return n
+
+
+def convert_graph(spec, weights: dict, opts, scratch_dir: Path, what: str = "model"):
+    """edgespec's decoder graph (onnx_graph.build_decoder) as an OpenVINO model, through a
+    scratch ONNX file in `scratch_dir` (OpenVINO's ONNX frontend reads files)."""
     import onnx
 
     ov = _import_ov()
-    job = replace(job, precision=job.precision or "fp32")  # None: as the source, which is float here
-    out = job.bundle_dir / job.role / "openvino" / "model.xml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # the graph computes in fp32; weights go to the IR as fp32 or fp16 (save_model compresses)
-    opts = replace(job.opts, weight_dtype="fp32", kv_layout="buffer")
-    bar.set_postfix_str(f"converting {job.role} to OpenVINO")
-    graph = build_decoder(job.spec, job.weights, opts)
-    with tempfile.TemporaryDirectory(dir=job.bundle_dir) as scratch:
+    graph = build_decoder(spec, weights, opts)
+    with tempfile.TemporaryDirectory(dir=scratch_dir) as scratch:
         path = Path(scratch) / "model.onnx"
         onnx.save_model(graph, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
@@ -113,9 +154,36 @@ def write_openvino(job, bar) -> Artifact:
         try:
             model = ov.convert_model(str(path))
         except Exception as e:  # OpenVINO raises its own types; keep one line
-            raise ExportError(f"OpenVINO could not convert the {job.role} graph: {str(e).splitlines()[0]}") from e
+            raise ExportError(f"OpenVINO could not convert the {what} graph: {str(e).splitlines()[0]}") from e
+    _exact_shifts(model)
+    return model
+
+
+def _source_quantization(job) -> tuple[str, dict]:
+    """Manifest precision and quantization of a GGUF's blocks as compressed constants."""
+    m = job.source.model
+    return m.precision, {"method": "gguf-transcode", "op": "openvino compressed constants (u4/u8)",
+                         "gguf_file_type": m.file_type, "gguf_block_types": m.block_types}
+
+
+def write_openvino(job, bar) -> Artifact:
+    """Build the buffer-layout graph, convert it, compress its weights (or keep a GGUF's), save the IR."""
+    ov = _import_ov()
+    source = job.precision == "source"
+    job = replace(job, precision=job.precision or "fp32")  # None: as the source, which is float here
+    out = job.bundle_dir / job.role / "openvino" / "model.xml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # the graph computes in fp32; weights go to the IR as fp32 or fp16 (save_model compresses), or
+    # as a GGUF's own blocks
+    opts = replace(job.opts, weight_dtype="fp32", kv_layout="buffer")
+    bar.set_postfix_str(f"{'transcoding' if source else 'converting'} {job.role} to OpenVINO")
+    weights = source_weights(job.weights) if source else job.weights
+    model = convert_graph(job.spec, weights, opts, job.bundle_dir, job.role)
     quant = None
-    if job.precision in OV_SCHEMES:
+    precision = job.precision
+    if source:
+        precision, quant = _source_quantization(job)
+    elif job.precision in OV_SCHEMES:
         bar.set_postfix_str(f"compressing {job.role} to {job.precision} (NNCF)")
         gs = _group_size(job.spec.hidden_size, OV_SCHEMES[job.precision].group_size) \
             if OV_SCHEMES[job.precision].group_size > 0 else None
@@ -125,5 +193,4 @@ def write_openvino(job, bar) -> Artifact:
     model.set_rt_info("buffer", ["edgespec", "kv_layout"])
     bar.set_postfix_str(f"writing {job.role} IR")
     ov.save_model(model, str(out), compress_to_fp16=job.precision == "fp16")
-    return Artifact(file=str(out.relative_to(job.bundle_dir)), precision=job.precision, quantization=quant)
-
+    return Artifact(file=str(out.relative_to(job.bundle_dir)), precision=precision, quantization=quant)

@@ -1,0 +1,154 @@
+"""A GGUF's own blocks on OpenVINO (compressed u4/u8 constants) against today's fp32 OpenVINO
+export, onnxruntime's transcoded target and llama-cpp-python, on the same GGUF.
+
+    python benchmarks/bench_openvino_gguf.py --source-ir S/target/openvino/model.xml \\
+        [--fp32-ir F/target/openvino/model.xml] [--onnx B/target/model.onnx] [--gguf FILE] \\
+        [--prompts 4] [--tokens 64] [--threads 2] [--out benchmarks/results/openvino_gguf.json]
+
+Make the IRs with `edgespec export --format openvino --draft none -o S` (the GGUF's blocks) and
+`... --target-precision fp32 -o F` (what a GGUF source got before). Each configuration runs in
+a fresh process: load, then per prompt a prefill and --tokens greedy one-token forwards. Reported
+per configuration: peak RSS (ru_maxrss), load seconds, one-token decode ms (median over every
+decode step of every prompt, after one warm-up prompt), and its greedy tokens; per engine the
+tokens before the first difference from llama.cpp's greedy decode (median over prompts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPTS = (
+    "Write a short poem about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "def fibonacci(n):",
+    "The capital of France is",
+    "List three uses of copper.",
+    "Translate to French: The weather is nice today.",
+)
+
+
+def _ids(gguf: Path, n: int) -> list[list[int]]:
+    from edgespec.exporters.gguf_source import open_gguf
+    from edgespec.exporters.gguf_tokenizer import GGUFTokenizer
+
+    tok = GGUFTokenizer(open_gguf(gguf))
+    return [tok(p).input_ids for p in PROMPTS[:n]]
+
+
+def _edgespec_decode(rt, ids: list[int], n: int):
+    import numpy as np
+
+    rt.reset()
+    logits = rt.forward(ids, 1)
+    out, times = [], []
+    for _ in range(n):
+        out.append(int(np.argmax(logits[-1])))
+        t = time.perf_counter()
+        logits = rt.forward([out[-1]], 1)
+        times.append(time.perf_counter() - t)
+    return out, times
+
+
+def _llama_decode(llm, ids: list[int], n: int):
+    import numpy as np
+
+    llm.reset()
+    llm.eval(ids)
+    out, times = [], []
+    for _ in range(n):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        t = time.perf_counter()
+        llm.eval([out[-1]])
+        times.append(time.perf_counter() - t)
+    return out, times
+
+
+def worker(kind: str, path: str, ids_list: list[list[int]], n: int, threads: int) -> dict:
+    """One configuration in this process: load, a warm-up prompt, then every prompt."""
+    t = time.perf_counter()
+    if kind == "llamacpp":
+        from llama_cpp import Llama
+
+        llm = Llama(path, n_ctx=1024, n_threads=threads, n_batch=512, logits_all=True, verbose=False)
+        run = lambda ids: _llama_decode(llm, ids, n)  # noqa: E731
+    else:
+        if kind == "onnxruntime":
+            from edgespec.runtimes.onnxruntime import OnnxRuntime as R
+        else:
+            from edgespec.runtimes.openvino import OpenVinoRuntime as R
+        rt = R(path, threads=threads, kv_capacity=1024)
+        run = lambda ids: _edgespec_decode(rt, ids, n)  # noqa: E731
+    load = time.perf_counter() - t
+    run(ids_list[0])  # warm-up (first-inference allocations, kernel caches)
+    tokens, times = [], []
+    for ids in ids_list:
+        out, ts = run(ids)
+        tokens.append(out)
+        times += ts
+    return {"load_s": round(load, 2), "decode_ms_median": round(1000 * statistics.median(times), 2),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "tokens": tokens}
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--source-ir", type=Path, required=True)
+    ap.add_argument("--fp32-ir", type=Path)
+    ap.add_argument("--onnx", type=Path)
+    ap.add_argument("--gguf", type=Path)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        ids_list = json.loads(sys.stdin.read())
+        print(json.dumps(worker(*args.worker, ids_list, args.tokens, args.threads)))
+        return
+    if args.gguf is None:
+        from edgespec.models.catalog import preset_source
+
+        args.gguf = preset_source()
+    ids_list = _ids(args.gguf, args.prompts)
+    configs = {"openvino_gguf_blocks": ("openvino", args.source_ir), "openvino_fp32": ("openvino", args.fp32_ir),
+               "onnxruntime_transcoded": ("onnxruntime", args.onnx), "llamacpp": ("llamacpp", args.gguf)}
+    results = {}
+    for name, (kind, path) in configs.items():
+        if path is None:
+            continue
+        proc = subprocess.run([sys.executable, __file__, "--source-ir", str(args.source_ir), "--tokens",
+                               str(args.tokens), "--threads", str(args.threads), "--worker", kind, str(path)],
+                              input=json.dumps(ids_list), capture_output=True, text=True, env=dict(os.environ))
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{proc.stderr[-2000:]}")
+        results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(name, {k: v for k, v in results[name].items() if k != "tokens"}, file=sys.stderr)
+    peer = results.get("llamacpp")
+    for r in results.values():
+        if peer is not None:
+            r["llamacpp_tokens_before_first_difference_median"] = statistics.median(
+                first_difference(a, b) for a, b in zip(r["tokens"], peer["tokens"]))
+        del r["tokens"]
+    out = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                       "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+           "prompts": len(ids_list), "tokens": args.tokens, "results": results}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
