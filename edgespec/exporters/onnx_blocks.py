@@ -14,7 +14,7 @@ __all__ = ["BlockOps"]
 
 class BlockOps:
     """Mixin of the graph builder (onnx_graph._G) for BlockWeight weights; expects its `op`,
-    `const`, `name`, `nodes`, `inits`, `nbits_accuracy` and a `_blocks` dict."""
+    `const`, `name`, `nodes`, `inits`, `nbits_accuracy`, `float_zero_points` and a `_blocks` dict."""
 
     def blocks(self, w: BlockWeight, name: str) -> tuple[str, ...]:
         """(codes, scales[, zero points]) initializer names of a BlockWeight, written once per name."""
@@ -37,7 +37,7 @@ class BlockOps:
 
     def matmul_nbits(self, x: str, w: BlockWeight, name: str) -> str:
         """x @ w.T with onnxruntime's MatMulNBits on the weight's own blocks."""
-        w = _kernel_form(w)
+        w = w if self.float_zero_points else _kernel_form(w)
         n, k = w.shape
         out = self.name(name)
         self.nodes.append(helper.make_node(
@@ -59,7 +59,7 @@ class BlockOps:
     def gather_blocks(self, w: BlockWeight, name: str, ids: str) -> str:
         """Rows `ids` of a BlockWeight, dequantized in the graph: (1, S, K). Reads the same
         initializers as a tied head's MatMulNBits, so the table is stored once."""
-        w = _kernel_form(w)
+        w = w if self.float_zero_points else _kernel_form(w)
         i64 = dict(dtype=np.int64)
         n, k = w.shape
         kb = k // w.block_size

@@ -59,6 +59,9 @@ class GraphOptions:
     # MatMulNBits' accuracy_level for BlockWeight (GGUF-transcoded) weights: 0 computes in fp32,
     # 4 lets the CPU kernels quantize activations to int8 per block (faster, not bit-faithful)
     nbits_accuracy: int = 0
+    # keep 4-bit float zero points (Q4_K, Q4_1) as MatMulNBits inputs: OpenVINO's compressed weights
+    # take them as they are; onnxruntime's CPU kernels run them 20x slower (onnx_blocks._kernel_form)
+    nbits_float_zero_points: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -74,6 +77,7 @@ class _G(BlockOps):
         self.inits: list[onnx.TensorProto] = []
         self._n = 0
         self.nbits_accuracy = 0
+        self.float_zero_points = False
         self._blocks: dict[str, tuple[str, ...]] = {}  # BlockWeight initializers, shared by name
 
     def name(self, hint: str) -> str:
@@ -304,6 +308,7 @@ def build_decoder(
     layers = options.layers if options.layers is not None else tuple(range(spec.n_layers))
     g = _G(options.weight_dtype)
     g.nbits_accuracy = options.nbits_accuracy
+    g.float_zero_points = options.nbits_float_zero_points
     fam = spec.family
     ids, n_logits = "input_ids", "n_logits"
     inputs = [
