@@ -170,3 +170,23 @@ def test_speculative_greedy_on_the_pair_is_plain_greedy(zoo, lean, shared_onnxru
             mem = engine.memory()
         assert mem["draft"]["kv"] == 0 and mem["draft"]["weights"] < mem["target"]["weights"] / 2
     assert total > 0, "rollback and acceptance both tested"
+
+
+@pytest.mark.parametrize("bundle", ["fp32", "lean"])
+def test_mapped_tables_leave_the_fused_graph_as_it_was(zoo, lean, bundle):
+    """OnnxRuntime maps the tables a Gather reads (and lets their pages go): the same logits as a
+    session that loaded every weight itself."""
+    import onnxruntime as ort
+
+    from edgespec.runtimes.onnxruntime_split import gathered_tables, load_proto
+
+    target = files(zoo.bundle("gemma3-tied", DISAGREEING) if bundle == "fp32" else lean)[0]
+    with OnnxRuntime(target) as rt:
+        assert sorted(rt._initializers) == gathered_tables(load_proto(target)) != []
+        ids = ids_of(rt.vocab_size, 30)
+        got = np.array(rt.forward(ids, n_logits=4))
+        kv = rt.kv_buffers()[0].shape[1:]
+    plain = ort.InferenceSession(str(target), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.array([ids]), "n_logits": np.array([4])}
+    feeds.update({i.name: np.zeros((1, 0, *kv), np.float32) for i in plain.get_inputs()[2:]})
+    np.testing.assert_array_equal(got, plain.run(["logits"], feeds)[0][0])

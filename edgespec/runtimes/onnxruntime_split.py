@@ -32,7 +32,8 @@ import numpy as np
 from ..errors import BackendError
 from .shared_body import SharedBodyRuntime, shared_pair
 
-__all__ = ["HIDDEN", "MappedTables", "OnnxHead", "body_model", "head_model", "open_shared_pair", "shared_names"]
+__all__ = ["HIDDEN", "MappedTables", "OnnxHead", "body_model", "gathered_tables", "head_model", "load_proto",
+           "open_shared_pair", "ort_values", "shared_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,20 @@ def shared_names(*models) -> list[str]:
     """Initializers every model reads (a tied table: the body's embedding, the head's matrix)."""
     sets = [{t.name for t in m.graph.initializer} for m in models]
     return sorted(set.intersection(*sets)) if sets else []
+
+
+def gathered_tables(model) -> list[str]:
+    """External initializers a Gather reads rows of (the input embedding, as floats or as GGUF
+    blocks and their scales): a forward reads a few rows, so they need not be in memory whole."""
+    from onnx import TensorProto
+
+    external = {t.name for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
+    return sorted({n.input[0] for n in model.graph.node if n.op_type == "Gather" and n.input[0] in external})
+
+
+def load_proto(path: str | os.PathLike):
+    """The graph of an .onnx file without its external data."""
+    return _load(Path(path))
 
 
 class MappedTables:
@@ -296,7 +311,8 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
     target_path, draft_path = Path(target_path), Path(draft_path)
     body_proto, head_proto = body_model(target_path), head_model(target_path)
     # the tied table (embedding and head) mapped once, handed to the head's and the body's sessions
-    tables = MappedTables(body_proto, target_path.parent, shared_names(body_proto, head_proto))
+    names = sorted({*shared_names(body_proto, head_proto), *gathered_tables(body_proto)})
+    tables = MappedTables(body_proto, target_path.parent, names)
     tied = ort_values(tables.arrays)
     heads: list[OnnxHead] = []
     body = None
