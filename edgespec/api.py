@@ -232,14 +232,12 @@ class Engine:
         name = None if plain else (drafter or self.drafter_name)
         if name is None:
             return SpeculativeDecoder(self.target, **self.limits, clock=clock)
-        kind = DRAFTERS.get(name)
-        if kind is None:
-            raise ConfigError(f"unknown drafter {name!r}; choose one of: {', '.join(DRAFTERS)}")
-        if kind.needs_model and self.draft is None:
+        needs_model = name in DRAFTERS and DRAFTERS[name].needs_model  # an unknown name: the decoder says so
+        if needs_model and self.draft is None:
             raise ConfigError(f"drafter {name!r} needs the draft model, which this engine has not loaded")
         if not isinstance(policy, DraftPolicy):
             policy = make_policy(policy or ("fixed" if k is not None else self.policy_name), self.k if k is None else k)
-        draft = self.draft if kind.needs_model else None
+        draft = self.draft if needs_model else None
         return SpeculativeDecoder(self.target, draft, id_map=self.bundle.id_map() if draft is not None else None,
                                   drafter=name, policy=policy, **self.limits, clock=clock)
 

@@ -14,10 +14,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .choices import DRAFT_BODIES
-from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, POLICIES, make_policy
+from .choices import DRAFT_BODIES, resolve_drafting
+from .decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, POLICIES
 from .errors import ConfigError
-from .runtimes import BACKENDS
+from .runtimes import BACKENDS, backend_info
 
 __all__ = ["EngineConfig", "Option", "OPTIONS", "DRAFTER_CHOICES", "POLICY_CHOICES", "DRAFT_BODY_CHOICES",
            "engine_config"]
@@ -100,18 +100,16 @@ class EngineConfig:
         "--retune", kind="true", help="measure this machine again (the exactness probe) instead of reading the cache"))
 
     def __post_init__(self) -> None:
-        for name in ("backend", "draft_backend"):
-            value = getattr(self, name)
-            if value is not None and value not in BACKENDS:
-                raise ConfigError(f"unknown backend '{value}' (available: {', '.join(BACKENDS)})")
+        for value in (self.backend, self.draft_backend):
+            if value is not None:
+                backend_info(value)  # the registry names the known ones
         for name in ("device", "draft_device"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"{name} must be a device name such as CPU or GPU, got {value!r}")
-        if self.drafter not in DRAFTER_CHOICES:
-            raise ConfigError(f"unknown drafter {self.drafter!r}; choose one of: {', '.join(DRAFTER_CHOICES)}")
-        # the policy registry checks the name and k (an unknown name fails even when nothing drafts)
-        make_policy(self.policy or DEFAULT_POLICY, DEFAULT_K if self.k is None else self.k)
+        # the drafting rules check the drafter, and the policy registry the policy's name and k (an
+        # unknown name fails even when nothing will be drafted)
+        resolve_drafting(self.drafter, self.policy, self.k, has_draft=True, use_draft=True)
         if self.draft_body not in DRAFT_BODIES:
             raise ConfigError(f"draft_body must be one of {', '.join(DRAFT_BODIES)}, got {self.draft_body!r}")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)

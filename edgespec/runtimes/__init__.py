@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .base import Capabilities, Runtime
 
-__all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "open_runtime", "installed_backends",
+__all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "backend_info", "open_runtime", "installed_backends",
            "backend_devices", "pick_backend", "runtime_class", "open_shared_pair", "probe_exactness",
            "exact_mode_memory"]
 
@@ -69,14 +69,14 @@ def installed_backends() -> list[str]:
 
 def backend_devices(backend: str) -> list[str]:
     """Devices `backend` sees on this machine (imports the backend)."""
-    return list(importlib.import_module(_info(backend).module).available_devices())
+    return list(importlib.import_module(backend_info(backend).module).available_devices())
 
 
 def pick_backend(formats, backend: str | None = None, installed: list[str] | None = None) -> str:
     """`backend` if given (checked), else the first installed backend that runs one of `formats`
     (`installed`: the backends installed here, default: looked up)."""
     if backend is not None:
-        _info(backend)
+        backend_info(backend)
         return backend
     installed = installed_backends() if installed is None else installed
     for name in installed:
@@ -88,7 +88,8 @@ def pick_backend(formats, backend: str | None = None, installed: list[str] | Non
                       f"{need or 'none known'}")
 
 
-def _info(backend: str) -> BackendInfo:
+def backend_info(backend: str) -> BackendInfo:
+    """The registry row of `backend`; a ConfigError naming the known ones if there is none."""
     info = BACKENDS.get(backend)
     if info is None:
         raise ConfigError(f"unknown backend '{backend}' (available: {', '.join(BACKENDS)})")
@@ -97,13 +98,13 @@ def _info(backend: str) -> BackendInfo:
 
 def runtime_class(backend: str) -> type[Runtime]:
     """The Runtime class of `backend` (imports the backend), e.g. to read its kv_dtypes."""
-    info = _info(backend)
+    info = backend_info(backend)
     return getattr(importlib.import_module(info.module), info.cls)
 
 
 def open_runtime(backend: str, model_path: Path, **kwargs) -> Runtime:
     """Instantiate `backend` on one model file; kwargs: threads, device, and backend options."""
-    info = _info(backend)
+    info = backend_info(backend)
     cls = getattr(importlib.import_module(info.module), info.cls)
     return cls(model_path, **kwargs)
 
@@ -111,7 +112,7 @@ def open_runtime(backend: str, model_path: Path, **kwargs) -> Runtime:
 def open_shared_pair(backend: str, target_path: Path, draft_path: Path, **kwargs) -> tuple[Runtime, Runtime]:
     """(target, draft) runtimes sharing the target's body: the draft artifact gives only its head.
     kwargs: threads, device, kv_capacity, and the backend's own (openvino: wide)."""
-    info = _info(backend)
+    info = backend_info(backend)
     if info.shared_body is None:
         raise ConfigError(f"backend {backend} cannot run a draft on the target's body; use --draft-body own")
     module, fn = info.shared_body.split(":")
@@ -122,7 +123,7 @@ def _version(backend: str) -> str:
     from importlib import metadata
 
     try:
-        return metadata.version(_info(backend).package.replace("_", "-"))
+        return metadata.version(backend_info(backend).package.replace("_", "-"))
     except metadata.PackageNotFoundError:
         return "?"
 
