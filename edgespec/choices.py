@@ -71,8 +71,10 @@ STATIC_DRAFT_WIDTH = 2
 
 
 def backend_for_device(device: str | None, formats, installed: list[str] | None = None) -> str | None:
-    """A device only OpenVINO drives (GPU, NPU, AUTO) picks it when no backend is named
+    """A device besides the CPU (GPU, NPU, AUTO) picks the first installed backend that drives such
+    devices (BackendInfo.accelerators) and runs a format the bundle has, when no backend is named
     (`installed`: the backends installed here, default: looked up)."""
-    if device is None or device.upper() == "CPU" or "openvino" not in formats:
+    if device is None or device.upper() == "CPU":
         return None
-    return "openvino" if "openvino" in (installed_backends() if installed is None else installed) else None
+    return next((n for n in (installed_backends() if installed is None else installed)
+                 if BACKENDS[n].accelerators and BACKENDS[n].bundle_format in formats), None)

@@ -37,6 +37,8 @@ class BackendInfo:
     # runtime options for a model whose forwards alternate with another model's in this process
     # (a separate draft and its target): e.g. threads that must not spin-wait between runs
     alternating: dict = field(default_factory=dict)
+    # it drives devices besides the CPU (GPU, NPU, AUTO): naming such a device picks it
+    accelerators: bool = False
 
     def static_options(self, static: bool, width: int) -> dict:
         """Runtime options for the static-shape mode (none where the backend has no such mode)."""
@@ -56,7 +58,7 @@ BACKENDS: dict[str, BackendInfo] = {
                             "openvino", "edgespec.runtimes.openvino_split:open_shared_pair",
                             # CPUs whose one-row FullyConnected rounds unlike a taller one (AVX2 with
                             # int8/int4 weights): no forward computes fewer than two rows
-                            exact_modes=({"pad_rows": True},), static_shapes=True),
+                            exact_modes=({"pad_rows": True},), static_shapes=True, accelerators=True),
     "llamacpp": BackendInfo("llamacpp", "gguf", "edgespec.runtimes.llamacpp", "LlamaCppRuntime", "llamacpp",
                             "llama_cpp"),
 }
