@@ -454,31 +454,8 @@ def _with_config_fields(fn):
 def load(bundle: str | Path | None = None, config: EngineConfig | None = None, **overrides) -> Engine:
     """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use).
 
-    config: an EngineConfig (edgespec.config; default: EngineConfig()), and keyword overrides of
-    its fields, e.g. load(path, backend="openvino", k=3). The fields, in short (their docstrings
-    and `edgespec generate --help` say more):
-
-    backend: a name from edgespec.runtimes.BACKENDS (default: the first installed one that runs a
-    format the bundle has); device: e.g. "CPU", "GPU", "NPU", "AUTO" where the backend has them;
-    draft_backend / draft_device: run the draft elsewhere (default: as the target).
-    drafter: "auto", "model", "ngram" (prompt lookup, no draft model needed), "both" or "none";
-    policy: a draft-length policy from edgespec.decoding.POLICIES; k: the draft length (adaptive
-    policies range up to 2k). See `resolve_drafting` for the defaults.
-    memory_budget: bytes, or a size such as "1.5GB" or "900MiB", for the whole process: the KV
-    capacity, draft length and whether the draft model loads are planned to fit it
-    (edgespec.memory); below what plain decoding needs, a MemoryBudgetError names the bound.
-    max_context: most tokens (prompt + reply) a sequence may hold (default: the backend's, 4096
-    for onnxruntime, or what the budget allows); a chat drops its oldest turns to stay inside it.
-    static: OpenVINO's static-shape mode (as NPUs need; an NPU device turns it on by itself):
-    fixed KV capacity and a fixed verify width k+1, so adaptive policies draft at most k.
-    draft_body: "shared" runs the draft model on the target's body, the draft artifact giving
-    only its (VocabTrim) head: one body's weights and KV cache, and no position goes through the
-    body twice; "own" loads the draft's own body; "auto" (default) shares where the draft is a
-    self-draft without a layer cut, the target is int8 or int4 and the backend can (OpenVINO,
-    dynamic shapes, no memory budget). See shared_body_blocker.
-    require_exact: draft only where a verify is bit-identical to plain decoding on this machine
-    (the exactness probe, run at the first load and cached; `Engine.exactness` holds its verdict);
-    otherwise greedy drafting runs with a warning. retune: probe again instead of reading the cache.
+    config: an EngineConfig (edgespec.config; default: EngineConfig()); keyword overrides replace
+    its fields, e.g. load(path, backend="openvino", k=3). What each field does: help(EngineConfig).
     """
     cfg = engine_config(config, **overrides)  # checked before a default bundle is built
     path = Path(bundle) if bundle is not None else default_bundle()

@@ -47,7 +47,30 @@ def _opt(*flags: str, help: str, **kw) -> dict:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything that decides how a bundle is opened; frozen, and validated in __post_init__."""
+    """Everything that decides how a bundle is opened; frozen, and validated in __post_init__.
+
+    backend: a name from edgespec.runtimes.BACKENDS (default: the first installed one that runs a
+    format the bundle has); device: e.g. "CPU", "GPU", "NPU", "AUTO" where the backend has them;
+    draft_backend / draft_device: run the draft elsewhere (default: as the target).
+    drafter: "auto", "model", "ngram" (prompt lookup, no draft model needed), "both" or "none";
+    policy: a draft-length policy from edgespec.decoding.POLICIES; k: the draft length (adaptive
+    policies range up to 2k). See `resolve_drafting` for the defaults.
+    memory_budget: bytes, or a size such as "1.5GB" or "900MiB", for the whole process: the KV
+    capacity, draft length and whether the draft model loads are planned to fit it
+    (edgespec.memory); below what plain decoding needs, a MemoryBudgetError names the bound.
+    max_context: most tokens (prompt + reply) a sequence may hold (default: the backend's, 4096
+    for onnxruntime, or what the budget allows); a chat drops its oldest turns to stay inside it.
+    static: OpenVINO's static-shape mode (as NPUs need; an NPU device turns it on by itself):
+    fixed KV capacity and a fixed verify width k+1, so adaptive policies draft at most k.
+    draft_body: "shared" runs the draft model on the target's body, the draft artifact giving
+    only its (VocabTrim) head: one body's weights and KV cache, and no position goes through the
+    body twice; "own" loads the draft's own body; "auto" (default) shares where the draft is a
+    self-draft without a layer cut, the target is int8 or int4 and the backend can (OpenVINO,
+    dynamic shapes, no memory budget). See shared_body_blocker.
+    require_exact: draft only where a verify is bit-identical to plain decoding on this machine
+    (the exactness probe, run at the first load and cached; `Engine.exactness` holds its verdict);
+    otherwise greedy drafting runs with a warning. retune: probe again instead of reading the cache.
+    """
 
     backend: str | None = field(default=None, metadata=_opt(
         "--backend", choices=tuple(BACKENDS),
