@@ -236,7 +236,9 @@ class Engine:
         if needs_model and self.draft is None:
             raise ConfigError(f"drafter {name!r} needs the draft model, which this engine has not loaded")
         if not isinstance(policy, DraftPolicy):
-            policy = make_policy(policy or ("fixed" if k is not None else self.policy_name), self.k if k is None else k)
+            # verifies up to the target's free width cost one plain step (static shapes pad to it)
+            policy = make_policy(policy or ("fixed" if k is not None else self.policy_name), self.k if k is None else k,
+                                 free_width=max(1, self.target.capabilities.free_batch_tokens))
         draft = self.draft if needs_model else None
         return SpeculativeDecoder(self.target, draft, id_map=self.bundle.id_map() if draft is not None else None,
                                   drafter=name, policy=policy, **self.limits, clock=clock)

@@ -234,3 +234,16 @@ def test_decoder_limits_take_the_tightest_bound():
     assert lim["context_limit"] == 300 and lim["max_draft"] == 3 and lim["max_batch"] == 32
     assert decoder_limits(None, [], SimpleNamespace(kv_capacity=9, max_draft=40, prefill_chunk=8), None,
                           False)["max_batch"] == 41  # a verify of every draft still fits one forward
+
+
+def test_a_policy_gets_the_free_width_when_built_and_the_decoder_leaves_it():
+    from edgespec.decoding import FixedK, SpeculativeDecoder, make_policy
+    from tests.toy import ToyRuntime
+
+    assert make_policy("cost", 3, free_width=4).free_width == 4 and make_policy("cost", 3).free_width == 1
+    assert make_policy("fixed", 3, free_width=4) == FixedK(3)  # nothing to weigh: no field for it
+    with pytest.raises(ConfigError, match="free_width"):
+        make_policy("cost", 3, free_width=0)
+    policy = make_policy("cost", 2, free_width=3)
+    decoder = SpeculativeDecoder(ToyRuntime(40, seed=0), ToyRuntime(40, seed=1), policy=policy)
+    assert decoder.policy is policy and policy.free_width == 3  # not rewritten from the target's capabilities

@@ -14,6 +14,7 @@ policy by subclassing DraftPolicy and registering a factory `k -> policy` in POL
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
 import math
 import statistics
@@ -153,8 +154,9 @@ class DraftPolicy(abc.ABC):
     """Chooses the draft length for each speculative step."""
 
     min_joint: float = 0.0  # confidence stop threshold; 0 disables it
-    # verifies up to this wide cost one plain step (the target pads its forwards); the decoder
-    # sets it from the target's capabilities
+    # verifies up to this wide cost one plain step (the target pads its forwards to a fixed
+    # width): the target's Capabilities.free_batch_tokens, given when the policy is built
+    # (make_policy's free_width); only policies that weigh costs read it
     free_width: int = 1
 
     @abc.abstractmethod
@@ -293,6 +295,7 @@ class CostAwareK(DraftPolicy):
     verify_slope: float = 0.1
     warmup: int = 3
     refresh_every: int = 32
+    free_width: int = 1  # see DraftPolicy
     _since_plain: int = field(default=0, init=False, repr=False)  # steps since the last plain one
     _plain: deque = field(default_factory=deque, init=False, repr=False)  # ms of recent one-token steps
     # drafter family -> verify width -> its cost in plain steps
@@ -301,12 +304,14 @@ class CostAwareK(DraftPolicy):
 
     def __post_init__(self) -> None:
         for name in ("k_max", "probe_every", "max_probe_every", "probe_k", "explore_every", "window",
-                     "warmup", "refresh_every"):
+                     "warmup", "refresh_every", "free_width"):
             _check_k(name, getattr(self, name))
         if self.probe_every < 1 or self.max_probe_every < self.probe_every:
             raise ConfigError("need 1 <= probe_every <= max_probe_every")
         if min(self.window, self.explore_every, self.warmup, self.refresh_every) < 1:
             raise ConfigError("window, explore_every, warmup and refresh_every must be >= 1")
+        if self.free_width < 1:
+            raise ConfigError(f"free_width must be >= 1, got {self.free_width}")
         for name in ("accept_decay", "prior_alpha"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
@@ -456,11 +461,15 @@ POLICIES: dict[str, Callable[[int], DraftPolicy]] = {
 }
 
 
-def make_policy(name: str, k: int) -> DraftPolicy:
-    """Build the policy registered as `name` for draft length `k` (adaptive ones go up to 2k)."""
+def make_policy(name: str, k: int, *, free_width: int = 1) -> DraftPolicy:
+    """Build the policy registered as `name` for draft length `k` (adaptive ones go up to 2k), on a
+    target whose verifies up to `free_width` wide cost one plain step (its free_batch_tokens)."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ConfigError(f"unknown draft policy {name!r}; choose one of: {', '.join(POLICIES)}") from None
     _check_k("draft length k", k)
-    return factory(k)
+    policy = factory(k)
+    if free_width != 1 and any(f.name == "free_width" for f in dataclasses.fields(policy)):
+        policy = dataclasses.replace(policy, free_width=free_width)
+    return policy

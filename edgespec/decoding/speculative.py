@@ -129,17 +129,6 @@ class SpeculativeDecoder:
         self.verify_width = verify_width
         self.draft_width = draft_width
 
-    @property
-    def policy(self) -> DraftPolicy:
-        return self._policy
-
-    @policy.setter
-    def policy(self, policy: DraftPolicy) -> None:
-        # tell the policy how wide a verify costs no more than a plain step on this target
-        caps = getattr(self.target, "capabilities", None)
-        policy.free_width = max(1, caps.free_batch_tokens) if caps is not None else 1
-        self._policy = policy
-
     def stream(
         self,
         tokens: list[int],
