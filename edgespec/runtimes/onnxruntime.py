@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendError, ContextFullError
+from ..memory.measure import trim_heap
 from .base import Capabilities, Runtime
 
 __all__ = ["OnnxRuntime", "available_devices", "DEFAULT_KV_CAPACITY"]
@@ -85,6 +86,7 @@ class OnnxRuntime(Runtime):
         path = Path(model_path)
         if not path.is_file():
             raise BackendError(f"ONNX model not found: {path}")
+        trim_heap()  # what earlier loads freed (a tokenizer's parse) goes back first: a lower peak
         self.spin = spin
         self._output = output
         self._initializers = dict(initializers or {})  # OrtValues the session reads: kept alive with it
@@ -105,6 +107,7 @@ class OnnxRuntime(Runtime):
             self._sess = self._open(ort, path, threads, spin, self._initializers)
             tables.drop_pages()
         self._ort = ort
+        trim_heap()  # onnxruntime's freed read buffers of the external weights
         names = [i.name for i in self._sess.get_inputs()]
         if names[:3] != ["input_ids", "n_logits", "past_key_0"]:
             raise BackendError(f"{path.name} is not an edgespec decoder graph (inputs: {', '.join(names[:4])})")
