@@ -8,7 +8,7 @@ export, onnxruntime's transcoded target and llama-cpp-python, on the same GGUF.
 Make the IRs with `edgespec export --format openvino --draft none -o S` (the GGUF's blocks) and
 `... --target-precision fp32 -o F` (what a GGUF source got before). Each configuration runs in
 a fresh process: load, then per prompt a prefill and --tokens greedy one-token forwards. Reported
-per configuration: peak RSS (ru_maxrss), load seconds, one-token decode ms (median over every
+per configuration: peak RSS (VmHWM), load seconds, one-token decode ms (median over every
 decode step of every prompt, after one warm-up prompt), and its greedy tokens; per engine the
 tokens before the first difference from llama.cpp's greedy decode (median over prompts).
 """
@@ -94,7 +94,17 @@ def worker(kind: str, path: str, ids_list: list[list[int]], n: int, threads: int
         tokens.append(out)
         times += ts
     return {"load_s": round(load, 2), "decode_ms_median": round(1000 * statistics.median(times), 2),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1), "tokens": tokens}
+            "peak_rss_mib": round(peak_rss() / 2**20, 1), "tokens": tokens}
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes: VmHWM, which starts afresh at exec (ru_maxrss keeps the
+    parent's high-water mark across fork + exec, so every worker would report the parent's)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

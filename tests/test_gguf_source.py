@@ -139,11 +139,15 @@ def _unknown_type_gguf(path) -> None:
     w.close()
 
 
-def test_unknown_block_type_is_exit_2_and_nothing_written(tmp_path):
+@pytest.mark.parametrize("fmt", ["onnx", "openvino"])
+def test_unknown_block_type_is_exit_2_and_nothing_written(tmp_path, fmt):
+    if fmt == "openvino":
+        pytest.importorskip("openvino")
     src = tmp_path / "odd.gguf"
     _unknown_type_gguf(src)
     out = tmp_path / "bundle"
-    proc = subprocess.run([sys.executable, "-m", "edgespec", "export", "--target", str(src), "-o", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "edgespec", "export", "--target", str(src), "-o", str(out),
+                           "--format", fmt],
                           capture_output=True, text=True, timeout=300, env=dict(os.environ))
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
