@@ -86,21 +86,19 @@ def _codes_constant(output):
 
 
 def _linear_map(model, name: str, k: int) -> np.ndarray:
-    """(N, K): what the IR multiplies a weight's input rows by, from feeding it the identity. The
-    weight's MatMul on its compressed constant, and where OpenVINO's frontend keeps a float zero
-    point of 4-bit codes apart (x @ ((q - 8) s)^T - (block sums of x) @ ((zp - 8) s)^T) the
-    Subtract after it too: every term, as the CPU plugin computes them in f32."""
+    """(N, K): what the IR multiplies a weight's input rows by, from feeding the identity to the
+    weight's MatMul (as the CPU plugin computes it in f32). The weight must be the whole of it: one
+    compressed constant subgraph, no correction term after the MatMul (a split-off min or zero
+    point would not fuse into the plugin's compressed FullyConnected)."""
     clone = model.clone()
     mm = next(op for op in clone.get_ordered_ops() if op.get_type_name() == "MatMul" and (
         c := _codes_constant(op.input_value(1))) is not None and c.get_friendly_name().split(".codes")[0] == name)
     x = ov.opset13.parameter([1, k, k], np.float32, name="x")
     for target in list(mm.input_value(0).get_target_inputs()):
         target.replace_source_output(x.output(0))
-    out = mm
-    users = [t.get_node() for t in mm.output(0).get_target_inputs()]
-    if len(users) == 1 and users[0].get_type_name() == "Subtract":
-        out = users[0]
-    compiled = ov.Core().compile_model(ov.Model([out.output(0)], [x], "weight"), "CPU",
+    users = [t.get_node().get_type_name() for t in mm.output(0).get_target_inputs()]
+    assert "Subtract" not in users, f"{name}: a correction term follows the weight's MatMul"
+    compiled = ov.Core().compile_model(ov.Model([mm.output(0)], [x], "weight"), "CPU",
                                        {"INFERENCE_PRECISION_HINT": "f32", "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"})
     return compiled({"x": np.eye(k, dtype=np.float32)[None]})[0][0].T
 

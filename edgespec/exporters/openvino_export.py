@@ -145,7 +145,8 @@ def convert_graph(spec, weights: dict, opts, scratch_dir: Path, what: str = "mod
     import onnx
 
     ov = _import_ov()
-    graph = build_decoder(spec, weights, opts)
+    # 4-bit float zero points (Q4_K, Q4_1) stay the Subtract's operand of the compressed pattern
+    graph = build_decoder(spec, weights, replace(opts, nbits_float_zero_points=True))
     with tempfile.TemporaryDirectory(dir=scratch_dir) as scratch:
         path = Path(scratch) / "model.onnx"
         onnx.save_model(graph, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
