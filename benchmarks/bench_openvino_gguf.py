@@ -3,11 +3,12 @@ export, onnxruntime's transcoded target and llama-cpp-python, on the same GGUF.
 
     python benchmarks/bench_openvino_gguf.py --source-ir S/target/openvino/model.xml \\
         [--fp32-ir F/target/openvino/model.xml] [--onnx B/target/model.onnx] [--gguf FILE] \\
-        [--prompts 4] [--tokens 64] [--threads 2] [--out benchmarks/results/openvino_gguf.json]
+        [--prompts 16] [--tokens 64] [--threads 2] [--out benchmarks/results/openvino_gguf.json]
 
 Make the IRs with `edgespec export --format openvino --draft none -o S` (the GGUF's blocks) and
 `... --target-precision fp32 -o F` (what a GGUF source got before). Each configuration runs in
-a fresh process: load, then per prompt a prefill and --tokens greedy one-token forwards. Reported
+a fresh process: load, then per prompt (bench_lean_bundle's chat, code, grounded and long
+prompts, chat-formatted) a prefill and --tokens greedy one-token forwards. Reported
 per configuration: peak RSS (VmHWM), load seconds, one-token decode ms (median over every
 decode step of every prompt, after one warm-up prompt), and its greedy tokens; per engine the
 tokens before the first difference from llama.cpp's greedy decode (median over prompts).
@@ -25,22 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-PROMPTS = (
-    "Write a short poem about the sea.",
-    "Explain what a hash table is in two sentences.",
-    "def fibonacci(n):",
-    "The capital of France is",
-    "List three uses of copper.",
-    "Translate to French: The weather is nice today.",
-)
 
+def _ids(source_ir: Path, n: int) -> list[list[int]]:
+    """The first n chat/code/grounded/long prompts, chat-formatted by the bundle's own tokenizer
+    (the same prompts bench_lean_bundle.py measures; its folder is on sys.path as this script's)."""
+    from bench_lean_bundle import prompts
 
-def _ids(gguf: Path, n: int) -> list[list[int]]:
-    from edgespec.exporters.gguf_source import open_gguf
-    from edgespec.exporters.gguf_tokenizer import GGUFTokenizer
-
-    tok = GGUFTokenizer(open_gguf(gguf))
-    return [tok(p).input_ids for p in PROMPTS[:n]]
+    return prompts(n, source_ir.parents[2])  # <bundle>/target/openvino/model.xml
 
 
 def _edgespec_decode(rt, ids: list[int], n: int):
@@ -117,7 +109,7 @@ def main() -> None:
     ap.add_argument("--fp32-ir", type=Path)
     ap.add_argument("--onnx", type=Path)
     ap.add_argument("--gguf", type=Path)
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
@@ -131,7 +123,7 @@ def main() -> None:
         from edgespec.models.catalog import preset_source
 
         args.gguf = preset_source()
-    ids_list = _ids(args.gguf, args.prompts)
+    ids_list = _ids(args.source_ir, args.prompts)
     configs = {"openvino_gguf_blocks": ("openvino", args.source_ir), "openvino_fp32": ("openvino", args.fp32_ir),
                "onnxruntime_transcoded": ("onnxruntime", args.onnx), "llamacpp": ("llamacpp", args.gguf)}
     results = {}

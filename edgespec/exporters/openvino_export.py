@@ -17,9 +17,11 @@ GGUF's BlockWeights (gguf_transcode) as onnxruntime's MatMulNBits, and OpenVINO'
 turns each MatMulNBits into the compressed-weight pattern NNCF writes and the CPU plugin fuses
 into its compressed FullyConnected: Constant u4/u8 (N, K/block, block) -> Convert f32 ->
 Subtract zero point -> Multiply scale -> Reshape (N, K) -> MatMul. The codes are the GGUF's
-own; block mins are folded into float zero points first (fold_mins), since OpenVINO takes
-zero points of any type with 8-bit codes. The tied embedding stays one table: its Gather reads
-the head's codes and dequantizes the gathered rows only. Nothing goes through NNCF or fp32.
+own; zero points that are not integers (4-bit Q4_K/Q4_1, and 8-bit Q5_K/Q5_1 whose block mins
+fold_mins turns into zero points) stay the Subtract's float operand, which OpenVINO takes with any
+bit width (onnxruntime's fast kernels do not: the ONNX path rewrites them). The tied embedding
+stays one table: its Gather reads the head's codes and dequantizes the gathered rows only.
+Nothing goes through NNCF or fp32.
 """
 from __future__ import annotations
 
@@ -116,7 +118,7 @@ def _exact_shifts(model) -> int:
     """Rewrite the ONNX frontend's BitShift (Divide(x, Power(2, n)) on unsigned integers) as
     BitwiseRightShift(x, n); returns how many. The CPU plugin computes that Power and Divide in
     floating point (measured: 155 / Power(2, 4) gave 10), which corrupts the high nibbles a
-    4-bit table's Gather unpacks (onnx_graph.gather_blocks)."""
+    4-bit table's Gather unpacks (onnx_blocks.BlockOps.gather_blocks)."""
     import openvino.opset15 as ops
 
     ov = _import_ov()
