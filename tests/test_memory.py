@@ -275,7 +275,7 @@ def test_model_matches_measured_memory_within_ten_percent(zoo):
     (within 10%), and the peak stays under the budget."""
     m = run_measure(zoo.bundle("llama", AGREEING), "110MB")
     assert m["finish"] == "length" and m["used"] <= m["capacity"]
-    assert m["peak"] <= m["budget"]
+    assert m["peak"] <= m["budget"], m
     assert abs(m["peak"] - m["total"]) <= 0.10 * m["total"], m
 
 

@@ -1,6 +1,7 @@
 """The memory model of speculative decoding (after SpecMemo, arXiv 2506.01986).
 
-A process running a target and a draft holds:
+A process running a target and a draft holds (a draft on the target's body holds only its head:
+no KV cache, no forward scratch of its own):
   base        the interpreter, libraries and tokenizer (measured before the models load)
   fixed       per model: its weights as the backend holds them plus the runtime's own buffers
               (measured at load: RSS before/after opening it and one warm-up forward)
@@ -101,9 +102,13 @@ class ModelMemory:
     # the same, measured first at the lower bounds' own shape (MIN_CHUNK tokens over MIN_CONTEXT),
     # so the bounds do not depend on how roomy the budget was
     bound_scratch: tuple[int, int, int] | None = None
+    # a draft reading the target's body through its own head (runtimes/shared_body.py): `fixed` is
+    # its head; it holds no KV cache and runs no forward of its own (the body's are the target's)
+    shares_body: bool = False
 
     def __post_init__(self) -> None:
-        if self.fixed < 0 or not self.kv_per_token or min(self.kv_per_token.values()) <= 0:
+        least = 0 if self.shares_body else 1
+        if self.fixed < 0 or not self.kv_per_token or min(self.kv_per_token.values()) < least:
             raise ValueError(f"bad memory figures for the {self.role}: {self}")
 
     @property
@@ -117,6 +122,8 @@ class ModelMemory:
         """Scratch held for forwards of up to n_new tokens over n_ctx positions: the estimate,
         or once probed, the estimate scaled to the probe's measurement (never below it: the
         allocator keeps what it took), with ALLOCATOR_SLACK for fragmentation."""
+        if self.shares_body:  # its hidden rows come from the target's forwards, its logits are candidates
+            return 0
         est = workspace_bytes(self.shapes, n_new, n_ctx) if self.shapes else 0
         if self.scratch is None:
             return est

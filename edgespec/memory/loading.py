@@ -14,10 +14,11 @@ from dataclasses import dataclass, replace
 
 from ..runtimes.base import Runtime
 from .footprint import KV_DTYPE_BYTES, ModelMemory, Shapes, estimate_fixed, kv_bytes_per_token
-from .measure import anon_bytes, rss_bytes
+from .measure import anon_bytes, rss_bytes, trim_heap
 from .planner import MIN_CHUNK, MIN_CONTEXT, Plan, plan_memory
 
-__all__ = ["estimated_memory", "measured_memory", "BudgetedLoad", "warm_up"]
+__all__ = ["estimated_memory", "head_estimate", "measured_memory", "mapped_bytes", "BudgetedLoad", "EngineBudget",
+           "warm_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,13 @@ def estimated_memory(role: str, entry, file_bytes: int, kv_dtypes: tuple[str, ..
     per_tok = kv_bytes_per_token(entry.n_layers, entry.n_kv_heads, entry.head_dim, "float32")
     per_tok = int(per_tok * KV_DTYPE_BYTES.get(kv_dtypes[0], 4.0) / 4.0)
     return ModelMemory(role, estimate_fixed(file_bytes), _kv_table(per_tok, kv_dtypes), entry.vocab_size)
+
+
+def head_estimate(entry, file_bytes: int, target_vocab: int, kv_dtypes: tuple[str, ...]) -> ModelMemory:
+    """Before loading a draft on the target's body: its head, as the share of its file its
+    vocabulary's rows take (at most: the file also holds a body), no KV cache."""
+    head = int(file_bytes * min(1.0, entry.vocab_size / max(target_vocab, 1)))
+    return ModelMemory("draft", head, {d: 0 for d in kv_dtypes}, entry.vocab_size, shares_body=True)
 
 
 def measured_memory(role: str, rt: Runtime, fixed: int, estimate: ModelMemory | None = None) -> ModelMemory:
@@ -49,20 +57,31 @@ def measured_memory(role: str, rt: Runtime, fixed: int, estimate: ModelMemory | 
     return ModelMemory(role, max(0, fixed), table, rt.vocab_size, shapes, measured=True)
 
 
+def mapped_bytes(rt: Runtime) -> int:
+    """Bytes of weight files `rt` maps that may become resident after the load: the runtime's
+    `mapped_weight_bytes()` where it tells (onnxruntime reads its weights into memory, and maps
+    only Gather tables, read a row per token), else every byte of its weights."""
+    tell = getattr(rt, "mapped_weight_bytes", None)
+    return int(tell()) if callable(tell) else int(rt.memory_bytes().get("weights", 0))
+
+
 def held_bytes(rt: Runtime, rss_delta: int, anon_before: int | None) -> int:
     """What a loaded model will hold: backends map weight files, and pages not read at load (an
     embedding row is read when its token first appears) become resident later. So: the private
-    memory the load allocated plus every byte of the weight files, or the RSS growth if larger."""
+    memory the load allocated plus the mapped weight files' bytes, or the RSS growth if larger."""
     anon_after = anon_bytes()
     if anon_before is None or anon_after is None:
-        return max(rss_delta, int(rt.memory_bytes().get("weights", 0)))
-    return max(rss_delta, anon_after - anon_before + int(rt.memory_bytes().get("weights", 0)))
+        return max(rss_delta, mapped_bytes(rt))
+    return max(rss_delta, anon_after - anon_before + mapped_bytes(rt))
 
 
-def warm_up(rt: Runtime) -> None:
-    """One forward, then an empty cache: pages of the weights and the allocator get touched now."""
-    rt.forward([0], n_logits=1)
-    rt.reset()
+def warm_up(*rts: Runtime) -> None:
+    """One forward each, then empty caches: pages of the weights and the allocator get touched now.
+    (A draft on the target's body is warmed after its target: the target's reset empties the body.)"""
+    for rt in rts:
+        rt.forward([0], n_logits=1)
+    for rt in rts:
+        rt.reset()
 
 
 @dataclass
@@ -75,6 +94,7 @@ class BudgetedLoad:
     max_context: int | None = None
 
     def __post_init__(self) -> None:
+        trim_heap()  # what the tokenizer's load freed is not part of the base
         self.base = rss_bytes()
         self.target: ModelMemory | None = None
         self.draft: ModelMemory | None = None
@@ -94,10 +114,33 @@ class BudgetedLoad:
         except Exception:
             rt.close()
             raise
+        trim_heap()  # what the load freed is not held
         mem = measured_memory(role, rt, held_bytes(rt, rss_bytes() - before, anon_before), estimate)
         logger.info("%s loaded: %d MiB resident (weights and runtime)", role, mem.fixed >> 20)
         setattr(self, role, mem)
         return rt
+
+    def open_pair(self, opener: Callable[[], tuple[Runtime, Runtime]], estimate: ModelMemory | None = None
+                  ) -> tuple[Runtime, Runtime]:
+        """Open a target and a draft on its body, warm them up, and record their measured bytes:
+        the draft holds its head (what it reports of its weights), the target the rest."""
+        before, anon_before = rss_bytes(), anon_bytes()
+        target, draft = opener()
+        try:
+            warm_up(target, draft)
+        except Exception:
+            draft.close()
+            target.close()
+            raise
+        trim_heap()  # what the load freed is not held
+        total = held_bytes(target, rss_bytes() - before, anon_before) + mapped_bytes(draft)
+        head = min(int(draft.memory_bytes().get("weights", 0)), total)
+        self.target = measured_memory("target", target, total - head, estimate)
+        kv = {d: 0 for d in self.target.kv_dtypes}
+        self.draft = ModelMemory("draft", head, kv, draft.vocab_size, measured=True, shares_body=True)
+        logger.info("target and a draft on its body loaded: %d MiB resident (the draft's head %d MiB)",
+                    total >> 20, head >> 20)
+        return target, draft
 
     def final(self, draft_estimate: ModelMemory | None, runtimes: dict[str, Runtime] | None = None) -> Plan:
         """The plan from measured numbers (the draft's estimate stands in if it was not loaded).
@@ -109,14 +152,15 @@ class BudgetedLoad:
         draft = self.draft or draft_estimate
         if draft is not None and self.draft is None:
             draft = replace(draft, measured=False)
-        caps = [rt.kv_capacity for rt in (runtimes or {}).values() if rt.kv_capacity]
+        runtimes = {role: rt for role, rt in (runtimes or {}).items() if rt is not None}  # a draft not loaded
+        caps = [rt.kv_capacity for rt in runtimes.values() if rt.kv_capacity]
         if caps:  # never plan past the buffers the runtimes hold
             self.max_context = min([*caps, *([self.max_context] if self.max_context else [])])
         plan = self.plan(self.target, draft)
         probed = False
-        for role, rt in (runtimes or {}).items():
+        for role, rt in runtimes.items():
             mem = getattr(self, role)
-            if mem is None or (role == "draft" and not plan.use_draft):
+            if mem is None or mem.shares_body or (role == "draft" and not plan.use_draft):
                 continue
             # first at the lower bounds' own shape, which they then count
             before = rss_bytes()
@@ -156,11 +200,14 @@ class EngineBudget:
         eb = EngineBudget(budget, bundle, fmt, draft_fmt, kv_dtypes, k, max_k, wants_draft)
         target = eb.open_target(lambda **kw: open_runtime(..., **kw))
         if eb.load_draft: draft = eb.open_draft(lambda **kw: open_runtime(..., **kw))
+    or, with a draft on the target's body (EngineBudget(..., shared_body=True)):
+        target, draft = eb.open_pair(lambda **kw: open_shared_pair(..., **kw))
         plan = eb.finish()      # plan.use_draft False: close the draft, decode plainly
     """
 
     def __init__(self, budget: int, bundle, fmt: str, draft_fmt: str | None, kv_dtypes: tuple[str, ...], k: int,
-                 max_k: int, wants_draft: bool, max_context: int | None = None) -> None:
+                 max_k: int, wants_draft: bool, max_context: int | None = None, shared_body: bool = False) -> None:
+        """shared_body: the draft runs on the target's body (open_pair), so it costs its head only."""
         m = bundle.manifest
         self.load = BudgetedLoad(budget, k, max_k, max_context)
         self._kv_dtypes = kv_dtypes
@@ -168,8 +215,9 @@ class EngineBudget:
                                        kv_dtypes)
         self._d_est = None
         if wants_draft and m.draft is not None and draft_fmt is not None:
-            self._d_est = estimated_memory("draft", m.draft, _files_bytes(bundle.file(m.draft.formats[draft_fmt].file)),
-                                           kv_dtypes)
+            draft_bytes = _files_bytes(bundle.file(m.draft.formats[draft_fmt].file))
+            self._d_est = (head_estimate(m.draft, draft_bytes, m.target.vocab_size, kv_dtypes) if shared_body
+                           else estimated_memory("draft", m.draft, draft_bytes, kv_dtypes))
         # file sizes under-count what a backend holds, so this plan's capacity is an upper bound
         self.first = self.load.plan(self._t_est, self._d_est)
         self.load_draft = self.first.use_draft
@@ -186,6 +234,10 @@ class EngineBudget:
 
     def open_draft(self, opener: Callable[..., Runtime]) -> Runtime:
         return self.load.open("draft", lambda: opener(**self._kwargs()), self._d_est)
+
+    def open_pair(self, opener: Callable[..., tuple[Runtime, Runtime]]) -> tuple[Runtime, Runtime]:
+        """(target, draft) on one body: opener(**kw) -> the pair (runtimes.open_shared_pair)."""
+        return self.load.open_pair(lambda: opener(**self._kwargs()), self._t_est)
 
     def finish(self, runtimes: dict[str, Runtime] | None = None) -> Plan:
         self.plan = self.load.final(self._d_est, runtimes)

@@ -200,10 +200,14 @@ def _plan(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None
     capacity = cap(dtype, kk)
     dts = _dtypes(models, dtype)
     scratch = sum(m.workspace(min(chunk, max(capacity, 1)), capacity) for m in models)
-    probed = all(m.scratch is not None for m in models)
+    probed = all(m.scratch is not None for m in models if not m.shares_body)
     parts = [("runtime + tokenizer (measured)", base)]
     for m, d in zip(models, dts):
-        parts.append((f"{m.role} weights + runtime ({'measured' if m.measured else 'estimated'})", m.fixed))
+        how = "measured" if m.measured else "estimated"
+        if m.shares_body:
+            parts.append((f"{m.role} head on the target's body ({how})", m.fixed))
+            continue
+        parts.append((f"{m.role} weights + runtime ({how})", m.fixed))
         parts.append((f"{m.role} KV cache ({capacity} positions x {format_bytes(m.kv_per_token[d])}, {d})",
                       m.kv(d, capacity)))
     parts.append((f"candidates and logits (k <= {kk})", candidate_bytes(kk, target.vocab, dvocab, sampling)))

@@ -252,6 +252,12 @@ class OnnxRuntime(Runtime):
         return {"hidden": hidden, "n_heads": heads, "intermediate": inter, "n_layers": self._n_layers,
                 "n_kv_heads": self._kv_heads, "head_dim": self._head_dim, "vocab": self.vocab_size}
 
+    def mapped_weight_bytes(self) -> int:
+        """Bytes of weight files this runtime maps that may become resident after load (memory
+        planning adds them to what the load allocated): none whole. onnxruntime reads the weights
+        into its own memory, and the Gather tables mapped here come back a page per distinct token."""
+        return 0
+
     def kv_buffers(self) -> list[np.ndarray]:
         """The preallocated K/V arrays (empty for the growing layout): for tests and reports."""
         return list(self._kv) if self._append else []

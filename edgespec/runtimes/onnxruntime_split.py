@@ -337,4 +337,5 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
         if body is not None:
             body.close()
         raise
+    trim_heap()  # the draft head's read buffers
     return shared_pair(body, heads[0], heads[1])

@@ -147,6 +147,24 @@ class SharedBodyRuntime(Runtime):
     def model_sizes(self) -> dict[str, int]:
         return self.shared.body.model_sizes() if self.owner else {}
 
+    def probe_scratch(self, n_new: int, n_ctx: int) -> bool:
+        """The body's scratch probe (the owner's; a draft runs no forward of its own). The body
+        and every runtime's prefix are empty afterwards."""
+        if not self.owner:
+            return False
+        self.reset()
+        try:
+            return self.shared.body.probe_scratch(n_new, n_ctx)
+        finally:
+            self.reset()
+
+    def mapped_weight_bytes(self) -> int:
+        """Weight file bytes that may become resident after load (memory/loading.py): the body's."""
+        if not self.owner:
+            return 0
+        tell = getattr(self.shared.body, "mapped_weight_bytes", None)
+        return int(tell()) if callable(tell) else int(self.shared.body.memory_bytes().get("weights", 0))
+
     def memory_bytes(self) -> dict[str, int]:
         if not self.owner:
             return {"weights": self.head.weight_bytes, "kv": 0}
