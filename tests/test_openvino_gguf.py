@@ -222,3 +222,34 @@ def test_gguf_bundle_on_openvino_is_the_gguf_model(zoo, tmp_path):
         got, peer = ovr.forward(ids, len(ids)), ort.forward(ids, len(ids))
     assert (got.argmax(-1) == peer.argmax(-1)).mean() >= 0.9
     np.testing.assert_allclose(got, want, atol=0.1 * np.abs(want).max())
+
+
+def test_gguf_bundle_speculative_on_openvino_equals_plain_and_onnxruntime(zoo, tmp_path):
+    """The default GGUF bundle shape (source target, VocabTrim self-draft on the target's blocks) on
+    the openvino backend: the draft runs on the target's body, speculative greedy equals plain
+    greedy, and every token of it is onnxruntime's argmax on the transcoded bundle, or within its
+    int8-activation rounding of it (the bound test_gguf_bundle_on_openvino_is_the_gguf_model uses)."""
+    pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
+    from edgespec.api import load
+    from edgespec.decoding import SamplingParams
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    b = zoo.bundle("gemma3", None, formats=("gguf",), target_precision="int8")
+    src = b / load_bundle(b).manifest.target.formats["gguf"].file
+    out = export_bundle(ExportConfig(output=tmp_path / "b", target=src, formats=("onnx", "openvino"), draft_vocab=16))
+    ids = GGUFTokenizer(open_gguf(src))(LONG_PROMPT).input_ids
+    n = 24
+    with load(out, backend="openvino", use_draft=False) as plain, load(out, backend="openvino") as spec:
+        outs = []
+        for engine in (plain, spec):
+            tokens = list(ids)
+            for _ in engine.stream_ids(tokens, SamplingParams(), n):
+                pass
+            outs.append(tokens[len(ids):])
+        assert spec.shared_body and spec.last_stats.drafted > 0
+    assert outs[0] == outs[1] and len(outs[0]) == n
+    m = load_bundle(out).manifest
+    with OnnxRuntime(out / m.target.formats["onnx"].file) as ort:
+        logits = ort.forward(ids + outs[0][:-1], n)  # the positions predicting each generated token
+    picked = logits[np.arange(n), outs[0]]
+    assert (picked >= logits.max(-1) - 0.1 * np.abs(logits).max()).all()
