@@ -119,7 +119,8 @@ def test_the_tied_table_is_in_memory_once(lean):
         assert mem_d["kv"] == 0 and 0 < mem_d["weights"] < 2 * vocab * hidden  # 64 rows of blocks
 
 
-def test_an_old_present_layout_graph_splits_too(lean_gguf, tmp_path):
+@pytest.mark.parametrize("pad_rows", [False, True], ids=["default", "padded"])
+def test_an_old_present_layout_graph_splits_too(lean_gguf, tmp_path, pad_rows):
     """Bundles of the growing ("present") KV layout: the same cut, the same bits. (No rollback
     here: this layout's one-row attention rounds unlike a wider one, so a row the shared body
     kept from a verify is not what the fused graph recomputes alone; the probe finds that.)"""
@@ -132,9 +133,9 @@ def test_an_old_present_layout_graph_splits_too(lean_gguf, tmp_path):
     path = tmp_path / "old" / "model.onnx"
     path.parent.mkdir()
     onnx.save_model(build_decoder(model.spec, model.tensors, GraphOptions(kv_layout="present")), str(path))
-    pair = open_shared_pair(path, path)
-    with pair[0] as split, pair[1], OnnxRuntime(path) as fused:
-        assert not split.capabilities.fixed_kv
+    pair = open_shared_pair(path, path, pad_rows=pad_rows)
+    with pair[0] as split, pair[1], OnnxRuntime(path, pad_rows=pad_rows) as fused:
+        assert not split.capabilities.fixed_kv and not split.head.pad_rows  # the layout has no padded mode
         assert_same_logits(split, fused, ids_of(fused.vocab_size, 40), STEPS[:-2])
 
 

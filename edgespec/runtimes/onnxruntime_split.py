@@ -318,6 +318,9 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
     names = sorted({*shared_names(body_proto, head_proto), *gathered_tables(body_proto)})
     tables = MappedTables(body_proto, target_path.parent, names)
     tied = ort_values(tables.arrays)
+    # the heads pad a lone row where the body pads its forwards (the fixed-buffer layout only), so
+    # they multiply the rows the fused graph's head would
+    pad_rows = pad_rows and any(o.name == "new_key_0" for o in body_proto.graph.output)
     heads: list[OnnxHead] = []
     body = None
     try:
