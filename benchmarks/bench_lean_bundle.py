@@ -16,6 +16,13 @@ On the embedded Gemma 3 270M Q4_K_M GGUF, one fresh process per measured run:
   4. greedy-token agreement of each target with llama-cpp-python's plain greedy decode of the same
      GGUF from the same token ids: tokens before the first difference, median over prompts.
 Writes the JSON result to --out (and prints it).
+
+    python benchmarks/bench_lean_bundle.py --memory BUNDLE [--repeat 3] [--out FILE.json]
+
+measures only peak RSS (one fresh process per run, the median of --repeat): `edgespec generate` of
+BUNDLE on onnxruntime (64 tokens, greedy) with the draft on its own body, on the target's body
+(--draft-body shared), without a draft, and llama-cpp-python's plain greedy run of the same GGUF
+(n_ctx 4096, edgespec's default KV capacity), so the draft's cost reads side by side with the peer.
 """
 from __future__ import annotations
 
@@ -144,6 +151,42 @@ def agreement(lean: Path, fp32: Path, gguf: Path, ids_list: list[list[int]], n: 
             "plain_greedy_ms_per_token_median": {k: round(1e3 * statistics.median(v), 1) for k, v in times.items()}}
 
 
+# llama-cpp-python's plain greedy generation in a fresh process: its own peak RSS (ru_maxrss, KiB)
+_LLAMA_RUN = ("import resource, sys\n"
+              "from llama_cpp import Llama\n"
+              "llm = Llama(sys.argv[1], n_ctx=4096, n_threads=int(sys.argv[3]), verbose=False)\n"
+              "llm(sys.argv[2], max_tokens=int(sys.argv[4]), temperature=0.0)\n"
+              "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")
+
+PROMPT = "The history of the printing press"
+
+
+def llama_peak(gguf: Path, tokens: int, threads: int) -> int:
+    proc = subprocess.run([sys.executable, "-c", _LLAMA_RUN, str(gguf), PROMPT, str(threads), str(tokens)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"llama-cpp-python failed:\n{proc.stderr[-2000:]}")
+    return [int(ln.split()[1]) * 1024 for ln in proc.stderr.splitlines() if ln.startswith("PEAK_RSS_KIB")][-1]
+
+
+def memory(bundle: Path, gguf: Path, tokens: int, threads: int, repeat: int) -> dict:
+    """Peak RSS (MiB, median of `repeat` fresh processes) per configuration; the draft's cost as a
+    share of llama-cpp-python's plain run."""
+    runs: dict[str, list[int]] = {}
+    configs = {"draft_own_body": ["--draft-body", "own"], "draft_shared_body": ["--draft-body", "shared"],
+               "target_only": ["--no-draft"]}
+    for _ in range(repeat):
+        for name, extra in configs.items():
+            _, rss, _ = run_cli("generate", str(bundle), PROMPT, "--backend", "onnxruntime", "--max-tokens",
+                                str(tokens), "--threads", str(threads), *extra)
+            runs.setdefault(name, []).append(rss)
+        runs.setdefault("llamacpp_plain", []).append(llama_peak(gguf, tokens, threads))
+    mib = {k: round(statistics.median(v) / 2**20) for k, v in runs.items()}
+    peer = mib["llamacpp_plain"]
+    return {"peak_rss_mib": mib, "runs_mib": {k: [round(x / 2**20) for x in v] for k, v in runs.items()},
+            "vs_llamacpp_plain": {k: round(v / peer, 2) for k, v in mib.items() if k != "llamacpp_plain"}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=Path("lean-bench"), help="folder for the two bundles")
@@ -152,11 +195,21 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=HERE / "bench_lean_bundle.json")
     ap.add_argument("--reuse", action="store_true", help="keep bundles already in --work (no export timing)")
+    ap.add_argument("--memory", type=Path, metavar="BUNDLE", help="measure only peak RSS of BUNDLE's configurations")
+    ap.add_argument("--repeat", type=int, default=3, help="fresh processes per configuration with --memory")
     args = ap.parse_args()
     from edgespec.bundle import load_bundle
     from edgespec.models.catalog import preset_source
 
     gguf = preset_source()
+    if args.memory is not None:
+        result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
+                              "cpus_visible": len(os.sched_getaffinity(0))},
+                  "bundle": args.memory.name, "gguf": gguf.name, "tokens": args.tokens,
+                  **memory(args.memory, gguf, args.tokens, args.threads, args.repeat)}
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+        return 0
     args.work.mkdir(parents=True, exist_ok=True)
     result: dict = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                                 "cpus_visible": len(os.sched_getaffinity(0)), "python": platform.python_version()},
