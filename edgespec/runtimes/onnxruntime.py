@@ -100,12 +100,16 @@ class OnnxRuntime(Runtime):
 
             # tables a Gather reads rows of are mapped from the file and let go once loaded (a tied
             # head prepacks its own copy): only the rows of the tokens seen are then resident
-            proto = load_proto(path)
-            tables = MappedTables(proto, path.parent, gathered_tables(proto))
+            try:
+                proto = load_proto(path)
+            except ImportError:  # no `onnx` package: the session loads every weight itself
+                proto = None
+            tables = MappedTables(proto, path.parent, gathered_tables(proto)) if proto is not None else None
             del proto
-            self._initializers = ort_values(tables.arrays)
+            self._initializers = ort_values(tables.arrays) if tables is not None else {}
             self._sess = self._open(ort, path, threads, spin, self._initializers)
-            tables.drop_pages()
+            if tables is not None:
+                tables.drop_pages()
         self._ort = ort
         trim_heap()  # onnxruntime's freed read buffers of the external weights
         names = [i.name for i in self._sess.get_inputs()]
