@@ -1,0 +1,90 @@
+"""Can a greedy verify skip the full 262k-row head? (issue 22, item 3: measured, not adopted)
+
+    python benchmarks/certify_head.py [--bundle BUNDLE] [--out benchmarks/results/certify_head.json]
+
+The idea: compute only the draft's VocabTrim rows of the head (16k of 262k) for a verify row, and
+a cheap upper bound on every other row's logit; where the best VocabTrim logit beats the bound,
+the argmax is certified without the full head (exact), else the full head runs. This measures
+the certified fraction on real final hidden states of the default model (its target's body,
+onnxruntime, output="hidden") with two bounds over the excluded rows e_j of the tied table:
+  - Cauchy-Schwarz: h.e_j <= |h| max_j |e_j|;
+  - clusters: k-means centres c with radii r: h.e_j <= h.c + |h| r (256 and 2048 clusters).
+It needs the GGUF's dequantized table (gguf-py, ~0.7 GB of float32).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+TEXTS = ["The capital of France is Paris. The capital of Italy is",
+         "def reverse(s):\n    return s[::-1]\n\ndef is_even(n):",
+         "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+         "Water boils at 100 degrees Celsius at sea level. At higher altitudes,"]
+
+
+def kmeans_bound(x: np.ndarray, hidden: np.ndarray, k: int, rng, iterations: int = 6) -> np.ndarray:
+    """Per hidden row, max over clusters of h.c + |h| r (an upper bound on h.e for every e in x)."""
+    centres = x[rng.choice(len(x), k, replace=False)].copy()
+    assign = np.empty(len(x), np.int64)
+    for _ in range(iterations):
+        for s in range(0, len(x), 32768):
+            blk = x[s:s + 32768]
+            d = (blk ** 2).sum(1)[:, None] - 2 * blk @ centres.T + (centres ** 2).sum(1)[None]
+            assign[s:s + 32768] = d.argmin(1)
+        for c in range(k):
+            members = x[assign == c]
+            if len(members):
+                centres[c] = members.mean(0)
+    radius = np.zeros(k, np.float32)
+    np.maximum.at(radius, assign, np.linalg.norm(x - centres[assign], axis=1))
+    return (hidden @ centres.T + np.linalg.norm(hidden, axis=1)[:, None] * radius[None]).max(1)
+
+
+def main() -> None:
+    from edgespec.api import default_bundle
+    from edgespec.bundle import load_bundle
+    from edgespec.exporters.gguf_source import read_gguf
+    from edgespec.models.catalog import preset_source
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.tokenizer import Tokenizer
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bundle", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "certify_head.json")
+    args = ap.parse_args()
+    b = load_bundle(args.bundle or default_bundle())
+    tok = Tokenizer(b.file(b.manifest.tokenizer.file), b.manifest.tokenizer)
+    keep = np.load(b.file(b.manifest.draft.id_map))
+    table = read_gguf(preset_source()).tensors["model.embed_tokens.weight"].dequantize().astype(np.float32)
+    rest = table[np.setdiff1d(np.arange(len(table)), keep)]
+    body = OnnxRuntime(b.file(b.manifest.target.formats["onnx"].file), threads=2, output="hidden")
+    rows = []
+    for text in TEXTS:
+        ids = tok.encode(text)
+        body.reset()
+        rows.append(np.array(body.forward(ids, n_logits=len(ids))).reshape(len(ids), -1))
+    hidden = np.concatenate(rows)
+    logits = hidden @ table.T
+    best_kept = logits[:, keep].max(1)
+    norms = np.linalg.norm(hidden, axis=1)
+    bounds = {"cauchy_schwarz": norms * np.linalg.norm(rest, axis=1).max()}
+    rng = np.random.default_rng(0)
+    for k in (256, 2048):
+        bounds[f"kmeans_{k}"] = kmeans_bound(rest, hidden, k, rng)
+    result = {
+        "rows": len(hidden), "vocabtrim_rows": len(keep),
+        "argmax_in_vocabtrim": float(np.isin(logits.argmax(1), keep).mean()),
+        "median_best_vocabtrim_logit": float(np.median(best_kept)),
+        "bounds": {name: {"certified": float((best_kept > bd).mean()), "median_bound": float(np.median(bd))}
+                   for name, bd in bounds.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
