@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 
 from edgespec.api import resolve_drafting
 from edgespec.decoding import (
+    DRAFTERS,
     POLICIES,
     FixedK,
     NgramDrafter,
@@ -93,12 +94,12 @@ def plain_greedy(prompt, n):
 
 
 def make_decoder(drafter: str, policy: str, k: int = 4) -> SpeculativeDecoder:
-    draft = ToyRuntime(V, seed=0, noise=0.7) if drafter in ("model", "both") else None
+    draft = ToyRuntime(V, seed=0, noise=0.7) if DRAFTERS[drafter].needs_model else None
     return SpeculativeDecoder(ToyRuntime(V, seed=0), draft, drafter=drafter, policy=make_policy(policy, k))
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("drafter", ["model", "ngram", "both"])
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
 def test_greedy_identity_under_every_policy_and_drafter(drafter, policy):
     dec = make_decoder(drafter, policy)
     expected = plain_greedy(PROMPT, 60)
@@ -110,8 +111,9 @@ def test_greedy_identity_under_every_policy_and_drafter(drafter, policy):
         for rt in filter(None, (dec.target, dec.draft)):
             assert rt.n_past <= len(tokens) - 1 and rt.cache == tokens[: rt.n_past]
     sources = {s.source.split(":")[0] for s in steps if s.drafted}
-    if policy == "fixed":
-        assert sources == {"model": {"model"}, "ngram": {"ngram"}, "both": {"model", "ngram"}}[drafter]
+    if policy == "fixed":  # every drafter the combination holds drafted (lookup first when it matches)
+        assert sources == {"model": {"model"}, "ngram": {"ngram"}, "both": {"model", "ngram"}, "recycle": {"recycle"},
+                           "lookup-recycle": {"ngram", "recycle"}, "both-recycle": {"ngram", "recycle"}}[drafter]
 
 
 class LoopingRuntime(ToyRuntime):

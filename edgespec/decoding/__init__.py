@@ -16,6 +16,7 @@ from edgespec.decoding.policy import (
     HeuristicK,
     make_policy,
 )
+from edgespec.decoding.recycling import RecyclingDrafter
 from edgespec.decoding.sampling import SamplingParams, check_max_tokens, probabilities, sample
 from edgespec.decoding.speculative import DEFAULT_K, SpeculativeDecoder, StepResult
 from edgespec.decoding.stats import GenerationStats
@@ -35,6 +36,7 @@ __all__ = [
     "HeuristicK",
     "ModelDrafter",
     "NgramDrafter",
+    "RecyclingDrafter",
     "SamplingParams",
     "SpeculativeDecoder",
     "StepResult",

@@ -8,6 +8,8 @@
   BothDrafter    prompt lookup when it finds a match the policy rates above the model, else
                  the model, whose draft the lookup then extends ("tail") for the cost of a
                  wider verify, and whose forwards also feed the lookup's guesses ("lookahead")
+  RecyclingDrafter  Token Recycling (recycling.py): chains of the successors the target itself
+                 ranked first after each token in earlier verifies; no model, nearly free
 
 Drafts are target ids. A drafter that samples returns its distributions in the target
 vocabulary; deterministic proposals (a lookup, an argmax draft) return none and are accepted
@@ -23,7 +25,6 @@ lookup guessed needs no forward of its own.
 """
 from __future__ import annotations
 
-import abc
 import logging
 import time
 from collections.abc import Callable
@@ -33,8 +34,10 @@ import numpy as np
 
 from edgespec.decoding.acceptance import map_draft_ids, point_masses, scatter_to_target
 from edgespec.decoding.cache import TrackedCache
+from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.policy import DraftPolicy
-from edgespec.decoding.sampling import SamplingParams, probabilities, sample, top_probability
+from edgespec.decoding.recycling import RecyclingDrafter
+from edgespec.decoding.sampling import probabilities, sample, top_probability
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Runtime
 
@@ -48,32 +51,6 @@ logger = logging.getLogger(__name__)
 # tokens of prompt lookup a model drafter feeds after each draft (its lookahead): each costs a few
 # percent of a one-token forward, each right one saves a whole forward
 GUESSES = 3
-
-
-@dataclass
-class Draft:
-    """One step's proposal."""
-
-    tokens: list[int]  # target ids
-    probs: np.ndarray | None = None  # (len(tokens), V_target) if sampled from a distribution, else point masses
-    source: str = ""  # the policy's key for the drafter that proposed them
-    ms_per_token: float | None = None  # marginal drafting cost, catch-up excluded (None: not measured)
-    tail: int = 0  # the last `tail` tokens were appended by another, free drafter (prompt lookup)...
-    tail_source: str = ""  # ...keyed so in the policy ("ngram:2")
-
-
-class Drafter(abc.ABC):
-    """Proposes up to `limit` target ids continuing `tokens`, asking `policy` how many."""
-
-    runtimes: tuple[Runtime, ...] = ()  # runtimes whose caches this drafter owns
-
-    @abc.abstractmethod
-    def propose(self, tokens: list[int], limit: int, policy: DraftPolicy, params: SamplingParams,
-                rng: np.random.Generator) -> Draft:
-        """Phase 1 of a step. Must not change `tokens`."""
-
-    def sync(self, tokens: list[int]) -> None:  # noqa: B027 - stateless drafters need nothing
-        """Drop cached state that is no longer a prefix of `tokens` (after a commit, or a stop)."""
 
 
 # ---------------------------------------------------------------- draft model
@@ -289,24 +266,39 @@ class NgramDrafter(Drafter):
 
 class BothDrafter(Drafter):
     """Prompt lookup when it finds a match the policy wants to draft from (and prefers to the
-    model), else the draft model, whose draft the lookup then extends with a tail."""
+    drafters after it), else Token Recycling's chain (when given, and preferred to the model),
+    else the draft model (when given), whose draft the lookup then extends with a tail."""
 
-    def __init__(self, lookup: NgramDrafter, model: ModelDrafter) -> None:
-        self.lookup, self.model = lookup, model
-        self.runtimes = model.runtimes
+    def __init__(self, lookup: NgramDrafter, model: ModelDrafter | None = None,
+                 recycle: RecyclingDrafter | None = None) -> None:
+        if model is None and recycle is None:
+            raise ConfigError("a combined drafter needs a draft model or Token Recycling after prompt lookup")
+        self.lookup, self.model, self.recycle = lookup, model, recycle
+        self.runtimes = model.runtimes if model is not None else ()
 
     def propose(self, tokens, limit, policy, params, rng) -> Draft:
         t0 = self.lookup.clock()
         found, source = self.lookup.candidate(tokens, limit)
-        if found and policy.prefers(source, self.model.source):
+        rivals = [d.source for d in (self.recycle, self.model) if d is not None]
+        if found and all(policy.prefers(source, rival) for rival in rivals):
             draft = self.lookup.take(found, source, policy, t0)
             if draft.tokens:
                 return draft
+        if self.recycle is not None and (self.model is None or policy.prefers(self.recycle.source, self.model.source)):
+            draft = self.recycle.propose(tokens, limit, policy, params, rng)
+            if draft.tokens:
+                return draft
+        if self.model is None:  # recycling found nothing: the lookup's match, if the policy wants it
+            return self.lookup.take(found, source, policy, t0) if found else Draft([])
         draft = self.model.propose(tokens, limit, policy, params, rng)
         return self.lookup.extend(tokens, draft, limit, policy, self.model.target_vocab)
 
     def sync(self, tokens: list[int]) -> None:
-        self.model.sync(tokens)
+        if self.model is not None:
+            self.model.sync(tokens)
+
+    def observe(self, tokens: list[int], logits: np.ndarray) -> list[tuple[str, int, int]]:
+        return self.recycle.observe(tokens, logits) if self.recycle is not None else []
 
 
 # ---------------------------------------------------------------- registry
@@ -336,15 +328,24 @@ DRAFTERS: dict[str, DrafterKind] = {
                                                                  max_batch=lim.max_batch, clock=lim.clock),
                          "the draft model"),
     "ngram": DrafterKind(False, lambda v, d, m, lim: NgramDrafter(clock=lim.clock), "prompt lookup, no model"),
+    "recycle": DrafterKind(False, lambda v, d, m, lim: RecyclingDrafter(v, clock=lim.clock),
+                           "Token Recycling: chains of the target's own earlier top successors, no model"),
+    "lookup-recycle": DrafterKind(False, lambda v, d, m, lim: BothDrafter(NgramDrafter(clock=lim.clock),
+                                                                          recycle=RecyclingDrafter(v, clock=lim.clock)),
+                                  "prompt lookup when it pays more, else Token Recycling; no model"),
     "both": DrafterKind(True, lambda v, d, m, lim: _both(v, d, m, lim),
                         "prompt lookup when it pays more, else the draft model (with lookup tails and lookahead)"),
+    "both-recycle": DrafterKind(True, lambda v, d, m, lim: _both(v, d, m, lim, recycle=True),
+                                "prompt lookup, else Token Recycling, else the draft model, whichever pays more"),
 }
 
 
-def _both(target_vocab: int, draft: Runtime, id_map: np.ndarray | None, lim: DrafterLimits) -> BothDrafter:
+def _both(target_vocab: int, draft: Runtime, id_map: np.ndarray | None, lim: DrafterLimits,
+          recycle: bool = False) -> BothDrafter:
     lookup = NgramDrafter(clock=lim.clock)
     return BothDrafter(lookup, ModelDrafter(draft, target_vocab, id_map, guess=lookup.guess, max_width=lim.max_width,
-                                            max_batch=lim.max_batch, clock=lim.clock))
+                                            max_batch=lim.max_batch, clock=lim.clock),
+                       RecyclingDrafter(target_vocab, clock=lim.clock) if recycle else None)
 
 
 def build_drafter(spec: str | Drafter | None, target_vocab: int, draft: Runtime | None,

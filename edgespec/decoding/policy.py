@@ -194,8 +194,9 @@ class DraftPolicy(abc.ABC):
         """
 
     def learn(self, source: str, drafted: int, accepted: int) -> None:  # noqa: B027
-        """Learn the acceptance of `drafted` tokens `source` appended as a tail, of which the target
-        kept `accepted` (called only when the tail was tested: the draft before it was kept whole)."""
+        """Learn the acceptance of `drafted` tokens of `source` that cost no step of their own, of which
+        the target kept `accepted`: a tail (called only when it was tested: the draft before it was
+        kept whole), or a free trial a drafter scored against a step it did not draft (Drafter.observe)."""
 
 
 def _check_k(name: str, value: int) -> None:

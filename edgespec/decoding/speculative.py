@@ -79,7 +79,7 @@ def _check_target(target: Runtime, drafter: Drafter | None, policy: DraftPolicy 
 class SpeculativeDecoder:
     """Generate with a target model, optionally accelerated by a drafter.
 
-    `drafter` is a name from DRAFTERS ("model", "ngram", "both") or a Drafter; by default the
+    `drafter` is a name from DRAFTERS ("model", "ngram", "recycle", "both") or a Drafter; by default the
     draft model when one is given, else plain decoding. Greedy output is token-identical to
     plain greedy decoding of the target; sampled output follows the target's distribution
     exactly (rejection sampling). The decoder assumes it is the only user of its runtimes' caches.
@@ -167,6 +167,8 @@ class SpeculativeDecoder:
                 pending = self._target.pending(tokens) + draft.tokens
                 logits = self._target.feed(pending, n_logits=len(draft.tokens) + 1)
                 reused = self.target.reused_rows
+                # what the target computed anyway, for a drafter that learns from it
+                trials = self.drafter.observe(pending[len(pending) - len(logits):], logits) if self.drafter else []
                 # 3. accept / resample
                 n_acc, nxt = self._accept(draft, logits, params, rng)
                 # 4. commit
@@ -179,6 +181,8 @@ class SpeculativeDecoder:
                 step = StepResult(new, len(draft.tokens), n_acc, (t1 - t0) * 1e3, (t2 - t1) * 1e3, draft.source,
                                   draft.tail)
                 self._learn(step, draft, reused)
+                for source, drafted, accepted in trials:
+                    self.policy.learn(source, drafted, accepted)
                 yield step
                 if new[-1] in stop_ids:
                     return

@@ -1,0 +1,52 @@
+"""What every drafter is: a `Draft` (one step's proposal) and the `Drafter` interface.
+
+Apart from drafters.py so that each drafter module (drafters.py, recycling.py) builds on the
+interface without importing the others, and the registry in drafters.py imports them all.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgespec.decoding.policy import DraftPolicy
+from edgespec.decoding.sampling import SamplingParams
+from edgespec.runtimes.base import Runtime
+
+__all__ = ["Draft", "Drafter"]
+
+
+@dataclass
+class Draft:
+    """One step's proposal."""
+
+    tokens: list[int]  # target ids
+    probs: np.ndarray | None = None  # (len(tokens), V_target) if sampled from a distribution, else point masses
+    source: str = ""  # the policy's key for the drafter that proposed them
+    ms_per_token: float | None = None  # marginal drafting cost, catch-up excluded (None: not measured)
+    tail: int = 0  # the last `tail` tokens were appended by another, free drafter (prompt lookup)...
+    tail_source: str = ""  # ...keyed so in the policy ("ngram:2")
+
+
+class Drafter(abc.ABC):
+    """Proposes up to `limit` target ids continuing `tokens`, asking `policy` how many."""
+
+    runtimes: tuple[Runtime, ...] = ()  # runtimes whose caches this drafter owns
+
+    @abc.abstractmethod
+    def propose(self, tokens: list[int], limit: int, policy: DraftPolicy, params: SamplingParams,
+                rng: np.random.Generator) -> Draft:
+        """Phase 1 of a step. Must not change `tokens`."""
+
+    def sync(self, tokens: list[int]) -> None:  # noqa: B027 - stateless drafters need nothing
+        """Drop cached state that is no longer a prefix of `tokens` (after a commit, or a stop)."""
+
+    def observe(self, tokens: list[int], logits: np.ndarray) -> list[tuple[str, int, int]]:
+        """The target's logits a verify (or plain step) computed anyway: row i follows `tokens[i]`,
+        the last committed token then each draft, accepted or not. (len(tokens), V) float, valid
+        only during the call. A drafter that learns from the target (recycling.py) reads them here.
+
+        Returns free trials for the policy: (source, drafted, accepted) of drafts this drafter
+        would have proposed in a step it did not draft, scored against these rows (greedy)."""
+        return []
