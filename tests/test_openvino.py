@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("openvino", reason="the OpenVINO backend needs openvino (pip install 'edgespec[openvino]')")
 
+from benchmarks.ov_state_kv import StatefulKV  # noqa: E402
 from edgespec.api import load  # noqa: E402
 from edgespec.bundle import MANIFEST, load_bundle  # noqa: E402
 from edgespec.errors import BackendError, ConfigError, ContextFullError  # noqa: E402
@@ -24,6 +25,8 @@ from tests.tiny import LONG_PROMPT, PROMPTS, VOCAB  # noqa: E402
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
 
 BOTH = ("onnx", "openvino")
+# the KV holders by the name a runtime reports: OpenVINO's state is a benchmark's holder
+KV = {"state": StatefulKV, "buffer": "buffer"}
 
 
 def ov_bundle(zoo, name: str, draft: str | None = DISAGREEING, **kw):
@@ -61,7 +64,7 @@ def test_logits_match_transformers_in_chunks_and_after_rollback(zoo, name, stati
     ids = zoo.hf_tokenizer(name)(LONG_PROMPT).input_ids
     ref = hf_logits(zoo.hf_model(name), ids)
     width = 8
-    rt = ov_target(zoo, name, static=static, width=width, kv_capacity=96 if static else None, kv=kv)
+    rt = ov_target(zoo, name, static=static, width=width, kv_capacity=96 if static else None, kv=KV[kv])
     assert rt.capabilities.static_shapes is static and rt.precision == "f32" and rt.capabilities.extra["kv"] == kv
     assert rt.capabilities.max_batch_tokens == (width if static else None)
 
@@ -105,7 +108,7 @@ def test_static_capacity_is_fixed_and_overflow_is_a_clear_error(zoo):
 
 @pytest.mark.parametrize("kv", ["state", "buffer"])
 def test_dynamic_cache_grows_and_respects_its_capacity(zoo, kv):
-    rt = ov_target(zoo, "qwen2", kv=kv, kv_capacity=320)
+    rt = ov_target(zoo, "qwen2", kv=KV[kv], kv_capacity=320)
     ids = [int(t) for t in np.random.default_rng(1).integers(10, VOCAB, size=330)]
     first = rt.memory_bytes()["kv"]
     for i in range(0, 300, 100):
@@ -118,7 +121,7 @@ def test_dynamic_cache_grows_and_respects_its_capacity(zoo, kv):
         rt.forward(ids[300:330])
     assert rt.n_past == 300
     with pytest.raises(BackendError, match="kv must be one of"):
-        ov_target(zoo, "qwen2", static=True, kv="state")
+        ov_target(zoo, "qwen2", static=True, kv=StatefulKV)
 
 
 def exact_mode(path, **kw) -> tuple[OpenVinoRuntime, object]:
@@ -161,8 +164,11 @@ def test_the_exact_mode_verifies_bit_for_bit_like_one_token_decodes(zoo, role, w
 
 def test_the_state_holder_reports_dynamic_quantization_as_batch_variance(zoo):
     # OpenVINO's state would keep padded keys, so that holder is exact only in f32
-    assert ov_target(zoo, "llama", kv="state").capabilities.batch_variance is None
-    rt = ov_target(zoo, "llama", kv="state", dynamic_quantization=True)
+    class QuantizedStateKV(StatefulKV):
+        quantize = True
+
+    assert ov_target(zoo, "llama", kv=StatefulKV).capabilities.batch_variance is None
+    rt = ov_target(zoo, "llama", kv=QuantizedStateKV)
     assert "dynamic" in rt.capabilities.batch_variance and rt.capabilities.extra["dynamic_quantization"]
 
 
@@ -283,7 +289,7 @@ def test_the_shared_body_runs_wide_forwards_on_a_second_copy(zoo):
     # the body's input embedding is only gathered, so a copy shares it; the head's matrix is repacked
     full = read_ir(target_ir, None)[1]
     assert repacked_bytes(full) > repacked_bytes(body_ir)
-    for kw in ({"static": True, "width": 4}, {"kv": "state"}):
+    for kw in ({"static": True, "width": 4}, {"kv": StatefulKV}):
         assert not OpenVinoRuntime(target_ir, wide=True, **kw).capabilities.extra["wide"]
     ids = [int(t) for t in np.random.default_rng(4).integers(3, VOCAB, 40)]
     for rt in (wide, narrow):
@@ -467,7 +473,7 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
     # the int4 draft IR, where the CPU plugin quantizes activations on the fly: in the mode the
     # probe picks on this CPU, a verify is bit for bit one-token decodes; where that is the
     # one-row mode, without the key padding, or the query padding, it is not (not vacuous)
-    import edgespec.runtimes.openvino as ov_runtime
+    import edgespec.runtimes.ov_kv as ov_kv
 
     draft_ir = out / load_bundle(out).manifest.draft.formats["openvino"].file
     ids = [int(t) for t in np.random.default_rng(0).integers(1000, 200000, 760)]
@@ -480,7 +486,7 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
     rt.close()
     for rewrite in ("pad_keys", "pad_queries") if not padded else ():
         with pytest.MonkeyPatch.context() as mp:  # the rewrites only act while the IR loads
-            mp.setattr(ov_runtime, rewrite, lambda model: 0)
+            mp.setattr(ov_kv, rewrite, lambda model: 0)
             unpadded = OpenVinoRuntime(draft_ir)
         assert not all(verify_matches_decodes(unpadded, ids, start, width=6) for start in starts), rewrite
         unpadded.close()
@@ -494,6 +500,28 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
     for lo, hi, n in [(0, 600, 2), *[(i, i + 1, 1) for i in range(600, 606)], (606, 611, 5), (611, 620, 9)]:
         np.testing.assert_array_equal(np.array(split.forward(ids[lo:hi], n_logits=n)),
                                       fused.forward(ids[lo:hi], n_logits=n), err_msg=f"{lo}:{hi}")
+
+
+# -- the KV holder: picked once, from the device and the options ------------------------------
+
+def test_the_kv_holder_is_planned_from_the_device_and_the_options():
+    """plan_kv is pure: no model is needed to see which holder a runtime would build."""
+    from edgespec.runtimes.ov_kv import DEFAULT_KV_CAPACITY, DEFAULT_STATIC_CAPACITY, DynamicBufferKV, StaticKV, plan_kv
+
+    plan = plan_kv("CPU", "f32", pad_rows=True, wide=True)
+    assert (plan.kind, plan.capacity, plan.width, plan.pad_rows, plan.wide, plan.quantize) == \
+        (DynamicBufferKV, DEFAULT_KV_CAPACITY, None, True, True, True)  # padded attention: int8 activations stay exact
+    assert not plan_kv("GPU", "f32", wide=True).wide  # only the CPU plugin re-prepares per width
+    npu = plan_kv("NPU", "f16", width=4, pad_rows=True, wide=True)  # an NPU compiles static shapes only
+    assert (npu.kind, npu.capacity, npu.width, npu.pad_rows, npu.wide) == (StaticKV, DEFAULT_STATIC_CAPACITY, 4,
+                                                                            False, False)
+    assert plan_kv("CPU", "f32", static=True, capacity=10).quantize is False  # unpadded: f32 activations
+    assert plan_kv("CPU", "bf16", static=True).quantize is True  # bf16 rounds apart anyway
+    state = plan_kv("CPU", "f32", kv=StatefulKV, pad_rows=True, wide=True)
+    assert (state.kind, state.pad_rows, state.wide, state.quantize) == (StatefulKV, False, False, False)
+    for kw in (dict(kv="state"), dict(kv=dict), dict(kv=StatefulKV, static=True)):
+        with pytest.raises(BackendError, match="kv must be one of"):
+            plan_kv("CPU", "f32", **kw)
 
 
 # -- the padded-rows mode: what the engine switches to where one-row decodes round apart ----------
@@ -511,7 +539,7 @@ def test_padded_rows_compute_the_same_model_and_keep_only_the_real_rows(zoo):
     padded.trim(6)
     plain.trim(6)
     np.testing.assert_allclose(padded.forward(ids[6:9], n_logits=2), plain.forward(ids[6:9], n_logits=2), atol=1e-4)
-    for kw in (dict(kv="state"), dict(static=True, width=4)):  # only the dynamic buffer pads
+    for kw in (dict(kv=StatefulKV), dict(static=True, width=4)):  # only the dynamic buffer pads
         assert not OpenVinoRuntime(ir, pad_rows=True, **kw).capabilities.extra["pad_rows"]
 
 

@@ -1,6 +1,7 @@
 """Load-time rewrites of an edgespec OpenVINO IR (the model object, in place; never the file).
 
-- `make_stateful`: the past KV inputs become OpenVINO variables.
+- `make_stateful`: the past KV inputs become OpenVINO variables (for the benchmarks: OpenVINO's
+  state as a KV holder, benchmarks/ov_state_kv.py, and GenAI's stateful IR).
 - `pad_keys`: the key axis of every attention is padded with masked zero keys to a
   multiple of BLOCK, so that a query row's result does not depend on how many masked columns
   follow its keys.
