@@ -83,3 +83,25 @@ def test_sampling_with_a_draft_matches_the_target_pointwise(zoo, seed):
         logits = rt.forward(ids + out, n_logits=len(out) + 1)[:-1]
     allowed = probabilities(logits, params)  # zero outside each position's top-k/top-p set
     assert all(allowed[i, t] > 0 for i, t in enumerate(out))
+
+
+def test_sampling_with_recycled_drafts_follows_the_target(zoo):
+    """Token Recycling drafts the target's own earlier top-1 as a point mass: exact all the same."""
+    path = zoo.bundle("gemma3", None)
+    params = SamplingParams(temperature=1.0)
+    with load(path, k=1, drafter="recycle", threads=1) as engine:
+        ids = engine.tokenizer.encode(PROMPTS[1])
+        p = next_token_probs(path, "target", ids, params)
+        firsts: Counter = Counter()
+        drafted = accepted = 0
+        for seed in range(N_RUNS):
+            rs = list(engine.stream(ids, max_tokens=2, temperature=1.0, seed=seed))
+            firsts[rs[0].token_ids[0]] += 1
+            drafted += engine.last_stats.drafted
+            accepted += engine.last_stats.accepted
+        guess = engine.decoder.drafter.table.chain(ids[-1], 1)
+
+    # the first run fills the table; from then on every run drafts the target's top-1 there
+    assert drafted == N_RUNS - 1 and guess == [int(np.argmax(p))]
+    assert 0.05 * N_RUNS < accepted < 0.95 * N_RUNS, accepted  # both branches of the test ran
+    assert chi_square_p(firsts, p) > P_MIN
