@@ -8,7 +8,7 @@
    prompt lookup plus the model under the cost policy, with the draft on the target's body
    where `draft_body="auto"` picks it, and on its own body), per target precision.
 
-GenAI reads a stateful copy of the bundle's own IR (runtimes.openvino.make_stateful, plus the
+GenAI reads a stateful copy of the bundle's own IR (runtimes.openvino_graph.make_stateful, plus the
 beam_idx input and last-position logits GenAI expects), so both sides run the same compressed
 weights. Configurations are interleaved per prompt; medians are reported, since the 2 cores
 are shared with other jobs.
@@ -143,11 +143,12 @@ def _bench_bundle(bundle: Path, args, tmp: Path, report: dict) -> None:
     configs["edgespec spec (prompt lookup)"] = lambda ids, e=lookup: _edgespec_run(e, ids, args.tokens)
     # the previous exact mode, same weights and drafting: KV in OpenVINO's state (a rollback
     # writes the kept prefix back), f32 activations, one-row forwards, unpadded keys
+    from ov_state_kv import StatefulKV  # benchmarks/: OpenVINO's state, the previous exact mode
+
     from edgespec.runtimes.openvino import OpenVinoRuntime
 
     def f32_state(role):
-        return OpenVinoRuntime(bundle / role.formats["openvino"].file, threads=args.threads, kv="state",
-                               dynamic_quantization=False)
+        return OpenVinoRuntime(bundle / role.formats["openvino"].file, threads=args.threads, kv=StatefulKV)
 
     old_plain = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
     old_plain.decoder = SpeculativeDecoder(f32_state(b.manifest.target))
