@@ -17,7 +17,7 @@ On the embedded Gemma 3 270M Q4_K_M GGUF, one fresh process per measured run:
      GGUF from the same token ids: tokens before the first difference, median over prompts.
 Writes the JSON result to --out (and prints it).
 
-    python benchmarks/bench_lean_bundle.py --memory BUNDLE [--repeat 3] [--out FILE.json]
+    python benchmarks/bench_lean_bundle.py --memory BUNDLE [--repeat 3] [--out benchmarks/bench_lean_memory.json]
 
 measures only peak RSS (one fresh process per run, the median of --repeat): `edgespec generate` of
 BUNDLE on onnxruntime (64 tokens, greedy) with the draft on its own body, on the target's body
@@ -193,7 +193,8 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=HERE / "bench_lean_bundle.json")
+    ap.add_argument("--out", type=Path, help="result JSON (default: bench_lean_bundle.json, with --memory "
+                                             "bench_lean_memory.json, next to this script)")
     ap.add_argument("--reuse", action="store_true", help="keep bundles already in --work (no export timing)")
     ap.add_argument("--memory", type=Path, metavar="BUNDLE", help="measure only peak RSS of BUNDLE's configurations")
     ap.add_argument("--repeat", type=int, default=3, help="fresh processes per configuration with --memory")
@@ -202,6 +203,7 @@ def main() -> int:
     from edgespec.models.catalog import preset_source
 
     gguf = preset_source()
+    args.out = args.out or HERE / ("bench_lean_memory.json" if args.memory is not None else "bench_lean_bundle.json")
     if args.memory is not None:
         result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                               "cpus_visible": len(os.sched_getaffinity(0))},

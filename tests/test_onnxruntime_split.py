@@ -179,7 +179,7 @@ def test_mapped_tables_leave_the_fused_graph_as_it_was(zoo, lean, bundle):
     session that loaded every weight itself."""
     import onnxruntime as ort
 
-    from edgespec.runtimes.onnxruntime_split import gathered_tables, load_proto
+    from edgespec.runtimes.onnx_graphs import gathered_tables, load_proto
 
     target = files(zoo.bundle("gemma3-tied", DISAGREEING) if bundle == "fp32" else lean)[0]
     with OnnxRuntime(target) as rt:

@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendError, ContextFullError
-from ..memory.measure import trim_heap
 from .base import Capabilities, Runtime
+from .heap import trim_heap
+from .onnx_graphs import import_ort as _import_ort
 
 __all__ = ["OnnxRuntime", "available_devices", "DEFAULT_KV_CAPACITY"]
 
@@ -33,14 +34,6 @@ logger = logging.getLogger(__name__)
 # page by page as they fill, so an unused tail costs address space, not memory
 DEFAULT_KV_CAPACITY = 4096
 _LOGIT_ROWS = 17  # logits buffer rows kept ready: verify width for drafts up to 16 tokens
-
-
-def _import_ort():
-    try:
-        import onnxruntime as ort
-    except ImportError as e:  # edge installs may pick another backend
-        raise BackendError("onnxruntime is not installed: pip install 'edgespec[onnx]'") from e
-    return ort
 
 
 def available_devices() -> list[str]:
@@ -91,12 +84,12 @@ class OnnxRuntime(Runtime):
         self._output = output
         self._initializers = dict(initializers or {})  # OrtValues the session reads: kept alive with it
         if output == "hidden":
-            from .onnxruntime_split import body_model, session
+            from .onnx_graphs import body_model, session
 
             self._sess = session(body_model(path), path.parent, threads=threads, spin=spin,
                                  initializers=self._initializers)
         else:
-            from .onnxruntime_split import MappedTables, gathered_tables, load_proto, ort_values
+            from .onnx_graphs import MappedTables, gathered_tables, load_proto, ort_values
 
             # tables a Gather reads rows of are mapped from the file and let go once loaded (a tied
             # head prepacks its own copy): only the rows of the tokens seen are then resident

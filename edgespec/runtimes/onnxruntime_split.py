@@ -4,7 +4,7 @@ The exporter (exporters/onnx_graph.py) ends every decoder graph the same way, in
 written so far (fp32, fp16, int8 quantized, GGUF-transcoded MatMulNBits; present and append KV
 layouts): the final norm, `Slice(x, -n_logits)` (the rows that reach the head), then the head
 (Reshape, MatMul / Gemm / MatMulNBits, an optional softcap) into `logits`. Cutting at that Slice's
-output gives
+output (runtimes/onnx_graphs.py) gives
   - the body: the graph with `hidden` (1, N, hidden) as its first output instead of `logits`
     (runtimes/onnxruntime.py opens it with `output="hidden"`), and
   - a head: the nodes from the Slice's output to `logits`, alone (`OnnxHead`).
@@ -24,218 +24,30 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import BackendError
-from ..memory.measure import trim_heap
+from .heap import trim_heap
+from .onnx_graphs import (
+    HIDDEN,
+    LOGITS,
+    MappedTables,
+    body_model,
+    gathered_tables,
+    head_model,
+    initializer_bytes,
+    ort_values,
+    session,
+    shared_names,
+)
+from .onnxruntime import OnnxRuntime
 from .shared_body import SharedBodyRuntime, shared_pair
 
-__all__ = ["HIDDEN", "MappedTables", "OnnxHead", "body_model", "gathered_tables", "head_model", "load_proto",
-           "open_shared_pair", "ort_values", "shared_names"]
+__all__ = ["OnnxHead", "open_shared_pair"]
 
 logger = logging.getLogger(__name__)
-
-HIDDEN = "hidden"  # the body's first output and the head's input: final hidden rows, (1, N, hidden)
-LOGITS = "logits"
-
-
-def _load(path: Path):
-    import onnx
-
-    if not path.is_file():
-        raise BackendError(f"ONNX model not found: {path}")
-    return onnx.load(str(path), load_external_data=False)  # the protos only: ~200 KB for Gemma 3 270M
-
-
-def _cut(graph, name: str) -> str:
-    """The tensor the head reads: the output of `Slice(final norm, -n_logits)`."""
-    neg = {n.output[0] for n in graph.node if n.op_type == "Neg" and list(n.input) == ["n_logits"]}
-    cut = [n.output[0] for n in graph.node if n.op_type == "Slice" and len(n.input) > 1 and n.input[1] in neg]
-    if len(cut) != 1 or not any(o.name == LOGITS for o in graph.output):
-        raise BackendError(f"{name} is not an edgespec decoder graph with a head to cut (export the bundle again)")
-    return cut[0]
-
-
-def _needed(graph, outputs: Iterable[str], stop: str | None = None) -> list:
-    """The nodes that `outputs` depend on (not past `stop`), in the graph's (topological) order."""
-    producer = {o: i for i, n in enumerate(graph.node) for o in n.output}
-    keep, todo = set(), [o for o in outputs if o != stop]
-    while todo:
-        i = producer.get(todo.pop())
-        if i is None or i in keep:
-            continue
-        keep.add(i)
-        todo += [t for t in graph.node[i].input if t and t != stop]
-    return [graph.node[i] for i in sorted(keep)]
-
-
-def _model(src, nodes: list, inputs: list, outputs: list, name: str):
-    """A model of `nodes` with the source's opsets, metadata and the initializers they read."""
-    from onnx import helper
-
-    used = {t for n in nodes for t in n.input}
-    inits = [t for t in src.graph.initializer if t.name in used]
-    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=inits)
-    model = helper.make_model(graph, opset_imports=list(src.opset_import), producer_name=src.producer_name)
-    model.ir_version = src.ir_version
-    model.metadata_props.extend(src.metadata_props)
-    return model
-
-
-def _hidden_size(model, cut: str) -> int:
-    """The head's input width: the exporter records it; older bundles have it in the Reshape
-    that follows the cut ([-1, hidden])."""
-    from onnx import numpy_helper
-
-    meta = {p.key: p.value for p in model.metadata_props}
-    if "edgespec.hidden_size" in meta:
-        return int(meta["edgespec.hidden_size"])
-    consts = {t.name: t for t in model.graph.initializer}
-    for n in model.graph.node:
-        if n.op_type == "Reshape" and n.input[0] == cut and n.input[1] in consts:
-            return int(numpy_helper.to_array(consts[n.input[1]])[-1])
-    raise BackendError("cannot tell the hidden size of this ONNX graph (export the bundle again)")
-
-
-def body_model(path: str | os.PathLike):
-    """The decoder at `path` without its head: outputs `hidden` (1, N, hidden), the final hidden
-    rows of the last n_logits positions, then the graph's KV outputs."""
-    from onnx import TensorProto, helper
-
-    src = _load(Path(path))
-    cut = _cut(src.graph, Path(path).name)
-    width = _hidden_size(src, cut)
-    kv_out = [o for o in src.graph.output if o.name != LOGITS]
-    nodes = _needed(src.graph, [cut, *(o.name for o in kv_out)])
-    nodes.append(helper.make_node("Identity", [cut], [HIDDEN], name="edgespec_hidden"))
-    out = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, "N", width]), *kv_out]
-    return _model(src, nodes, list(src.graph.input), out, "edgespec_body")
-
-
-def head_model(path: str | os.PathLike):
-    """The decoder's head alone: `hidden` (1, N, hidden) -> `logits` (1, N, vocab)."""
-    from onnx import TensorProto, helper
-
-    src = _load(Path(path))
-    cut = _cut(src.graph, Path(path).name)
-    width = _hidden_size(src, cut)
-    nodes = _needed(src.graph, [LOGITS], stop=cut)
-    nodes.insert(0, helper.make_node("Identity", [HIDDEN], [cut], name="edgespec_hidden"))
-    inp = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, "N", width])]
-    out = [o for o in src.graph.output if o.name == LOGITS]
-    return _model(src, nodes, inp, out, "edgespec_head")
-
-
-def shared_names(*models) -> list[str]:
-    """Initializers every model reads (a tied table: the body's embedding, the head's matrix)."""
-    sets = [{t.name for t in m.graph.initializer} for m in models]
-    return sorted(set.intersection(*sets)) if sets else []
-
-
-def gathered_tables(model) -> list[str]:
-    """External initializers a Gather reads rows of (the input embedding, as floats or as GGUF
-    blocks and their scales): a forward reads a few rows, so they need not be in memory whole."""
-    from onnx import TensorProto
-
-    external = {t.name for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
-    return sorted({n.input[0] for n in model.graph.node if n.op_type == "Gather" and n.input[0] in external})
-
-
-def load_proto(path: str | os.PathLike):
-    """The graph of an .onnx file without its external data."""
-    return _load(Path(path))
-
-
-class MappedTables:
-    """Initializers mapped read-only from their external data files (one mapping per file): file
-    pages, shared by every session handed them, that the kernel may drop and read back.
-
-    After the sessions that read them are built (a head's MatMulNBits prepacks its own copy then),
-    `drop_pages()` lets the pages go: what a Gather reads later (the embedding rows of the tokens
-    seen) comes back, the rest of the table no longer counts in the process's memory."""
-
-    def __init__(self, model, folder: Path, names: Iterable[str]) -> None:
-        import mmap
-
-        from onnx import TensorProto, helper, numpy_helper
-
-        protos = {t.name: t for t in model.graph.initializer}
-        self._maps: dict[str, mmap.mmap] = {}
-        self._ranges: list[tuple[Path, int, int]] = []  # (file, offset, length) of each mapped table
-        self.arrays: dict[str, np.ndarray] = {}
-        for name in names:
-            t = protos[name]
-            if t.data_location != TensorProto.EXTERNAL:
-                self.arrays[name] = np.ascontiguousarray(numpy_helper.to_array(t))
-                continue
-            info = {e.key: e.value for e in t.external_data}
-            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-            count = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
-            if int(info.get("length", count * dtype.itemsize)) != count * dtype.itemsize:
-                raise BackendError(f"initializer {name} is not stored as plain {dtype} (export the bundle again)")
-            file = info["location"]
-            if file not in self._maps:
-                with open(folder / file, "rb") as f:
-                    self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            offset = int(info.get("offset", 0))
-            flat = np.frombuffer(self._maps[file], dtype=dtype, count=count, offset=offset)
-            self.arrays[name] = flat.reshape(tuple(t.dims))
-            self._ranges.append((folder / file, offset, count * dtype.itemsize))
-
-    def drop_pages(self) -> None:
-        """Unmap the resident pages (they stay in the file): the next read faults them back in.
-
-        A row read later must bring back its own page, not the large folio the file was cached in
-        when it was read whole (on Linux 6.x, one random embedding row mapped ~3 MB back): so reads
-        are marked random (no read-around) and the tables' cached pages are dropped too."""
-        import mmap
-
-        if not (hasattr(mmap, "MADV_DONTNEED") and hasattr(mmap, "MADV_RANDOM")):
-            return  # not Linux or macOS: the pages stay mapped, as a session's own copy would
-        for m in self._maps.values():
-            m.madvise(mmap.MADV_RANDOM)
-            m.madvise(mmap.MADV_DONTNEED)
-        if hasattr(os, "posix_fadvise"):
-            for path, offset, length in self._ranges:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
-
-
-def session(model, folder: Path, *, threads: int | None, spin: bool, initializers: dict):
-    """An onnxruntime CPU session of a rebuilt `model` whose external data lives in `folder`;
-    `initializers`: name -> OrtValue used instead of the file's (shared with another session)."""
-    from .onnxruntime import _import_ort
-
-    ort = _import_ort()
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        opts.intra_op_num_threads = threads
-    if not spin:
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-    present = {t.name for t in model.graph.initializer}
-    for name, value in initializers.items():
-        if name in present:
-            opts.add_initializer(name, value)
-    try:
-        return ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=["CPUExecutionProvider"])
-    except Exception as e:  # onnxruntime raises its own exception types; keep one line
-        raise BackendError(f"cannot load the split graph of {folder.name}: {str(e).splitlines()[0]}") from e
-
-
-def ort_values(arrays: dict[str, np.ndarray]) -> dict:
-    """OrtValues over the arrays' own memory (no copy): they must outlive every session given them."""
-    from .onnxruntime import _import_ort
-
-    ort = _import_ort()
-    return {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in arrays.items()}
 
 
 class OnnxHead:
@@ -260,7 +72,7 @@ class OnnxHead:
         self.vocab_size = int(out[2])
         self.hidden_size = int(self._sess.get_inputs()[0].shape[2])
         shared = {t.name for t in model.graph.initializer} & set(self._values)
-        self.weight_bytes = 0 if in_body else _initializer_bytes(model, exclude=shared)
+        self.weight_bytes = 0 if in_body else initializer_bytes(model, exclude=shared)
         self.pad_rows = pad_rows
         self._in = np.zeros((2, self.hidden_size), dtype=np.float32)
         self._out = np.zeros((2, self.vocab_size), dtype=np.float32)
@@ -287,19 +99,6 @@ class OnnxHead:
         self._values = {}
 
 
-def _initializer_bytes(model, exclude: set[str]) -> int:
-    """Bytes of `model`'s initializers (external or inline), those in `exclude` left out."""
-    from onnx import helper
-
-    total = 0
-    for t in model.graph.initializer:
-        if t.name in exclude:
-            continue
-        count = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
-        total += count * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-    return total
-
-
 def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLike, *, threads: int | None = None,
                      device: str | None = None, kv_capacity: int | None = None, pad_rows: bool = False,
                      **kw) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
@@ -309,8 +108,6 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
     (kv_dtype, spin). The body's threads do not spin-wait by default: its forwards alternate with
     the heads' runs, which need the cores (2 threads, lean default: a 4-draft step 1.1-1.9x
     faster without)."""
-    from .onnxruntime import OnnxRuntime
-
     trim_heap()  # what earlier loads freed (a tokenizer's parse) goes back first: a lower peak
     target_path, draft_path = Path(target_path), Path(draft_path)
     body_proto, head_proto = body_model(target_path), head_model(target_path)
