@@ -191,3 +191,19 @@ def test_mapped_tables_leave_the_fused_graph_as_it_was(zoo, lean, bundle):
     feeds = {"input_ids": np.array([ids]), "n_logits": np.array([4])}
     feeds.update({i.name: np.zeros((1, 0, *kv), np.float32) for i in plain.get_inputs()[2:]})
     np.testing.assert_array_equal(got, plain.run(["logits"], feeds)[0][0])
+
+
+def test_a_graph_without_an_edgespec_head_is_a_one_line_error(tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from edgespec.errors import BackendError
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 4])
+    path = tmp_path / "other.onnx"
+    onnx.save_model(helper.make_model(helper.make_graph([helper.make_node("Relu", ["x"], ["logits"])], "g", [x], [y])),
+                    str(path))
+    with pytest.raises(BackendError, match="not an edgespec decoder graph with a head to cut") as e:
+        open_shared_pair(path, path)
+    assert "\n" not in str(e.value)
