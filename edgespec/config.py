@@ -52,7 +52,8 @@ class EngineConfig:
     backend: a name from edgespec.runtimes.BACKENDS (default: the first installed one that runs a
     format the bundle has); device: e.g. "CPU", "GPU", "NPU", "AUTO" where the backend has them;
     draft_backend / draft_device: run the draft elsewhere (default: as the target).
-    drafter: "auto", "model", "ngram" (prompt lookup, no draft model needed), "both" or "none";
+    drafter: "auto", "model", "ngram" (prompt lookup, no draft model needed), "recycle" (Token
+    Recycling, no draft model), "lookup-recycle", "both", "both-recycle" or "none";
     policy: a draft-length policy from edgespec.decoding.POLICIES; k: the draft length (adaptive
     policies range up to 2k). See `resolve_drafting` for the defaults.
     memory_budget: bytes, or a size such as "1.5GB" or "900MiB", for the whole process: the KV
@@ -86,7 +87,8 @@ class EngineConfig:
         help="do not load the draft model: plain decoding, or prompt lookup with --drafter ngram"))
     drafter: str = field(default="auto", metadata=_opt(
         "--drafter", choices=DRAFTER_CHOICES,
-        help="who proposes drafts: the draft model, ngram (prompt lookup, no model needed), both, or none; "
+        help="who proposes drafts: the draft model, ngram (prompt lookup, no model needed), recycle (Token "
+             "Recycling, no model), lookup-recycle, both, both-recycle, or none; "
              "auto = both when the bundle has a draft model, else ngram"))
     policy: str | None = field(default=None, metadata=_opt(
         "--draft-policy", choices=POLICY_CHOICES,
