@@ -1,5 +1,10 @@
 """Token Recycling against plain decoding, prompt lookup and the default drafting, interleaved.
 
+Configurations: plain; recycle (Token Recycling alone); ngram (prompt lookup alone);
+lookup-recycle (lookup, else recycling); both (lookup, else the draft model: the default);
+both-recycle (lookup, else recycling, else the draft model). Every one but plain uses the cost
+policy, as the engine does by default.
+
     python benchmarks/bench_recycling.py BUNDLE [--prompts chat] [--max-tokens 128] [--repeat 2]
         [--threads 2] [--json benchmarks/results/recycling.json]
 
@@ -17,18 +22,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 
 import numpy as np
 
 import edgespec
+from edgespec.bench.machine import library_versions, machine_info
 from edgespec.bench.suites import encode_prompt, load_prompts
 from edgespec.decoding import SamplingParams
 from edgespec.decoding.recycling import SUCCESSORS, top_successors
 
-CONFIGS = {"plain": None, "recycle": "recycle", "ngram": "ngram", "both": "both"}
+CONFIGS = {"plain": None, "recycle": "recycle", "ngram": "ngram", "lookup-recycle": "lookup-recycle", "both": "both",
+           "both-recycle": "both-recycle"}
 
 
 def run_once(engine, decoder, ids: list[int], max_tokens: int) -> dict:
@@ -118,9 +124,9 @@ def main() -> None:
         table = decoders["recycle"].drafter.table if "recycle" in decoders else None
         rows = summarise(runs, prompts, configs)
         report = {
-            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                        "loadavg_before": [round(x, 2) for x in load_before],
+            "machine": {**machine_info(), "loadavg_before": [round(x, 2) for x in load_before],
                         "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
+            "versions": library_versions(),
             "engine": {k: v for k, v in engine.describe().items() if k in ("bundle", "target", "draft", "draft_body",
                                                                            "drafter", "policy", "k")},
             "threads": args.threads, "prompts": args.prompts, "n_prompts": len(prompts),
