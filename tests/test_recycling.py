@@ -6,7 +6,7 @@ import pytest
 from scipy.stats import chisquare
 
 from edgespec.decoding import FixedK, RecyclingDrafter, SamplingParams, SpeculativeDecoder, make_policy, probabilities
-from edgespec.decoding.draft import Drafter
+from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.recycling import SuccessorTable, top_successors
 from edgespec.errors import ConfigError
 from tests.test_drafters import LoopingRuntime
@@ -83,8 +83,6 @@ class Recorder(Drafter):
         self.seen: list[tuple[list[int], np.ndarray]] = []
 
     def propose(self, tokens, limit, policy, params, rng):
-        from edgespec.decoding.draft import Draft
-
         return Draft([1, 2][:limit], None, "rec")
 
     def observe(self, tokens, logits):

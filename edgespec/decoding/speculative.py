@@ -18,7 +18,8 @@ import numpy as np
 
 from edgespec.decoding.acceptance import accept_greedy, accept_point_masses, accept_sampled
 from edgespec.decoding.cache import TrackedCache, batch_limit, common_prefix
-from edgespec.decoding.drafters import Draft, Drafter, build_drafter
+from edgespec.decoding.draft import Draft, Drafter
+from edgespec.decoding.drafters import build_drafter
 from edgespec.decoding.policy import DraftPolicy, FixedK
 from edgespec.decoding.sampling import SamplingParams, probabilities
 from edgespec.errors import ConfigError
