@@ -159,14 +159,19 @@ class Engine:
         # straight away. Plain and speculative engines share it, so that their greedy outputs are
         # the same model's (an exact mode such as padded rows rounds unlike the default).
         ctx_kw = {"kv_capacity": c.max_context} if c.max_context is not None and budget is None else {}
+        modes = BACKENDS[backend].exact_modes if not c.static else ()  # static shapes have one width
         recall, remember = exact_mode_memory(backend, files[:1], {"threads": c.threads, "device": c.device, **ctx_kw}
-                                             ) if plan.switchable else (lambda: None, None)
+                                             ) if modes else (lambda: None, None)
         remembered = None if c.retune else recall()
         mode = remembered or {}
+        if remembered is None and budget is not None and modes:
+            # a budget plans the runtimes it opens and cannot switch them afterwards: where no mode
+            # is settled here yet, open the backend's first exact mode (the probe still checks it)
+            mode = modes[0]
         options = {**plan.target.options, **mode}
         if plan.shared_body:
             reopen = functools.partial(open_shared_pair, backend, files[0], files[-1], **options)
-            pair = reopen()
+            pair = budget.open_pair(reopen) if budget else reopen()
             self.target = self._stack.enter_context(pair[0])
             self.draft = self._stack.enter_context(pair[1])
             self.draft_backend = backend
@@ -175,6 +180,8 @@ class Engine:
             self.target = self._stack.enter_context(budget.open_target(reopen) if budget else reopen())
         if plan.wants_draft_model and budget is not None and not budget.load_draft:
             self.drafter_name = None  # the draft model does not fit; finish() says so once
+            if plan.shared_body:  # its head was opened with the body: let it go
+                self._drop_draft()
         if self.drafter_name is not None and plan.draft is not None and not plan.shared_body:
             open_draft = functools.partial(open_runtime, plan.draft.backend, bundle.file(plan.draft.file),
                                            **plan.draft.options)
@@ -216,7 +223,8 @@ class Engine:
         dfmt = fmt if m.draft is not None and fmt in m.draft.formats else None
         k = plan.k if plan.drafter is not None else 0
         return EngineBudget(self.config.budget_bytes, bundle, fmt, dfmt, runtime_class(plan.backend).kv_dtypes, k,
-                            plan.max_k if k else 0, plan.wants_draft_model, self.config.max_context)
+                            plan.max_k if k else 0, plan.wants_draft_model, self.config.max_context,
+                            shared_body=plan.shared_body)
 
     # -- seams for tools: decoder variants on the same runtimes, a description for reports ------
     def variant(self, *, plain: bool = False, drafter: str | None = None, policy: str | DraftPolicy | None = None,

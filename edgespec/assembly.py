@@ -133,7 +133,7 @@ def plan_engine(manifest, config: EngineConfig, installed: list[str]) -> EngineP
         reason = "--draft-body own"
         if c.draft_body != "own":
             why = shared_body_blocker(m, fmt, backend, draft_backend=c.draft_backend, device=c.device,
-                                      draft_device=c.draft_device, static=c.static, budgeted=budgeted,
+                                      draft_device=c.draft_device, static=c.static,
                                       auto=c.draft_body == "auto")
             if why is not None and c.draft_body == "shared":
                 raise ConfigError(f"--draft-body shared: {why}")

@@ -41,7 +41,7 @@ QUANTIZED = ("int8", "int4")
 
 
 def shared_body_blocker(manifest, fmt: str, backend: str, *, draft_backend: str | None, device: str | None,
-                        draft_device: str | None, static: bool, budgeted: bool, auto: bool) -> str | None:
+                        draft_device: str | None, static: bool, auto: bool) -> str | None:
     """Why the draft cannot run on the target's body here (None: it can). With `auto`, also an
     unquantized (fp32/fp16) target: its body costs several times a quantized draft's, while an
     int8 or int4 body costs about what the draft's own does (on Gemma 3 270M with OpenVINO a one-
@@ -53,8 +53,6 @@ def shared_body_blocker(manifest, fmt: str, backend: str, *, draft_backend: str 
         return "the draft runs on another backend or device"
     if static:
         return "static shapes run each model at its own fixed width"
-    if budgeted:
-        return "memory budgets plan separate draft and target caches"
     if d is None or fmt not in d.formats:
         return f"the bundle's draft has no {fmt} artifact"
     if not manifest.self_draft:

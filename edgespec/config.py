@@ -102,7 +102,7 @@ class EngineConfig:
         "--draft-body", choices=DRAFT_BODY_CHOICES,
         help="shared: run the draft model on the target's body, loading only the draft's head (one body's "
              "weights and KV cache); own: load the draft's own body; auto (default): shared for a self-draft "
-             "without a layer cut on an int8/int4 target, where the backend can (no --memory-budget)"))
+             "without a layer cut on an int8/int4 target, where the backend can"))
     static: bool = field(default=False, metadata=_opt(
         "--static-shapes", kind="true",
         help="OpenVINO: fixed KV capacity and verify width k+1, as NPUs need (NPU turns it on)"))

@@ -131,18 +131,10 @@ LAYERS: list[set[str]] = [
 FORBIDDEN: dict[str, set[str]] = {"bench": {"server"}, "server": {"bench"}, "decoding": {"exporters", "memory"},
                                   "memory": {"decoding", "exporters"}}
 # known cycles awaiting a fix in a module this test does not own (named, so a new one fails)
-ALLOWED_CYCLES: set[frozenset[str]] = {
-    # a work in progress: the onnxruntime shared body (runtimes/onnxruntime_split.py) and onnxruntime.py
-    # import each other lazily
-    frozenset({"edgespec.runtimes.onnxruntime", "edgespec.runtimes.onnxruntime_split"}),
-}
+ALLOWED_CYCLES: set[frozenset[str]] = set()
 
 # known upward imports awaiting a fix in a module this test does not own (named, so a new one fails)
-ALLOWED_UPWARD: set[str] = {
-    # trim_heap (glibc malloc_trim, no edgespec imports) belongs below the runtimes, e.g. in runtimes/base.py
-    "edgespec.runtimes.onnxruntime -> edgespec.memory.measure",
-    "edgespec.runtimes.onnxruntime_split -> edgespec.memory.measure",
-}
+ALLOWED_UPWARD: set[str] = set()
 
 
 def _module_name(path: Path) -> str:

@@ -49,6 +49,7 @@ class BackendInfo:
 BACKENDS: dict[str, BackendInfo] = {
     "onnxruntime": BackendInfo("onnxruntime", "onnx", "edgespec.runtimes.onnxruntime", "OnnxRuntime", "onnx",
                                "onnxruntime",
+                               "edgespec.runtimes.onnxruntime_split:open_shared_pair",
                                # a one-row MatMulNBits with int8 activations rounds unlike a taller
                                # one (whole logits apart on Gemma 3 270M): no forward of one row
                                exact_modes=({"pad_rows": True},),
