@@ -244,14 +244,3 @@ class EngineBudget:
         for n in self.plan.notes:
             logger.warning(n)
         return self.plan
-
-
-def apply_plan(plan: Plan, runtimes: list[Runtime]) -> None:
-    """Prompts are prefilled in chunks the plan sized the scratch memory for."""
-    from dataclasses import replace as _replace
-
-    for rt in runtimes:
-        caps = rt.capabilities
-        limit = caps.max_batch_tokens
-        chunk = plan.prefill_chunk if limit is None else min(limit, plan.prefill_chunk)
-        rt.capabilities = _replace(caps, max_batch_tokens=max(chunk, plan.max_draft + 1, 2))
