@@ -336,15 +336,16 @@ def test_which_drafts_run_on_the_targets_body(zoo):
         assert engine.draft.capabilities.extra.get("shared_body") is None
     cut = ov_bundle(zoo, "gemma3", AGREEING, draft_vocab=96, draft_layers=1)
     for path, kw, why in [(fp32, dict(static=True), "static shapes"),
-                          (fp32, dict(backend="onnxruntime"), "cannot run a draft on the target's body"),
                           (fp32, dict(draft_backend="onnxruntime"), "another backend or device"),
-                          (cut, {}, "not the target's own model"),
-                          (fp32, dict(memory_budget="64GB"), "memory budgets")]:
+                          (cut, {}, "not the target's own model")]:
         kw = {"backend": "openvino", **kw}
         with pytest.raises(ConfigError, match=why):
             load(path, drafter="model", draft_body="shared", **kw)
     with pytest.raises(ConfigError, match="draft_body must be one of"):
         load(fp32, draft_body="theirs")
+    # a memory budget plans the pair (memory/loading.py: EngineBudget.open_pair)
+    with load(fp32, backend="openvino", drafter="model", draft_body="shared", memory_budget="64GB") as engine:
+        assert engine.shared_body and engine.memory_plan.use_draft
     with load(fp32, backend="openvino", drafter="ngram", draft_body="shared") as engine:
         assert engine.draft is None and not engine.shared_body  # no draft model, nothing to share
 
@@ -447,8 +448,9 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
     from edgespec.exporters.export import ExportConfig, export_bundle
     from edgespec.models.catalog import preset_source
 
-    out = export_bundle(ExportConfig(output=tmp_path / "gemma", formats=("openvino",), draft_precision="int4",
-                                     draft_vocab=None))
+    # fp32: compared with transformers' fp32 model (a GGUF's default, its own blocks, rounds as llama.cpp does)
+    out = export_bundle(ExportConfig(output=tmp_path / "gemma", formats=("openvino",), target_precision="fp32",
+                                     draft_precision="int4", draft_vocab=None))
     gguf = preset_source()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()

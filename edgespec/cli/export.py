@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "several (default: onnx)")
     p.add_argument("--target-precision", default=None, choices=TARGET_PRECISIONS,
                    help="default 'source': a GGUF keeps its own quantized weights (transcoded to ONNX "
-                        "MatMulNBits, copied as GGUF); another precision re-encodes it, which changes the "
-                        "model; a model folder defaults to fp32")
+                        "MatMulNBits and OpenVINO u4/u8 compressed weights, copied as GGUF); another precision "
+                        "re-encodes it, which changes the model; a model folder defaults to fp32")
     p.add_argument("--draft-precision", default=None, choices=DRAFT_PRECISIONS,
                    help="default: a GGUF's self-draft keeps the target's weights (its body is the "
                         "target's), other drafts int8")
