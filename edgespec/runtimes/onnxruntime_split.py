@@ -43,6 +43,7 @@ from .onnx_graphs import (
     shared_names,
 )
 from .onnxruntime import OnnxRuntime
+from .ort_kv import kv_kind
 from .shared_body import SharedBodyRuntime, shared_pair
 
 __all__ = ["OnnxHead", "open_shared_pair"]
@@ -115,9 +116,9 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
     names = sorted({*shared_names(body_proto, head_proto), *gathered_tables(body_proto)})
     tables = MappedTables(body_proto, target_path.parent, names)
     tied = ort_values(tables.arrays)
-    # the heads pad a lone row where the body pads its forwards (the fixed-buffer layout only), so
-    # they multiply the rows the fused graph's head would
-    pad_rows = pad_rows and any(o.name == "new_key_0" for o in body_proto.graph.output)
+    # the heads pad a lone row where the body's KV holder pads its forwards (runtimes/ort_kv.py),
+    # so they multiply the rows the fused graph's head would
+    pad_rows = pad_rows and kv_kind([o.name for o in body_proto.graph.output]).pads
     heads: list[OnnxHead] = []
     body = None
     try:

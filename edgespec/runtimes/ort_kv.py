@@ -1,0 +1,261 @@
+"""The KV holders of the onnxruntime runtime: one class per KV layout of an edgespec decoder graph.
+
+The exporter (exporters/onnx_graph.py) has written two layouts; a holder binds a graph's past and
+new KV for a forward and runs it (`forward`), rolls back (`trim`, `reset`) and says what it holds
+(`memory`), as mlx-lm's models/cache.py gives each cache kind a class:
+
+- `FixedBufferKV` (the "append" layout, every current export): the graph takes the past
+  sequence-major, (1, P, kv_heads, head_dim), and returns only the new rows. One preallocated
+  (capacity, kv_heads, head_dim) array per layer for K and one for V; a forward binds the filled
+  prefix as the past and the rows right after it as the output (IOBinding on raw pointers), so the
+  cache never grows, is never copied, and a rollback just lowers n_past. Logits go into a reused
+  buffer too: a step allocates nothing per candidate. `pad_rows` computes every forward one row
+  wider (its last token again) and drops that row, the exact mode where a one-row kernel rounds
+  unlike a taller one; the padding row's K/V lands one slot past the sequence.
+- `GrowingKV` (the "present" layout of early bundles, kept so they still load): the cache is the
+  list of `present_*` OrtValues the last run returned, bound back as the next past; it grows by
+  reallocation every step and a rollback copies the kept prefix. It is also the naive baseline
+  benchmarks/bench_memory.py compares against.
+
+`plan_kv` picks the holder and its settings once, from the graph's inputs and outputs and the
+options, without a session: a pure function.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..errors import BackendError, ContextFullError
+
+__all__ = ["DEFAULT_KV_CAPACITY", "FixedBufferKV", "GrowingKV", "KVHolder", "KVLayout", "KVPlan", "graph_io",
+           "kv_kind", "plan_kv"]
+
+# positions preallocated when no capacity is planned; numpy's zeroed buffers are committed
+# page by page as they fill, so an unused tail costs address space, not memory
+DEFAULT_KV_CAPACITY = 4096
+_LOGIT_ROWS = 17  # logits buffer rows kept ready: verify width for drafts up to 16 tokens
+_INPUTS = ["input_ids", "n_logits", "past_key_0"]  # the first inputs of every edgespec decoder graph
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The cache a graph reads: `n_layers` K and V tensors of `kv_heads` x `head_dim` per position, f32."""
+
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.kv_heads * self.head_dim * 4
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """How a runtime holds its cache, settled at construction (plan_kv)."""
+
+    kind: type[KVHolder]
+    layout: KVLayout
+    capacity: int | None  # most positions held (a forward past it: ContextFullError); None: no limit
+    pad: int  # rows added to every forward (pad_rows), 0 or 1
+
+
+class KVHolder(abc.ABC):
+    """One way of holding a graph's KV cache; it binds the session's KV inputs and outputs and runs it."""
+
+    fixed: ClassVar[bool] = False  # buffers preallocated for the capacity (Capabilities.fixed_kv)
+    pads: ClassVar[bool] = False  # can compute a forward one row wider and drop that row (pad_rows)
+    # where the past input's shape (1, ?, ?, head_dim) names the KV heads
+    heads_axis: ClassVar[int]
+    default_capacity: ClassVar[int | None] = None
+
+    def __init__(self, plan: KVPlan, sess, ort, output: str, width: int) -> None:
+        """sess: the onnxruntime session; output: the first output's name (logits or hidden), whose
+        rows are `width` wide."""
+        self.plan, self._sess, self._ort, self._output, self._width = plan, sess, ort, output, width
+        self._n = 0
+        self.reset()
+
+    @property
+    def n_past(self) -> int:
+        return self._n
+
+    def forward(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
+        """Append `token_ids` (n_logits <= their count); the last `n_logits` rows of the output."""
+        cap = self.plan.capacity
+        if cap is not None and self._n + len(token_ids) > cap:
+            raise ContextFullError(f"the context is full: {self._n} + {len(token_ids)} positions exceed "
+                                   f"the KV capacity of {cap}")
+        return self._run(token_ids, n_logits)
+
+    @abc.abstractmethod
+    def _run(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
+        """Bind, run the session, keep the new positions (room checked)."""
+
+    def trim(self, n_past: int) -> None:
+        """Hold only the first `n_past` positions."""
+        if n_past >= self._n:
+            return
+        if n_past <= 0:
+            self.reset()
+            return
+        self._keep(n_past)
+
+    def _keep(self, n_past: int) -> None:
+        """Hold the first `n_past` positions (0 < n_past < n_past now)."""
+        self._n = n_past
+
+    def reset(self) -> None:
+        self._n = 0
+
+    def probe(self, n_new: int, n_ctx: int) -> bool:
+        """Runtime.probe_scratch: False where the holder cannot stand a prefix in for a context."""
+        return False
+
+    def buffers(self) -> list[np.ndarray]:
+        """The preallocated K/V arrays (none for a growing cache)."""
+        return []
+
+    @abc.abstractmethod
+    def memory(self) -> dict[str, int]:
+        """Bytes held now: `kv` and what else the holder allocates."""
+
+    def close(self) -> None:
+        self._sess = None
+
+
+class FixedBufferKV(KVHolder):
+    """Sequence-major buffers preallocated for the capacity, written in place through IOBinding."""
+
+    fixed = pads = True
+    heads_axis = 2  # past: (1, P, kvh, hd)
+    default_capacity = DEFAULT_KV_CAPACITY
+
+    def __init__(self, plan: KVPlan, sess, ort, output: str, width: int) -> None:
+        super().__init__(plan, sess, ort, output, width)
+        lay, rows = plan.layout, plan.capacity + plan.pad
+        # the padding row's K/V lands one slot past the sequence: room for it at capacity. Zeroed
+        # pages are committed as they are written: RSS follows the context actually used
+        self._kv = [np.zeros((rows, lay.kv_heads, lay.head_dim), dtype=np.float32) for _ in range(2 * lay.n_layers)]
+        self.logits = np.zeros((_LOGIT_ROWS, width), dtype=np.float32)
+        self._ids = np.zeros((1, rows), dtype=np.int64)
+        self._n_logits = np.zeros(1, dtype=np.int64)
+        self._binding = sess.io_binding()
+
+    def _run(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
+        p, real, pad, lay = self._n, len(token_ids), self.plan.pad, self.plan.layout
+        # with padding, the graph also returns the padding row's logits (it returns the last rows)
+        s, rows = real + pad, n_logits + pad
+        if rows > len(self.logits):  # a wider verify than planned: grow once, keep it
+            self.logits = np.zeros((rows, self._width), dtype=np.float32)
+        b, f32, i64 = self._binding, np.float32, np.int64
+        ids = self._ids[:, :s]
+        ids[0, :real] = token_ids
+        ids[0, real:] = token_ids[-1]
+        self._n_logits[0] = rows
+        b.bind_input("input_ids", "cpu", 0, i64, [1, s], ids.ctypes.data)
+        b.bind_input("n_logits", "cpu", 0, i64, [1], self._n_logits.ctypes.data)
+        row = lay.kv_heads * lay.head_dim * 4
+        for i, (kind, buf) in enumerate(zip(("key", "value") * lay.n_layers, self._kv)):
+            j, base = i // 2, buf.ctypes.data
+            b.bind_input(f"past_{kind}_{j}", "cpu", 0, f32, [1, p, lay.kv_heads, lay.head_dim], base)
+            b.bind_output(f"new_{kind}_{j}", "cpu", 0, f32, [1, s, lay.kv_heads, lay.head_dim], base + p * row)
+        b.bind_output(self._output, "cpu", 0, f32, [1, rows, self._width], self.logits.ctypes.data)
+        self._sess.run_with_iobinding(b)
+        self._n = p + real
+        return self.logits[:n_logits]
+
+    def probe(self, n_new: int, n_ctx: int) -> bool:
+        if n_new < 1 or n_ctx > self.plan.capacity:
+            return False
+        # the buffers' prefix stands in for a cached context: its contents do not matter here
+        self._n = max(0, n_ctx - n_new)
+        try:
+            self._run([0] * min(n_new, n_ctx), 1)
+        finally:
+            self.reset()
+        return True
+
+    def buffers(self) -> list[np.ndarray]:
+        return list(self._kv)
+
+    def memory(self) -> dict[str, int]:
+        return {"kv": sum(a.nbytes for a in self._kv), "kv_used": self.plan.layout.bytes_per_token * self._n,
+                "logits": self.logits.nbytes}
+
+    def close(self) -> None:
+        self._binding = None
+        self._kv = []
+        super().close()
+
+
+class GrowingKV(KVHolder):
+    """The `present_*` OrtValues of the last run, bound back as the next past."""
+
+    heads_axis = 1  # past: (1, kvh, P, hd)
+
+    def _run(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
+        binding = self._sess.io_binding()
+        binding.bind_cpu_input("input_ids", np.asarray([token_ids], dtype=np.int64))
+        binding.bind_cpu_input("n_logits", np.asarray([n_logits], dtype=np.int64))
+        for j in range(self.plan.layout.n_layers):
+            binding.bind_ortvalue_input(f"past_key_{j}", self._past[2 * j])
+            binding.bind_ortvalue_input(f"past_value_{j}", self._past[2 * j + 1])
+        binding.bind_output(self._output)
+        for j in range(self.plan.layout.n_layers):
+            binding.bind_output(f"present_key_{j}")
+            binding.bind_output(f"present_value_{j}")
+        self._sess.run_with_iobinding(binding)
+        outs = binding.get_outputs()
+        self._past = list(outs[1:])
+        self._n += len(token_ids)
+        return outs[0].numpy()[0]  # (n_logits, V)
+
+    def _keep(self, n_past: int) -> None:
+        OrtValue = self._ort.OrtValue
+        # copy: with one KV head the slice is contiguous, and a view would outlive the buffer it
+        # points into once the OrtValue that owns it is dropped (garbage after a second trim)
+        self._past = [OrtValue.ortvalue_from_numpy(v.numpy()[:, :, :n_past].copy()) for v in self._past]
+        super()._keep(n_past)
+
+    def reset(self) -> None:
+        lay = self.plan.layout
+        empty = np.zeros((1, lay.kv_heads, 0, lay.head_dim), dtype=np.float32)
+        self._past = [self._ort.OrtValue.ortvalue_from_numpy(empty) for _ in range(2 * lay.n_layers)]
+        super().reset()
+
+    def memory(self) -> dict[str, int]:
+        return {"kv": self.plan.layout.bytes_per_token * self._n}
+
+    def close(self) -> None:
+        self._past = []
+        super().close()
+
+
+def kv_kind(outputs: Sequence[str]) -> type[KVHolder]:
+    """The holder of a graph with these output names: only the append layout returns `new_*` rows."""
+    return FixedBufferKV if "new_key_0" in outputs else GrowingKV
+
+
+def graph_io(sess) -> tuple[list[tuple[str, list]], list[str]]:
+    """(inputs as (name, shape), output names) of an onnxruntime session: what plan_kv reads."""
+    return [(i.name, list(i.shape)) for i in sess.get_inputs()], [o.name for o in sess.get_outputs()]
+
+
+def plan_kv(inputs: Sequence[tuple[str, Sequence]], outputs: Sequence[str], *, capacity: int | None = None,
+            pad_rows: bool = False, name: str = "the model") -> KVPlan:
+    """The holder and its settings for a graph with these inputs ((name, shape), in order) and
+    output names: the layout's holder (kv_kind), the KV shape read from `past_key_0`, `capacity`
+    (or the holder's default), and pad_rows where the holder can pad."""
+    names = [n for n, _ in inputs]
+    if names[:3] != _INPUTS:
+        raise BackendError(f"{name} is not an edgespec decoder graph (inputs: {', '.join(names[:4])})")
+    kind = kv_kind(outputs)
+    past = inputs[2][1]  # fixed: (1, P, kvh, hd); growing: (1, kvh, P, hd)
+    layout = KVLayout(sum(1 for n in names if n.startswith("past_key_")), int(past[kind.heads_axis]), int(past[3]))
+    return KVPlan(kind, layout, int(capacity or kind.default_capacity) if kind.fixed else capacity,
+                  int(pad_rows and kind.pads))
