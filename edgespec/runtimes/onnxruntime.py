@@ -51,6 +51,16 @@ def _check_options(device: str | None, kv_dtype: str | None, kv_dtypes: tuple[st
         raise BackendError(f"onnxruntime: output must be 'logits' or 'hidden', got {output!r}")
 
 
+def _open_session(ort, path: Path, threads: int | None, spin: bool, output: str,
+                  initializers: dict | None) -> tuple[object, dict]:
+    """(session, initializers it reads): the body cut before its head for output="hidden", with the
+    given initializers (a tied table the head's session holds too); else the whole graph."""
+    if output == HIDDEN:
+        values = dict(initializers or {})
+        return session(body_model(path), path.parent, threads=threads, spin=spin, initializers=values), values
+    return _open_fused(ort, path, threads, spin)
+
+
 def _open_fused(ort, path: Path, threads: int | None, spin: bool) -> tuple[object, dict]:
     """(session, initializers it reads) of the whole graph. The tables a Gather reads rows of are
     mapped from the file and let go once loaded (a tied head prepacks its own copy): only the rows
@@ -120,12 +130,8 @@ class OnnxRuntime(Runtime):
             raise BackendError(f"ONNX model not found: {path}")
         trim_heap()  # what earlier loads freed (a tokenizer's parse) goes back first: a lower peak
         self.spin, self.output = spin, output
-        if output == HIDDEN:  # the initializers (OrtValues the session reads) live as long as it
-            self._initializers = dict(initializers or {})
-            self._sess = session(body_model(path), path.parent, threads=threads, spin=spin,
-                                 initializers=self._initializers)
-        else:
-            self._sess, self._initializers = _open_fused(ort, path, threads, spin)
+        # the initializers (OrtValues the session reads) are kept alive as long as it
+        self._sess, self._initializers = _open_session(ort, path, threads, spin, output, initializers)
         trim_heap()  # onnxruntime's freed read buffers of the external weights
         plan = plan_kv(*graph_io(self._sess), capacity=kv_capacity, pad_rows=pad_rows, name=path.name)
         self.vocab_size = _output_width(self._sess, path.name)
