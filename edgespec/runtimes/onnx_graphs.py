@@ -206,9 +206,9 @@ class MappedTables:
                     os.close(fd)
 
 
-def session(model, folder: Path, *, threads: int | None, spin: bool, initializers: dict):
-    """An onnxruntime CPU session of a rebuilt `model` whose external data lives in `folder`;
-    `initializers`: name -> OrtValue used instead of the file's (shared with another session)."""
+def session_options(threads: int | None, spin: bool):
+    """onnxruntime SessionOptions of every edgespec CPU session: full graph optimization, `threads`
+    intra-op threads (None: onnxruntime's choice), spin-waiting between runs only with `spin`."""
     ort = import_ort()
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -216,6 +216,14 @@ def session(model, folder: Path, *, threads: int | None, spin: bool, initializer
         opts.intra_op_num_threads = threads
     if not spin:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return opts
+
+
+def session(model, folder: Path, *, threads: int | None, spin: bool, initializers: dict):
+    """An onnxruntime CPU session of a rebuilt `model` whose external data lives in `folder`;
+    `initializers`: name -> OrtValue used instead of the file's (shared with another session)."""
+    ort = import_ort()
+    opts = session_options(threads, spin)
     opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     present = {t.name for t in model.graph.initializer}
     for name, value in initializers.items():

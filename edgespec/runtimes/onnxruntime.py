@@ -19,7 +19,17 @@ import numpy as np
 from ..errors import BackendError
 from .base import Capabilities, Runtime
 from .heap import trim_heap
-from .onnx_graphs import HIDDEN, LOGITS, MappedTables, body_model, gathered_tables, load_proto, ort_values, session
+from .onnx_graphs import (
+    HIDDEN,
+    LOGITS,
+    MappedTables,
+    body_model,
+    gathered_tables,
+    load_proto,
+    ort_values,
+    session,
+    session_options,
+)
 from .onnx_graphs import import_ort as _import_ort
 from .ort_kv import DEFAULT_KV_CAPACITY, graph_io, plan_kv
 
@@ -78,12 +88,7 @@ def _open_fused(ort, path: Path, threads: int | None, spin: bool) -> tuple[objec
 
 
 def _session(ort, path: Path, threads: int | None, spin: bool, initializers: dict):
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        opts.intra_op_num_threads = threads
-    if not spin:
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    opts = session_options(threads, spin)
     for name, value in initializers.items():
         opts.add_initializer(name, value)
     try:

@@ -44,7 +44,7 @@ from .onnx_graphs import (
 )
 from .onnxruntime import OnnxRuntime
 from .ort_kv import kv_kind
-from .shared_body import SharedBodyRuntime, shared_pair
+from .shared_body import SharedBodyRuntime, check_heads, shared_pair
 
 __all__ = ["OnnxHead", "open_shared_pair"]
 
@@ -129,9 +129,7 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
         body = OnnxRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, pad_rows=pad_rows,
                            output=HIDDEN, initializers=tied, **{"spin": False, **kw})
         heads.append(OnnxHead(draft_path, threads=threads, pad_rows=pad_rows))
-        if heads[1].hidden_size != heads[0].hidden_size:
-            raise BackendError(f"the draft's head reads hidden states of size {heads[1].hidden_size}, the target's "
-                               f"body makes {heads[0].hidden_size}: not a draft of this target's body")
+        check_heads(heads[0], heads[1])
     except BaseException:
         for h in heads:
             h.close()

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import BackendError
 from .openvino import OpenVinoRuntime, compile_model, import_ov, model_precision, ov_reason, read_ir
 from .openvino_graph import HIDDEN, head_model
-from .shared_body import SharedBodyRuntime, shared_pair
+from .shared_body import SharedBodyRuntime, check_heads, shared_pair
 
 __all__ = ["OpenVinoHead", "open_shared_pair"]
 
@@ -81,9 +81,7 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
         for path, in_body in ((target_path, True), (draft_path, False)):
             heads.append(OpenVinoHead(path, threads=threads, device=device, precision=body.precision,
                                       in_body=in_body, pad_rows=pad_rows))
-        if heads[1].hidden_size != heads[0].hidden_size:
-            raise BackendError(f"the draft's head reads hidden states of size {heads[1].hidden_size}, the target's "
-                               f"body makes {heads[0].hidden_size}: not a draft of this target's body")
+        check_heads(heads[0], heads[1])
     except BaseException:
         for h in heads:
             h.close()

@@ -30,9 +30,10 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import BackendError
 from .base import Runtime, common_prefix
 
-__all__ = ["Head", "SharedBody", "SharedBodyRuntime", "shared_pair"]
+__all__ = ["Head", "SharedBody", "SharedBodyRuntime", "check_heads", "shared_pair"]
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class Head(Protocol):
     """Final hidden rows (R, H) -> logits (R, vocab_size); may return a view valid until the next call."""
 
     vocab_size: int
+    hidden_size: int
     weight_bytes: int
 
     def __call__(self, hidden: np.ndarray) -> np.ndarray: ...
@@ -176,6 +178,13 @@ class SharedBodyRuntime(Runtime):
         self.head.close()
         if self.owner:
             self.shared.body.close()
+
+
+def check_heads(target_head: Head, draft_head: Head) -> None:
+    """The draft's head must read the hidden rows the target's body makes (a draft of this body)."""
+    if draft_head.hidden_size != target_head.hidden_size:
+        raise BackendError(f"the draft's head reads hidden states of size {draft_head.hidden_size}, the target's "
+                           f"body makes {target_head.hidden_size}: not a draft of this target's body")
 
 
 def shared_pair(body: Runtime, target_head: Head, draft_head: Head) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
