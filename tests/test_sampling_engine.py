@@ -40,6 +40,19 @@ def chi_square_p(counts: Counter, p: np.ndarray) -> float:
     return float(chisquare(obs, exp).pvalue)
 
 
+def first_tokens(engine, ids) -> tuple[Counter, int, int]:
+    """N_RUNS seeded samples at temperature 1: the first tokens' counts, drafted and accepted.
+    max_tokens=2: one drafted token (a budget of 1 would draft nothing) plus the target's."""
+    firsts: Counter = Counter()
+    drafted = accepted = 0
+    for seed in range(N_RUNS):
+        rs = list(engine.stream(ids, max_tokens=2, temperature=1.0, seed=seed))
+        firsts[rs[0].token_ids[0]] += 1
+        drafted += engine.last_stats.drafted
+        accepted += engine.last_stats.accepted
+    return firsts, drafted, accepted
+
+
 def test_first_sampled_token_follows_the_target(zoo):
     path = zoo.bundle("gemma3", OTHER_SEED)
     params = SamplingParams(temperature=1.0)
@@ -47,14 +60,7 @@ def test_first_sampled_token_follows_the_target(zoo):
         ids = engine.tokenizer.encode(PROMPTS[1])
         p = next_token_probs(path, "target", ids, params)
         q = next_token_probs(path, "draft", ids, params)
-        firsts: Counter = Counter()
-        drafted = accepted = 0
-        for seed in range(N_RUNS):
-            # max_tokens=2: one drafted token (a budget of 1 would draft nothing) plus the target's
-            rs = list(engine.stream(ids, max_tokens=2, temperature=1.0, seed=seed))
-            firsts[rs[0].token_ids[0]] += 1
-            drafted += engine.last_stats.drafted
-            accepted += engine.last_stats.accepted
+        firsts, drafted, accepted = first_tokens(engine, ids)
 
     assert drafted == N_RUNS
     # both branches of rejection sampling ran many times
@@ -92,13 +98,7 @@ def test_sampling_with_recycled_drafts_follows_the_target(zoo):
     with load(path, k=1, drafter="recycle", threads=1) as engine:
         ids = engine.tokenizer.encode(PROMPTS[1])
         p = next_token_probs(path, "target", ids, params)
-        firsts: Counter = Counter()
-        drafted = accepted = 0
-        for seed in range(N_RUNS):
-            rs = list(engine.stream(ids, max_tokens=2, temperature=1.0, seed=seed))
-            firsts[rs[0].token_ids[0]] += 1
-            drafted += engine.last_stats.drafted
-            accepted += engine.last_stats.accepted
+        firsts, drafted, accepted = first_tokens(engine, ids)
         guess = engine.decoder.drafter.table.chain(ids[-1], 1)
 
     # the first run fills the table; from then on every run drafts the target's top-1 there
