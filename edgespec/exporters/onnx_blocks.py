@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .gguf_transcode import BlockWeight
 
-__all__ = ["BlockOps"]
+__all__ = ["BlockOps", "kernel_form"]
 
 
 class BlockOps:
@@ -37,7 +37,7 @@ class BlockOps:
 
     def matmul_nbits(self, x: str, w: BlockWeight, name: str) -> str:
         """x @ w.T with onnxruntime's MatMulNBits on the weight's own blocks."""
-        w = w if self.float_zero_points else _kernel_form(w)
+        w = w if self.float_zero_points else kernel_form(w)
         n, k = w.shape
         out = self.name(name)
         self.nodes.append(helper.make_node(
@@ -59,7 +59,7 @@ class BlockOps:
     def gather_blocks(self, w: BlockWeight, name: str, ids: str) -> str:
         """Rows `ids` of a BlockWeight, dequantized in the graph: (1, S, K). Reads the same
         initializers as a tied head's MatMulNBits, so the table is stored once."""
-        w = w if self.float_zero_points else _kernel_form(w)
+        w = w if self.float_zero_points else kernel_form(w)
         i64 = dict(dtype=np.int64)
         n, k = w.shape
         kb = k // w.block_size
@@ -98,7 +98,7 @@ class BlockOps:
         return key
 
 
-def _kernel_form(w: BlockWeight) -> BlockWeight:
+def kernel_form(w: BlockWeight) -> BlockWeight:
     """A 4-bit weight with float zero points (Q4_K, Q4_1: w = s (q - z) - min) rewritten for
     onnxruntime's fast kernels: symmetric codes (zero point 8, no zero-point input) and the rest in
     the per-block min, w = s (q - 8) - (min + s (z - 8)), exact up to float32 rounding of s (z - 8).

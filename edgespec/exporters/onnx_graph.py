@@ -36,6 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .gguf_transcode import BlockWeight
 from .onnx_blocks import BlockOps
+from .onnx_fused import fast_gelu, fused_add_rms_norm, fused_rms_norm, linear_group, rotary
 from .spec import ModelSpec
 
 __all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
@@ -60,12 +61,22 @@ class GraphOptions:
     # 4 lets the CPU kernels quantize activations to int8 per block (faster, not bit-faithful)
     nbits_accuracy: int = 0
     # keep 4-bit float zero points (Q4_K, Q4_1) as MatMulNBits inputs: OpenVINO's compressed weights
-    # take them as they are; onnxruntime's CPU kernels run them 20x slower (onnx_blocks._kernel_form)
+    # take them as they are; onnxruntime's CPU kernels run them 20x slower (onnx_blocks.kernel_form)
     nbits_float_zero_points: bool = False
+    # onnxruntime's fused kernels (onnx_fused.py: com.microsoft ops OpenVINO does not read);
+    # None: on for the "append" layout, the one only onnxruntime runs
+    fused_ops: bool | None = None
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.fused and (self.kv_layout == "buffer" or self.nbits_float_zero_points):
+            raise ValueError("fused_ops are onnxruntime's kernels; the buffer layout and float zero points are "
+                             "OpenVINO's graph: give fused_ops=False")
+
+    @property
+    def fused(self) -> bool:
+        return self.kv_layout == "append" if self.fused_ops is None else self.fused_ops
 
 
 class _G(BlockOps):
@@ -115,7 +126,39 @@ def _rms_norm(g: _G, x: str, w: np.ndarray, name: str, eps: float, offset: float
     return g.op("Mul", [g.op("Div", [x, root]), g.weight(w + offset, name)])
 
 
-def _activation(g: _G, x: str, kind: str) -> str:
+def _norm(g: _G, spec: ModelSpec, x: str, w: np.ndarray, name: str, fused: bool, scale: float = 1.0) -> str:
+    """RMSNorm of x, times `scale` (folded into the fused kernel's weight)."""
+    if fused:
+        return fused_rms_norm(g, x, w, name, spec.rms_eps, spec.family.norm_offset, scale)
+    y = _rms_norm(g, x, w, name, spec.rms_eps, spec.family.norm_offset)
+    return y if scale == 1.0 else g.op("Mul", [y, g.const(scale, dtype=np.float32)])
+
+
+def _add_norm(g: _G, spec: ModelSpec, x: str, y: str | None, w: np.ndarray, name: str, fused: bool):
+    """(RMSNorm(x + y), x + y): the residual add and the norm that reads it (y None: no add)."""
+    if y is None:
+        return _norm(g, spec, x, w, name, fused), x
+    if fused:
+        return fused_add_rms_norm(g, x, y, w, name, spec.rms_eps, spec.family.norm_offset)
+    total = g.op("Add", [x, y])
+    return _rms_norm(g, total, w, name, spec.rms_eps, spec.family.norm_offset), total
+
+
+def _linears(g: _G, x: str, w, names: Sequence[str], p: str, fused_name: str | None) -> list[str]:
+    """x @ w.T for each weight `p + name + ".weight"` (and bias): one fused MatMulNBits and a Split
+    under `fused_name` when they share a block format and have no bias, else one product each."""
+    ws = [w[p + n + ".weight"] for n in names]
+    biases = [w.get(p + n + ".bias") for n in names]
+    if fused_name and all(b is None for b in biases):
+        outs = linear_group(g, x, ws, p + fused_name)
+        if outs is not None:
+            return list(outs)
+    return [_linear(g, x, wt, p + n.split(".")[-1], b) for wt, n, b in zip(ws, names, biases)]
+
+
+def _activation(g: _G, x: str, kind: str, fused: bool = False) -> str:
+    if fused and kind == "gelu_tanh":
+        return fast_gelu(g, x)
     if kind == "silu":
         return g.op("Mul", [x, g.op("Sigmoid", [x])])
     # ONNX's Gelu (opset 20): one kernel in onnxruntime and OpenVINO where the written-out formula
@@ -156,22 +199,26 @@ def _split_fused(w: dict[str, np.ndarray], spec: ModelSpec, i: int) -> None:
 def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[str, str], ctx: dict):
     """Self-attention of layer `li` over its cache `past`; returns (output, present_k, present_v)."""
     hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
-    q = _linear(g, h, w[p + "self_attn.q_proj.weight"], p + "q_proj", w.get(p + "self_attn.q_proj.bias"))
-    k = _linear(g, h, w[p + "self_attn.k_proj.weight"], p + "k_proj", w.get(p + "self_attn.k_proj.bias"))
-    v = _linear(g, h, w[p + "self_attn.v_proj.weight"], p + "v_proj", w.get(p + "self_attn.v_proj.bias"))
+    fused = ctx["fused"]
+    q, k, v = _linears(g, h, w, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], p,
+                       "qkv_proj" if fused else None)
     q = g.op("Reshape", [q, g.const([1, -1, H, hd], dtype=np.int64)])  # (1, S, H, hd)
     k = g.op("Reshape", [k, g.const([1, -1, KVH, hd], dtype=np.int64)])
     v = g.op("Reshape", [v, g.const([1, -1, KVH, hd], dtype=np.int64)])
-    fam = spec.family
+    scaled = fused and p + "self_attn.q_norm.weight" in w  # the query scale folded into q_norm's weight
     if p + "self_attn.q_norm.weight" in w:  # per-head q/k norm (Gemma 3, Qwen 3)
-        q = _rms_norm(g, q, w[p + "self_attn.q_norm.weight"], p + "q_norm", spec.rms_eps, fam.norm_offset)
-        k = _rms_norm(g, k, w[p + "self_attn.k_norm.weight"], p + "k_norm", spec.rms_eps, fam.norm_offset)
+        q = _norm(g, spec, q, w[p + "self_attn.q_norm.weight"], p + "q_norm", fused,
+                  spec.query_scale if scaled else 1.0)
+        k = _norm(g, spec, k, w[p + "self_attn.k_norm.weight"], p + "k_norm", fused)
     q = g.op("Transpose", [q], perm=[0, 2, 1, 3])  # (1, H, S, hd)
     k = g.op("Transpose", [k], perm=[0, 2, 1, 3])
     v = g.op("Transpose", [v], perm=[0, 2, 1, 3])
     lt = spec.layer_types[li]
     cos, sin = ctx["rope"][lt]
-    q, k = _rope(g, q, cos, sin, hd // 2), _rope(g, k, cos, sin, hd // 2)
+    if fused:
+        q, k = (rotary(g, t, ctx["rope_positions"], cos, sin) for t in (q, k))
+    else:
+        q, k = _rope(g, q, cos, sin, hd // 2), _rope(g, k, cos, sin, hd // 2)
     if ctx["append"]:
         present_k, present_v, out_k, out_v = _append_kv(g, past, k, v, KVH)
     else:
@@ -179,7 +226,8 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
         present_v = out_v = g.op("Concat", [past[1], v], axis=2)
     rep = H // KVH
     if ctx["append"]:
-        return _attention_rows(g, spec, w, p, q, present_k, present_v, ctx["mask"][lt]), out_k, out_v
+        return (_attention_rows(g, spec, w, p, q, present_k, present_v, ctx["mask"][lt], ctx.get("score_shapes"),
+                                scaled), out_k, out_v)
     # Group query heads under their KV head so MatMul broadcasts instead of copying K/V.
     q5 = g.op("Reshape", [q, g.const([1, KVH, rep, -1, hd], dtype=np.int64)])  # (1, KVH, rep, S, hd)
     k5 = g.op("Unsqueeze", [present_k, g.const([2], dtype=np.int64)])  # (1, KVH, 1, T, hd)
@@ -195,7 +243,18 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
     return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
 
 
-def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, mask: str) -> str:
+def _score_shapes(g: _G, spec: ModelSpec, kv_len: str) -> tuple[str, str]:
+    """The Reshape targets of `_attention_rows`' scores, (1, KVH, rep * copies, -1, T) and
+    (1, KVH, -1, T), from the keys' length T (1,): the same in every layer."""
+    rep = spec.n_heads // spec.n_kv_heads
+    copies = 2 if rep == 1 else 1
+    i64 = dict(dtype=np.int64)
+    return (g.op("Concat", [g.const([1, spec.n_kv_heads, rep * copies, -1], **i64), kv_len], axis=0),
+            g.op("Concat", [g.const([1, spec.n_kv_heads, -1], **i64), kv_len], axis=0))
+
+
+def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, mask: str,
+                    shapes: tuple[str, str] | None = None, scaled: bool = False) -> str:
     """Attention whose score and value MatMuls never see a single query row (onnxruntime's path).
 
     onnxruntime multiplies a one-row left matrix with another kernel than a taller one (on AVX2
@@ -203,21 +262,22 @@ def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, m
     tokens. Here each KV head's query heads are stacked as the rows of one MatMul (rep * S rows),
     and a model with one query head per KV head (rep = 1) stacks its queries twice, so a
     one-token forward multiplies two rows, as a verify's taller matrix does row by row.
-    q (1, H, S, hd); k, v (1, KVH, T, hd) -> (1, S, H * hd), then o_proj."""
+    q (1, H, S, hd) (already times the query scale if `scaled`); k, v (1, KVH, T, hd) -> (1, S, H * hd),
+    then o_proj. `shapes`: `_score_shapes`, computed once per forward (else here)."""
     hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
     rep = H // KVH
     copies = 2 if rep == 1 else 1
-    q = g.op("Mul", [q, g.const(spec.query_scale, dtype=np.float32)])
+    if not scaled:
+        q = g.op("Mul", [q, g.const(spec.query_scale, dtype=np.float32)])
     if copies == 2:
         q = g.op("Concat", [q, q], axis=2)  # (1, H, 2S, hd)
     rows = g.op("Reshape", [q, g.const([1, KVH, -1, hd], dtype=np.int64)])  # (1, KVH, rep*copies*S, hd)
     scores = g.op("MatMul", [rows, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (1, KVH, R, T)
-    T = g.op("Shape", [k], start=2, end=3)
+    shapes = shapes or _score_shapes(g, spec, g.op("Shape", [k], start=2, end=3))
     # (1, KVH, rep*copies, S, T): the mask broadcasts over each head's rows
-    scores = g.op("Reshape", [scores, g.op("Concat", [g.const([1, KVH, rep * copies, -1], dtype=np.int64), T],
-                                           axis=0)])
+    scores = g.op("Reshape", [scores, shapes[0]])
     probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
-    probs = g.op("Reshape", [probs, g.op("Concat", [g.const([1, KVH, -1], dtype=np.int64), T], axis=0)])
+    probs = g.op("Reshape", [probs, shapes[1]])
     out = g.op("MatMul", [probs, v])  # (1, KVH, R, hd)
     out = g.op("Reshape", [out, g.const([1, KVH * rep, copies, -1, hd], dtype=np.int64)])  # (1, H, copies, S, hd)
     if copies == 2:
@@ -247,8 +307,9 @@ def _append_kv(g: _G, past: tuple[str, str], k: str, v: str, kvh: int):
     return present_k, present_v, new_k, new_v
 
 
-def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str, seq_axis: int = 2) -> dict:
-    """Positions P..P+S-1, RoPE cos/sin per layer type, additive causal (and sliding) masks."""
+def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str, seq_axis: int = 2, fused: bool = False) -> dict:
+    """Positions P..P+S-1, RoPE cos/sin per layer type, additive causal (and sliding) masks; `fused`:
+    cos/sin for RotaryEmbedding with the rows it reads, and the attention's shapes, once per forward."""
     i64 = dict(dtype=np.int64)
     p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(seq_axis, **i64)])  # scalar P
     s_len = g.op("Gather", [g.op("Shape", [ids]), g.const(1, **i64)])  # scalar S
@@ -257,7 +318,12 @@ def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str, seq_axis:
     kpos = g.op("Range", [g.const(0, **i64), t_len, g.const(1, **i64)])  # (T,)
     qcol = g.op("Unsqueeze", [qpos, g.const([1], **i64)])  # (S, 1)
     krow = g.op("Unsqueeze", [kpos, g.const([0], **i64)])  # (1, T)
-    return _masks_and_rope(g, spec, qcol, krow, g.op("LessOrEqual", [krow, qcol]))
+    ctx = _masks_and_rope(g, spec, qcol, krow, g.op("LessOrEqual", [krow, qcol]), fused)
+    if fused:  # cos/sin row j is query j's position
+        ctx["rope_positions"] = g.op("Unsqueeze", [g.op("Range", [g.const(0, **i64), s_len, g.const(1, **i64)]),
+                                                  g.const([0], **i64)])  # (1, S)
+        ctx["score_shapes"] = _score_shapes(g, spec, g.op("Unsqueeze", [t_len, g.const([0], **i64)]))
+    return ctx
 
 
 def _buffer_positions_and_masks(g: _G, spec: ModelSpec, past0: str) -> dict:
@@ -274,7 +340,7 @@ def _buffer_positions_and_masks(g: _G, spec: ModelSpec, past0: str) -> dict:
     return _masks_and_rope(g, spec, qcol, krow, g.op("And", [g.op("LessOrEqual", [krow, qcol]), present]))
 
 
-def _masks_and_rope(g: _G, spec: ModelSpec, qcol: str, krow: str, causal: str) -> dict:
+def _masks_and_rope(g: _G, spec: ModelSpec, qcol: str, krow: str, causal: str, fused: bool = False) -> dict:
     """Additive masks (causal, and sliding where a layer type has a window) and RoPE cos/sin per
     layer type, from query positions (S, 1), key positions (1, T) and the causal pattern (S, T)."""
     i64 = dict(dtype=np.int64)
@@ -290,6 +356,9 @@ def _masks_and_rope(g: _G, spec: ModelSpec, qcol: str, krow: str, causal: str) -
         masks[lt] = g.op("Unsqueeze", [m, g.const([0, 1, 2], **i64)])  # (1, 1, 1, S, T)
         inv_freq, scale = spec.rope[lt]
         freqs = g.op("Mul", [qf, g.const(inv_freq[None, :], dtype=np.float32)])  # (S, hd/2)
+        if fused:  # RotaryEmbedding's caches: (S, hd/2)
+            rope[lt] = tuple(g.op("Mul", [g.op(f, [freqs]), g.const(scale, dtype=np.float32)]) for f in ("Cos", "Sin"))
+            continue
         emb = g.op("Concat", [freqs, freqs], axis=-1)  # (S, hd)
         cos = g.op("Mul", [g.op("Cos", [emb]), g.const(scale, dtype=np.float32)])
         sin = g.op("Mul", [g.op("Sin", [emb]), g.const(scale, dtype=np.float32)])
@@ -329,9 +398,10 @@ def build_decoder(
         pk, pv = f"past_key_{j}", f"past_value_{j}"
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (pk, pv)]
         past.append((pk, pv))
+    fused = options.fused
     ctx = (_buffer_positions_and_masks(g, spec, past[0][0]) if buffer
-           else _positions_and_masks(g, spec, past[0][0], ids, seq_axis=1 if append else 2))
-    ctx["append"] = append
+           else _positions_and_masks(g, spec, past[0][0], ids, seq_axis=1 if append else 2, fused=fused))
+    ctx["append"], ctx["fused"] = append, fused
     out_names, out_shape = (("new", [1, "S", spec.n_kv_heads, spec.head_dim]) if append
                             else ("new", [1, spec.n_kv_heads, "S", spec.head_dim]) if buffer
                             else ("present", [1, spec.n_kv_heads, "T", spec.head_dim]))
@@ -346,10 +416,11 @@ def build_decoder(
     if fam.embed_scale:
         x = g.op("Mul", [x, g.const(np.float32(spec.hidden_size**0.5), dtype=np.float32)])
 
+    residual = None  # the last residual branch, added by the next norm (one fused kernel)
     for j, li in enumerate(layers):
         _split_fused(w, spec, li)
         p = f"model.layers.{li}."
-        h = _rms_norm(g, x, w[p + "input_layernorm.weight"], p + "input_layernorm", spec.rms_eps, fam.norm_offset)
+        h, x = _add_norm(g, spec, x, residual, w[p + "input_layernorm.weight"], p + "input_layernorm", fused)
         attn, pk, pv = _attention(g, spec, w, p, h, li, past[j], ctx)
         if buffer:  # only the new rows leave the graph: the caller's buffer holds the rest
             pk, pv = (g.op("Slice", [t, g.op("Neg", [g.op("Shape", [ids], start=1, end=2)]),
@@ -361,25 +432,21 @@ def build_decoder(
                     for n in ("key", "value")]
 
         def norm(x: str, name: str, p: str = p) -> str:  # used within this layer only
-            return _rms_norm(g, x, w[p + name + ".weight"], p + name, spec.rms_eps, fam.norm_offset)
+            return _norm(g, spec, x, w[p + name + ".weight"], p + name, fused)
 
         if fam.sandwich_norm:
             attn = norm(attn, "post_attention_layernorm")
-            x = g.op("Add", [x, attn])
-            h = norm(x, "pre_feedforward_layernorm")
-        else:
-            x = g.op("Add", [x, attn])
-            h = norm(x, "post_attention_layernorm")
-        gate = _activation(g, _linear(g, h, w[p + "mlp.gate_proj.weight"], p + "gate_proj"), spec.activation)
-        up = _linear(g, h, w[p + "mlp.up_proj.weight"], p + "up_proj")
-        m = _linear(g, g.op("Mul", [gate, up]), w[p + "mlp.down_proj.weight"], p + "down_proj")
+        ff_norm = "pre_feedforward_layernorm" if fam.sandwich_norm else "post_attention_layernorm"
+        h, x = _add_norm(g, spec, x, attn, w[p + ff_norm + ".weight"], p + ff_norm, fused)
+        gate, up = _linears(g, h, w, ["mlp.gate_proj", "mlp.up_proj"], p, "gate_up_proj" if fused else None)
+        gate = _activation(g, gate, spec.activation, fused)
+        residual = _linear(g, g.op("Mul", [gate, up]), w[p + "mlp.down_proj.weight"], p + "down_proj")
         if fam.sandwich_norm:
-            m = norm(m, "post_feedforward_layernorm")
-        x = g.op("Add", [x, m])
+            residual = norm(residual, "post_feedforward_layernorm")
         if progress:
             progress(1)
 
-    x = _rms_norm(g, x, w["model.norm.weight"], "model.norm", spec.rms_eps, fam.norm_offset)
+    x, _ = _add_norm(g, spec, x, residual, w["model.norm.weight"], "model.norm", fused)
     # Only the last n_logits positions reach the head: prefill of a long prompt stays cheap.
     if buffer:  # a shape, not a value, picks how many rows reach the head
         x = g.op("Gather", [x, "logits_index"], axis=1)

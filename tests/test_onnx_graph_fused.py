@@ -1,0 +1,120 @@
+"""The decoder graph with onnxruntime's fused kernels (exporters/onnx_fused.py, GraphOptions.fused_ops):
+the same logits as the plain graph through a prefill, verifies and decodes on every family, fewer
+kernels, and one MatMulNBits over concatenated GGUF blocks that computes what the separate ones did."""
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from edgespec.exporters.gguf_transcode import BlockWeight
+from edgespec.exporters.onnx_fused import concat_rows
+from edgespec.exporters.onnx_graph import GraphOptions, build_decoder
+
+onnx = pytest.importorskip("onnx")
+
+
+def _ops(model) -> Counter:
+    return Counter(n.op_type for n in model.graph.node)
+
+
+def _decode_logits(path, ids: list[int]) -> list[np.ndarray]:
+    """Logits of a prefill, a 3-row verify, a rollback and one-token decodes after it."""
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    with OnnxRuntime(path, kv_capacity=64) as rt:
+        out = [rt.forward(ids[:8], n_logits=8), rt.forward(ids[8:11], n_logits=3)]
+        rt.trim(9)
+        out += [rt.forward([t]) for t in ids[9:14]]
+    return [np.asarray(o) for o in out]
+
+
+def _save(model, path):
+    onnx.save_model(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3", "gemma3-tied"])
+def test_fused_graph_computes_the_plain_graphs_logits_with_fewer_kernels(zoo, tmp_path, name):
+    pytest.importorskip("onnxruntime")
+    from edgespec.exporters.spec import spec_from_hf
+
+    model = zoo.hf_model(name)
+    spec, weights = spec_from_hf(model), {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    graphs = {f: build_decoder(spec, weights, GraphOptions(kv_layout="append", fused_ops=f)) for f in (False, True)}
+    plain, fused = _ops(graphs[False]), _ops(graphs[True])
+    assert fused["SimplifiedLayerNormalization"] > 0 and fused["RotaryEmbedding"] == 2 * spec.n_layers
+    assert fused["SkipSimplifiedLayerNormalization"] == 2 * spec.n_layers  # every residual add
+    assert "ReduceMean" not in fused and "Cos" in fused and plain["Cos"] == fused["Cos"]  # cos/sin once per forward
+    assert sum(fused.values()) < sum(plain.values())
+    ids = [int(t) for t in np.random.default_rng(5).integers(3, spec.vocab_size, 14)]
+    want = _decode_logits(_save(graphs[False], tmp_path / "plain.onnx"), ids)
+    got = _decode_logits(_save(graphs[True], tmp_path / "fused.onnx"), ids)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"forward {i}")
+
+
+def test_the_append_layout_fuses_by_default_and_openvinos_graph_never_does():
+    assert GraphOptions(kv_layout="append").fused and not GraphOptions().fused
+    assert not GraphOptions(kv_layout="append", fused_ops=False).fused
+    assert GraphOptions(kv_layout="present", fused_ops=True).fused
+    assert not GraphOptions(kv_layout="buffer").fused
+    with pytest.raises(ValueError, match="fused_ops"):
+        GraphOptions(kv_layout="buffer", fused_ops=True)
+    with pytest.raises(ValueError, match="fused_ops"):
+        GraphOptions(kv_layout="append", nbits_float_zero_points=True)
+
+
+def _block(rng, n: int, bits: int, zp: str, mins: bool, k: int = 64, block: int = 32) -> BlockWeight:
+    codes = rng.integers(0, 256, (n, k // block, block * bits // 8), dtype=np.uint8)
+    scales = rng.random((n, k // block), dtype=np.float32)
+    zero = {"none": None, "uint8": rng.integers(0, 1 << bits, scales.shape, dtype=np.uint8),
+            "float": rng.random(scales.shape, dtype=np.float32) * 15}[zp]
+    return BlockWeight(codes, scales, zero, bits, block, f"T{bits}{zp}",
+                       rng.random(scales.shape, dtype=np.float32) if mins else None)
+
+
+@pytest.mark.parametrize("kinds", [
+    [(8, "uint8", False), (8, "uint8", False), (8, "none", False)],  # Q5_0 q/k with a Q8_0 v
+    [(4, "float", True), (4, "float", True)],  # Q4_K gate/up: symmetric codes, the offset in the mins
+    [(8, "none", True), (8, "none", False)],  # one with block mins, one without
+    [(4, "none", False), (4, "none", False)],
+])
+def test_concatenated_blocks_dequantize_to_the_stacked_weights(kinds):
+    from edgespec.exporters.onnx_blocks import kernel_form
+
+    rng = np.random.default_rng(len(kinds))
+    ws = [_block(rng, 8 * (i + 1), *kind) for i, kind in enumerate(kinds)]
+    joined = concat_rows(ws)
+    assert joined is not None and joined.shape == (sum(w.shape[0] for w in ws), ws[0].shape[1])
+    want = np.concatenate([kernel_form(w).dequantize() for w in ws])
+    np.testing.assert_array_equal(joined.dequantize(), want)  # the same blocks: nothing rounds anew
+    np.testing.assert_allclose(joined.dequantize(), np.concatenate([w.dequantize() for w in ws]), atol=1e-5)
+
+
+@pytest.mark.parametrize("kinds", [[(8, "none", False), (4, "none", False)], [(4, "none", False), (4, "uint8", False)]])
+def test_blocks_of_different_formats_are_not_concatenated(kinds):
+    rng = np.random.default_rng(0)
+    assert concat_rows([_block(rng, 8, *kind) for kind in kinds]) is None
+
+
+def test_a_gguf_graph_multiplies_qkv_and_gate_up_once_each_and_keeps_its_logits(zoo, tmp_path):
+    """A Q8_0 GGUF: q/k/v and gate/up read one MatMulNBits each; in fp32 (accuracy level 0) the
+    fused graph gives the plain graph's logits."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
+    from edgespec.bundle import load_bundle
+    from edgespec.exporters.gguf_source import read_gguf
+
+    bundle = zoo.bundle("gemma3", None, formats=("gguf",), target_precision="int8")
+    model = read_gguf(bundle / load_bundle(bundle).manifest.target.formats["gguf"].file)
+    graphs = {f: build_decoder(model.spec, model.tensors, GraphOptions(kv_layout="append", fused_ops=f))
+              for f in (False, True)}
+    n = model.spec.n_layers
+    assert _ops(graphs[False])["MatMulNBits"] - _ops(graphs[True])["MatMulNBits"] == 3 * n
+    ids = [int(t) for t in np.random.default_rng(7).integers(3, model.spec.vocab_size, 14)]
+    want = _decode_logits(_save(graphs[False], tmp_path / "plain.onnx"), ids)
+    got = _decode_logits(_save(graphs[True], tmp_path / "fused.onnx"), ids)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"forward {i}")
