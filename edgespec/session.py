@@ -87,16 +87,18 @@ class ChatFormat:
             return tokenizer.encode_chat(list(messages))
         return tokenizer.encode(self.transcript.render(messages))  # with BOS, as a plain prompt
 
-    def prompt(self, tokenizer: Tokenizer, messages: Sequence[dict], stop: Sequence[str] = ()) -> ChatPrompt:
-        """Tokens for `messages` and the format's stop strings after the caller's `stop`, for a
-        caller that only has stop strings (the server). There a blank line ending the reply is
-        the plain stop string "\n\n": the transcript's worked examples start a reply on the
-        marker's line (all 18 of docs/chat-formats.md's questions did), so it does not end the
-        reply before its text. ChatSession shapes replies instead (ReplyShaper), which also
-        copes with a reply that opens with a blank line."""
+    def prompt(self, tokenizer: Tokenizer, messages: Sequence[dict], stop: Sequence[str] = (),
+               shaped: bool = False) -> ChatPrompt:
+        """Tokens for `messages` and the format's stop strings after the caller's `stop`.
+        A caller that shapes the reply (`shaped`: ChatSession, the server; ReplyShaper) ends it at
+        a blank line after some text. A caller that only has stop strings gets the plain stop
+        string "\n\n" instead: the transcript's worked examples start a reply on the marker's
+        line (all 18 of docs/chat-formats.md's questions did), so it rarely ends a reply before
+        its text, but a reply that opens with a blank line would end empty."""
         t = self.transcript
         blank = t is not None and t.blank_line_ends
-        return ChatPrompt(self.encode(tokenizer, messages), tuple(stop) + self.stop + (("\n\n",) if blank else ()),
+        plain_stop = ("\n\n",) if blank and not shaped else ()
+        return ChatPrompt(self.encode(tokenizer, messages), tuple(stop) + self.stop + plain_stop,
                           transcript=t is not None, blank_line_ends=blank)
 
     def describe(self) -> str:

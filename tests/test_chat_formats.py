@@ -251,8 +251,10 @@ def test_server_chats_with_a_base_model_through_the_transcript(base_engine):
     fmt = chat_format_for(base_engine.bundle.manifest, base_engine.tokenizer)
     prompt = fmt.prompt(base_engine.tokenizer, messages)
     assert prompt.stop == (*QA.stop, "\n\n")  # a stop-strings-only caller ends at a blank line
-    # the reference: the engine itself on the transcript, with the format's stop strings
-    expected = base_engine.generate(prompt.tokens, max_tokens=8, stop=prompt.stop, wait=True)
+    assert fmt.prompt(base_engine.tokenizer, messages, shaped=True).stop == QA.stop  # a shaper ends it
+    # the reference: ChatSession's reply, shaped (no opening whitespace, ended at a blank line after text)
+    expected = "".join(r.text for r in base_engine.chat(system="Be brief.").send("hello world", max_tokens=8))
+    assert expected == expected.strip() and expected
     with running(create_app(base_engine)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         r = client.chat.completions.create(model="edgespec", messages=messages, max_tokens=8, temperature=0)

@@ -32,6 +32,7 @@ from .worker import GenerationWorker, Job, QueueFull
 
 if TYPE_CHECKING:
     from ..api import Engine
+    from ..session import ReplyShaper
 
 __all__ = ["ServerConfig", "create_app", "begin_shutdown"]
 
@@ -151,9 +152,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     v1 = APIRouter(prefix="/v1")
     created = now()
 
-    def submit(tokens: list[int], req, max_tokens: int, stop: list[str] | tuple[str, ...] | None = None) -> Job:
+    def submit(tokens: list[int], req, max_tokens: int, stop: list[str] | tuple[str, ...] | None = None,
+               shaper: ReplyShaper | None = None) -> Job:
         stop = req.stop_list() if stop is None else list(stop)
-        job = Job(tokens, _sampling(req), max_tokens, stop, asyncio.get_running_loop())
+        job = Job(tokens, _sampling(req), max_tokens, stop, asyncio.get_running_loop(), shaper=shaper)
         try:
             return worker.submit(job)
         except QueueFull as e:
@@ -196,7 +198,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
             raise APIError(503, "The server is shutting down.", type="server_error", code="shutting_down") from None
         _check_context(engine, prompt.tokens, "messages")
         job = submit(prompt.tokens, req, _reply_limit(req.token_limit(), cfg.max_tokens, cfg.max_tokens_cap),
-                     prompt.stop)
+                     prompt.stop, prompt.shaper())  # a transcript's reply is shaped as ChatSession shapes it
         if not req.stream:
             return await finish(request, job, out.chat_completion, "chatcmpl")
         return _JobStream(job, _chat_events(job, new_id("chatcmpl"), cfg.model_id, now(), req.include_usage()))

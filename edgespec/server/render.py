@@ -11,7 +11,8 @@ limit; the event loop only awaits a pipe.
 The protocol is one JSON object per line: the parent first sends the bundle folder and the
 child answers `{"ready": true}` once it has loaded the tokenizer (a second or more on a busy
 machine: not counted against the time limit); then one `{"messages": [...], "stop": [...]}` per
-request, answered by `{"ids": [...], "stop": [...]}` or `{"error": "...", "kind": ...}`.
+request, answered by `{"ids": [...], "stop": [...], "transcript": bool, "blank_line_ends": bool}`
+(the worker shapes a transcript's reply) or `{"error": "...", "kind": ...}`.
 """
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ class ChatRenderer:
                     raise RendererStopped("the server is shutting down") from None
                 raise BackendError(f"the chat template renderer failed: {e}") from None
         if "ids" in answer:
-            return ChatPrompt(answer["ids"], tuple(answer["stop"]))
+            return ChatPrompt(answer["ids"], tuple(answer["stop"]), transcript=answer["transcript"],
+                              blank_line_ends=answer["blank_line_ends"])
         if answer.get("kind") == "config":
             raise ConfigError(answer["error"])
         raise BackendError(f"the chat template renderer failed: {answer.get('error')}")
@@ -176,8 +178,9 @@ def _serve(stdin, stdout) -> None:
     for line in stdin:
         try:
             request = json.loads(line)
-            p = fmt.prompt(tok, request["messages"], request["stop"])
-            answer: dict[str, Any] = {"ids": p.tokens, "stop": list(p.stop)}
+            p = fmt.prompt(tok, request["messages"], request["stop"], shaped=True)  # the worker shapes replies
+            answer: dict[str, Any] = {"ids": p.tokens, "stop": list(p.stop), "transcript": p.transcript,
+                                      "blank_line_ends": p.blank_line_ends}
         except EdgespecError as e:
             answer = {"error": str(e), "kind": "config"}
         except Exception as e:  # noqa: BLE001 -- a template may raise anything; the parent reports it

@@ -5,6 +5,7 @@ at its next decoding step while running (the engine rewinds its caches)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -18,6 +19,7 @@ from ..errors import EdgespecError
 if TYPE_CHECKING:
     from ..api import Engine, Response
     from ..decoding import SamplingParams
+    from ..session import ReplyShaper
 
 __all__ = ["Job", "GenerationWorker", "QueueFull"]
 
@@ -43,6 +45,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     stats: GenerationStats = field(default_factory=GenerationStats)
     done: threading.Event = field(default_factory=threading.Event)
+    shaper: ReplyShaper | None = None  # a transcript reply's shaping (session.ReplyShaper), or None
 
     def put(self, item) -> None:
         """From the worker thread: hand an output to the request's event loop."""
@@ -64,6 +67,13 @@ class Job:
                 yield item
         finally:
             self.cancel.set()  # harmless when the job has ended
+
+
+def _shaped(shaper: ReplyShaper | None, r: Response) -> Response:
+    if shaper is None:
+        return r
+    text, ended = shaper.push(r.text, final=r.finish_reason is not None)
+    return dataclasses.replace(r, text=text, finish_reason="stop" if ended else r.finish_reason)
 
 
 class GenerationWorker:
@@ -111,12 +121,16 @@ class GenerationWorker:
                 self._finish(job, cancelled=True)
                 continue
             self.current = job
-            reason = None
+            reason, stream = None, None
             try:
-                for r in self.engine.stream_ids(job.tokens, job.params, job.max_tokens, job.stop, stats=job.stats,
-                                                stop_event=job.cancel, wait=True):
+                stream = self.engine.stream_ids(job.tokens, job.params, job.max_tokens, job.stop, stats=job.stats,
+                                                stop_event=job.cancel, wait=True)
+                for r in stream:
+                    r = _shaped(job.shaper, r)
                     reason = r.finish_reason
                     job.put(r)
+                    if reason is not None:  # the shaper may end the reply before the engine does
+                        break
                 job.put(_END)
             except EdgespecError as e:
                 logger.warning("generation failed: %s", e)
@@ -125,6 +139,8 @@ class GenerationWorker:
                 logger.exception("generation failed")
                 job.put(e)
             finally:
+                if stream is not None:
+                    stream.close()  # ended early: the engine rewinds its caches
                 self.current = None
                 self._finish(job, cancelled=reason in (None, "cancelled"))
 
