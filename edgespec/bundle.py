@@ -30,6 +30,7 @@ __all__ = [
     "Artifact",
     "ModelEntry",
     "TokenizerInfo",
+    "DraftHeadEntry",
     "Manifest",
     "Bundle",
     "load_bundle",
@@ -79,6 +80,28 @@ class TokenizerInfo:
 
 
 @dataclass(frozen=True)
+class DraftHeadEntry:
+    """A trained draft head (`edgespec distill`, exporters/draft_head.py): one ONNX file every
+    ONNX-reading backend runs (onnxruntime, OpenVINO), on the target's final hidden rows, ending in
+    the draft's VocabTrim head; and how it was trained."""
+
+    file: str  # the head's .onnx, relative to the bundle
+    k: int  # draft vocabulary it predicts over (the draft's id map)
+    hidden_size: int  # of the target's hidden rows it reads and writes
+    feature_layer: str  # which hidden rows: "final_norm" (after the target's final norm)
+    inner_size: int
+    training_tokens: int  # positions trained on
+    held_out_tokens: int
+    train_minutes: float  # the budget asked for
+    train_seconds: float  # spent training
+    data_seconds: float  # spent making the data with the target
+    held_out_agreement: float  # top-1 agreement with the target's greedy token, first draft
+    held_out_agreement_chained: float  # second draft, fed the head's own feature
+    calibration: str  # "built-in" or "built-in+FILE"
+    peak_rss_mb: float  # peak resident memory of the distillation
+
+
+@dataclass(frozen=True)
 class Manifest:
     schema_version: int
     model_type: str
@@ -88,6 +111,7 @@ class Manifest:
     target: ModelEntry
     draft: ModelEntry | None
     created_by: str = "edgespec"
+    draft_head: DraftHeadEntry | None = None
 
     @property
     def self_draft(self) -> bool:
@@ -113,7 +137,10 @@ class Manifest:
         target = _entry(d.get("target"), "target")
         if target is None:
             raise BundleError("broken manifest: the target entry is null")
-        m = _build(cls, d, "manifest", tokenizer=tok, target=target, draft=_entry(d.get("draft"), "draft"))
+        head = d.get("draft_head")
+        head = None if head is None else _build(DraftHeadEntry, head, "draft_head")
+        m = _build(cls, d, "manifest", tokenizer=tok, target=target, draft=_entry(d.get("draft"), "draft"),
+                   draft_head=head)
         _check_values(m)
         return m
 
@@ -216,6 +243,13 @@ def _check_values(m: Manifest) -> None:
             check_relative(a.file, f"{where}.formats.{_key(fmt)}.file")
         if e.id_map is not None:
             check_relative(e.id_map, f"{where}.id_map")
+    if m.draft_head is not None:
+        check_relative(m.draft_head.file, "draft_head.file")
+        if m.draft is None:
+            raise BundleError("broken manifest: a draft_head needs the draft whose head it ends in")
+        for name in ("k", "hidden_size", "inner_size"):
+            if getattr(m.draft_head, name) < 1:
+                raise BundleError(f"broken manifest: draft_head.{name} must be >= 1, got {getattr(m.draft_head, name)}")
 
 
 def check_relative(rel: str, where: str) -> str:
@@ -293,6 +327,8 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
         files += [(f"{where}.formats.{fmt}.file", a.file) for fmt, a in entry.formats.items()]
         if entry.id_map:
             files.append((f"{where}.id_map", entry.id_map))
+    if manifest.draft_head is not None:
+        files.append(("draft_head.file", manifest.draft_head.file))
     missing = [rel for where, rel in files if not inside_bundle(root, rel, where).is_file()]
     if missing:
         raise BundleError(f"bundle {root} is incomplete: missing {', '.join(missing)}")

@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer-cut draft: keep N of the target's layers (spread evenly) or these indices")
     p.add_argument("--calibration", type=Path, default=None, metavar="FILE",
                    help="extra VocabTrim calibration prompts: one per line, or JSON lines with messages")
+    p.add_argument("--draft-head", choices=("none", "trained"), default="none",
+                   help="trained: also train a light draft head on the target (torch, on this CPU) for the "
+                        "drafter 'head' (as `edgespec distill` does on a bundle)")
+    p.add_argument("--train-minutes", type=float, default=None, metavar="N",
+                   help="the draft head's training budget in minutes (default 10)")
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="bundle folder to write (default: the default bundle in the user cache)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
@@ -119,6 +124,8 @@ def _main(argv: list[str]) -> int:
         draft_layers=args.draft_layers,
         calibration=args.calibration,
         force=args.force,
+        draft_head=None if args.draft_head == "none" else args.draft_head,
+        train_minutes=args.train_minutes,
     )
     out = export_bundle(cfg)
     print(f"bundle written: {out}")

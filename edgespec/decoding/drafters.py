@@ -10,6 +10,8 @@
                  wider verify, and whose forwards also feed the lookup's guesses ("lookahead")
   RecyclingDrafter  Token Recycling (recycling.py): chains of the successors the target itself
                  ranked first after each token in earlier verifies; no model, nearly free
+  HeadDrafter    a trained draft head (head_drafter.py) on the target's hidden rows: a drafted
+                 token costs a small head, not a body forward (`edgespec distill`)
 
 Drafts are target ids. A drafter that samples returns its distributions in the target
 vocabulary; deterministic proposals (a lookup, an argmax draft) return none and are accepted
@@ -35,6 +37,7 @@ import numpy as np
 from edgespec.decoding.acceptance import map_draft_ids, point_masses, scatter_to_target
 from edgespec.decoding.cache import TrackedCache
 from edgespec.decoding.draft import Draft, Drafter
+from edgespec.decoding.head_drafter import HeadDrafter
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.recycling import RecyclingDrafter
 from edgespec.decoding.sampling import probabilities, sample, top_probability
@@ -335,6 +338,8 @@ DRAFTERS: dict[str, DrafterKind] = {
                                   "prompt lookup when it pays more, else Token Recycling; no model"),
     "both": DrafterKind(True, lambda v, d, m, lim: _both(v, d, m, lim),
                         "prompt lookup when it pays more, else the draft model (with lookup tails and lookahead)"),
+    "head": DrafterKind(True, lambda v, d, m, lim: HeadDrafter(d, v, m, clock=lim.clock),
+                        "the bundle's trained draft head on the target's hidden states (edgespec distill)"),
     "both-recycle": DrafterKind(True, lambda v, d, m, lim: _both(v, d, m, lim, recycle=True),
                                 "prompt lookup, else Token Recycling, else the draft model, whichever pays more"),
 }

@@ -79,8 +79,10 @@ class ExportConfig:
     # VocabTrim: keep K tokens in the draft's head; "auto" trims large vocabularies (see auto_draft_vocab)
     draft_vocab: int | str | None = "auto"
     draft_layers: tuple[int, ...] | int | None = None  # layer-cut draft: a count or explicit indices
-    calibration: Path | None = None  # extra calibration prompts for VocabTrim
+    calibration: Path | None = None  # extra calibration prompts for VocabTrim (and a trained draft head)
     force: bool = False
+    draft_head: str | None = None  # "trained": add a trained draft head (exporters/distill.py)
+    train_minutes: float | None = None  # its training budget (None: distill's default)
 
     def __post_init__(self) -> None:
         if not self.formats:
@@ -106,8 +108,26 @@ class ExportConfig:
             raise ConfigError("--draft-vocab, --draft-layers and --calibration shape a draft; drop --draft none")
         if isinstance(self.draft_vocab, int) and self.draft_vocab < 1:
             raise ConfigError(f"--draft-vocab must be >= 1, got {self.draft_vocab}")
-        if self.calibration is not None and self.draft_vocab is None:
-            raise ConfigError("--calibration only matters with --draft-vocab")
+        if self.calibration is not None and self.draft_vocab is None and self.draft_head is None:
+            raise ConfigError("--calibration only matters with --draft-vocab or --draft-head trained")
+        self._check_draft_head()
+
+    def _check_draft_head(self) -> None:
+        if self.draft_head not in (None, "trained"):
+            raise ConfigError(f"--draft-head takes 'trained' or 'none', got {self.draft_head!r}")
+        if self.draft_head is None:
+            if self.train_minutes is not None:
+                raise ConfigError("--train-minutes is the draft head's budget; add --draft-head trained")
+            return
+        if self.draft != "self" or self.draft_layers is not None:
+            raise ConfigError("--draft-head trained runs on the target's body: it needs --draft self without "
+                              "--draft-layers")
+        if "onnx" not in self.formats:
+            raise ConfigError("--draft-head trained is trained on the ONNX target: add --format onnx")
+        if self.train_minutes is not None:
+            from .distill import DistillConfig
+
+            DistillConfig(self.output, train_minutes=self.train_minutes)  # the same check as `edgespec distill`
 
 
 # Measured on Gemma 3 270M (benchmarks/sweep_vocabtrim.py): K = 16k keeps the full head's
@@ -282,6 +302,14 @@ def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: Model
     return _entry(spec, arts, source, shape, id_map)
 
 
+def _train_draft_head(cfg: ExportConfig, tmp: Path, bar) -> None:
+    from .distill import DEFAULT_TRAIN_MINUTES, DistillConfig, distill_bundle
+
+    bar.set_postfix_str("training the draft head")
+    minutes = cfg.train_minutes if cfg.train_minutes is not None else DEFAULT_TRAIN_MINUTES
+    distill_bundle(DistillConfig(tmp, train_minutes=minutes, calibration=cfg.calibration))
+
+
 def export_bundle(cfg: ExportConfig) -> Path:
     """Export `cfg.target` (and its draft) into the bundle folder `cfg.output`; return it."""
     from tqdm.auto import tqdm
@@ -322,6 +350,8 @@ def export_bundle(cfg: ExportConfig) -> Path:
             draft=draft_entry,
         )
         (tmp / MANIFEST).write_text(manifest.to_json())
+        if cfg.draft_head == "trained":  # on the staged bundle: a failed training leaves no bundle
+            _train_draft_head(cfg, tmp, bar)
         bar.set_postfix_str("done")
         bar.update()
     logger.info("bundle written to %s", cfg.output)

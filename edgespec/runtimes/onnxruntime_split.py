@@ -18,7 +18,9 @@ file once and handed to both sessions with `SessionOptions.add_initializer`, so 
 memory once, as in the fused graph (each session still prepacks what its kernels prepack there).
 
 `open_shared_pair` joins the target's body to the target's head and to the draft's (VocabTrim)
-head through runtimes/shared_body.py; the draft's body and KV cache are never loaded.
+head through runtimes/shared_body.py; the draft's body and KV cache are never loaded. With
+`draft_head` (a bundle's trained head, exporters/draft_head.py), the draft also holds that head
+(`OnnxFeatureHead`), which decoding/head_drafter.py runs instead of the body.
 """
 from __future__ import annotations
 
@@ -38,15 +40,16 @@ from .onnx_graphs import (
     gathered_tables,
     head_model,
     initializer_bytes,
+    load_proto,
     ort_values,
     session,
     shared_names,
 )
 from .onnxruntime import OnnxRuntime
 from .ort_kv import kv_kind
-from .shared_body import SharedBodyRuntime, check_heads, shared_pair
+from .shared_body import SharedBodyRuntime, check_feature_head, check_heads, shared_pair
 
-__all__ = ["OnnxHead", "open_shared_pair"]
+__all__ = ["OnnxFeatureHead", "OnnxHead", "open_shared_pair"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,15 +103,35 @@ class OnnxHead:
         self._values = {}
 
 
+class OnnxFeatureHead:
+    """A trained draft head's session (exporters/draft_head.py): `head(hidden, tokens)` -> the
+    next features (R, H) of hidden rows (R, H) and draft-vocabulary token indices (R,)."""
+
+    def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None) -> None:
+        path = Path(model_path)
+        model = load_proto(path)
+        self._sess = session(model, path.parent, threads=threads, spin=False, initializers={})
+        self.hidden_size = int(self._sess.get_inputs()[0].shape[1])
+        self.weight_bytes = initializer_bytes(model, exclude=set())
+
+    def __call__(self, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        feed = {HIDDEN: np.ascontiguousarray(hidden, dtype=np.float32),
+                "token": np.ascontiguousarray(tokens, dtype=np.int64)}
+        return self._sess.run(None, feed)[0]
+
+    def close(self) -> None:
+        self._sess = None
+
+
 def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLike, *, threads: int | None = None,
                      device: str | None = None, kv_capacity: int | None = None, pad_rows: bool = False,
-                     **kw) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
+                     draft_head: str | os.PathLike | None = None, **kw) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
     """(target, draft): the target graph's body with its own head, and with the draft graph's head.
     The draft graph's body is never loaded. pad_rows: body and heads never multiply one row
     (OnnxRuntime), the exact mode where one-row kernels round apart. kw: OnnxRuntime's options
     (kv_dtype, spin). The body's threads do not spin-wait by default: its forwards alternate with
     the heads' runs, which need the cores (2 threads, lean default: a 4-draft step 1.1-1.9x
-    faster without)."""
+    faster without). draft_head: a trained head's .onnx, which the draft then holds."""
     trim_heap()  # what earlier loads freed (a tokenizer's parse) goes back first: a lower peak
     target_path, draft_path = Path(target_path), Path(draft_path)
     body_proto, head_proto = body_model(target_path), head_model(target_path)
@@ -119,7 +142,7 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
     # the heads pad a lone row where the body's KV holder pads its forwards (runtimes/ort_kv.py),
     # so they multiply the rows the fused graph's head would
     pad_rows = pad_rows and kv_kind([o.name for o in body_proto.graph.output]).pads
-    heads: list[OnnxHead] = []
+    heads: list = []
     body = None
     try:
         # the head first: it prepacks its own copy of the table while the body's weights are not
@@ -130,6 +153,9 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
                            output=HIDDEN, initializers=tied, **{"spin": False, **kw})
         heads.append(OnnxHead(draft_path, threads=threads, pad_rows=pad_rows))
         check_heads(heads[0], heads[1])
+        if draft_head is not None:
+            heads.append(OnnxFeatureHead(draft_head, threads=threads))
+            check_feature_head(heads[1], heads[2])
     except BaseException:
         for h in heads:
             h.close()
@@ -137,4 +163,4 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
             body.close()
         raise
     trim_heap()  # the draft head's read buffers
-    return shared_pair(body, heads[0], heads[1])
+    return shared_pair(body, heads[0], heads[1], heads[2] if draft_head is not None else None)

@@ -2,7 +2,9 @@
 
 `OpenVinoRuntime(output="hidden")` is the body (openvino_graph.cut_head) and `OpenVinoHead` the
 head alone (openvino_graph.head_model); `open_shared_pair` joins the target's body to the
-target's head and to the draft IR's (trimmed) head through runtimes/shared_body.py.
+target's head and to the draft IR's (trimmed) head through runtimes/shared_body.py; with
+`draft_head` (a bundle's trained head, the same ONNX file onnxruntime runs), the draft also
+holds that head (`OpenVinoFeatureHead`) for decoding/head_drafter.py.
 """
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ import numpy as np
 from ..errors import BackendError
 from .openvino import OpenVinoRuntime, compile_model, import_ov, model_precision, ov_reason, read_ir
 from .openvino_graph import HIDDEN, head_model
-from .shared_body import SharedBodyRuntime, check_heads, shared_pair
+from .shared_body import SharedBodyRuntime, check_feature_head, check_heads, shared_pair
 
-__all__ = ["OpenVinoHead", "open_shared_pair"]
+__all__ = ["OpenVinoFeatureHead", "OpenVinoHead", "open_shared_pair"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,25 +68,56 @@ class OpenVinoHead:
         self._compiled = None
 
 
+class OpenVinoFeatureHead:
+    """A trained draft head (its ONNX file, read by OpenVINO): `head(hidden, tokens)` -> the next
+    features (R, H) of hidden rows (R, H) and draft-vocabulary token indices (R,). Compiled in
+    f32: a few small matmuls, where a lower precision would only move the features."""
+
+    def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None) -> None:
+        path = Path(model_path)
+        core, model, device = read_ir(path, device)
+        self.hidden_size = model.input(0).get_partial_shape()[1].get_length()
+        self.weight_bytes = int(sum(op.get_byte_size() for op in model.get_ops() if op.get_type_name() == "Constant"))
+        self._compiled = compile_model(core, model, path, device, "f32", threads, True)
+        self._req = self._compiled.create_infer_request()
+
+    def __call__(self, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        try:
+            self._req.infer([np.ascontiguousarray(hidden, dtype=np.float32),
+                             np.ascontiguousarray(tokens, dtype=np.int64)])
+        except Exception as e:
+            raise BackendError(f"OpenVINO draft head inference failed: {ov_reason(e)}") from e
+        return self._req.get_output_tensor(0).data
+
+    def close(self) -> None:
+        self._req = None
+        self._compiled = None
+
+
 def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLike, *, threads: int | None = None,
                      device: str | None = None, kv_capacity: int | None = None, wide: bool = True,
-                     pad_rows: bool = False) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
+                     pad_rows: bool = False, draft_head: str | os.PathLike | None = None
+                     ) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
     """(target, draft): the target IR's body with its own head, and with the draft IR's head.
     The draft IR's body is never loaded. wide: the body runs its one-token forwards (drafts, plain
     steps) and its wider ones (verifies) on two compiled copies (OpenVinoRuntime), which on CPU
     saves ~5 ms per change of width for ~77 MB (int4 Gemma 3 270M). pad_rows: body and heads never
-    multiply one row (OpenVinoRuntime), the exact mode on CPUs whose one-row kernels round apart."""
+    multiply one row (OpenVinoRuntime), the exact mode on CPUs whose one-row kernels round apart.
+    draft_head: a trained head's .onnx, which the draft then holds."""
     body = OpenVinoRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, output=HIDDEN,
                            wide=wide, pad_rows=pad_rows)
-    heads: list[OpenVinoHead] = []
+    heads: list = []
     try:
         for path, in_body in ((target_path, True), (draft_path, False)):
             heads.append(OpenVinoHead(path, threads=threads, device=device, precision=body.precision,
                                       in_body=in_body, pad_rows=pad_rows))
         check_heads(heads[0], heads[1])
+        if draft_head is not None:
+            heads.append(OpenVinoFeatureHead(draft_head, threads=threads, device=device))
+            check_feature_head(heads[1], heads[2])
     except BaseException:
         for h in heads:
             h.close()
         body.close()
         raise
-    return shared_pair(body, heads[0], heads[1])
+    return shared_pair(body, heads[0], heads[1], heads[2] if draft_head is not None else None)

@@ -33,7 +33,8 @@ import numpy as np
 from ..errors import BackendError
 from .base import Runtime, common_prefix
 
-__all__ = ["Head", "SharedBody", "SharedBodyRuntime", "check_heads", "shared_pair"]
+__all__ = ["FeatureHead", "Head", "SharedBody", "SharedBodyRuntime", "check_feature_head", "check_heads",
+           "shared_pair"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,19 @@ class Head(Protocol):
     weight_bytes: int
 
     def __call__(self, hidden: np.ndarray) -> np.ndarray: ...
+
+    def close(self) -> None: ...
+
+
+class FeatureHead(Protocol):
+    """A trained draft head (exporters/draft_head.py): (hidden rows (R, H), their next tokens as
+    draft-vocabulary indices (R,)) -> the next positions' features (R, H), which the draft's own
+    (VocabTrim) head turns into logits and which feed the head again to draft further."""
+
+    hidden_size: int
+    weight_bytes: int
+
+    def __call__(self, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray: ...
 
     def close(self) -> None: ...
 
@@ -109,10 +123,12 @@ class SharedBodyRuntime(Runtime):
     """A Runtime over a SharedBody and one head: the decoder's target or its draft.
 
     The owner (the target) reports the body's weights and KV cache and closes the body; the
-    other (the draft) reports only its head."""
+    other (the draft) reports only its head, and its trained feature head when it has one
+    (`feature_head`, read by decoding/head_drafter.py with `hidden_rows`)."""
 
-    def __init__(self, shared: SharedBody, head: Head, *, owner: bool, role: str) -> None:
-        self.shared, self.head, self.owner = shared, head, owner
+    def __init__(self, shared: SharedBody, head: Head, *, owner: bool, role: str,
+                 feature_head: FeatureHead | None = None) -> None:
+        self.shared, self.head, self.owner, self.feature_head = shared, head, owner, feature_head
         body = shared.body
         self.vocab_size = head.vocab_size
         self._ids: list[int] = []
@@ -138,6 +154,12 @@ class SharedBodyRuntime(Runtime):
 
     def trim(self, n_past: int) -> None:
         del self._ids[max(0, n_past):]  # the body keeps its rows: the next forward checks the ids
+
+    def hidden_rows(self, seq: Sequence[int], n_rows: int = 1) -> np.ndarray:
+        """A copy of the final hidden rows (n_rows, H) of the last `n_rows` positions of `seq`: free
+        when the body's last forwards computed them (a verify did), else the body runs from the
+        first position it lacks. This runtime's own prefix is unchanged."""
+        return np.array(self.shared.hidden(list(seq), n_rows), dtype=np.float32)
 
     def reset(self) -> None:
         """Forget the sequence; the target (the body's owner) empties the body too, so the next
@@ -169,13 +191,16 @@ class SharedBodyRuntime(Runtime):
 
     def memory_bytes(self) -> dict[str, int]:
         if not self.owner:
-            return {"weights": self.head.weight_bytes, "kv": 0}
+            extra = self.feature_head.weight_bytes if self.feature_head is not None else 0
+            return {"weights": self.head.weight_bytes + extra, "kv": 0}
         mem = dict(self.shared.body.memory_bytes())
         mem["weights"] = mem.get("weights", 0) + self.head.weight_bytes
         return mem
 
     def close(self) -> None:
         self.head.close()
+        if self.feature_head is not None:
+            self.feature_head.close()
         if self.owner:
             self.shared.body.close()
 
@@ -187,9 +212,18 @@ def check_heads(target_head: Head, draft_head: Head) -> None:
                            f"body makes {target_head.hidden_size}: not a draft of this target's body")
 
 
-def shared_pair(body: Runtime, target_head: Head, draft_head: Head) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
-    """(target, draft) runtimes sharing `body`; the target owns it."""
+def check_feature_head(draft_head: Head, feature_head: FeatureHead) -> None:
+    """A trained head must read and write the hidden rows the body makes and the draft's head reads."""
+    if feature_head.hidden_size != draft_head.hidden_size:
+        raise BackendError(f"the trained draft head works on hidden states of size {feature_head.hidden_size}, the "
+                           f"target's body makes {draft_head.hidden_size}: distill it again for this target")
+
+
+def shared_pair(body: Runtime, target_head: Head, draft_head: Head,
+                feature_head: FeatureHead | None = None) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
+    """(target, draft) runtimes sharing `body`; the target owns it; the draft holds the trained
+    feature head, if given."""
     shared = SharedBody(body)
     return (SharedBodyRuntime(shared, target_head, owner=True, role="target"),
-            SharedBodyRuntime(shared, draft_head, owner=False, role="draft"))
+            SharedBodyRuntime(shared, draft_head, owner=False, role="draft", feature_head=feature_head))
 

@@ -1,0 +1,82 @@
+"""The `head` drafter: a bundle's trained draft head (exporters/draft_head.py) on the target's
+hidden rows, so a drafted token costs the head and the VocabTrim head, never a body forward.
+
+Each step reads the target's final hidden row of the position before the last committed token
+(the verify that committed it computed that row: free), feeds it with the last token to the
+head, which predicts the next position's feature; the draft's VocabTrim head turns the feature
+into logits over its K tokens, the drafted token (argmax, or sampled) and that feature feed the
+head again. Drafts are mapped to target ids with the id map; a sampling draft's distributions
+are scattered to the target vocabulary, so verification is the decoder's usual one (greedy
+match, or rejection sampling: exact).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from edgespec.decoding.acceptance import map_draft_ids, scatter_to_target
+from edgespec.decoding.draft import Draft, Drafter
+from edgespec.decoding.sampling import probabilities, sample, top_probability
+from edgespec.errors import ConfigError
+from edgespec.runtimes.base import Runtime
+
+__all__ = ["HeadDrafter", "draft_index"]
+
+
+def draft_index(id_map: np.ndarray | None, target_vocab: int) -> np.ndarray:
+    """(target_vocab,) target id -> draft index; K (the head's zero row) outside the draft vocabulary."""
+    if id_map is None:
+        return np.arange(target_vocab, dtype=np.int64)
+    index = np.full(target_vocab, len(id_map), dtype=np.int64)
+    index[id_map] = np.arange(len(id_map))
+    return index
+
+
+class HeadDrafter(Drafter):
+    """Drafts with the trained head the draft runtime holds (a draft on the target's body opened
+    with the bundle's head: runtimes/onnxruntime_split.py, openvino_split.py)."""
+
+    source = "head"
+
+    def __init__(self, draft: Runtime, target_vocab: int, id_map: np.ndarray | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.features = getattr(draft, "feature_head", None)
+        if self.features is None or not hasattr(draft, "hidden_rows"):
+            raise ConfigError("drafter 'head' needs the bundle's trained draft head on the target's body; "
+                              "add one with `edgespec distill BUNDLE`, or use drafter 'model'")
+        id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
+        if id_map is None and draft.vocab_size > target_vocab:
+            raise ConfigError(f"draft vocab ({draft.vocab_size}) is larger than target vocab ({target_vocab})")
+        self.draft, self.target_vocab, self.id_map, self.clock = draft, target_vocab, id_map, clock
+        self.runtimes = (draft,)
+        self._index = draft_index(id_map, target_vocab)
+
+    def propose(self, tokens, limit, policy, params, rng) -> Draft:
+        k = min(policy.next_k(self.source), limit)
+        if k <= 0 or len(tokens) < 2:
+            return Draft([])
+        # (1, H): the row of the position before the last token, which the last verify computed
+        hidden = self.draft.hidden_rows(tokens[:-1], 1)
+        t0 = self.clock()
+        token = tokens[-1]
+        drafts: list[int] = []
+        rows: list[np.ndarray] = []
+        confidences: list[float] = []
+        for _ in range(k):
+            hidden = self.features(hidden, self._index[[token]])  # (1, H): the next position's feature
+            logits = self.draft.head(hidden)[-1]
+            if params.greedy:
+                draft_id = int(np.argmax(logits))
+            else:
+                rows.append(probabilities(logits, params))
+                draft_id = sample(rows[-1], rng)
+            token = map_draft_ids([draft_id], self.id_map)[0]
+            drafts.append(token)
+            if policy.uses_confidence:
+                confidences.append(top_probability(logits))
+                if not policy.keep_drafting(confidences):
+                    break
+        probs = scatter_to_target(np.stack(rows), self.id_map, self.target_vocab) if rows else None
+        return Draft(drafts, probs, self.source, 1e3 * (self.clock() - t0) / len(drafts))
