@@ -42,6 +42,7 @@ from .errors import BusyError, ConfigError, ContextFullError, EngineClosedError
 from .exact_mode import inexact_drafting, settle_exact_mode
 from .runtimes import BACKENDS, exact_mode_memory, installed_backends, open_runtime, open_shared_pair
 from .tokenizer import IncrementalDecoder, Tokenizer
+from .tuning import tune
 
 __all__ = ["load", "Engine", "EngineConfig", "Response", "GenerationStats", "DRAFT_BODIES", "default_bundle",
            "resolve_drafting", "shared_body_blocker"]
@@ -120,7 +121,13 @@ class Engine:
         self._closed = False
         self.last_stats = GenerationStats()
         try:
-            self._open(bundle, plan_engine(bundle.manifest, self.config, installed_backends()))
+            installed = installed_backends()
+            # the fastest exact configuration measured here, where the config leaves one open (None: nothing to tune)
+            self.tuning = tune(bundle, self.config, installed, functools.partial(Engine, bundle, clock=clock))
+            # under retune the tuner has just probed every candidate: the chosen one reads its verdict
+            self._retune = self.config.retune and self.tuning is None
+            self._open(bundle, plan_engine(bundle.manifest, self.config, installed,
+                                           self.tuning.choice if self.tuning else None))
         except BaseException:  # a later step failed: what was opened must not outlive the error
             self._stack.close()
             raise
@@ -146,7 +153,7 @@ class Engine:
             self._settle(plan, files, reopen if plan.switchable else None, mode, remember)
         kv = [rt.kv_capacity for rt in (self.target, self.draft) if rt is not None]
         self.limits = MappingProxyType(decoder_limits(self.config.max_context, kv, self.memory_plan, self.exactness,
-                                                      self.shared_body))
+                                                      self.shared_body, plan.verify_limit))
         # most tokens a sequence may hold (prompt + reply); None: no fixed limit
         self.context_limit: int | None = self.limits["context_limit"]
         self.decoder = self.variant()
@@ -162,7 +169,7 @@ class Engine:
         modes = BACKENDS[backend].exact_modes if not c.static else ()  # static shapes have one width
         recall, remember = exact_mode_memory(backend, files[:1], {"threads": c.threads, "device": c.device, **ctx_kw}
                                              ) if modes else (lambda: None, None)
-        remembered = None if c.retune else recall()
+        remembered = None if self._retune else recall()
         mode = remembered or {}
         if remembered is None and budget is not None and modes:
             # a budget plans the runtimes it opens and cannot switch them afterwards: where no mode
@@ -196,7 +203,7 @@ class Engine:
         widest = probe_width(self.drafter_name, self.policy_name, self.k,
                              batch_limit(self.target, decoder_limits(None, [], mp, None, False)["max_batch"]))
         settled = settle_exact_mode(plan.backend, self.target, self.draft if plan.shared_body else None, files,
-                                    widest, threads=self.config.threads, retune=self.config.retune, mode=mode,
+                                    widest, threads=self.config.threads, retune=self._retune, mode=mode,
                                     stack=self._stack, reopen=reopen, remember=remember)
         self.target, self.exactness = settled.target, settled.verdict
         if plan.shared_body:
@@ -270,6 +277,7 @@ class Engine:
                 "drafter": self.drafter_name, "policy": self.policy_name, "k": self.k,
                 "limits": dict(self.limits),
                 "exactness": None if probe is None else {"summary": probe.describe(), **probe.to_dict()},
+                "tuning": None if self.tuning is None else self.tuning.to_dict(),
                 "config": self.config.to_dict()}
 
     # -- layered API: step (ids) → stream (Response) → generate (text) -----------------

@@ -21,7 +21,7 @@ from .decoding import DEFAULT_K, DRAFTERS
 from .errors import ConfigError
 from .runtimes import BACKENDS, pick_backend
 
-__all__ = ["ModelPlan", "EnginePlan", "plan_engine", "MAX_PROBE_WIDTH", "probe_width", "decoder_limits"]
+__all__ = ["ModelPlan", "EnginePlan", "Tuned", "plan_engine", "MAX_PROBE_WIDTH", "probe_width", "decoder_limits"]
 
 MAX_PROBE_WIDTH = 33  # the widest verify the exactness probe tries (and so the widest one allowed)
 
@@ -35,6 +35,15 @@ class ModelPlan:
     file: str  # the artifact's file, relative to the bundle
     precision: str | None
     options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """What the tuner (tuning.py) measured fastest here: it fills what the config leaves open."""
+
+    backend: str
+    draft_body: str | None  # "shared" or "own"; None: no draft model
+    verify_width: int  # the widest verify worth running here (within the exact widths)
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,8 @@ class EnginePlan:
     switchable: bool  # the target may reopen in one of its backend's exact modes (exact_mode.py)
     max_context: int | None
     max_k: int  # the longest draft a policy may ask for (adaptive policies go up to 2k)
+    verify_limit: int | None = None  # the tuner's widest verify (None: the exact widths alone decide)
+    tuned: bool = False  # the tuner chose what the config left open
 
     @property
     def backend(self) -> str:
@@ -74,7 +85,7 @@ class EnginePlan:
                 "policy": self.policy, "k": self.k,
                 "draft_body": ("shared" if self.shared_body else "own" if self.draft else None),
                 "draft_body_reason": self.draft_body_reason, "budgeted": self.budgeted,
-                "max_context": self.max_context}
+                "max_context": self.max_context, "verify_limit": self.verify_limit, "tuned": self.tuned}
 
 
 def probe_width(drafter: str | None, policy: str, k: int, max_batch: int | None) -> int:
@@ -89,15 +100,17 @@ def probe_width(drafter: str | None, policy: str, k: int, max_batch: int | None)
 
 
 def decoder_limits(max_context: int | None, kv_capacities: list[int | None], memory_plan, exactness,
-                   shared_body: bool) -> dict[str, int | None]:
+                   shared_body: bool, verify_limit: int | None = None) -> dict[str, int | None]:
     """What every decoder on an engine's runtimes is built with (SpeculativeDecoder's limits):
     the context the caches and the config allow, a memory plan's draft length and prefill chunk,
-    and the verify widths the exactness probe found exact (a draft on the target's body keeps to
-    them too). None: no limit."""
+    and the verify widths the exactness probe found exact, within the tuner's `verify_limit` (a
+    draft on the target's body keeps to them too). None: no limit."""
     mp = memory_plan
     caps = [n for n in kv_capacities if n] + ([max_context] if max_context is not None else [])
     caps += [mp.kv_capacity] if mp is not None else []
     exact = exactness.exact_width if exactness is not None and exactness.exact_width >= 2 else None
+    if verify_limit is not None:
+        exact = verify_limit if exact is None else min(exact, verify_limit)
     return {"context_limit": min(caps) if caps else None, "max_draft": mp.max_draft if mp is not None else None,
             "verify_width": exact, "draft_width": exact if shared_body else None,
             # prompts prefill in the chunks the memory plan sized the scratch memory for
@@ -108,12 +121,15 @@ def _frozen(options: dict) -> MappingProxyType:
     return MappingProxyType(dict(options))
 
 
-def plan_engine(manifest, config: EngineConfig, installed: list[str]) -> EnginePlan:
-    """The plan for opening a bundle with `manifest` under `config` where `installed` backends are."""
+def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tuned | None = None) -> EnginePlan:
+    """The plan for opening a bundle with `manifest` under `config` where `installed` backends are;
+    `tuned` (tuning.py) fills what the config leaves open: the backend, an auto draft body, and
+    the verify width where no k is given."""
     c = config
     m = manifest
-    backend = pick_backend(m.target.formats, c.backend or backend_for_device(c.device, m.target.formats, installed),
-                           installed)
+    backend = pick_backend(m.target.formats, c.backend or (tuned.backend if tuned else None)
+                           or backend_for_device(c.device, m.target.formats, installed), installed)
+    body = tuned.draft_body if tuned and tuned.draft_body and c.draft_body == "auto" else c.draft_body
     if c.static and not (BACKENDS[backend].static_shapes
                          or (c.draft_backend is not None and BACKENDS[c.draft_backend].static_shapes)):
         need = next((n for n, b in BACKENDS.items() if b.static_shapes), "openvino")
@@ -130,14 +146,14 @@ def plan_engine(manifest, config: EngineConfig, installed: list[str]) -> EngineP
               **({"kv_capacity": c.max_context} if c.max_context is not None and not budgeted else {})}
     shared, reason = False, "no draft model"
     if wants_draft:
-        reason = "--draft-body own"
-        if c.draft_body != "own":
+        reason = "--draft-body own" if body == c.draft_body else "own body: measured fastest here"
+        if body != "own":
             why = shared_body_blocker(m, fmt, backend, draft_backend=c.draft_backend, device=c.device,
-                                      draft_device=c.draft_device, static=c.static,
-                                      auto=c.draft_body == "auto")
-            if why is not None and c.draft_body == "shared":
+                                      draft_device=c.draft_device, static=c.static, auto=body == "auto")
+            if why is not None and body == "shared":
                 raise ConfigError(f"--draft-body shared: {why}")
-            shared, reason = why is None, why or "a self-draft on a quantized target: one body"
+            shared, reason = why is None, why or ("a self-draft on a quantized target: one body" if body == c.draft_body
+                                                  else "the target's body: measured fastest here")
     info = BACKENDS[backend]
     alternating = wants_draft and not shared  # two models take turns on the cores
     target_art = m.target.formats[fmt]
@@ -155,7 +171,8 @@ def plan_engine(manifest, config: EngineConfig, installed: list[str]) -> EngineP
     # a budget plans the target as opened, and static shapes have one width: neither switches
     switchable = not budgeted and not c.static and bool(info.exact_modes)
     return EnginePlan(c, target, draft, drafter, policy, k, shared, reason, budgeted, switchable, c.max_context,
-                      k if policy == "fixed" else 2 * k)
+                      k if policy == "fixed" else 2 * k, tuned.verify_width if tuned and c.k is None else None,
+                      tuned is not None)
 
 
 def _own_draft(m, c: EngineConfig, backend: str, fmt: str, common: dict, installed: list[str]) -> ModelPlan:

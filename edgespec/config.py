@@ -11,6 +11,7 @@ checks these values again.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,11 @@ class Option:
     type: Any = str
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+
+
+def _tune_default() -> bool:
+    """Tuning is on unless EDGESPEC_TUNE=0: read when a config is built, not at import."""
+    return os.environ.get("EDGESPEC_TUNE", "1").strip() not in ("0", "false", "no", "off")
 
 
 def _opt(*flags: str, help: str, **kw) -> dict:
@@ -70,7 +76,12 @@ class EngineConfig:
     dynamic shapes, no memory budget). See shared_body_blocker.
     require_exact: draft only where a verify is bit-identical to plain decoding on this machine
     (the exactness probe, run at the first load and cached; `Engine.exactness` holds its verdict);
-    otherwise greedy drafting runs with a warning. retune: probe again instead of reading the cache.
+    otherwise greedy drafting runs with a warning.
+    tune: where the config leaves the backend or the draft body open and more than one
+    configuration can run the bundle, measure each on this machine at the first load (cached) and
+    open the fastest, with its best verify width (tuning.py); default on, off where the environment
+    sets EDGESPEC_TUNE=0 (the test suite does). retune: probe and measure again instead of reading
+    the cache.
     """
 
     backend: str | None = field(default=None, metadata=_opt(
@@ -121,8 +132,14 @@ class EngineConfig:
         help="draft only where a verify forward rounds bit for bit like plain decoding on this machine "
              "(measured by a probe at the first load, cached; `edgespec info BUNDLE` shows it); otherwise "
              "greedy drafting runs with a warning. Default: on for bench, off elsewhere"))
+    tune: bool = field(default_factory=_tune_default, metadata=_opt(
+        "--tune", kind="both",
+        help="where --backend or --draft-body is left open and several configurations run the bundle, measure "
+             "each here at the first load (cached) and open the fastest exact one; `edgespec info BUNDLE` shows "
+             "the figures. Default: on (EDGESPEC_TUNE=0 turns it off)"))
     retune: bool = field(default=False, metadata=_opt(
-        "--retune", kind="true", help="measure this machine again (the exactness probe) instead of reading the cache"))
+        "--retune", kind="true",
+        help="measure this machine again (the exactness probe and the tuning) instead of reading the cache"))
 
     def __post_init__(self) -> None:
         for value in (self.backend, self.draft_backend):
@@ -147,7 +164,7 @@ class EngineConfig:
             from .memory.budget import parse_bytes
 
             parse_bytes(self.memory_budget)
-        for name in ("use_draft", "static", "require_exact", "retune"):
+        for name in ("use_draft", "static", "require_exact", "tune", "retune"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

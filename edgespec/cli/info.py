@@ -53,6 +53,24 @@ def _bundle(path: str) -> list[str]:
     return lines
 
 
+def _tuning(path: str, retune: bool) -> tuple[list[str], bool]:
+    """The configuration a default load picks on this machine and the figures it chose by
+    (tuning.py: measured at the first load, then read from the cache); and whether it measured."""
+    from ..api import load
+    from ..errors import EdgespecError
+
+    try:
+        with load(path, retune=retune) as engine:
+            tuning, d = engine.tuning, engine.describe()
+    except EdgespecError as e:
+        return [f"tuning: cannot open the bundle: {e}"], False
+    opened = f"{d['target']['backend']}" + (f", draft body {d['draft_body']}" if d["draft_body"] else "")
+    if tuning is None:
+        return [f"configuration: {opened} (one candidate here, or tuning is off: nothing measured)"], False
+    return ["configuration (the fastest exact one measured on this machine):", *("  " + ln for ln in tuning.describe())
+            ], any(not m.cached for m in tuning.candidates)
+
+
 def _exactness(path: str, retune: bool) -> list[str]:
     """Each installed backend's exactness verdict for the bundle on this machine (probed on the
     first load, then read from the cache)."""
@@ -85,13 +103,17 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="edgespec info", description="Show backends and a bundle.")
     p.add_argument("bundle", nargs="?", default=None)
     p.add_argument("--no-probe", dest="probe", action="store_false",
-                   help="skip the exactness probe of each backend (it loads the bundle; cached after the first run)")
-    p.add_argument("--retune", action="store_true", help="probe again instead of reading the cache")
+                   help="skip the exactness probe and the tuning of each configuration (they load the bundle; "
+                        "cached after the first run)")
+    p.add_argument("--retune", action="store_true", help="probe and measure again instead of reading the cache")
     args = p.parse_args(argv)
     print("backends:")
     print("\n".join(_backends()))
     if args.bundle:
         print("\n".join(_bundle(args.bundle)))
         if args.probe:
-            print("\n".join(_exactness(args.bundle, args.retune)))
+            lines, measured = _tuning(args.bundle, args.retune)
+            print("\n".join(lines))
+            # the tuning has just probed each candidate again: the listing reads those verdicts
+            print("\n".join(_exactness(args.bundle, args.retune and not measured)))
     return 0

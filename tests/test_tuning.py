@@ -1,0 +1,207 @@
+"""The tuner (edgespec/tuning.py): the choice is a pure function of fake measurements; which
+configurations are candidates comes from fake manifests; how a step is measured is checked on toy
+runtimes that record their forwards; one integration test measures tiny real models on
+onnxruntime and OpenVINO (the chosen configuration is a measured one, cached, and remeasured
+under retune)."""
+from __future__ import annotations
+
+import argparse
+from types import SimpleNamespace
+
+import pytest
+
+from edgespec.assembly import Tuned, decoder_limits, plan_engine
+from edgespec.config import EngineConfig
+from edgespec.tuning import ACCEPTANCES, Measurement, candidates, choose, skip_reason, verify_costs
+from tests.test_assembly import ALL, manifest
+from tests.toy import ToyRuntime
+
+
+def fake(backend="onnxruntime", body="shared", *, one=30.0, draft=10.0, c=(1.0, 1.1, 1.3, 1.6, 2.2), exact=17,
+         free=True) -> Measurement:
+    """A measurement with verify costs c(B) for B = 2, 3, 5, 9, 17 (those within `exact`)."""
+    widths = (2, 3, 5, 9, 17)
+    return Measurement(backend, body, free, one, draft if body else 0.0,
+                       {b: one * cb for b, cb in zip(widths, c) if b <= exact}, exact, 1.0)
+
+
+def steep_c():
+    return (1.64, 2.1, 2.63, 5.32, 9.0)  # llama.cpp's c(B) on the 2-vCPU AVX2 machine (issue 22), extrapolated
+
+
+# ---------------------------------------------------------------- the choice (pure)
+
+
+def test_a_cheaper_step_wins_and_the_choice_is_one_of_the_candidates():
+    # equal one-token and draft costs: the flatter verify curve commits more per ms
+    steep = fake("llamacpp", "own", one=25.0, c=steep_c(), exact=7)
+    flat = fake("onnxruntime", "shared", one=25.0, c=(0.97, 1.1, 1.46, 2.75, 4.0))
+    choice = choose([steep, flat])
+    assert (choice.backend, choice.draft_body) == ("onnxruntime", "shared") and flat.score() > steep.score()
+    # a much cheaper one-token forward outweighs a steeper curve
+    assert choose([fake("llamacpp", "own", one=10.0, c=steep_c(), exact=7), flat]).backend == "llamacpp"
+    # no drafting: the cheapest one-token forward wins, whatever its verify curve
+    plain = [fake("llamacpp", None, one=20.0, c=(3, 4, 5, 6, 7), free=False),
+             fake("onnxruntime", None, one=32.0, free=False)]
+    assert choose(plain).backend == "llamacpp"
+    assert plain[0].score() == pytest.approx(1e3 / 20.0)
+
+
+def test_the_draft_cost_decides_between_bodies_with_equal_verifies():
+    shared, own = fake(body="shared", draft=8.0), fake(body="own", draft=15.0)
+    assert choose([own, shared]).draft_body == "shared"
+    assert choose([fake(body="shared", draft=15.0), fake(body="own", draft=8.0)]).draft_body == "own"
+
+
+def test_a_tie_keeps_the_first_listed():
+    a, b = fake("onnxruntime"), fake("openvino")
+    assert choose([a, b]).backend == "onnxruntime" and choose([b, a]).backend == "openvino"
+    with pytest.raises(ValueError):
+        choose([])
+
+
+def test_the_width_limit_follows_the_verify_curve_and_stays_within_the_exact_widths():
+    steep = fake(c=(1.6, 2.6, 4.5, 9.0, 18.0), free=False)  # each verified token costs nearly a step
+    flat = fake(c=(1.0, 1.0, 1.05, 1.1, 1.2))
+    assert choose([steep]).verify_width < choose([flat]).verify_width == 17
+    narrow = fake(c=(1.0, 1.0, 1.05, 1.1, 1.2), exact=5)  # the probe found only 2-5 exact
+    assert set(narrow.verify_ms) == {2, 3, 5} and choose([narrow]).verify_width == 5
+    # a drafting step that never pays still leaves width 2, for a policy that finds it does
+    hopeless = fake(draft=100.0, c=(3.0, 5.0, 9.0, 17.0, 33.0), free=False)
+    assert hopeless.best(ACCEPTANCES[-1], hopeless.draft_ms)[0] == 0 and choose([hopeless]).verify_width == 2
+
+
+def test_free_sources_widen_the_limit_a_dear_draft_model_alone_would_narrow():
+    model_only = fake(draft=25.0, free=False)
+    with_lookup = fake(draft=25.0, free=True)
+    assert model_only.draft_costs == (25.0,) and with_lookup.draft_costs == (25.0, 0.0)
+    assert choose([with_lookup]).verify_width > choose([model_only]).verify_width
+
+
+def test_a_measurement_survives_its_cache_form():
+    m = fake(exact=9)
+    back = Measurement.from_dict({**m.to_dict(), "cached": True})
+    assert back.cached and back.verify_ms == m.verify_ms and back.score() == pytest.approx(m.score())
+
+
+# ---------------------------------------------------------------- candidates and the plan
+
+
+def test_candidates_are_every_installed_backend_and_body_that_can_open_the_bundle():
+    cfg = EngineConfig(tune=True)
+    got = candidates(manifest(target=("onnx", "openvino", "gguf"), draft=("onnx", "openvino", "gguf")), cfg, ALL)
+    # llama.cpp cannot run a draft on the target's body; an fp32 target's body is still a candidate
+    assert got == [("onnxruntime", "shared"), ("onnxruntime", "own"), ("openvino", "shared"), ("openvino", "own"),
+                   ("llamacpp", "own")]
+    m = manifest(precision="fp32")
+    assert ("openvino", "shared") in candidates(m, cfg, ALL)
+    assert candidates(m, cfg, ["openvino"]) == [("openvino", "shared"), ("openvino", "own")]
+
+
+def test_what_the_config_fixes_is_the_only_candidate_tried():
+    m = manifest()
+    assert candidates(m, EngineConfig(backend="openvino"), ALL) == [("openvino", "shared"), ("openvino", "own")]
+    assert candidates(m, EngineConfig(draft_body="own"), ALL) == [("onnxruntime", "own"), ("openvino", "own")]
+    assert candidates(m, EngineConfig(backend="openvino", draft_body="own"), ALL) == [("openvino", "own")]
+    # no draft model: one configuration per backend
+    assert candidates(m, EngineConfig(use_draft=False), ALL) == [("onnxruntime", None), ("openvino", None)]
+    assert candidates(manifest(draft=None), EngineConfig(), ALL) == [("onnxruntime", None), ("openvino", None)]
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(tune=False), "off"), (dict(static=True, backend="openvino"), "static"),
+    (dict(memory_budget="2GB"), "budget"), (dict(device="GPU"), "CPU"),
+])
+def test_loads_that_are_not_tuned_say_why(kw, why):
+    assert why in skip_reason(EngineConfig(**{"tune": True, **kw}))
+    assert skip_reason(EngineConfig(tune=True)) is None
+
+
+def test_the_tuned_choice_fills_only_what_the_config_leaves_open():
+    m, tuned = manifest(), Tuned("openvino", "own", 5)
+    p = plan_engine(m, EngineConfig(), ALL, tuned)
+    assert (p.backend, p.shared_body, p.verify_limit, p.tuned) == ("openvino", False, 5, True)
+    assert "measured" in p.draft_body_reason
+    # an explicit backend, draft body and k win; no k given keeps the tuner's width
+    p = plan_engine(m, EngineConfig(backend="onnxruntime", draft_body="shared", k=3), ALL, tuned)
+    assert (p.backend, p.shared_body, p.verify_limit) == ("onnxruntime", True, None)
+    assert plan_engine(m, EngineConfig(), ALL).verify_limit is None
+    # the decoder keeps to the narrower of the exact widths and the tuner's limit
+    probe = SimpleNamespace(exact_width=9)
+    assert decoder_limits(None, [], None, probe, True, 5)["verify_width"] == 5
+    assert decoder_limits(None, [], None, probe, True, 17)["draft_width"] == 9
+    assert decoder_limits(None, [], None, probe, False)["verify_width"] == 9
+
+
+def test_tune_is_a_switch_on_the_command_line_and_off_where_the_environment_says(monkeypatch):
+    from edgespec.cli.common import add_engine_args, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    monkeypatch.setenv("EDGESPEC_TUNE", "1")
+    assert engine_config_from_args(p.parse_args([])).tune
+    assert not engine_config_from_args(p.parse_args(["--no-tune"])).tune
+    monkeypatch.setenv("EDGESPEC_TUNE", "0")
+    assert not EngineConfig().tune and engine_config_from_args(p.parse_args(["--tune"])).tune
+
+
+# ---------------------------------------------------------------- measuring a step
+
+
+class Recorder(ToyRuntime):
+    """A toy runtime that records the ids of every forward."""
+
+    def __init__(self, log: list, name: str, **kw) -> None:
+        super().__init__(vocab=64, **kw)
+        self.log, self.name = log, name
+
+    def forward(self, token_ids, n_logits=1):
+        self.log.append((self.name, tuple(token_ids)))
+        return super().forward(token_ids, n_logits)
+
+
+def test_each_verify_follows_its_drafts_on_fresh_ids_and_the_caches_end_empty():
+    log: list = []
+    target, draft = Recorder(log, "target"), Recorder(log, "draft", noise=0.3)
+    out = verify_costs(target, (1, 2, 5), prefix=8, repeats=2, draft=draft)
+    assert set(out["ms"]) == {"1", "2", "5"} and out["draft_ms"] > 0 and target.n_past == draft.n_past == 0
+    steps = log[2:]  # after both prefixes
+    verifies = [(i, ids) for i, (who, ids) in enumerate(steps) if who == "target"]
+    for i, ids in verifies:
+        if len(ids) > 1:  # the draft was fed the verify's first B-1 tokens just before it
+            assert steps[i - 1] == ("draft", ids[:-1])
+    wide = [ids for _, ids in verifies if len(ids) > 1]
+    assert len(set(wide)) == len(wide)  # fresh ids every time: a shared body cannot reuse a row
+    assert verify_costs(Recorder([], "t"), (2, 4), prefix=8, repeats=1)["c"].keys() == {"2", "4"}
+
+
+# ---------------------------------------------------------------- tiny real models
+
+
+def test_the_engine_opens_a_measured_configuration_caches_it_and_retune_measures_again(zoo, monkeypatch, tmp_path):
+    pytest.importorskip("openvino", reason="the integration test measures onnxruntime and OpenVINO")
+    from edgespec.api import load
+    from tests.test_openvino import ov_bundle
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    bundle = ov_bundle(zoo, "llama")
+    with load(bundle, tune=True, k=None) as e:
+        t = e.tuning
+        names = [(m.backend, m.draft_body) for m in t.candidates]
+        assert len(names) >= 2 and {b for b, _ in names} == {"onnxruntime", "openvino"}
+        assert (t.choice.backend, t.choice.draft_body) in names
+        assert (e.backend, "shared" if e.shared_body else "own") == (t.choice.backend, t.choice.draft_body)
+        assert not any(m.cached for m in t.candidates) and t.tune_ms > 0
+        assert e.limits["verify_width"] <= min(t.choice.verify_width, e.exactness.exact_width)
+        assert e.describe()["tuning"]["choice"]["backend"] == e.backend
+        text = e.generate("the cat", max_tokens=12)
+    with load(bundle, tune=True) as again:
+        assert all(m.cached for m in again.tuning.candidates) and again.tuning.tune_ms == 0
+        assert again.tuning.choice == t.choice and again.generate("the cat", max_tokens=12) == text
+    # the chosen configuration runs in its exact mode: greedy output as plain decoding's
+    with load(bundle, tune=False, backend=t.choice.backend, use_draft=False) as plain:
+        assert plain.generate("the cat", max_tokens=12) == text
+    with load(bundle, tune=True, retune=True) as fresh:
+        assert not any(m.cached for m in fresh.tuning.candidates)
+    with load(bundle, tune=True, backend="openvino", draft_body="own") as fixed:
+        assert fixed.tuning is None and fixed.backend == "openvino" and not fixed.shared_body
