@@ -58,6 +58,9 @@ WIDTHS = (1, 2, 4, 8)  # the bench's c(B) widths
 WIDTHS_SHOWN = tuple(k + 1 for k in DRAFT_LENGTHS[1:])
 PREFIX = 64  # positions already cached: a verify never starts from an empty cache
 REPEATS = 5
+# drafters whose every token costs a forward; each other one also drafts for free (prompt lookup,
+# Token Recycling), and its tails may run wide verifies
+COSTED_ONLY = ("model", "head")
 TUNE_PREFIX, TUNE_REPEATS = 32, 2  # the tuner's: a few forwards per width, seconds per candidate
 
 
@@ -201,7 +204,7 @@ def measure_engine(engine, prefix: int = TUNE_PREFIX, repeats: int = TUNE_REPEAT
         return None
     ms = {int(b): v for b, v in costs["ms"].items()}
     body = None if draft is None else "shared" if engine.shared_body else "own"
-    free = engine.drafter_name not in (None, "model")  # every other drafter has a lookup or recycling source
+    free = engine.drafter_name not in (None, *COSTED_ONLY)
     return Measurement(engine.backend, body, free, ms[1], costs.get("draft_ms", 0.0),
                        {b: v for b, v in ms.items() if b > 1}, exact, round((time.perf_counter() - t0) * 1e3, 1))
 
