@@ -118,3 +118,29 @@ def test_a_gguf_graph_multiplies_qkv_and_gate_up_once_each_and_keeps_its_logits(
     got = _decode_logits(_save(graphs[True], tmp_path / "fused.onnx"), ids)
     for i, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=f"forward {i}")
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_block_weights_with_mins_and_mixed_formats_keep_their_logits(zoo, tmp_path, name):
+    """Every projection a random BlockWeight (K-quant mins, 8-bit zero points or none, 4 bits):
+    the fused graph's concatenated products and three-kernel min corrections compute the plain
+    graph's logits (accuracy level 0: fp32)."""
+    pytest.importorskip("onnxruntime")
+    from edgespec.exporters.spec import spec_from_hf
+
+    model = zoo.hf_model(name)
+    spec, weights = spec_from_hf(model), {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    rng = np.random.default_rng(11)
+    kinds = [(4, "float", True), (8, "uint8", False), (8, "none", False), (8, "none", True)]
+    for i, key in enumerate(k for k in weights if k.endswith("_proj.weight")):
+        n, k = weights[key].shape
+        w = _block(rng, n, *kinds[i % len(kinds)] if "mlp" in key else kinds[(i // 7) % 2], k=k)
+        weights[key] = BlockWeight(w.codes, w.scales * 0.05, w.zero_points, w.bits, w.block_size, w.source_type,
+                                   None if w.mins is None else w.mins * 0.05)
+    graphs = {f: build_decoder(spec, weights, GraphOptions(kv_layout="append", fused_ops=f)) for f in (False, True)}
+    assert _ops(graphs[True])["MatMulNBits"] < _ops(graphs[False])["MatMulNBits"]
+    ids = [int(t) for t in np.random.default_rng(2).integers(3, spec.vocab_size, 14)]
+    want = _decode_logits(_save(graphs[False], tmp_path / "plain.onnx"), ids)
+    got = _decode_logits(_save(graphs[True], tmp_path / "fused.onnx"), ids)
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=f"forward {i}")

@@ -14,7 +14,7 @@ __all__ = ["BlockOps", "kernel_form"]
 
 class BlockOps:
     """Mixin of the graph builder (onnx_graph._G) for BlockWeight weights; expects its `op`,
-    `const`, `name`, `nodes`, `inits`, `nbits_accuracy`, `float_zero_points` and a `_blocks` dict."""
+    `const`, `name`, `nodes`, `inits`, `nbits_accuracy`, `float_zero_points`, `fused` and a `_blocks` dict."""
 
     def blocks(self, w: BlockWeight, name: str) -> tuple[str, ...]:
         """(codes, scales[, zero points]) initializer names of a BlockWeight, written once per name."""
@@ -48,12 +48,12 @@ class BlockOps:
         # w = scale * q - min per block: x @ w^T = MatMulNBits(x) - (block sums of x) @ min^T
         i64 = dict(dtype=np.int64)
         kb = k // w.block_size
+        if self.fused:  # three kernels, not six: the block sums as a product with 0/1 columns, no reshapes
+            sums = self.op("MatMul", [x, self._block_ones(k, w.block_size)])  # (..., rows, kb)
+            return self.op("Sub", [out, self.op("MatMul", [sums, self._mins(w, name)])])
         sums = self.op("ReduceSum", [self.op("Reshape", [x, self.const([-1, kb, w.block_size], **i64)]),
                                      self.const([-1], **i64)], keepdims=0)  # (rows, kb)
-        if name + ".mins" not in self._blocks:
-            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(w.mins.T), name + ".mins"))  # (kb, N)
-            self._blocks[name + ".mins"] = (name + ".mins",)
-        corr = self.op("MatMul", [sums, name + ".mins"])
+        corr = self.op("MatMul", [sums, self._mins(w, name)])
         return self.op("Sub", [out, self.op("Reshape", [corr, self.op("Shape", [out])])])
 
     def gather_blocks(self, w: BlockWeight, name: str, ids: str) -> str:
@@ -89,6 +89,22 @@ class BlockOps:
         if w.mins is not None:
             x = self.op("Sub", [x, col(self.op("Gather", [self._flat_mins(w, name), flat], axis=0))])
         return self.op("Reshape", [x, self.const([1, -1, k], **i64)])
+
+    def _mins(self, w: BlockWeight, name: str) -> str:
+        """The block mins as a (kb, N) initializer, written once per name."""
+        if name + ".mins" not in self._blocks:
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(w.mins.T), name + ".mins"))
+            self._blocks[name + ".mins"] = (name + ".mins",)
+        return name + ".mins"
+
+    def _block_ones(self, k: int, block: int) -> str:
+        """(k, k // block) float32: column j is 1 on block j's rows. One per shape, shared."""
+        key = f"block_ones.{k}x{block}"
+        if key not in self._blocks:
+            ones = np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32))
+            self.inits.append(numpy_helper.from_array(ones, key))
+            self._blocks[key] = (key,)
+        return key
 
     def _flat_mins(self, w: BlockWeight, name: str) -> str:
         key = name + ".mins_rows"

@@ -24,7 +24,8 @@ from onnx import helper
 from .gguf_transcode import BlockWeight
 from .onnx_blocks import kernel_form
 
-__all__ = ["concat_rows", "fused_rms_norm", "fused_add_rms_norm", "fast_gelu", "rotary", "linear_group"]
+__all__ = ["concat_rows", "fused_rms_norm", "fused_add_rms_norm", "fast_gelu", "rotary", "linear_group",
+           "once_per_forward"]
 
 MS = "com.microsoft"
 
@@ -54,6 +55,21 @@ def rotary(g, x: str, positions: str, cos: str, sin: str) -> str:
     """RoPE (rotate-half form) of x (1, heads, S, hd); cos/sin (S, hd/2) already hold the
     attention scaling, and `positions` (1, S) index their rows."""
     return g.op("RotaryEmbedding", [x, positions, cos, sin], domain=MS)
+
+
+def once_per_forward(g, spec, s_len: str, masks: dict[str, str]) -> dict:
+    """What every layer of the fused graph reads, computed once: `rope_positions` (1, S), the rows
+    of the (S, hd/2) cos/sin caches RotaryEmbedding reads (row j: query j's position), and per layer
+    type `row_mask` (1, 1, R * S, T), the additive mask (1, 1, 1, S, T) of every score row of
+    onnx_graph._attention_rows (head-major: row r * S + s is position s), so the scores need no
+    reshape around the mask in each layer."""
+    i64 = dict(dtype=np.int64)
+    rep = spec.n_heads // spec.n_kv_heads
+    tiles = g.const([2 if rep == 1 else rep, 1], **i64)  # rows per position: rep, or 2 copies when rep = 1
+    rows = {lt: g.op("Tile", [g.op("Squeeze", [m, g.const([0, 1, 2], **i64)]), tiles]) for lt, m in masks.items()}
+    return {"rope_positions": g.op("Unsqueeze", [g.op("Range", [g.const(0, **i64), s_len, g.const(1, **i64)]),
+                                                 g.const([0], **i64)]),
+            "row_mask": {lt: g.op("Unsqueeze", [m, g.const([0, 1], **i64)]) for lt, m in rows.items()}}
 
 
 def concat_rows(ws: Sequence[BlockWeight]) -> BlockWeight | None:

@@ -36,7 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .gguf_transcode import BlockWeight
 from .onnx_blocks import BlockOps
-from .onnx_fused import fast_gelu, fused_add_rms_norm, fused_rms_norm, linear_group, rotary
+from .onnx_fused import fast_gelu, fused_add_rms_norm, fused_rms_norm, linear_group, once_per_forward, rotary
 from .spec import ModelSpec
 
 __all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
@@ -89,6 +89,7 @@ class _G(BlockOps):
         self._n = 0
         self.nbits_accuracy = 0
         self.float_zero_points = False
+        self.fused = False
         self._blocks: dict[str, tuple[str, ...]] = {}  # BlockWeight initializers, shared by name
 
     def name(self, hint: str) -> str:
@@ -161,8 +162,8 @@ def _activation(g: _G, x: str, kind: str, fused: bool = False) -> str:
         return fast_gelu(g, x)
     if kind == "silu":
         return g.op("Mul", [x, g.op("Sigmoid", [x])])
-    # ONNX's Gelu (opset 20): one kernel in onnxruntime and OpenVINO where the written-out formula
-    # was eight (0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) for gelu_tanh, 0.5 x (1 + erf(x / sqrt 2)))
+    # ONNX's Gelu (opset 20): one op for OpenVINO; onnxruntime 1.32 expands it into eight kernels
+    # (the fused graph has FastGelu)
     return g.op("Gelu", [x], approximate="tanh" if kind == "gelu_tanh" else "none")
 
 
@@ -196,8 +197,10 @@ def _split_fused(w: dict[str, np.ndarray], spec: ModelSpec, i: int) -> None:
         w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = gu[:half], gu[half:]
 
 
-def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[str, str], ctx: dict):
-    """Self-attention of layer `li` over its cache `past`; returns (output, present_k, present_v)."""
+def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[str, str], ctx: dict,
+               kv_names: tuple[str, str] | None = None):
+    """Self-attention of layer `li` over its cache `past`; returns (output, present_k, present_v).
+    `kv_names`: what the append layout's new rows are named (the graph outputs)."""
     hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
     fused = ctx["fused"]
     q, k, v = _linears(g, h, w, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], p,
@@ -220,14 +223,14 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
     else:
         q, k = _rope(g, q, cos, sin, hd // 2), _rope(g, k, cos, sin, hd // 2)
     if ctx["append"]:
-        present_k, present_v, out_k, out_v = _append_kv(g, past, k, v, KVH)
+        present_k, present_v, out_k, out_v = _append_kv(g, past, k, v, KVH, kv_names)
     else:
         present_k = out_k = g.op("Concat", [past[0], k], axis=2)  # (1, KVH, T, hd)
         present_v = out_v = g.op("Concat", [past[1], v], axis=2)
     rep = H // KVH
     if ctx["append"]:
-        return (_attention_rows(g, spec, w, p, q, present_k, present_v, ctx["mask"][lt], ctx.get("score_shapes"),
-                                scaled), out_k, out_v)
+        mask = ctx["row_mask"][lt] if fused else ctx["mask"][lt]
+        return _attention_rows(g, spec, w, p, q, present_k, present_v, mask, fused, scaled), out_k, out_v
     # Group query heads under their KV head so MatMul broadcasts instead of copying K/V.
     q5 = g.op("Reshape", [q, g.const([1, KVH, rep, -1, hd], dtype=np.int64)])  # (1, KVH, rep, S, hd)
     k5 = g.op("Unsqueeze", [present_k, g.const([2], dtype=np.int64)])  # (1, KVH, 1, T, hd)
@@ -243,18 +246,8 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
     return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
 
 
-def _score_shapes(g: _G, spec: ModelSpec, kv_len: str) -> tuple[str, str]:
-    """The Reshape targets of `_attention_rows`' scores, (1, KVH, rep * copies, -1, T) and
-    (1, KVH, -1, T), from the keys' length T (1,): the same in every layer."""
-    rep = spec.n_heads // spec.n_kv_heads
-    copies = 2 if rep == 1 else 1
-    i64 = dict(dtype=np.int64)
-    return (g.op("Concat", [g.const([1, spec.n_kv_heads, rep * copies, -1], **i64), kv_len], axis=0),
-            g.op("Concat", [g.const([1, spec.n_kv_heads, -1], **i64), kv_len], axis=0))
-
-
 def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, mask: str,
-                    shapes: tuple[str, str] | None = None, scaled: bool = False) -> str:
+                    row_mask: bool = False, scaled: bool = False) -> str:
     """Attention whose score and value MatMuls never see a single query row (onnxruntime's path).
 
     onnxruntime multiplies a one-row left matrix with another kernel than a taller one (on AVX2
@@ -263,7 +256,8 @@ def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, m
     and a model with one query head per KV head (rep = 1) stacks its queries twice, so a
     one-token forward multiplies two rows, as a verify's taller matrix does row by row.
     q (1, H, S, hd) (already times the query scale if `scaled`); k, v (1, KVH, T, hd) -> (1, S, H * hd),
-    then o_proj. `shapes`: `_score_shapes`, computed once per forward (else here)."""
+    then o_proj. `row_mask`: `mask` is already one row per score row (1, 1, R, T), tiled once per
+    forward, so the scores need no reshape around the mask in every layer."""
     hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
     rep = H // KVH
     copies = 2 if rep == 1 else 1
@@ -273,11 +267,15 @@ def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, m
         q = g.op("Concat", [q, q], axis=2)  # (1, H, 2S, hd)
     rows = g.op("Reshape", [q, g.const([1, KVH, -1, hd], dtype=np.int64)])  # (1, KVH, rep*copies*S, hd)
     scores = g.op("MatMul", [rows, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (1, KVH, R, T)
-    shapes = shapes or _score_shapes(g, spec, g.op("Shape", [k], start=2, end=3))
-    # (1, KVH, rep*copies, S, T): the mask broadcasts over each head's rows
-    scores = g.op("Reshape", [scores, shapes[0]])
-    probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
-    probs = g.op("Reshape", [probs, shapes[1]])
+    if row_mask:
+        probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
+    else:
+        T = g.op("Shape", [k], start=2, end=3)
+        # (1, KVH, rep*copies, S, T): the mask broadcasts over each head's rows
+        scores = g.op("Reshape", [scores, g.op("Concat", [g.const([1, KVH, rep * copies, -1], dtype=np.int64), T],
+                                               axis=0)])
+        probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
+        probs = g.op("Reshape", [probs, g.op("Concat", [g.const([1, KVH, -1], dtype=np.int64), T], axis=0)])
     out = g.op("MatMul", [probs, v])  # (1, KVH, R, hd)
     out = g.op("Reshape", [out, g.const([1, KVH * rep, copies, -1, hd], dtype=np.int64)])  # (1, H, copies, S, hd)
     if copies == 2:
@@ -296,12 +294,15 @@ def _to_heads_major(g: _G, x: str, kvh: int) -> str:
     return g.op("Transpose", [x], perm=[0, 2, 1, 3])
 
 
-def _append_kv(g: _G, past: tuple[str, str], k: str, v: str, kvh: int):
-    """Sequence-major cache: attend over past + new, output only the new rows (1, S, kvh, hd).
+def _append_kv(g: _G, past: tuple[str, str], k: str, v: str, kvh: int, names: tuple[str, str] | None = None):
+    """Sequence-major cache: attend over past + new, output only the new rows (1, S, kvh, hd),
+    named `names` when given (the graph's outputs, written without an Identity kernel each).
 
     Returns (present_k, present_v) in the (1, kvh, T, hd) layout attention uses, and the outputs."""
-    new_k = g.op("Transpose", [k], perm=[0, 2, 1, 3])  # (1, S, kvh, hd)
-    new_v = g.op("Transpose", [v], perm=[0, 2, 1, 3])
+    names = names or (g.name("Transpose"), g.name("Transpose"))
+    for t, out in zip((k, v), names):
+        g.nodes.append(helper.make_node("Transpose", [t], [out], name=g.name("n"), perm=[0, 2, 1, 3]))
+    new_k, new_v = names  # (1, S, kvh, hd)
     present_k = _to_heads_major(g, g.op("Concat", [past[0], new_k], axis=1), kvh)
     present_v = _to_heads_major(g, g.op("Concat", [past[1], new_v], axis=1), kvh)
     return present_k, present_v, new_k, new_v
@@ -309,7 +310,7 @@ def _append_kv(g: _G, past: tuple[str, str], k: str, v: str, kvh: int):
 
 def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str, seq_axis: int = 2, fused: bool = False) -> dict:
     """Positions P..P+S-1, RoPE cos/sin per layer type, additive causal (and sliding) masks; `fused`:
-    cos/sin for RotaryEmbedding with the rows it reads, and the attention's shapes, once per forward."""
+    cos/sin as RotaryEmbedding reads them, and onnx_fused.once_per_forward."""
     i64 = dict(dtype=np.int64)
     p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(seq_axis, **i64)])  # scalar P
     s_len = g.op("Gather", [g.op("Shape", [ids]), g.const(1, **i64)])  # scalar S
@@ -319,11 +320,7 @@ def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str, seq_axis:
     qcol = g.op("Unsqueeze", [qpos, g.const([1], **i64)])  # (S, 1)
     krow = g.op("Unsqueeze", [kpos, g.const([0], **i64)])  # (1, T)
     ctx = _masks_and_rope(g, spec, qcol, krow, g.op("LessOrEqual", [krow, qcol]), fused)
-    if fused:  # cos/sin row j is query j's position
-        ctx["rope_positions"] = g.op("Unsqueeze", [g.op("Range", [g.const(0, **i64), s_len, g.const(1, **i64)]),
-                                                  g.const([0], **i64)])  # (1, S)
-        ctx["score_shapes"] = _score_shapes(g, spec, g.op("Unsqueeze", [t_len, g.const([0], **i64)]))
-    return ctx
+    return {**ctx, **once_per_forward(g, spec, s_len, ctx["mask"])} if fused else ctx
 
 
 def _buffer_positions_and_masks(g: _G, spec: ModelSpec, past0: str) -> dict:
@@ -378,6 +375,7 @@ def build_decoder(
     g = _G(options.weight_dtype)
     g.nbits_accuracy = options.nbits_accuracy
     g.float_zero_points = options.nbits_float_zero_points
+    g.fused = options.fused
     fam = spec.family
     ids, n_logits = "input_ids", "n_logits"
     inputs = [
@@ -421,13 +419,14 @@ def build_decoder(
         _split_fused(w, spec, li)
         p = f"model.layers.{li}."
         h, x = _add_norm(g, spec, x, residual, w[p + "input_layernorm.weight"], p + "input_layernorm", fused)
-        attn, pk, pv = _attention(g, spec, w, p, h, li, past[j], ctx)
+        kv_names = (f"{out_names}_key_{j}", f"{out_names}_value_{j}")
+        attn, pk, pv = _attention(g, spec, w, p, h, li, past[j], ctx, kv_names if fused and append else None)
         if buffer:  # only the new rows leave the graph: the caller's buffer holds the rest
             pk, pv = (g.op("Slice", [t, g.op("Neg", [g.op("Shape", [ids], start=1, end=2)]),
                                      g.const([np.iinfo(np.int64).max], dtype=np.int64), g.const([2], dtype=np.int64)])
                       for t in (pk, pv))
-        g.nodes.append(helper.make_node("Identity", [pk], [f"{out_names}_key_{j}"]))
-        g.nodes.append(helper.make_node("Identity", [pv], [f"{out_names}_value_{j}"]))
+        if (pk, pv) != kv_names:
+            g.nodes += [helper.make_node("Identity", [t], [n]) for t, n in zip((pk, pv), kv_names)]
         outputs += [helper.make_tensor_value_info(f"{out_names}_{n}_{j}", TensorProto.FLOAT, out_shape)
                     for n in ("key", "value")]
 
