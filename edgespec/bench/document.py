@@ -85,7 +85,9 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
         memory = {**memory, "plan": _jsonable(plan)}
     summary = summarise(runs, configs)
     started = started or datetime.now(timezone.utc)
-    extra = {"exactness": exactness_summary(engine), "verify_costs": verify_costs}
+    tuning = getattr(engine, "tuning", None)
+    extra = {"exactness": exactness_summary(engine), "verify_costs": verify_costs,
+             "tuning": None if tuning is None else _jsonable(tuning.to_dict())}
     if peer is not None:
         extra["peer"] = peer
     return {
