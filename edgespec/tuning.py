@@ -42,7 +42,7 @@ import numpy as np
 
 from .assembly import Tuned, plan_engine
 from .config import EngineConfig
-from .decoding.policy import expected_tokens
+from .decoding.policy import expected_tokens, isotonic
 from .errors import ConfigError, EdgespecError
 from .runtimes import BACKENDS
 
@@ -51,7 +51,7 @@ __all__ = ["ACCEPTANCES", "DRAFT_LENGTHS", "Measurement", "Tuning", "candidates"
 
 logger = logging.getLogger(__name__)
 
-TUNE_VERSION = 1  # bump when the measurement changes: cached figures are then measured again
+TUNE_VERSION = 2  # bump when the measurement changes: cached figures are then measured again
 ACCEPTANCES = (0.5, 0.7, 0.9)  # the cost policy's prior .. a self-draft on grounded prompts (BENCHMARKS.md)
 DRAFT_LENGTHS = (0, 1, 2, 4, 8, 16)  # k measured (verify width k+1), within the exact widths
 WIDTHS = (1, 2, 4, 8)  # the bench's c(B) widths
@@ -61,20 +61,20 @@ REPEATS = 5
 # drafters whose every token costs a forward; each other one also drafts for free (prompt lookup,
 # Token Recycling), and its tails may run wide verifies
 COSTED_ONLY = ("model", "head")
-TUNE_PREFIX, TUNE_REPEATS = 32, 2  # the tuner's: a few forwards per width, seconds per candidate
+TUNE_PREFIX, TUNE_REPEATS = 32, 3  # the tuner's: a few forwards per width, seconds per candidate
 
 
 # ---------------------------------------------------------------- measuring one configuration
 
 
 def verify_costs(rt, widths: Sequence[int] = WIDTHS, prefix: int = PREFIX, repeats: int = REPEATS, *,
-                 draft=None) -> dict | None:
+                 draft=None, stat: Callable[[list[float]], float] = median) -> dict | None:
     """c(B) of the runtime `rt`: {"one_token_ms", "ms": {B: ms}, "c": {B: cost over one token},
     "prefix", "repeats"}, or None where it cannot be measured (static shapes, no trim). With a
     `draft` runtime, each B-token verify follows B-1 drafted tokens fed to the draft (so a draft on
     the target's body has computed their rows, as in a real step), and "draft_ms", one drafted
     token, is measured too. Widths run interleaved; fresh ids every repeat (a shared body would
-    reuse rows of ids it has seen); medians. Leaves the caches empty."""
+    reuse rows of ids it has seen); `stat` (median) of the repeats. Leaves the caches empty."""
     caps = rt.capabilities
     if not caps.can_trim or caps.static_shapes:
         return None  # static shapes pad every forward to one width: no curve to measure
@@ -121,11 +121,11 @@ def verify_costs(rt, widths: Sequence[int] = WIDTHS, prefix: int = PREFIX, repea
     finally:
         for m in models:
             m.reset()
-    ms = {b: 1e3 * median(s) for b, s in samples.items()}
+    ms = {b: 1e3 * stat(s) for b, s in samples.items()}
     out = {"one_token_ms": round(ms[1], 3), "ms": {str(b): round(v, 3) for b, v in ms.items()},
            "c": {str(b): round(v / ms[1], 3) for b, v in ms.items() if b != 1}, "prefix": prefix, "repeats": repeats}
     if drafted:
-        out["draft_ms"] = round(1e3 * median(drafted), 3)
+        out["draft_ms"] = round(1e3 * stat(drafted), 3)
     return out
 
 
@@ -153,15 +153,22 @@ class Measurement:
         for a free one (none: plain decoding)."""
         return (self.draft_ms,) * (self.draft_body is not None) + (0.0,) * self.free
 
-    def step_ms(self, k: int, draft_ms: float) -> float:
+    @property
+    def curve(self) -> dict[int, float]:
+        """Forward width -> ms: 1 (a plain step) and the verify widths, made non-decreasing in
+        width (isotonic fit): a wider forward does not cost less, whatever a noisy sample says."""
+        widths = [1, *sorted(self.verify_ms)]
+        return dict(zip(widths, isotonic([self.one_token_ms, *(self.verify_ms[b] for b in widths[1:])])))
+
+    def step_ms(self, k: int, draft_ms: float, curve: dict[int, float] | None = None) -> float:
         """A step drafting k tokens at `draft_ms` each, then their verify (k = 0: a plain step)."""
-        return k * draft_ms + (self.verify_ms[k + 1] if k else self.one_token_ms)
+        return k * draft_ms + (curve or self.curve)[k + 1]
 
     def best(self, alpha: float, draft_ms: float) -> tuple[int, float]:
         """(k, expected tokens/s) of the best draft length of a source drafting at `draft_ms` per
         token with acceptance `alpha`, among the measured (exact) widths."""
-        rates = {k: 1e3 * expected_tokens(alpha, k) / self.step_ms(k, draft_ms)
-                 for k in [0, *(b - 1 for b in sorted(self.verify_ms) if b >= 2)]}
+        curve = self.curve
+        rates = {b - 1: 1e3 * expected_tokens(alpha, b - 1) / self.step_ms(b - 1, draft_ms, curve) for b in curve}
         k = max(rates, key=lambda n: (rates[n], -n))
         return k, rates[k]
 
@@ -170,7 +177,7 @@ class Measurement:
         the sources (as if each drafted half the steps); plain decoding's without a source."""
         costs = self.draft_costs
         if not costs:
-            return 1e3 / self.one_token_ms
+            return 1e3 / self.curve[1]
         return mean(self.best(a, d)[1] for a in ACCEPTANCES for d in costs)
 
     def width(self) -> int:
@@ -199,7 +206,8 @@ def measure_engine(engine, prefix: int = TUNE_PREFIX, repeats: int = TUNE_REPEAT
     top = min(exact, engine.target.capabilities.max_batch_tokens or exact)
     widths = [k + 1 for k in DRAFT_LENGTHS if k + 1 <= top]
     draft = engine.draft if engine.plan.wants_draft_model else None
-    costs = verify_costs(engine.target, widths, prefix, repeats, draft=draft)
+    # the fastest of the repeats: a busy neighbour only ever adds time
+    costs = verify_costs(engine.target, widths, prefix, repeats, draft=draft, stat=min)
     if costs is None:
         return None
     ms = {int(b): v for b, v in costs["ms"].items()}
@@ -231,13 +239,14 @@ class Tuning:
                  "  candidate                        plain ms  draft ms  c(B) " + " ".join(
                      f"{b:>5}" for b in WIDTHS_SHOWN) + "  exact  width  tok/s"]
         for m in sorted(self.candidates, key=lambda m: -m.score()):
-            cb = " ".join(f"{m.verify_ms[b] / m.one_token_ms:5.2f}" if b in m.verify_ms else "    -"
-                          for b in WIDTHS_SHOWN)
-            lines.append(f"  {m.name:<32} {m.one_token_ms:8.1f} {m.draft_ms:9.1f}       {cb}  {m.exact_width:5}  "
+            curve = m.curve
+            cb = " ".join(f"{curve[b] / curve[1]:5.2f}" if b in curve else "    -" for b in WIDTHS_SHOWN)
+            lines.append(f"  {m.name:<32} {curve[1]:8.1f} {m.draft_ms:9.1f}       {cb}  {m.exact_width:5}  "
                          f"{m.width():5}  {m.score():5.1f}{' (cached)' if m.cached else ''}")
         mixed = any(len(m.draft_costs) > 1 for m in self.candidates)
         lines.append(f"  (tok/s expected, averaged over acceptances {', '.join(map(str, ACCEPTANCES))}"
-                     f"{' and the draft model and free sources' if mixed else ''}; width: the widest verify kept)")
+                     f"{' and the draft model and free sources' if mixed else ''}; c(B): a non-decreasing fit "
+                     "of the fastest of the repeats; width: the widest verify kept)")
         return lines
 
     def to_dict(self) -> dict:

@@ -71,6 +71,14 @@ def test_the_width_limit_follows_the_verify_curve_and_stays_within_the_exact_wid
     assert hopeless.best(ACCEPTANCES[-1], hopeless.draft_ms)[0] == 0 and choose([hopeless]).verify_width == 2
 
 
+def test_a_noisy_sample_cannot_make_a_wider_forward_cheaper():
+    noisy = fake(c=(0.3, 0.9, 1.3, 1.6, 2.2))  # a 2-token verify timed below a one-token forward
+    widths = sorted(noisy.curve)
+    assert all(noisy.curve[a] <= noisy.curve[b] for a, b in zip(widths, widths[1:]))
+    assert noisy.curve[1] == noisy.curve[2] < noisy.one_token_ms
+    assert choose([noisy]).verify_width > 2
+
+
 def test_free_sources_widen_the_limit_a_dear_draft_model_alone_would_narrow():
     model_only = fake(draft=25.0, free=False)
     with_lookup = fake(draft=25.0, free=True)
