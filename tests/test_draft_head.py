@@ -174,3 +174,5 @@ def test_head_drafter_needs_a_trained_head(zoo):
     t, d = open_shared_pair(target, draft)
     with t, d, pytest.raises(ConfigError, match="edgespec distill"):
         SpeculativeDecoder(t, d, drafter="head")
+    with OnnxRuntime(target) as t, OnnxRuntime(draft) as d, pytest.raises(ConfigError, match="target's body"):
+        SpeculativeDecoder(t, d, drafter="head")  # a draft with its own body (as llama.cpp's always is)

@@ -135,3 +135,43 @@ def test_memory_capabilities_and_close():
     assert draft.head.closed and not target.head.closed
     target.close()
     assert target.head.closed
+
+
+class EchoFeatureHead:
+    """A trained head's stand-in: the feature of (h, x) is x's one-hot row, so the draft's head
+    proposes the token it was fed (a repeat), whatever the target would say."""
+
+    weight_bytes = 0
+
+    def __init__(self, keep: np.ndarray, vocab: int = VOCAB) -> None:
+        self.to_target = np.append(keep, 0)  # draft index -> target id (K: outside, any row)
+        self.hidden_size = vocab
+        self.calls = 0
+
+    def __call__(self, hidden: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        assert hidden.shape == (len(tokens), self.hidden_size)
+        self.calls += 1
+        return np.eye(self.hidden_size, dtype=np.float32)[self.to_target[tokens]]
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_head_drafter_reads_the_rows_the_verify_computed_and_never_runs_the_body():
+    rng = np.random.default_rng(3)
+    keep = rng.permutation(VOCAB)[:30]
+    body = ToyRuntime(VOCAB)
+    head = EchoFeatureHead(keep)
+    target, draft = shared_pair(body, MatrixHead(np.eye(VOCAB)), MatrixHead(np.eye(VOCAB)[:, keep]), head)
+    assert draft.feature_head is head and target.feature_head is None
+    dec = SpeculativeDecoder(target, draft, id_map=keep, drafter="head", policy=FixedK(3))
+    tokens = list(PROMPT)
+    steps = list(dec.stream(tokens, SamplingParams(), 40))
+    assert tokens[len(PROMPT):] == naive_greedy(ToyRuntime(VOCAB), PROMPT, 40)
+    assert head.calls == sum(s.drafted for s in steps) > 0
+    # one body forward for the prefill, then one per verify: the head's reads were all free
+    assert target.shared.forwards == len(steps) + 1
+    # hidden_rows: the body's rows, read without a forward, and this runtime's prefix unchanged
+    rows = draft.hidden_rows(tokens[:-1], 2)
+    np.testing.assert_array_equal(rows, fresh_logits(tokens[:-1], 2))
+    assert target.shared.forwards == len(steps) + 1 and draft.n_past == 0

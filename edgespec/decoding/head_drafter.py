@@ -43,9 +43,14 @@ class HeadDrafter(Drafter):
     def __init__(self, draft: Runtime, target_vocab: int, id_map: np.ndarray | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.features = getattr(draft, "feature_head", None)
-        if self.features is None or not hasattr(draft, "hidden_rows"):
-            raise ConfigError("drafter 'head' needs the bundle's trained draft head on the target's body; "
-                              "add one with `edgespec distill BUNDLE`, or use drafter 'model'")
+        if not hasattr(draft, "hidden_rows"):  # llama.cpp, or a draft with a body of its own
+            backend = getattr(getattr(draft, "capabilities", None), "backend", "this")
+            raise ConfigError(f"the trained draft head runs on the target's body, which the {backend} draft is not "
+                              "(llama.cpp has no such head); open the bundle on onnxruntime or openvino with the "
+                              "draft on the target's body, or use drafter 'model'")
+        if self.features is None:
+            raise ConfigError("drafter 'head' needs the bundle's trained draft head; add one with "
+                              "`edgespec distill BUNDLE`, or use drafter 'model'")
         id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
         if id_map is None and draft.vocab_size > target_vocab:
             raise ConfigError(f"draft vocab ({draft.vocab_size}) is larger than target vocab ({target_vocab})")

@@ -28,7 +28,7 @@ __all__ = ["DEFAULT_TRAIN_MINUTES", "DistillConfig", "distill_bundle"]
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRAIN_MINUTES = 10.0
-DEFAULT_GEN_TOKENS = 96  # greedy tokens the target adds to each calibration prompt
+DEFAULT_GEN_TOKENS = 64  # greedy tokens the target adds to each calibration prompt
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,8 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
                            progress=bar.update)
         out_w = head_matrix(draft.head, draft.head.hidden_size)
     index = draft_index(bundle.id_map(), m.target.vocab_size)
-    result = train_head(data, out_w, index, seconds=60 * cfg.train_minutes, seed=cfg.seed, progress=cfg.progress)
+    result = train_head(data, out_w, index, seconds=60 * cfg.train_minutes, seed=cfg.seed, progress=cfg.progress,
+                        threads=cfg.threads)
     stage = Path(tempfile.mkdtemp(prefix=f".{HEAD_DIR}.{os.getpid()}.stage-", dir=bundle.path))
     try:
         build = build_onnx(result.weights)

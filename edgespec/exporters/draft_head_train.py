@@ -139,9 +139,21 @@ def _evaluate(head: TorchHead, out_w: torch.Tensor, scale: float, samples: _Samp
 
 def train_head(data: HeadData, out_w: np.ndarray, index: np.ndarray, *, seconds: float, inner: int | None = None,
                batch: int = 256, lr: float = 2e-3, seed: int = 0, progress: bool | None = None,
-               clock: Callable[[], float] = time.perf_counter) -> TrainResult:
+               threads: int | None = None, clock: Callable[[], float] = time.perf_counter) -> TrainResult:
     """Train for `seconds` (wall clock, checked every step). out_w: (K, H) the draft's VocabTrim
-    head rows (frozen, also the token table); index: target id -> draft index (K: outside)."""
+    head rows (frozen, also the token table); index: target id -> draft index (K: outside).
+    threads: torch's intra-op threads while training (None: torch's default)."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _train(data, out_w, index, seconds, inner, batch, lr, seed, progress, clock)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(data: HeadData, out_w: np.ndarray, index: np.ndarray, seconds: float, inner: int | None, batch: int,
+           lr: float, seed: int, progress: bool | None, clock: Callable[[], float]) -> TrainResult:
     from tqdm.auto import tqdm
 
     k, h = out_w.shape
