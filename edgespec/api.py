@@ -106,8 +106,10 @@ class Engine:
     """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder.
 
     Engine(bundle, config) opens what `assembly.plan_engine` decides for `config` (keyword
-    overrides of it are accepted too, as `load` takes them). `clock` (seconds) is what the decoder,
-    its drafters and the generation statistics read; a replay passes a virtual one."""
+    overrides of it are accepted too, as `load` takes them), where the config leaves a choice
+    open, with what the tuner measured fastest on this machine (tuning.py; `engine.tuning`).
+    `clock` (seconds) is what the decoder, its drafters and the generation statistics read; a
+    replay passes a virtual one."""
 
     def __init__(self, bundle: Bundle, config: EngineConfig | None = None, *,
                  clock: Callable[[], float] = time.perf_counter, **overrides) -> None:
