@@ -89,6 +89,8 @@ def verify_costs(rt, widths: Sequence[int] = WIDTHS, prefix: int = PREFIX, repea
     vocab = min(rt.vocab_size, draft.vocab_size) if draft is not None else rt.vocab_size
     low = min(16, max(vocab - 1, 0))  # the first ids are often special tokens
     models = [m for m in (rt, draft) if m is not None]
+    # only a draft on the target's body changes what the verify computes (rows it has run already)
+    feed = draft is not None and getattr(draft, "shared", None) is not None and draft.shared is getattr(rt, "shared", 0)
     samples: dict[int, list[float]] = {b: [] for b in widths}
     drafted: list[float] = []
     try:
@@ -99,7 +101,7 @@ def verify_costs(rt, widths: Sequence[int] = WIDTHS, prefix: int = PREFIX, repea
         for rep in range(repeats + 1):  # the first pass warms every width up (allocations) and is dropped
             for b in widths:
                 new = [int(t) for t in rng.integers(low, vocab, size=b)]
-                if draft is not None and b > 1:  # the b-1 drafts fed to the draft, untimed here
+                if feed and b > 1:  # the b-1 drafts fed to the draft on the target's body, untimed here
                     draft.forward(new[:b - 1], n_logits=1)
                 t0 = time.perf_counter()
                 rt.forward(new, n_logits=b)  # a verify needs every row's logits

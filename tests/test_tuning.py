@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from edgespec.assembly import Tuned, decoder_limits, plan_engine
@@ -168,18 +169,45 @@ class Recorder(ToyRuntime):
         return super().forward(token_ids, n_logits)
 
 
-def test_each_verify_follows_its_drafts_on_fresh_ids_and_the_caches_end_empty():
+class Head:
+    """A head reading the toy body's logits as hidden rows (the first `vocab` columns), logging its calls."""
+
+    hidden_size, weight_bytes = 64, 0
+
+    def __init__(self, log: list, name: str, vocab: int) -> None:
+        self.log, self.name, self.vocab_size = log, name, vocab
+
+    def __call__(self, hidden):
+        self.log.append((self.name, len(hidden)))
+        return np.asarray(hidden)[:, :self.vocab_size]
+
+    def close(self) -> None:
+        pass
+
+
+def test_on_a_shared_body_each_verify_follows_its_drafts_and_runs_the_body_on_one_row():
+    from edgespec.runtimes.shared_body import shared_pair
+
+    log: list = []
+    target, draft = shared_pair(Recorder(log, "body"), Head(log, "target", 64), Head(log, "draft", 32))
+    out = verify_costs(target, (1, 2, 5), prefix=8, repeats=2, draft=draft)
+    assert set(out["ms"]) == {"1", "2", "5"} and out["draft_ms"] > 0 and target.n_past == draft.n_past == 0
+    verifies = [i for i, (who, rows) in enumerate(log) if who == "target" and rows > 1]
+    assert len(verifies) == 3 * 2  # widths 2 and 5, warm-up pass and two repeats
+    for i in verifies:  # the drafts' rows were computed: the verify ran the body on its last token only
+        assert log[i - 1][0] == "body" and len(log[i - 1][1]) == 1
+    bodies = [ids for who, ids in log if who == "body" and len(ids) > 1][1:]  # after the prefix
+    assert len(set(bodies)) == len(bodies)  # fresh ids every time: no row is reused across repeats
+
+
+def test_a_draft_on_its_own_body_drafts_one_token_at_a_time_and_the_caches_end_empty():
     log: list = []
     target, draft = Recorder(log, "target"), Recorder(log, "draft", noise=0.3)
     out = verify_costs(target, (1, 2, 5), prefix=8, repeats=2, draft=draft)
-    assert set(out["ms"]) == {"1", "2", "5"} and out["draft_ms"] > 0 and target.n_past == draft.n_past == 0
-    steps = log[2:]  # after both prefixes
-    verifies = [(i, ids) for i, (who, ids) in enumerate(steps) if who == "target"]
-    for i, ids in verifies:
-        if len(ids) > 1:  # the draft was fed the verify's first B-1 tokens just before it
-            assert steps[i - 1] == ("draft", ids[:-1])
-    wide = [ids for _, ids in verifies if len(ids) > 1]
-    assert len(set(wide)) == len(wide)  # fresh ids every time: a shared body cannot reuse a row
+    assert out["draft_ms"] > 0 and target.n_past == draft.n_past == 0
+    assert all(len(ids) == 1 for who, ids in log[2:] if who == "draft")  # its cache does not touch the verify
+    wide = [ids for who, ids in log if who == "target" and 1 < len(ids) < 8]
+    assert len(set(wide)) == len(wide) == 6
     assert verify_costs(Recorder([], "t"), (2, 4), prefix=8, repeats=1)["c"].keys() == {"2", "4"}
 
 
