@@ -61,6 +61,7 @@ REPEATS = 5
 # drafters whose every token costs a forward; each other one also drafts for free (prompt lookup,
 # Token Recycling), and its tails may run wide verifies
 COSTED_ONLY = ("model", "head")
+MARGIN = 0.05  # a candidate listed later must be this much faster to be chosen
 TUNE_PREFIX, TUNE_REPEATS = 32, 3  # the tuner's: a few forwards per width, seconds per candidate
 
 
@@ -257,11 +258,13 @@ class Tuning:
 
 
 def choose(measured: Sequence[Measurement]) -> Tuned:
-    """The candidate with the highest expected tokens/s (the first listed wins a tie: the
-    registry's preference), with its width limit (Measurement.width)."""
+    """The first listed candidate (the registry's preference) whose expected tokens/s is within
+    MARGIN of the best, with its width limit (Measurement.width): a difference a busy neighbour
+    can make does not switch backends."""
     if not measured:
         raise ValueError("nothing measured to choose from")
-    best = max(measured, key=lambda m: m.score())  # max keeps the first of equals
+    top = max(m.score() for m in measured)
+    best = next(m for m in measured if m.score() * (1 + MARGIN) >= top)
     return Tuned(best.backend, best.draft_body, best.width())
 
 

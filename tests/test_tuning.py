@@ -54,9 +54,11 @@ def test_the_draft_cost_decides_between_bodies_with_equal_verifies():
     assert choose([fake(body="shared", draft=15.0), fake(body="own", draft=8.0)]).draft_body == "own"
 
 
-def test_a_tie_keeps_the_first_listed():
+def test_a_tie_or_a_small_difference_keeps_the_first_listed():
     a, b = fake("onnxruntime"), fake("openvino")
     assert choose([a, b]).backend == "onnxruntime" and choose([b, a]).backend == "openvino"
+    slightly, clearly = fake("openvino", one=29.0), fake("openvino", one=25.0)  # 3% and 20% faster
+    assert choose([a, slightly]).backend == "onnxruntime" and choose([a, clearly]).backend == "openvino"
     with pytest.raises(ValueError):
         choose([])
 
