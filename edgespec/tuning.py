@@ -352,18 +352,24 @@ def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callab
     pairs = candidates(bundle.manifest, config, installed)
     if len(pairs) < 2:
         return None
-    spent, measured = 0.0, []
+    plans = []
     for backend, body in pairs:
         cfg = config.replace(backend=backend, draft_body=body or config.draft_body, tune=False)
         path = _cache_path(bundle, plan_engine(bundle.manifest, cfg, installed))
-        m = None if config.retune else _read(path)
+        plans.append((cfg, path, None if config.retune else _read(path)))
+    missing = sum(m is None for *_, m in plans)
+    if missing:
+        logger.warning("tuning: measuring %d configurations of this bundle on this machine (once, then cached; "
+                       "--no-tune skips it)", missing)
+    spent, measured = 0.0, []
+    for cfg, path, m in plans:
         if m is None:
             t0 = time.perf_counter()
             try:
                 with open_engine(cfg) as engine:
                     m = measure_engine(engine)
             except EdgespecError as e:  # a candidate that fails to open is no candidate
-                logger.warning("tuning: %s%s cannot open: %s", backend, f" ({body})" if body else "", e)
+                logger.warning("tuning: %s (draft body %s) cannot open: %s", cfg.backend, cfg.draft_body, e)
                 continue
             finally:
                 spent += time.perf_counter() - t0  # opening (the exactness probe, first time) and measuring
