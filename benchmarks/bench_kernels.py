@@ -1,6 +1,7 @@
 """Kernels per forward and what a forward costs, old bundle against new, in one process.
 
     python benchmarks/bench_kernels.py --bundle OLD --bundle NEW [--repeats 7] [--out FILE.json]
+                                       [--agreement GGUF]
 
 For each bundle's ONNX target on onnxruntime (2 threads, the padded-rows mode the lean default
 runs): kernels per one-token forward and their time per op type (onnxruntime's profiler), then
@@ -9,6 +10,11 @@ and of the body alone (the graph cut before its head), median of `--repeats` rou
 bundles interleaved inside each round. Then the physical picture: weight bytes a token reads,
 MACs per row, the machine's copy bandwidth (numpy) and fp32 GEMM rate, and the fractions a
 one-token forward achieves of them.
+
+--agreement GGUF (the GGUF the bundles came from): teacher-forced top-1 agreement of each bundle's
+target with llama.cpp's own logits of that GGUF and with an fp32 reference (the plain graph of the
+GGUF's dequantized weights, MatMulNBits-free), on the first 2 prompts of each suite continued by
+llama.cpp's greedy decode.
 """
 from __future__ import annotations
 
@@ -150,13 +156,76 @@ def machine() -> dict:
             "load": os.getloadavg()}
 
 
+def argmaxes_of_graph(path: Path, seqs: list[list[int]]) -> list[np.ndarray]:
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    with OnnxRuntime(path, threads=2, pad_rows=True, kv_capacity=1024) as rt:
+        out = []
+        for ids in seqs:
+            rt.reset()
+            out.append(np.asarray(rt.forward(ids, n_logits=len(ids))).argmax(-1))
+    return out
+
+
+def _share(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
+    return float(np.mean(np.concatenate([a == b for a, b in zip(got, ref)])))
+
+
+def agreement(gguf: Path, paths: list[Path], tokens: int = 32) -> dict:
+    """Top-1 agreement per position of each graph with llama.cpp and with the fp32 reference."""
+    import onnx
+    from llama_cpp import Llama
+
+    from edgespec.bench.suites import load_prompts
+    from edgespec.exporters.gguf_source import read_gguf
+    from edgespec.exporters.onnx_graph import GraphOptions, build_decoder
+
+    llm = Llama(str(gguf), n_ctx=1024, logits_all=True, verbose=False, n_threads=2)
+    seqs, cpp = [], []
+    for cls in ("chat", "code", "grounded"):
+        for p in load_prompts(cls)[:2]:
+            text = p.text if p.text is not None else "\n".join(c for _, c in p.messages)
+            ids = llm.tokenize(text.encode(), add_bos=True)
+            gen = []
+            for t in llm.generate(ids, top_k=1, reset=True):
+                gen.append(int(t))
+                if len(gen) == tokens:
+                    break
+            seq = ids + gen
+            llm.reset()
+            llm.eval(seq)
+            seqs.append(seq)
+            cpp.append(np.asarray(llm.scores[:len(seq)]).argmax(-1))
+    model = read_gguf(gguf)
+    with tempfile.TemporaryDirectory() as tmp:
+        ref_path = Path(tmp) / "ref.onnx"
+        ref = build_decoder(model.spec, model.dequantized(), GraphOptions(kv_layout="append", fused_ops=False))
+        onnx.save_model(ref, str(ref_path), save_as_external_data=True, location="ref.onnx.data")
+        del ref
+        fp32 = argmaxes_of_graph(ref_path, seqs)
+    out = {}
+    for p in paths:
+        got = argmaxes_of_graph(p, seqs)
+        out[str(p.parent.parent.name)] = {"with_llama_cpp": _share(got, cpp), "with_fp32": _share(got, fp32)}
+    out["fp32_with_llama_cpp"] = _share(fp32, cpp)
+    out["positions"] = int(sum(len(s) for s in seqs))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bundle", action="append", type=Path, required=True)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--agreement", type=Path, help="the GGUF the bundles came from")
     args = ap.parse_args(argv)
     paths = [target_file(b) for b in args.bundle]
+    if args.agreement:
+        agree = agreement(args.agreement, paths)
+        print(json.dumps(agree, indent=1))
+        if args.out:
+            args.out.write_text(json.dumps({"agreement": agree}, indent=1))
+        return 0
     mach = machine()
     result = {"machine": mach, "bundles": []}
     for b, p, t in zip(args.bundle, paths, timings(paths, args.repeats)):

@@ -123,7 +123,7 @@ def test_a_gguf_graph_multiplies_qkv_and_gate_up_once_each_and_keeps_its_logits(
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_block_weights_with_mins_and_mixed_formats_keep_their_logits(zoo, tmp_path, name):
     """Every projection a random BlockWeight (K-quant mins, 8-bit zero points or none, 4 bits):
-    the fused graph's concatenated products and three-kernel min corrections compute the plain
+    the fused graph's concatenated products and four-kernel min corrections compute the plain
     graph's logits (accuracy level 0: fp32)."""
     pytest.importorskip("onnxruntime")
     from edgespec.exporters.spec import spec_from_hf

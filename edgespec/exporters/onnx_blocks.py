@@ -48,11 +48,10 @@ class BlockOps:
         # w = scale * q - min per block: x @ w^T = MatMulNBits(x) - (block sums of x) @ min^T
         i64 = dict(dtype=np.int64)
         kb = k // w.block_size
-        if self.fused:  # three kernels, not six: the block sums as a product with 0/1 columns, no reshapes
-            sums = self.op("MatMul", [x, self._block_ones(k, w.block_size)])  # (..., rows, kb)
-            return self.op("Sub", [out, self.op("MatMul", [sums, self._mins(w, name)])])
         sums = self.op("ReduceSum", [self.op("Reshape", [x, self.const([-1, kb, w.block_size], **i64)]),
                                      self.const([-1], **i64)], keepdims=0)  # (rows, kb)
+        if self.fused:  # four kernels, not six: (rows, N) broadcasts against (1, rows, N)
+            return self.op("Sub", [out, self.op("MatMul", [sums, self._mins(w, name)])])
         corr = self.op("MatMul", [sums, self._mins(w, name)])
         return self.op("Sub", [out, self.op("Reshape", [corr, self.op("Shape", [out])])])
 
@@ -96,15 +95,6 @@ class BlockOps:
             self.inits.append(numpy_helper.from_array(np.ascontiguousarray(w.mins.T), name + ".mins"))
             self._blocks[name + ".mins"] = (name + ".mins",)
         return name + ".mins"
-
-    def _block_ones(self, k: int, block: int) -> str:
-        """(k, k // block) float32: column j is 1 on block j's rows. One per shape, shared."""
-        key = f"block_ones.{k}x{block}"
-        if key not in self._blocks:
-            ones = np.kron(np.eye(k // block, dtype=np.float32), np.ones((block, 1), np.float32))
-            self.inits.append(numpy_helper.from_array(ones, key))
-            self._blocks[key] = (key,)
-        return key
 
     def _flat_mins(self, w: BlockWeight, name: str) -> str:
         key = name + ".mins_rows"

@@ -96,8 +96,9 @@ class _G(BlockOps):
         self._n += 1
         return f"{hint}_{self._n}"
 
-    def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, n_out: int = 1, **attrs):
-        outs = [self.name(hint or op_type) for _ in range(n_out)]
+    def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, n_out: int = 1, out: str | None = None,
+           **attrs):
+        outs = [out] if out else [self.name(hint or op_type) for _ in range(n_out)]
         self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name("n"), **attrs))
         return outs[0] if n_out == 1 else outs
 
@@ -200,14 +201,15 @@ def _split_fused(w: dict[str, np.ndarray], spec: ModelSpec, i: int) -> None:
 def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[str, str], ctx: dict,
                kv_names: tuple[str, str] | None = None):
     """Self-attention of layer `li` over its cache `past`; returns (output, present_k, present_v).
-    `kv_names`: what the append layout's new rows are named (the graph outputs)."""
+    `kv_names`: the graph outputs the append layout's new rows are written to (the fused graph:
+    v's rows leave as the projection gives them, never transposed)."""
     hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
     fused = ctx["fused"]
     q, k, v = _linears(g, h, w, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], p,
                        "qkv_proj" if fused else None)
     q = g.op("Reshape", [q, g.const([1, -1, H, hd], dtype=np.int64)])  # (1, S, H, hd)
     k = g.op("Reshape", [k, g.const([1, -1, KVH, hd], dtype=np.int64)])
-    v = g.op("Reshape", [v, g.const([1, -1, KVH, hd], dtype=np.int64)])
+    v = g.op("Reshape", [v, g.const([1, -1, KVH, hd], dtype=np.int64)], out=kv_names[1] if kv_names else None)
     scaled = fused and p + "self_attn.q_norm.weight" in w  # the query scale folded into q_norm's weight
     if p + "self_attn.q_norm.weight" in w:  # per-head q/k norm (Gemma 3, Qwen 3)
         q = _norm(g, spec, q, w[p + "self_attn.q_norm.weight"], p + "q_norm", fused,
@@ -215,7 +217,7 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
         k = _norm(g, spec, k, w[p + "self_attn.k_norm.weight"], p + "k_norm", fused)
     q = g.op("Transpose", [q], perm=[0, 2, 1, 3])  # (1, H, S, hd)
     k = g.op("Transpose", [k], perm=[0, 2, 1, 3])
-    v = g.op("Transpose", [v], perm=[0, 2, 1, 3])
+    v = v if kv_names else g.op("Transpose", [v], perm=[0, 2, 1, 3])
     lt = spec.layer_types[li]
     cos, sin = ctx["rope"][lt]
     if fused:
@@ -295,14 +297,13 @@ def _to_heads_major(g: _G, x: str, kvh: int) -> str:
 
 
 def _append_kv(g: _G, past: tuple[str, str], k: str, v: str, kvh: int, names: tuple[str, str] | None = None):
-    """Sequence-major cache: attend over past + new, output only the new rows (1, S, kvh, hd),
-    named `names` when given (the graph's outputs, written without an Identity kernel each).
+    """Sequence-major cache: attend over past + new, output only the new rows (1, S, kvh, hd).
+    k, v: (1, kvh, S, hd); with `names` (the graph's outputs, written without an Identity kernel
+    each) v is already the new rows, named names[1].
 
     Returns (present_k, present_v) in the (1, kvh, T, hd) layout attention uses, and the outputs."""
-    names = names or (g.name("Transpose"), g.name("Transpose"))
-    for t, out in zip((k, v), names):
-        g.nodes.append(helper.make_node("Transpose", [t], [out], name=g.name("n"), perm=[0, 2, 1, 3]))
-    new_k, new_v = names  # (1, S, kvh, hd)
+    new_k = g.op("Transpose", [k], perm=[0, 2, 1, 3], out=names[0] if names else None)  # (1, S, kvh, hd)
+    new_v = v if names else g.op("Transpose", [v], perm=[0, 2, 1, 3])
     present_k = _to_heads_major(g, g.op("Concat", [past[0], new_k], axis=1), kvh)
     present_v = _to_heads_major(g, g.op("Concat", [past[1], new_v], axis=1), kvh)
     return present_k, present_v, new_k, new_v
