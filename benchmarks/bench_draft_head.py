@@ -73,7 +73,7 @@ def run_once(target, dec, ids: list[int], max_tokens: int, stop_ids) -> dict:
 
 def summarize(runs: dict, prompts) -> dict:
     out = {}
-    for name in CONFIGS:
+    for name in runs:
         per_prompt = [statistics.median(r["total_s"] for r in runs[name][p.id]) for p in prompts]
         tokens = sum(len(runs[name][p.id][0]["tokens"]) for p in prompts)
         flat = [r for p in prompts for r in runs[name][p.id]]
@@ -100,8 +100,12 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--backend", choices=("onnxruntime", "openvino"), default="onnxruntime")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="a subset of: " + ", ".join(CONFIGS))
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    configs = tuple(c for c in CONFIGS if c in args.configs.split(","))
+    if not {"plain", "both"} <= set(configs):
+        raise SystemExit("--configs needs plain and both (the references)")
     bundle = load_bundle(args.bundle)
     m = bundle.manifest
     if m.draft_head is None:
@@ -111,20 +115,21 @@ def main() -> None:
     load0 = os.getloadavg()
     target, draft = open_pair(bundle, args.backend, args.threads)
     free = max(1, target.capabilities.free_batch_tokens)
-    decoders = {name: decoder(name, target, draft, bundle.id_map(), free) for name in CONFIGS}
-    runs = {name: {pr.id: [] for pr in prompts} for name in CONFIGS}
+    decoders = {name: decoder(name, target, draft, bundle.id_map(), free) for name in configs}
+    runs = {name: {pr.id: [] for pr in prompts} for name in configs}
     mismatches = []
     with target, draft:
         for i, pr in enumerate(prompts):
             ids = encode_prompt(tok, pr)
             for rep in range(args.repeat):
-                order = CONFIGS[(i + rep) % len(CONFIGS):] + CONFIGS[:(i + rep) % len(CONFIGS)]
+                turn = (i + rep) % len(configs)
+                order = configs[turn:] + configs[:turn]
                 for name in order:
                     runs[name][pr.id].append(run_once(target, decoders[name], ids, args.max_tokens, tok.stop_ids))
-            for name in CONFIGS[1:]:
+            for name in configs:
                 if runs[name][pr.id][0]["tokens"] != runs["plain"][pr.id][0]["tokens"]:
                     mismatches.append((name, pr.id))
-            print(pr.id, {n: round(statistics.median(r["total_s"] for r in runs[n][pr.id]), 2) for n in CONFIGS},
+            print(pr.id, {n: round(statistics.median(r["total_s"] for r in runs[n][pr.id]), 2) for n in configs},
                   flush=True)
     by_suite = {}
     for suite in dict.fromkeys(pr.cls for pr in prompts):
@@ -132,7 +137,7 @@ def main() -> None:
     report = {
         "bench": "draft_head", "edgespec": edgespec.__version__, "machine": machine_info(),
         "libraries": library_versions(), "bundle_draft_head": dataclasses.asdict(m.draft_head),
-        "backend": args.backend, "threads": args.threads, "max_tokens": args.max_tokens,
+        "backend": args.backend, "threads": args.threads, "max_tokens": args.max_tokens, "configs": configs,
         "repeat": args.repeat, "load_average_before": [round(x, 2) for x in load0],
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "identical_to_plain": not mismatches,
         "mismatches": mismatches, "all": summarize(runs, prompts), "by_suite": by_suite,

@@ -86,3 +86,15 @@ def test_a_distilled_bundle_loads_and_another_distill_replaces_its_head(bundle):
 
     assert load_bundle(bundle).manifest.draft_head == second and first.file == second.file
     assert not [p for p in bundle.iterdir() if p.name.startswith(".")]  # no staging or old folder left
+
+
+def test_export_with_a_trained_head_writes_it_into_the_new_bundle(zoo, tmp_path):
+    from edgespec.bundle import load_bundle
+    from edgespec.exporters.export import export_bundle
+
+    out = export_bundle(ExportConfig(output=tmp_path / "b", target=zoo.source("gemma3"), draft_precision="int8",
+                                     draft_head="trained", train_minutes=2 / 60))
+    m = load_bundle(out).manifest
+    assert m.draft_head is not None and (out / m.draft_head.file).is_file()
+    assert m.draft_head.train_minutes == 2 / 60 and m.draft_head.k == m.draft.vocab_size
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no staging folder left
