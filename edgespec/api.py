@@ -464,7 +464,9 @@ def _with_config_fields(fn):
 
     sig = inspect.signature(fn)
     fixed = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+    # a field built by a factory (tune: on unless the environment says otherwise) shows its value now
+    extra = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                               default=f.default if f.default is not dataclasses.MISSING else f.default_factory())
              for f in dataclasses.fields(EngineConfig)]
     fn.__signature__ = sig.replace(parameters=fixed + extra)
     return fn
