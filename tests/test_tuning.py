@@ -13,7 +13,16 @@ import pytest
 
 from edgespec.assembly import Tuned, decoder_limits, plan_engine
 from edgespec.config import EngineConfig
-from edgespec.tuning import ACCEPTANCES, Measurement, candidates, choose, skip_reason, verify_costs
+from edgespec.tuning import (
+    ACCEPTANCES,
+    Measurement,
+    candidates,
+    choose,
+    contenders,
+    merged,
+    skip_reason,
+    verify_costs,
+)
 from tests.test_assembly import ALL, manifest
 from tests.toy import ToyRuntime
 
@@ -87,6 +96,15 @@ def test_free_sources_widen_the_limit_a_dear_draft_model_alone_would_narrow():
     with_lookup = fake(draft=25.0, free=True)
     assert model_only.draft_costs == (25.0,) and with_lookup.draft_costs == (25.0, 0.0)
     assert choose([with_lookup]).verify_width > choose([model_only]).verify_width
+
+
+def test_the_two_best_are_measured_again_only_when_close_and_keep_their_fastest_figures():
+    a, b, far = fake("onnxruntime", one=30.0), fake("openvino", one=31.0), fake("llamacpp", one=90.0)
+    assert contenders([far, b, a]) == [1, 2] and contenders([a, far]) == [] and contenders([a]) == []
+    quiet = fake("onnxruntime", one=25.0, draft=12.0, c=(1.2, 1.0, 1.0, 1.0, 1.0), exact=9)
+    m = merged(a, quiet)
+    assert m.one_token_ms == 25.0 and m.draft_ms == 10.0 and set(m.verify_ms) == {2, 3, 5, 9}
+    assert m.verify_ms[2] == min(a.verify_ms[2], quiet.verify_ms[2]) and m.measure_ms == 2.0
 
 
 def test_a_measurement_survives_its_cache_form():
