@@ -95,3 +95,18 @@ def test_session_built_while_shedding_reads_the_table(tmp_path):
     tables.drop_pages()
     ids = np.array([0, 7, ROWS - 1], dtype=np.int64)
     np.testing.assert_array_equal(sess.run(None, {"ids": ids})[0], table[ids])
+
+
+def test_drop_file_pages_keeps_written_mappings(tmp_path):
+    from edgespec.runtimes.heap import drop_file_pages
+
+    path = tmp_path / "weights.bin"
+    data = np.arange(4 * ROWS * WIDTH, dtype=np.float32)
+    path.write_bytes(data.tobytes())
+    clean = np.memmap(path, dtype=np.float32, mode="c")  # private and writable, as onnxruntime maps
+    assert _touch(clean) == _touch(data) and _resident_kib(path) > 1024
+    written = np.memmap(path, dtype=np.float32, mode="c", shape=(WIDTH,))
+    written[0] = -1.0  # a page of its own now: its mapping must keep it
+    assert drop_file_pages([path]) >= 1
+    assert _resident_kib(path) <= 8  # the written mapping's page, nothing of the clean one
+    assert written[0] == -1.0 and _touch(clean) == _touch(data)

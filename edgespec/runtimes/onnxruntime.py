@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import BackendError
 from .base import Capabilities, Runtime
-from .heap import trim_heap
+from .heap import drop_file_pages, trim_heap
 from .onnx_graphs import (
     HIDDEN,
     LOGITS,
@@ -138,6 +138,7 @@ class OnnxRuntime(Runtime):
         # the initializers (OrtValues the session reads) are kept alive as long as it
         self._sess, self._initializers = _open_session(ort, path, threads, spin, output, initializers)
         trim_heap()  # onnxruntime's freed read buffers of the external weights
+        drop_file_pages(_data_files(path))  # what loading read of the weights onnxruntime keeps mapped
         plan = plan_kv(*graph_io(self._sess), capacity=kv_capacity, pad_rows=pad_rows, name=path.name)
         self.vocab_size = _output_width(self._sess, path.name)
         self.kv = plan.kind(plan, self._sess, ort, output, self.vocab_size)
@@ -200,6 +201,10 @@ class OnnxRuntime(Runtime):
         self._initializers = {}
 
 
+def _data_files(path: Path) -> list[Path]:
+    """The model file and its external data files (exported as `<model>.onnx.data`)."""
+    return [p for p in path.parent.glob(path.name + "*") if p.is_file()]
+
+
 def _file_bytes(path: Path) -> int:
-    data = [p for p in path.parent.glob(path.name + "*") if p.is_file()]
-    return sum(p.stat().st_size for p in data)
+    return sum(p.stat().st_size for p in _data_files(path))
