@@ -304,7 +304,10 @@ def skip_reason(config: EngineConfig) -> str | None:
 
 def candidates(manifest, config: EngineConfig, installed: list[str]) -> list[tuple[str, str | None]]:
     """(backend, draft body) pairs that can open the bundle under `config`, what it fixes kept:
-    an explicit backend or draft body is the only one tried. Draft body None: no draft model."""
+    an explicit backend or draft body is the only one tried. Draft body None: no draft model.
+    Left to choose, a backend's draft runs on the target's body where it can: a body of its own
+    holds the model twice (+130 MiB on the default bundle; the draft's share of memory is meant
+    to stay within 10%), so "own" is a candidate only where "shared" cannot open (llama.cpp)."""
     backends = [config.backend] if config.backend else [
         n for n in installed if BACKENDS[n].bundle_format in manifest.target.formats]
     bodies = [config.draft_body] if config.draft_body != "auto" else ["shared", "own"]
@@ -318,6 +321,8 @@ def candidates(manifest, config: EngineConfig, installed: list[str]) -> list[tup
             pair = (backend, None if plan.draft is None else "shared" if plan.shared_body else "own")
             if pair not in out:
                 out.append(pair)
+            if config.draft_body == "auto":
+                break
     return out
 
 

@@ -39,6 +39,9 @@ def private_cache(tmp_path_factory) -> Iterator[None]:
     """Tests never read or fill the user's edgespec cache (bundles, compiled models)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EDGESPEC_CACHE", str(tmp_path_factory.mktemp("cache")))
+        # tests open the configuration their options name, not one measured here (tuning.py);
+        # test_tuning and test_cli turn it on
+        mp.setenv("EDGESPEC_TUNE", "0")
         yield
 
 

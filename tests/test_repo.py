@@ -122,7 +122,7 @@ LAYERS: list[set[str]] = [
     {"edgespec", "errors", "models", "bundle", "tokenizer"},  # leaves everyone may import
     {"runtimes"},
     {"decoding", "memory", "exporters"},  # exporters stand beside the stack (they write bundles)
-    {"choices", "config", "assembly", "exact_mode", "api", "session"},  # the engine
+    {"choices", "config", "assembly", "exact_mode", "api", "session", "tuning"},  # the engine
     {"bench", "server"},
     {"cli", "__main__"},
 ]
