@@ -81,6 +81,8 @@ def test_data_are_the_targets_rows_and_greedy_tokens(zoo):
         assert data.tokens[rows[:n[i]]].tolist() == s  # the prompt, then its greedy continuation
         assert data.greedy[rows[:n[i]]].tolist() == want[i].tolist()
         assert data.tokens[rows[n[i]:]].tolist() == data.greedy[rows[n[i] - 1:-1]].tolist()
+        # where the drafter drafts: the rows whose next token the target generated
+        assert data.decode[rows].tolist() == [j >= n[i] - 1 for j in range(len(rows))]
     # the draft's head is the matrix read from it: its logits of a row are that row times W
     assert w.shape == (d.vocab_size, d.head.hidden_size)
     np.testing.assert_allclose(data.hidden[:3] @ w.T, logits, rtol=0.05,

@@ -144,6 +144,7 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
     result = train_head(data, out_w, index, seconds=60 * cfg.train_minutes, seed=cfg.seed, progress=cfg.progress,
                         threads=cfg.threads)
     stage = Path(tempfile.mkdtemp(prefix=f".{HEAD_DIR}.{os.getpid()}.stage-", dir=bundle.path))
+    stage.chmod(0o755)  # mkdtemp's 0700 would keep the head from other users of a shared bundle
     try:
         build = build_onnx(result.weights)
         import onnx

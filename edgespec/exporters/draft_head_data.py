@@ -36,6 +36,7 @@ class HeadData:
     tokens: np.ndarray  # (N,) int64: the target id fed at each position
     greedy: np.ndarray  # (N,) int64: the target's greedy choice after tokens[i]
     segment: np.ndarray  # (N,) int32: which sequence each row belongs to
+    decode: np.ndarray  # (N,) bool: greedy[i] is a token the target generated (not the prompt's next)
     seconds: float = 0.0  # how long collecting took
 
     def __len__(self) -> int:
@@ -100,8 +101,9 @@ def _sequence(target, ids: list[int], gen_tokens: int, stop_ids: set[int], limit
         fed.append([nxt])
         out.append(_greedy(target, [nxt]))
         nxt = int(out[-1][1][-1])
+    decode = np.arange(sum(map(len, fed))) >= len(ids) - 1
     return (np.concatenate([r for r, _ in out]), np.concatenate([np.asarray(f, dtype=np.int64) for f in fed]),
-            np.concatenate([g for _, g in out]))
+            np.concatenate([g for _, g in out]), decode)
 
 
 def collect(target, sequences: list[list[int]], *, gen_tokens: int = 64, stop_ids=(),
@@ -121,6 +123,6 @@ def collect(target, sequences: list[list[int]], *, gen_tokens: int = 64, stop_id
     hidden = np.concatenate([p[0] for p in parts])
     segment = np.concatenate([np.full(len(p[1]), i, dtype=np.int32) for i, p in enumerate(parts)])
     data = HeadData(hidden, np.concatenate([p[1] for p in parts]), np.concatenate([p[2] for p in parts]), segment,
-                    clock() - t0)
+                    np.concatenate([p[3] for p in parts]), clock() - t0)
     logger.info("draft-head data: %d positions of %d sequences in %.1f s", len(data), len(parts), data.seconds)
     return data

@@ -6,7 +6,9 @@ token after x_{i+1} (cross-entropy over the K kept tokens, through the frozen Vo
 against the target's feature h_{i+1} (EAGLE's feature regression); then (f_1, x_{i+2}) -> f_2,
 scored the same way, so the head learns to read its own features too. Every few seconds the
 held-out sequences' top-1 agreement is measured and the best weights so far are kept: on a
-few thousand positions more training soon overfits.
+few thousand positions more training soon overfits. Agreement is scored where the drafter
+drafts: on positions whose next token the target generated (inside a prompt, the text is
+given and much easier to guess: on Gemma 3 270M 0.57 there against 0.2 on the reply).
 """
 from __future__ import annotations
 
@@ -161,6 +163,8 @@ def _train(data: HeadData, out_w: np.ndarray, index: np.ndarray, seconds: float,
     rows = pair_indices(data.segment, steps=2)
     held = split_held_out(data.segment)[rows]
     train_rows, held_rows = rows[~held], rows[held] if held.any() else rows
+    if data.decode[held_rows + 1].any():  # scored where the drafter drafts: after a generated token
+        held_rows = held_rows[data.decode[held_rows + 1]]
     if not len(train_rows):
         raise ValueError("too few positions to train a draft head on")
     table = np.concatenate([out_w, np.zeros((1, h), dtype=np.float32)])
