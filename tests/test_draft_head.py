@@ -59,7 +59,8 @@ def tokenizer(path):
     return Tokenizer(path / m.tokenizer.file, m.tokenizer)
 
 
-def test_data_are_the_targets_rows_and_greedy_tokens(zoo):
+@pytest.mark.parametrize("speculative", [False, True], ids=["one-by-one", "speculative"])
+def test_data_are_the_targets_rows_and_greedy_tokens(zoo, speculative):
     path = zoo.bundle("gemma3", AGREEING)
     target, draft = onnx_files(path)
     seqs = [tokenizer(path).encode(p) for p in PROMPTS[:2]]
@@ -70,7 +71,7 @@ def test_data_are_the_targets_rows_and_greedy_tokens(zoo):
             want.append(np.argmax(fused.forward(s, n_logits=len(s)), axis=-1))
     t, d = open_shared_pair(target, draft)
     with t, d:
-        data = collect(t, seqs, gen_tokens=5)
+        data = collect(t, seqs, gen_tokens=5, draft=d if speculative else None, id_map=load_bundle(path).id_map())
         w = head_matrix(d.head, d.head.hidden_size)
         logits = np.array(d.head(data.hidden[:3]))
     n = [len(s) for s in seqs]

@@ -138,7 +138,7 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
     with target, draft:
         with tqdm(total=len(sequences), unit="prompt", desc="draft-head data", disable=_quiet(cfg.progress)) as bar:
             data = collect(target, sequences, gen_tokens=cfg.gen_tokens, stop_ids=m.tokenizer.stop_token_ids,
-                           progress=bar.update)
+                           draft=draft, id_map=bundle.id_map(), progress=bar.update)
         out_w = head_matrix(draft.head, draft.head.hidden_size)
     index = draft_index(bundle.id_map(), m.target.vocab_size)
     result = train_head(data, out_w, index, seconds=60 * cfg.train_minutes, seed=cfg.seed, progress=cfg.progress,

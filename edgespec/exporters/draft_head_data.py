@@ -87,36 +87,59 @@ def _greedy(target, new: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return rows, greedy
 
 
-def _sequence(target, ids: list[int], gen_tokens: int, stop_ids: set[int], limit: int | None):
-    """Rows of one prompt's prefill and its greedy continuation."""
-    target.reset()
+def _continuation(decoder, ids: list[int], gen_tokens: int, stop_ids: set[int]) -> list[int]:
+    """The target's greedy continuation of `ids`, generated with speculative decoding."""
+    from ..decoding import SamplingParams
+
+    decoder.target.reset()
+    tokens = list(ids)
+    for _ in decoder.stream(tokens, SamplingParams(), gen_tokens, stop_ids=stop_ids):
+        pass
+    cont = tokens[len(ids):]
+    return cont[:-1] if cont and cont[-1] in stop_ids else cont
+
+
+def _sequence(target, ids: list[int], gen_tokens: int, stop_ids: set[int], limit: int | None, decoder=None):
+    """Rows of one prompt's prefill and its greedy continuation: generated one token at a time,
+    or by `decoder` (speculative) and then read back in one teacher-forced pass."""
     if limit is not None:
         ids = ids[:max(limit - gen_tokens - 1, 2)]
-    fed = [ids[start:start + CHUNK] for start in range(0, len(ids), CHUNK)]
+    seq = ids + (_continuation(decoder, ids, gen_tokens, stop_ids) if decoder is not None and gen_tokens else [])
+    target.reset()
+    fed = [seq[start:start + CHUNK] for start in range(0, len(seq), CHUNK)]
     out = [_greedy(target, chunk) for chunk in fed]
     nxt = int(out[-1][1][-1])
-    for _ in range(gen_tokens):
+    for _ in range(gen_tokens if decoder is None else 0):
         if nxt in stop_ids:
             break
         fed.append([nxt])
         out.append(_greedy(target, [nxt]))
         nxt = int(out[-1][1][-1])
-    decode = np.arange(sum(map(len, fed))) >= len(ids) - 1
+    decode = np.arange(sum(map(len, fed))) >= len(ids) - 1  # greedy[j] is a generated token
     return (np.concatenate([r for r, _ in out]), np.concatenate([np.asarray(f, dtype=np.int64) for f in fed]),
             np.concatenate([g for _, g in out]), decode)
 
 
-def collect(target, sequences: list[list[int]], *, gen_tokens: int = 64, stop_ids=(),
-            progress: Callable[[int], None] | None = None, clock: Callable[[], float] = time.perf_counter) -> HeadData:
+def collect(target, sequences: list[list[int]], *, gen_tokens: int = 64, stop_ids=(), draft=None,
+            id_map: np.ndarray | None = None, progress: Callable[[int], None] | None = None,
+            clock: Callable[[], float] = time.perf_counter) -> HeadData:
     """Run `target` (the target SharedBodyRuntime of a split pair) over `sequences`: prefill each,
-    continue it greedily up to `gen_tokens` tokens (until a stop id)."""
+    continue it greedily up to `gen_tokens` tokens (until a stop id). With `draft` (the pair's
+    draft, and its `id_map`), the continuations are generated with speculative decoding (prompt
+    lookup, else the draft), about twice as fast on Gemma 3 270M, and read back in one pass."""
     if not sequences:
         raise ConfigError("no calibration prompts to make training data from")
     t0 = clock()
     stops = {int(s) for s in stop_ids}
+    decoder = None
+    if draft is not None:
+        from ..decoding import DEFAULT_K, DEFAULT_POLICY, SpeculativeDecoder, make_policy
+
+        decoder = SpeculativeDecoder(target, draft, id_map=id_map, drafter="both",
+                                     policy=make_policy(DEFAULT_POLICY, DEFAULT_K))
     parts = []
     for ids in sequences:
-        parts.append(_sequence(target, ids, gen_tokens, stops, target.kv_capacity))
+        parts.append(_sequence(target, ids, gen_tokens, stops, target.kv_capacity, decoder))
         if progress:
             progress(1)
     target.reset()
