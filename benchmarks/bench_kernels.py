@@ -13,8 +13,8 @@ one-token forward achieves of them.
 
 --agreement GGUF (the GGUF the bundles came from): teacher-forced top-1 agreement of each bundle's
 target with llama.cpp's own logits of that GGUF and with an fp32 reference (the plain graph of the
-GGUF's dequantized weights, MatMulNBits-free), on the first 2 prompts of each suite continued by
-llama.cpp's greedy decode.
+GGUF's dequantized weights, MatMulNBits-free, built once into --ref-dir), on the first --per-class
+prompts of each suite continued by 32 tokens of llama.cpp's greedy decode.
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ def _share(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
     return float(np.mean(np.concatenate([a == b for a, b in zip(got, ref)])))
 
 
-def agreement(gguf: Path, paths: list[Path], tokens: int = 32) -> dict:
+def agreement(gguf: Path, paths: list[Path], per_class: int, ref_dir: Path, tokens: int = 32) -> dict:
     """Top-1 agreement per position of each graph with llama.cpp and with the fp32 reference."""
     import onnx
     from llama_cpp import Llama
@@ -183,7 +183,7 @@ def agreement(gguf: Path, paths: list[Path], tokens: int = 32) -> dict:
     llm = Llama(str(gguf), n_ctx=1024, logits_all=True, verbose=False, n_threads=2)
     seqs, cpp = [], []
     for cls in ("chat", "code", "grounded"):
-        for p in load_prompts(cls)[:2]:
+        for p in load_prompts(cls)[:per_class]:
             text = p.text if p.text is not None else "\n".join(c for _, c in p.messages)
             ids = llm.tokenize(text.encode(), add_bos=True)
             gen = []
@@ -196,13 +196,14 @@ def agreement(gguf: Path, paths: list[Path], tokens: int = 32) -> dict:
             llm.eval(seq)
             seqs.append(seq)
             cpp.append(np.asarray(llm.scores[:len(seq)]).argmax(-1))
-    model = read_gguf(gguf)
-    with tempfile.TemporaryDirectory() as tmp:
-        ref_path = Path(tmp) / "ref.onnx"
+    ref_path = ref_dir / "ref.onnx"  # built once, kept for the next run
+    if not ref_path.is_file():
+        model = read_gguf(gguf)
+        ref_dir.mkdir(parents=True, exist_ok=True)
         ref = build_decoder(model.spec, model.dequantized(), GraphOptions(kv_layout="append", fused_ops=False))
         onnx.save_model(ref, str(ref_path), save_as_external_data=True, location="ref.onnx.data")
-        del ref
-        fp32 = argmaxes_of_graph(ref_path, seqs)
+        del ref, model
+    fp32 = argmaxes_of_graph(ref_path, seqs)
     out = {}
     for p in paths:
         got = argmaxes_of_graph(p, seqs)
@@ -218,10 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--agreement", type=Path, help="the GGUF the bundles came from")
+    ap.add_argument("--per-class", type=int, default=2, help="--agreement: prompts per suite")
+    ap.add_argument("--ref-dir", type=Path, default=Path(tempfile.gettempdir()) / "edgespec-fp32-ref",
+                    help="--agreement: where the fp32 reference graph is built once")
     args = ap.parse_args(argv)
     paths = [target_file(b) for b in args.bundle]
     if args.agreement:
-        agree = agreement(args.agreement, paths)
+        agree = agreement(args.agreement, paths, args.per_class, args.ref_dir)
         print(json.dumps(agree, indent=1))
         if args.out:
             args.out.write_text(json.dumps({"agreement": agree}, indent=1))
