@@ -21,8 +21,11 @@ Writes the JSON result to --out (and prints it).
 
 measures only peak RSS (one fresh process per run, the median of --repeat): `edgespec generate` of
 BUNDLE on onnxruntime (64 tokens, greedy) with the draft on its own body, on the target's body
-(--draft-body shared), without a draft, and llama-cpp-python's plain greedy run of the same GGUF
-(n_ctx 4096, edgespec's default KV capacity), so the draft's cost reads side by side with the peer.
+(--draft-body shared), without a draft, on the target's body in a process whose cache is empty
+(the first load on a machine: the exactness probe settles the exact mode), and llama-cpp-python's
+plain greedy run of the same GGUF (n_ctx 4096, edgespec's default KV capacity), so the draft's cost
+reads side by side with the peer; then `edgespec plan BUNDLE`'s lower bounds, and the load average
+before and after (the machine may be shared: RSS does not depend on it, times do).
 """
 from __future__ import annotations
 
@@ -30,9 +33,11 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -169,22 +174,40 @@ def llama_peak(gguf: Path, tokens: int, threads: int) -> int:
     return [int(ln.split()[1]) * 1024 for ln in proc.stderr.splitlines() if ln.startswith("PEAK_RSS_KIB")][-1]
 
 
+def plan_bounds(bundle: Path, threads: int) -> dict:
+    """`edgespec plan BUNDLE`'s lower bounds (MiB), as printed."""
+    _, _, out = run_cli("plan", str(bundle), "--backend", "onnxruntime", "--threads", str(threads))
+    line = next(ln for ln in out.splitlines() if ln.startswith("lower bounds"))
+    figures = re.findall(r"(speculative|plain) ([\d.]+ [KMG]iB)", line)
+    return {"line": line, **{k: _mib(v) for k, v in figures}}
+
+
+def _mib(text: str) -> float:
+    value, unit = text.split()
+    return round(float(value) * {"MiB": 1, "GiB": 1024, "KiB": 1 / 1024}[unit], 1)
+
+
 def memory(bundle: Path, gguf: Path, tokens: int, threads: int, repeat: int) -> dict:
     """Peak RSS (MiB, median of `repeat` fresh processes) per configuration; the draft's cost as a
     share of llama-cpp-python's plain run."""
     runs: dict[str, list[int]] = {}
     configs = {"draft_own_body": ["--draft-body", "own"], "draft_shared_body": ["--draft-body", "shared"],
-               "target_only": ["--no-draft"]}
+               "target_only": ["--no-draft"], "first_load_shared_body": ["--draft-body", "shared"]}
+    load = [os.getloadavg()[0]]
     for _ in range(repeat):
         for name, extra in configs.items():
-            _, rss, _ = run_cli("generate", str(bundle), PROMPT, "--backend", "onnxruntime", "--max-tokens",
-                                str(tokens), "--threads", str(threads), *extra)
+            with tempfile.TemporaryDirectory() as cache:  # an empty cache: no exact mode settled yet
+                env = {"EDGESPEC_CACHE": cache} if name.startswith("first_load") else None
+                _, rss, _ = run_cli("generate", str(bundle), PROMPT, "--backend", "onnxruntime", "--max-tokens",
+                                    str(tokens), "--threads", str(threads), *extra, env=env)
             runs.setdefault(name, []).append(rss)
         runs.setdefault("llamacpp_plain", []).append(llama_peak(gguf, tokens, threads))
+    load.append(os.getloadavg()[0])
     mib = {k: round(statistics.median(v) / 2**20) for k, v in runs.items()}
     peer = mib["llamacpp_plain"]
     return {"peak_rss_mib": mib, "runs_mib": {k: [round(x / 2**20) for x in v] for k, v in runs.items()},
-            "vs_llamacpp_plain": {k: round(v / peer, 2) for k, v in mib.items() if k != "llamacpp_plain"}}
+            "vs_llamacpp_plain": {k: round(v / peer, 2) for k, v in mib.items() if k != "llamacpp_plain"},
+            "plan_lower_bounds_mib": plan_bounds(bundle, threads), "load_average_1min": load}
 
 
 def main() -> int:
