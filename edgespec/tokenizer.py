@@ -1,6 +1,7 @@
 """Runtime tokenizer: HF `tokenizers` + a sandboxed Jinja chat template, no transformers/torch."""
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,17 +31,22 @@ class Tokenizer:
             raise BundleError(f"cannot read tokenizer {path.name}: {e}") from None
         self.info = info
         self.stop_ids = frozenset(info.stop_token_ids)
-        self._template = None
-        if info.chat_template:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            self._template = env.from_string(info.chat_template)
+    @functools.cached_property
+    def _template(self):
+        """The chat template, compiled on first use: jinja2 and a compiled template hold ~6 MiB
+        that a completion, a benchmark or a base model's transcript chat never needs."""
+        if not self.info.chat_template:
+            return None
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.info.chat_template)
 
     @property
     def has_chat_template(self) -> bool:
-        return self._template is not None
+        return bool(self.info.chat_template)
 
     def token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
