@@ -204,10 +204,17 @@ def agreement(gguf: Path, paths: list[Path], per_class: int, ref_dir: Path, toke
         onnx.save_model(ref, str(ref_path), save_as_external_data=True, location="ref.onnx.data")
         del ref, model
     fp32 = argmaxes_of_graph(ref_path, seqs)
-    out = {}
+    out, first = {}, None
     for p in paths:
         got = argmaxes_of_graph(p, seqs)
-        out[str(p.parent.parent.name)] = {"with_llama_cpp": _share(got, cpp), "with_fp32": _share(got, fp32)}
+        row = {"with_llama_cpp": _share(got, cpp), "with_fp32": _share(got, fp32)}
+        if first is None:
+            first = got
+        else:  # paired against the first bundle: positions only one of the two gets right
+            for name, ref in (("llama_cpp", cpp), ("fp32", fp32)):
+                a, b = (np.concatenate([x == r for x, r in zip(g, ref)]) for g in (first, got))
+                row[f"{name}_only_first"], row[f"{name}_only_this"] = int((a & ~b).sum()), int((b & ~a).sum())
+        out[str(p.parent.parent.name)] = row
     out["fp32_with_llama_cpp"] = _share(fp32, cpp)
     out["positions"] = int(sum(len(s) for s in seqs))
     return out
