@@ -37,7 +37,7 @@ from edgespec.tokenizer import Tokenizer
 CONFIGS = ("plain", "both", "model", "head")
 
 
-def open_pair(bundle, backend: str, threads: int):
+def open_pair(bundle, backend: str, threads: int, pad_rows: bool):
     m = bundle.manifest
     fmt = "onnx" if backend == "onnxruntime" else "openvino"
     head = bundle.file(m.draft_head.file)
@@ -46,7 +46,7 @@ def open_pair(bundle, backend: str, threads: int):
         from edgespec.runtimes.onnxruntime_split import open_shared_pair
     else:
         from edgespec.runtimes.openvino_split import open_shared_pair
-    return open_shared_pair(target, draft, threads=threads, draft_head=head)
+    return open_shared_pair(target, draft, threads=threads, draft_head=head, pad_rows=pad_rows)
 
 
 def decoder(name: str, target, draft, id_map, free_width: int) -> SpeculativeDecoder:
@@ -101,6 +101,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--backend", choices=("onnxruntime", "openvino"), default="onnxruntime")
     p.add_argument("--configs", default=",".join(CONFIGS), help="a subset of: " + ", ".join(CONFIGS))
+    p.add_argument("--pad-rows", action="store_true",
+                   help="the exact mode (no one-row matmuls) the engine settles on where a verify rounds apart")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     configs = tuple(c for c in CONFIGS if c in args.configs.split(","))
@@ -113,7 +115,7 @@ def main() -> None:
     tok = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
     prompts = load_prompts(args.prompts)
     load0 = os.getloadavg()
-    target, draft = open_pair(bundle, args.backend, args.threads)
+    target, draft = open_pair(bundle, args.backend, args.threads, args.pad_rows)
     free = max(1, target.capabilities.free_batch_tokens)
     decoders = {name: decoder(name, target, draft, bundle.id_map(), free) for name in configs}
     runs = {name: {pr.id: [] for pr in prompts} for name in configs}
@@ -137,7 +139,8 @@ def main() -> None:
     report = {
         "bench": "draft_head", "edgespec": edgespec.__version__, "machine": machine_info(),
         "libraries": library_versions(), "bundle_draft_head": dataclasses.asdict(m.draft_head),
-        "backend": args.backend, "threads": args.threads, "max_tokens": args.max_tokens, "configs": configs,
+        "backend": args.backend, "threads": args.threads, "max_tokens": args.max_tokens,
+        "configs": configs, "pad_rows": args.pad_rows,
         "repeat": args.repeat, "load_average_before": [round(x, 2) for x in load0],
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "identical_to_plain": not mismatches,
         "mismatches": mismatches, "all": summarize(runs, prompts), "by_suite": by_suite,
