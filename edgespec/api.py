@@ -179,7 +179,10 @@ class Engine:
             mode = modes[0]
         options = {**plan.target.options, **mode}
         if plan.shared_body:
-            reopen = functools.partial(open_shared_pair, backend, files[0], files[-1], **options)
+            # a trained draft head (edgespec distill) runs on the same body: the drafter 'head'
+            head = bundle.manifest.draft_head
+            extra = {} if head is None else {"draft_head": bundle.file(head.file)}
+            reopen = functools.partial(open_shared_pair, backend, files[0], files[-1], **options, **extra)
             pair = budget.open_pair(reopen) if budget else reopen()
             self.target = self._stack.enter_context(pair[0])
             self.draft = self._stack.enter_context(pair[1])

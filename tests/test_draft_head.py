@@ -179,3 +179,16 @@ def test_head_drafter_needs_a_trained_head(zoo):
         SpeculativeDecoder(t, d, drafter="head")
     with OnnxRuntime(target) as t, OnnxRuntime(draft) as d, pytest.raises(ConfigError, match="target's body"):
         SpeculativeDecoder(t, d, drafter="head")  # a draft with its own body (as llama.cpp's always is)
+
+
+def test_the_engine_opens_a_bundles_head_for_the_head_drafter(distilled):
+    from edgespec.api import load
+
+    for backend in ("onnxruntime",):  # the tiny bundle holds ONNX only
+        with load(distilled, backend=backend, draft_body="shared", drafter="head", k=3, policy="fixed") as e:
+            out = list(e.stream(PROMPTS[0], max_tokens=16))
+            ids = e.tokenizer.encode(PROMPTS[0])
+            plain = [x for s in e.variant(plain=True).stream(list(ids), SamplingParams(), 16) for x in s.tokens]
+            assert e.tokenizer.decode(plain) == "".join(r.text for r in out)
+            stats = out[-1].stats
+            assert stats.drafted > 0 and set(stats.source_history) <= {"head", ""}, stats.source_history

@@ -16,6 +16,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "info": ("edgespec.cli.info", "show a bundle's manifest and the installed backends"),
     "serve": ("edgespec.cli.serve", "serve a bundle over an OpenAI-compatible HTTP API"),
     "bench": ("edgespec.cli.bench", "measure plain vs speculative decoding; `bench compare` merges runs"),
+    "distill": ("edgespec.cli.distill", "train a light draft head for a bundle on its own target (drafter 'head')"),
     "plan": ("edgespec.cli.plan", "show how a bundle fits a memory budget (--memory-budget 1.5GB)"),
 }
 

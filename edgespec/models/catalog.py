@@ -39,8 +39,14 @@ def cache_dir() -> Path:
     return Path(user_cache_dir("edgespec"))
 
 
+# Raised when the exporter writes the default bundle differently enough that one cached by an
+# older edgespec should be rebuilt (it still loads, it is only slower or heavier): 2 = the fused
+# onnxruntime decoder graph and the compact tokenizer.json.
+DEFAULT_BUNDLE_REVISION = 2
+
+
 def default_bundle_path(preset: str = DEFAULT_PRESET) -> Path:
-    return cache_dir() / "bundles" / preset
+    return cache_dir() / "bundles" / f"{preset}-r{DEFAULT_BUNDLE_REVISION}"
 
 
 def preset_source(preset: str = DEFAULT_PRESET) -> Path:
