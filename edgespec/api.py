@@ -179,8 +179,8 @@ class Engine:
             mode = modes[0]
         options = {**plan.target.options, **mode}
         if plan.shared_body:
-            # a trained draft head (edgespec distill) runs on the same body: the drafter 'head'
-            head = bundle.manifest.draft_head
+            # a trained draft head (edgespec distill) runs on the same body, opened for the drafter 'head' only
+            head = bundle.manifest.draft_head if self.drafter_name == "head" else None
             extra = {} if head is None else {"draft_head": bundle.file(head.file)}
             reopen = functools.partial(open_shared_pair, backend, files[0], files[-1], **options, **extra)
             pair = budget.open_pair(reopen) if budget else reopen()
