@@ -52,6 +52,18 @@ def test_an_empty_calibration_file_is_one_line(bundle, tmp_path, capsys):
     assert listing(bundle) == before
 
 
+def test_without_torch_distill_says_what_to_install(bundle, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "edgespec.exporters.draft_head_train", raising=False)
+    monkeypatch.setitem(sys.modules, "torch", None)  # a runtime install: import torch fails
+    before = listing(bundle)
+    assert distill_main([str(bundle), "--train-minutes", "0.05"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "edgespec[export]" in err
+    assert listing(bundle) == before
+
+
 def test_a_bundle_without_a_draft_on_its_body_is_refused(zoo, tmp_path, capsys):
     path = zoo.bundle("gemma3", None)
     before = listing(path)

@@ -121,7 +121,12 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
 
     from ..runtimes.onnxruntime_split import open_shared_pair
     from ..tokenizer import Tokenizer
-    from .draft_head_train import train_head
+
+    try:
+        from .draft_head_train import train_head
+    except ImportError as e:  # the runtime install has no torch; training is an export-time job
+        raise ConfigError(f"training a draft head needs torch ({e.name} is not installed): "
+                          "pip install 'edgespec[export]'") from None
 
     bundle = load_bundle(cfg.bundle)
     target_path, draft_path = _files(bundle)
