@@ -32,8 +32,8 @@ def native(stats: pstats.Stats) -> tuple[float, int]:
     """Seconds and calls inside the engines' native inference calls."""
     seconds, calls = 0.0, 0
     for (path, _, name), (_, ncalls, tottime, _, _) in stats.stats.items():
-        ort = name.startswith("<built-in method onnxruntime") and ("run" in name)
-        ov = name.startswith("<built-in method openvino") and "infer" in name
+        ort = name.startswith("<built-in method onnxruntime") and name.endswith((".run>", ".run_with_iobinding>"))
+        ov = name.startswith("<built-in method openvino") and name.endswith(".infer>")
         llama = path.endswith("llamacpp.py") and name == "_decode"
         if ort or ov or llama:
             seconds, calls = seconds + tottime, calls + ncalls
