@@ -34,7 +34,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from importlib import metadata
 from pathlib import Path
 from statistics import mean, median
 
@@ -44,7 +43,7 @@ from .assembly import Tuned, plan_engine
 from .config import EngineConfig
 from .decoding.policy import expected_tokens, isotonic
 from .errors import ConfigError, EdgespecError
-from .runtimes import BACKENDS
+from .runtimes import BACKENDS, backend_version
 
 __all__ = ["ACCEPTANCES", "DRAFT_LENGTHS", "Measurement", "Tuning", "candidates", "choose", "contenders",
            "measure_engine", "merged", "skip_reason", "tune", "verify_costs", "WIDTHS"]
@@ -326,20 +325,13 @@ def candidates(manifest, config: EngineConfig, installed: list[str]) -> list[tup
     return out
 
 
-def _version(backend: str) -> str:
-    try:
-        return metadata.version(BACKENDS[backend].package.replace("_", "-"))
-    except metadata.PackageNotFoundError:
-        return "?"
-
-
 def _cache_path(bundle, plan) -> Path:
     from .models.catalog import cache_dir
     from .runtimes.exactness import machine_fingerprint
 
     files = [bundle.file(p.file) for p in (plan.target, plan.draft) if p is not None]
     key = {"tune": TUNE_VERSION, "machine": machine_fingerprint(),
-           "versions": sorted({_version(p.backend) for p in (plan.target, plan.draft) if p is not None}),
+           "versions": sorted({backend_version(p.backend) for p in (plan.target, plan.draft) if p is not None}),
            "files": [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files],
            "plan": plan.describe()}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -14,7 +14,7 @@ from .base import Capabilities, Runtime
 
 __all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "backend_info", "open_runtime", "installed_backends",
            "backend_devices", "pick_backend", "runtime_class", "open_shared_pair", "probe_exactness",
-           "exact_mode_memory"]
+           "exact_mode_memory", "backend_version"]
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,8 @@ def open_shared_pair(backend: str, target_path: Path, draft_path: Path, **kwargs
     return getattr(importlib.import_module(module), fn)(target_path, draft_path, **kwargs)
 
 
-def _version(backend: str) -> str:
+def backend_version(backend: str) -> str:
+    """The installed version of the backend's package, "?" if it is not installed."""
     from importlib import metadata
 
     try:
@@ -136,7 +137,7 @@ def exact_mode_memory(backend: str, model_files: list[Path], options: dict):
     models on this machine last time, and a function storing the ones it settles on now."""
     from .exactness import remember_mode, remembered_mode
 
-    version = _version(backend)
+    version = backend_version(backend)
     return (lambda: remembered_mode(backend, version, model_files, options),
             lambda mode: remember_mode(backend, version, model_files, options, mode))
 
@@ -147,7 +148,7 @@ def probe_exactness(backend: str, rt: Runtime, model_files: list[Path], max_widt
     (runtimes/exactness.py), probed once per machine, backend build, model file and options."""
     from .exactness import probe_cached
 
-    version = _version(backend)
+    version = backend_version(backend)
     options = {"threads": threads, **rt.kernel_options()}
     return probe_cached(rt, max_width, backend=backend, version=version, model_files=model_files, options=options,
                         retune=retune)
