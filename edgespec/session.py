@@ -69,6 +69,11 @@ class ReplyShaper:
         self._held = s[keep:]
         return s[:keep], False
 
+    def shape(self, r: Response) -> Response:
+        """`r` with its text shaped; finish_reason "stop" where the reply ends here."""
+        text, ended = self.push(r.text, final=r.finish_reason is not None)
+        return dataclasses.replace(r, text=text, finish_reason="stop" if ended else r.finish_reason)
+
 
 @dataclass(frozen=True)
 class ChatFormat:
@@ -171,8 +176,7 @@ class ChatSession:
             try:
                 for r in stream:
                     if shaper is not None:
-                        text, ended = shaper.push(r.text, final=r.finish_reason is not None)
-                        r = dataclasses.replace(r, text=text, finish_reason="stop" if ended else r.finish_reason)
+                        r = shaper.shape(r)
                     reply.append(r.text)
                     yield r
                     if r.finish_reason is not None:

@@ -5,7 +5,6 @@ at its next decoding step while running (the engine rewinds its caches)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -69,13 +68,6 @@ class Job:
             self.cancel.set()  # harmless when the job has ended
 
 
-def _shaped(shaper: ReplyShaper | None, r: Response) -> Response:
-    if shaper is None:
-        return r
-    text, ended = shaper.push(r.text, final=r.finish_reason is not None)
-    return dataclasses.replace(r, text=text, finish_reason="stop" if ended else r.finish_reason)
-
-
 class GenerationWorker:
     """Runs queued Jobs on `engine` in one thread, first come first served."""
 
@@ -126,7 +118,7 @@ class GenerationWorker:
                 stream = self.engine.stream_ids(job.tokens, job.params, job.max_tokens, job.stop, stats=job.stats,
                                                 stop_event=job.cancel, wait=True)
                 for r in stream:
-                    r = _shaped(job.shaper, r)
+                    r = r if job.shaper is None else job.shaper.shape(r)
                     reason = r.finish_reason
                     job.put(r)
                     if reason is not None:  # the shaper may end the reply before the engine does
