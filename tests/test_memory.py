@@ -141,6 +141,44 @@ def test_bounds_count_the_probe_at_their_own_shape_whatever_the_budget():
     assert not dropped.use_draft and "speculative bound" in dropped.notes[0]
 
 
+S270 = Shapes(hidden=640, n_heads=4, intermediate=2048, n_layers=18, n_kv_heads=1, head_dim=256, vocab=262144)
+
+
+def test_two_probes_carry_what_grows_and_keep_what_does_not():
+    """Probes at two shapes: the scratch at a third follows the line through them, so what a
+    runtime holds whatever the shape is not scaled with the context; one probe alone scales with
+    the estimate; a shape below the larger probe keeps that probe's peak."""
+    from dataclasses import replace
+
+    from edgespec.memory.footprint import ALLOCATOR_SLACK
+
+    def e(n, c):
+        return workspace_bytes(S270, n, c)
+
+    held, slack = 40 * MiB, 1 + ALLOCATOR_SLACK
+    one = replace(TARGET, shapes=S270, scratch=(32, 512, held + e(32, 512)))
+    two = replace(one, bound_scratch=one.scratch, scratch=(64, 2048, held + e(64, 2048)))
+    assert two.workspace(64, 8192) == pytest.approx((held + e(64, 8192)) * slack, abs=2)
+    assert one.workspace(64, 8192) == pytest.approx((held + e(32, 512)) * e(64, 8192) / e(32, 512) * slack, abs=2)
+    assert two.workspace(32, 256) == pytest.approx((held + e(64, 2048)) * slack, abs=2)
+
+
+def test_reused_scratch_counts_the_larger_forward_not_both():
+    """Where the allocator gives a forward's scratch back (a fixed mmap threshold), the target's
+    and the draft's forwards, one after the other, share it: the plan counts the larger one."""
+    from dataclasses import replace
+
+    t, d = (replace(m, shapes=S270) for m in (TARGET, DRAFT))
+    apart = plan_memory(3 * 2**30, BASE, t, d, k=4)
+    shared = plan_memory(3 * 2**30, BASE, t, d, k=4, reused_scratch=True)
+    assert shared.use_draft and shared.kv_capacity > apart.kv_capacity and shared.total <= shared.budget
+    n, c = shared.prefill_chunk, shared.kv_capacity
+    scratch = next(b for label, b in shared.parts if label.startswith("scratch of the larger forward"))
+    assert scratch == max(t.workspace(n, c), d.workspace(n, c))
+    assert (lower_bounds(BASE, t, d, k=4, reused_scratch=True).least_speculative
+            < lower_bounds(BASE, t, d, k=4).least_speculative)
+
+
 @pytest.mark.parametrize("budget_mib", [1500, 2000, 4000, 8000])
 def test_plan_fits_the_budget_and_grows_with_it(budget_mib):
     plan = plan_memory(budget_mib * MiB, BASE, TARGET, DRAFT, k=4, max_k=8)

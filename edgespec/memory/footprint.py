@@ -21,6 +21,8 @@ __all__ = ["ALLOCATOR_SLACK", "KV_DTYPE_BYTES", "Shapes", "ModelMemory", "kv_byt
 
 # prompts fed in chunks over a growing context ask the allocator for ever larger blocks, which
 # fragments it beyond what one probe forward touches: measured up to ~30% on onnxruntime's arena
+# (now off; under a budget glibc's mmap threshold is fixed, heap.fixed_mmap_threshold), kept as
+# the margin for allocators that keep what they free
 ALLOCATOR_SLACK = 0.3
 
 # bytes per cached element; block-quantized llama.cpp types include their scales
@@ -62,6 +64,16 @@ def workspace_bytes(s: Shapes, n_new: int, n_ctx: int) -> int:
     per_token = 6 * s.hidden + 3 * s.intermediate + 2 * s.n_heads * s.head_dim + (3 * s.n_heads + 2) * n_ctx
     floats = n_new * per_token + 4 * s.n_kv_heads * s.head_dim * n_ctx
     return 4 * floats
+
+
+def _along(points: list[tuple[int, int]], est: int) -> float:
+    """Measured scratch at an estimate of `est`, from (estimate, measured) probe points sorted by
+    estimate: a line through the two outer points where they rise (what a runtime holds whatever
+    the shape stays as it is, and only what grows is scaled), else the largest point scaled."""
+    (e1, m1), (e2, m2) = points[0], points[-1]
+    if e2 > e1 and m2 > m1:
+        return m1 + (m2 - m1) * (est - e1) / (e2 - e1)
+    return m2 * est / e2 if e2 else m2
 
 
 def candidate_bytes(k: int, target_vocab: int, draft_vocab: int | None, sampling: bool = True) -> int:
@@ -119,15 +131,16 @@ class ModelMemory:
         return self.kv_per_token[dtype] * positions
 
     def workspace(self, n_new: int, n_ctx: int) -> int:
-        """Scratch held for forwards of up to n_new tokens over n_ctx positions: the estimate,
-        or once probed, the estimate scaled to the probe's measurement (never below it: the
-        allocator keeps what it took), with ALLOCATOR_SLACK for fragmentation."""
+        """Scratch held for forwards of up to n_new tokens over n_ctx positions, with
+        ALLOCATOR_SLACK: the estimate, or once probed, the probes' measured peaks carried to this
+        shape along the estimate (scaled from one probe, a line through two), never below a peak
+        measured at a larger shape's probe (an allocator may keep what it took)."""
         if self.shares_body:  # its hidden rows come from the target's forwards, its logits are candidates
             return 0
         est = workspace_bytes(self.shapes, n_new, n_ctx) if self.shapes else 0
         if self.scratch is None:
             return est
-        p_new, p_ctx, measured = self.scratch
-        at_probe = workspace_bytes(self.shapes, p_new, p_ctx) if self.shapes else 0
-        scaled = measured * est / at_probe if at_probe else measured
-        return int(max(measured, scaled) * (1 + ALLOCATOR_SLACK))
+        probes = {self.scratch, *([self.bound_scratch] if self.bound_scratch else [])}
+        points = sorted((workspace_bytes(self.shapes, p_new, p_ctx) if self.shapes else 0, took)
+                        for p_new, p_ctx, took in probes)
+        return int(max(_along(points, est), max(took for _, took in points)) * (1 + ALLOCATOR_SLACK))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from ..runtimes.base import Runtime
 from .footprint import KV_DTYPE_BYTES, ModelMemory, Shapes, estimate_fixed, kv_bytes_per_token
-from .measure import anon_bytes, rss_bytes, trim_heap
+from .measure import anon_bytes, fixed_mmap_threshold, peak_during, rss_bytes, trim_heap
 from .planner import MIN_CHUNK, MIN_CONTEXT, Plan, plan_memory
 
 __all__ = ["estimated_memory", "head_estimate", "measured_memory", "mapped_bytes", "BudgetedLoad", "EngineBudget",
@@ -76,10 +76,12 @@ def held_bytes(rt: Runtime, rss_delta: int, anon_before: int | None) -> int:
 
 
 def warm_up(*rts: Runtime) -> None:
-    """One forward each, then empty caches: pages of the weights and the allocator get touched now.
+    """One forward of a prompt chunk each, then empty caches: pages of the weights and what a
+    runtime keeps after its first multi-token forward (onnxruntime: ~5 MiB of heap) count in its
+    fixed part now, not in the scratch a probe then measures and scales with the context.
     (A draft on the target's body is warmed after its target: the target's reset empties the body.)"""
     for rt in rts:
-        rt.forward([0], n_logits=1)
+        rt.forward([0] * MIN_CHUNK, n_logits=1)
     for rt in rts:
         rt.reset()
 
@@ -94,6 +96,9 @@ class BudgetedLoad:
     max_context: int | None = None
 
     def __post_init__(self) -> None:
+        # a forward's scratch is then what it uses while it runs, given back before the next one
+        # (heap.py): the target's and the draft's forwards share it
+        self.reused_scratch = fixed_mmap_threshold()
         trim_heap()  # what the tokenizer's load freed is not part of the base
         self.base = rss_bytes()
         self.target: ModelMemory | None = None
@@ -103,7 +108,8 @@ class BudgetedLoad:
         return {} if self.max_context is None else {"max_context": self.max_context}
 
     def plan(self, target: ModelMemory, draft: ModelMemory | None) -> Plan:
-        return plan_memory(self.budget, self.base, target, draft, k=self.k, max_k=self.max_k, **self._kw())
+        return plan_memory(self.budget, self.base, target, draft, k=self.k, max_k=self.max_k,
+                           reused_scratch=self.reused_scratch, **self._kw())
 
     def open(self, role: str, opener: Callable[[], Runtime], estimate: ModelMemory | None = None) -> Runtime:
         """Open one runtime, warm it up, and record its measured fixed bytes."""
@@ -162,25 +168,27 @@ class BudgetedLoad:
             mem = getattr(self, role)
             if mem is None or mem.shares_body or (role == "draft" and not plan.use_draft):
                 continue
-            # first at the lower bounds' own shape, which they then count
+            # first at the lower bounds' own shape, which they then count; each probe's peak is
+            # taken from before the first, so what the first left held counts in the second
             before = rss_bytes()
             bctx = min(MIN_CONTEXT, rt.kv_capacity or MIN_CONTEXT, self.max_context or MIN_CONTEXT)
-            if rt.probe_scratch(min(MIN_CHUNK, bctx), bctx):
-                mem = replace(mem, bound_scratch=(min(MIN_CHUNK, bctx), bctx, max(0, rss_bytes() - before)))
+            ran, peak = peak_during(lambda: rt.probe_scratch(min(MIN_CHUNK, bctx), bctx))
+            if ran:
+                mem = replace(mem, bound_scratch=(min(MIN_CHUNK, bctx), bctx, max(0, peak - before)))
                 setattr(self, role, mem)
                 probed = True
             if mem.bound_scratch and plan.kv_capacity < 2 * MIN_CONTEXT:
-                # a budget near the bound: a larger probe would itself take the room the bound
-                # counted on (the allocator keeps it), so the bounds' probe is the measurement
+                # a budget near the bound: a larger probe could itself take the room the bound
+                # counted on (an allocator may keep it), so the bounds' probe is the measurement
                 setattr(self, role, replace(mem, scratch=mem.bound_scratch))
                 continue
-            # then below the planned context: the allocator keeps what a probe takes, and the
-            # estimate may be low, so measure a quarter of it and scale the estimate to that
-            # (`before` stays: what the first probe took is held too)
+            # then below the planned context (the estimate is scaled to it): a probe at the full
+            # context could leave held what the plan then has no room for
             ctx = min(plan.kv_capacity, max(MIN_CONTEXT, plan.kv_capacity // 4))
             chunk = min(plan.prefill_chunk, ctx)
-            if ctx > 0 and rt.probe_scratch(chunk, ctx):
-                took = max(0, rss_bytes() - before)
+            ran, peak = peak_during(lambda: ctx > 0 and rt.probe_scratch(chunk, ctx))
+            if ran:
+                took = max(0, peak - before)
                 setattr(self, role, replace(mem, scratch=(chunk, ctx, took)))
                 logger.info("%s scratch of a %d-token forward over %d positions: %d MiB", role, chunk, ctx,
                             took >> 20)

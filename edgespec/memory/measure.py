@@ -4,9 +4,16 @@ from __future__ import annotations
 import threading
 import time
 
-from ..runtimes.heap import trim_heap
+from collections.abc import Callable
+from typing import TypeVar
 
-__all__ = ["rss_bytes", "anon_bytes", "trim_heap", "PeakRSS"]
+from ..runtimes.heap import fixed_mmap_threshold, trim_heap
+
+__all__ = ["rss_bytes", "anon_bytes", "trim_heap", "fixed_mmap_threshold", "PeakRSS", "peak_during"]
+
+T = TypeVar("T")
+PROBE_INTERVAL_S = 0.0005  # a probe forward of a tiny model lasts a few ms...
+PROBE_SECONDS, PROBE_RUNS = 0.05, 8  # ...so peak_during runs it again, for this long at most
 
 
 def rss_bytes() -> int:
@@ -79,3 +86,19 @@ class PeakRSS:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def peak_during(fn: Callable[[], T]) -> tuple[T, int]:
+    """fn()'s result and the highest RSS this process reached while it ran (sampled every
+    PROBE_INTERVAL_S, and once at the end). What a forward leaves behind is not its peak: an
+    allocator may give its scratch back the moment it is freed. A repeatable `fn` (a probe
+    forward) runs again while its runs last less than PROBE_SECONDS, up to PROBE_RUNS times: a
+    tiny model's forward takes a few samples, and its peak may fall between two of them."""
+    with PeakRSS(PROBE_INTERVAL_S) as peak:
+        start = time.perf_counter()
+        out = fn()
+        for _ in range(PROBE_RUNS - 1):
+            if time.perf_counter() - start >= PROBE_SECONDS:
+                break
+            fn()
+    return out, peak.peak

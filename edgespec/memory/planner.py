@@ -31,7 +31,8 @@ MIN_CHUNK = 32  # the planner halves the chunk down to this; the lower bounds as
 BOUND_HEADROOM = 0.03
 # ...and a plan leaves part of its budget unplanned, so that a process whose measured parts come
 # out above the ones it planned from still peaks under the budget: a tiny model filled to a 110 MB
-# plan peaked from 1.1 MB under to 1.4 MB over its planned total (1.3%) in five processes
+# plan peaked from 1.4 MB over its planned total (1.3%) to 7% under, in processes with glibc's
+# moving mmap threshold; with it fixed (memory.loading), 2-3% under in five processes
 PLAN_HEADROOM = 0.02  # of the budget (the printed bounds carry more, BOUND_HEADROOM)
 
 
@@ -77,11 +78,19 @@ class Plan:
         return sum(b for _, b in self.parts)
 
 
+def _scratch(models: list[ModelMemory], chunk: int, ctx: int, reused: bool) -> int:
+    """Scratch of the models' forwards of `chunk` tokens over `ctx` positions: the largest one's
+    where a forward's scratch is given back before the next one runs (`reused`: the allocator
+    maps such blocks and unmaps them when freed, runtimes/heap.py), else all of them together."""
+    each = [m.workspace(min(chunk, max(ctx, 1)), ctx) for m in models]
+    return max(each, default=0) if reused else sum(each)
+
+
 def _need(base: int, models: list[ModelMemory], dtypes: list[str], k: int, draft_vocab: int | None,
-          target_vocab: int, ctx: int, chunk: int, sampling: bool) -> int:
+          target_vocab: int, ctx: int, chunk: int, sampling: bool, reused: bool) -> int:
     """Bytes the process needs with `ctx` positions of context and prompts fed `chunk` at a time."""
     kv = sum(m.kv(d, ctx) for m, d in zip(models, dtypes))
-    ws = sum(m.workspace(min(chunk, max(ctx, 1)), ctx) for m in models)
+    ws = _scratch(models, chunk, ctx, reused)
     return base + sum(m.fixed for m in models) + kv + ws + candidate_bytes(k, target_vocab, draft_vocab, sampling)
 
 
@@ -94,20 +103,22 @@ def _smallest_dtype(m: ModelMemory) -> str:
 
 
 def lower_bounds(base: int, target: ModelMemory, draft: ModelMemory | None, k: int,
-                 min_context: int = MIN_CONTEXT, chunk: int = MIN_CHUNK, sampling: bool = True) -> Bounds:
+                 min_context: int = MIN_CONTEXT, chunk: int = MIN_CHUNK, sampling: bool = True,
+                 reused_scratch: bool = False) -> Bounds:
     """Least memory for speculative decoding (draft model, k drafts) and for plain decoding.
 
-    Scratch is what a probe at the bounds' own shape measured (`bound_scratch`; onnxruntime's
-    arena took far more than the estimate), else the estimate: so a budget at the bound really
+    Scratch is what a probe at the bounds' own shape measured (`bound_scratch`; a runtime can
+    take far more than the estimate), else the estimate: so a budget at the bound really
     holds the draft model with a min_context context, whatever budget printed it."""
     target = replace(target, scratch=target.bound_scratch)
     draft = None if draft is None else replace(draft, scratch=draft.bound_scratch)
     small = _smallest_dtype(target)
-    plain = _need(base, [target], [small], 0, None, target.vocab, min_context, chunk, sampling)
+    plain = _need(base, [target], [small], 0, None, target.vocab, min_context, chunk, sampling, reused_scratch)
     spec = None
     if draft is not None and k > 0:
         models = [target, draft]
-        spec = _need(base, models, _dtypes(models, small), k, draft.vocab, target.vocab, min_context, chunk, sampling)
+        spec = _need(base, models, _dtypes(models, small), k, draft.vocab, target.vocab, min_context, chunk, sampling,
+                     reused_scratch)
     return Bounds.from_needs(_with_headroom(spec), _with_headroom(plain), min_context)
 
 
@@ -117,12 +128,13 @@ def _with_headroom(need: int | None) -> int | None:
 
 
 def _capacity(budget: int, base: int, models: list[ModelMemory], dtypes: list[str], k: int,
-              draft_vocab: int | None, target_vocab: int, chunk: int, sampling: bool, max_context: int) -> int:
+              draft_vocab: int | None, target_vocab: int, chunk: int, sampling: bool, max_context: int,
+              reused: bool) -> int:
     """The most positions that fit (need grows with the context, so bisect)."""
     usable = budget - _unplanned(budget)
 
     def fits(n: int) -> bool:
-        return _need(base, models, dtypes, k, draft_vocab, target_vocab, n, chunk, sampling) <= usable
+        return _need(base, models, dtypes, k, draft_vocab, target_vocab, n, chunk, sampling, reused) <= usable
 
     if not fits(1):
         return 0
@@ -134,14 +146,14 @@ def _capacity(budget: int, base: int, models: list[ModelMemory], dtypes: list[st
 
 
 def _pick_chunk(budget: int, base: int, models: list[ModelMemory], dvocab: int | None, target_vocab: int,
-                chunk: int, sampling: bool, max_context: int) -> int:
+                chunk: int, sampling: bool, max_context: int, reused: bool) -> int:
     """The largest prefill chunk (halving from `chunk`, down to MIN_CHUNK) whose attention scratch at the
     resulting capacity stays within what the KV cache itself takes: long contexts get small
     chunks, so the budget goes to context rather than to scratch."""
     dtypes = [m.kv_dtypes[0] for m in models]
     while chunk > MIN_CHUNK:
-        n = _capacity(budget, base, models, dtypes, 0, dvocab, target_vocab, chunk, sampling, max_context)
-        if sum(m.workspace(chunk, n) for m in models) <= sum(m.kv(d, n) for m, d in zip(models, dtypes)):
+        n = _capacity(budget, base, models, dtypes, 0, dvocab, target_vocab, chunk, sampling, max_context, reused)
+        if _scratch(models, chunk, n, reused) <= sum(m.kv(d, n) for m, d in zip(models, dtypes)):
             break
         chunk //= 2
     return chunk
@@ -149,18 +161,20 @@ def _pick_chunk(budget: int, base: int, models: list[ModelMemory], dvocab: int |
 
 def plan_memory(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None = None, *, k: int = 4,
                 max_k: int | None = None, min_context: int = MIN_CONTEXT, max_context: int = MAX_CONTEXT,
-                chunk: int = PREFILL_CHUNK, sampling: bool = True) -> Plan:
+                chunk: int = PREFILL_CHUNK, sampling: bool = True, reused_scratch: bool = False) -> Plan:
     """The plan for `budget` bytes: the draft stays if speculative decoding fits, the draft length
     goes up to max_k (the adaptive policies' range) while min_context still fits, and the rest of
     the budget becomes KV capacity, in the most exact KV dtype that still gives WANT_CONTEXT.
 
     `k` drafts per step (prompt lookup drafts too when `draft` is None; 0 = plain decoding).
+    `reused_scratch`: the target's and the draft's forwards share one scratch (see _scratch).
     Raises MemoryBudgetError, naming both bounds, when even plain decoding does not fit."""
     if k < 0 or min_context < 1 or max_context < 1:
         raise ValueError("need k >= 0, min_context >= 1 and max_context >= 1")
     min_context = min(min_context, max_context)  # a context capped on purpose is still useful
     max_k = max(k, max_k or k)
-    bounds = lower_bounds(base, target, draft, k, min_context, min(chunk, MIN_CHUNK), sampling)
+    bounds = lower_bounds(base, target, draft, k, min_context, min(chunk, MIN_CHUNK), sampling, reused_scratch)
+    r = reused_scratch
     if budget < bounds.least_plain:
         spec = f", {format_bytes(bounds.speculative)} with the draft model" if bounds.speculative else ""
         raise MemoryBudgetError(
@@ -168,16 +182,16 @@ def plan_memory(budget: int, base: int, target: ModelMemory, draft: ModelMemory 
             f"{format_bytes(bounds.plain)} for plain decoding{spec} ({min_context}-token context)")
     use_draft = draft is not None and bounds.least_speculative is not None and budget >= bounds.least_speculative
     plan = _plan(budget, base, target, draft if use_draft else None, k if use_draft or draft is None else 0,
-                 max_k, min_context, max_context, chunk, sampling, bounds)
+                 max_k, min_context, max_context, chunk, sampling, bounds, r)
     if plan.kv_capacity < min_context and use_draft:  # the bound assumes the smallest prompt chunk
-        plan = _plan(budget, base, target, draft, k, max_k, min_context, max_context, MIN_CHUNK, sampling, bounds)
+        plan = _plan(budget, base, target, draft, k, max_k, min_context, max_context, MIN_CHUNK, sampling, bounds, r)
     scratch_bound = use_draft and plan.kv_capacity < min_context  # measured scratch exceeds the estimate
     if scratch_bound:
         use_draft = False
-        plan = _plan(budget, base, target, None, 0, 0, min_context, max_context, chunk, sampling, bounds)
+        plan = _plan(budget, base, target, None, 0, 0, min_context, max_context, chunk, sampling, bounds, r)
     if plan.kv_capacity < min_context:
         need = _need(base, [target], [_smallest_dtype(target)], 0, None, target.vocab, min_context,
-                     min(chunk, MIN_CHUNK), sampling)
+                     min(chunk, MIN_CHUNK), sampling, r)
         raise MemoryBudgetError(
             f"memory budget {format_bytes(budget)} leaves room for only {plan.kv_capacity} tokens of context "
             f"once loaded; plain decoding with a {min_context}-token context needs {format_bytes(need)} here")
@@ -190,17 +204,18 @@ def plan_memory(budget: int, base: int, target: ModelMemory, draft: ModelMemory 
 
 
 def _plan(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None, k: int, max_k: int,
-          min_context: int, max_context: int, chunk: int, sampling: bool, bounds: Bounds) -> Plan:
+          min_context: int, max_context: int, chunk: int, sampling: bool, bounds: Bounds, reused: bool) -> Plan:
     notes: list[str] = []
     use_draft = draft is not None
     max_k = max_k if k else 0
     models = [target] + ([draft] if use_draft else [])
     dvocab = draft.vocab if use_draft else None
-    chunk = _pick_chunk(budget, base, models, dvocab, target.vocab, min(chunk, max_context), sampling, max_context)
+    chunk = _pick_chunk(budget, base, models, dvocab, target.vocab, min(chunk, max_context), sampling, max_context,
+                        reused)
 
     def cap(dtype: str, kk: int) -> int:
         return _capacity(budget, base, models, _dtypes(models, dtype), kk, dvocab, target.vocab, chunk, sampling,
-                         max_context)
+                         max_context, reused)
 
     smallest = _smallest_dtype(target)
     kk = next((c for c in range(max_k, k, -1) if cap(smallest, c) >= min_context), k)
@@ -214,7 +229,7 @@ def _plan(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None
         notes.append(f"KV cache in {dtype} (not {target.kv_dtypes[0]}) to fit a longer context")
     capacity = cap(dtype, kk)
     dts = _dtypes(models, dtype)
-    scratch = sum(m.workspace(min(chunk, max(capacity, 1)), capacity) for m in models)
+    scratch = _scratch(models, chunk, capacity, reused)
     probed = all(m.scratch is not None for m in models if not m.shares_body)
     parts = [("runtime + tokenizer (measured)", base)]
     for m, d in zip(models, dts):
@@ -226,7 +241,8 @@ def _plan(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None
         parts.append((f"{m.role} KV cache ({capacity} positions x {format_bytes(m.kv_per_token[d])}, {d})",
                       m.kv(d, capacity)))
     parts.append((f"candidates and logits (k <= {kk})", candidate_bytes(kk, target.vocab, dvocab, sampling)))
-    parts.append((f"scratch of a {min(chunk, capacity)}-token forward over the context "
+    whose = "the larger forward" if reused and len(models) > 1 else "a forward"
+    parts.append((f"scratch of {whose} of {min(chunk, capacity)} tokens over the context "
                   f"({'measured' if probed else 'estimated'})", scratch))
     return Plan(budget, use_draft, capacity, kk, dtype, min(chunk, capacity), bounds, tuple(parts), tuple(notes))
 

@@ -30,6 +30,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import BackendError, ContextFullError
+from .heap import lazy_zeros
 
 __all__ = ["DEFAULT_KV_CAPACITY", "FixedBufferKV", "GrowingKV", "KVHolder", "KVLayout", "KVPlan", "graph_io",
            "kv_kind", "plan_kv"]
@@ -138,9 +139,9 @@ class FixedBufferKV(KVHolder):
     def __init__(self, plan: KVPlan, sess, ort, output: str, width: int) -> None:
         super().__init__(plan, sess, ort, output, width)
         lay, rows = plan.layout, plan.capacity + plan.pad
-        # the padding row's K/V lands one slot past the sequence: room for it at capacity. Zeroed
-        # pages are committed as they are written: RSS follows the context actually used
-        self._kv = [np.zeros((rows, lay.kv_heads, lay.head_dim), dtype=np.float32) for _ in range(2 * lay.n_layers)]
+        # the padding row's K/V lands one slot past the sequence: room for it at capacity. Pages
+        # are committed as they are written: RSS follows the context actually used (lazy_zeros)
+        self._kv = [lazy_zeros((rows, lay.kv_heads, lay.head_dim)) for _ in range(2 * lay.n_layers)]
         self.logits = np.zeros((_LOGIT_ROWS, width), dtype=np.float32)
         self._ids = np.zeros((1, rows), dtype=np.int64)
         self._n_logits = np.zeros(1, dtype=np.int64)

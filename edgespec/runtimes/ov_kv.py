@@ -30,6 +30,7 @@ from typing import ClassVar
 import numpy as np
 
 from ..errors import BackendError, ContextFullError
+from .heap import lazy_zeros
 from .openvino_graph import pad_keys, pad_queries
 
 __all__ = ["DEFAULT_KV_CAPACITY", "DEFAULT_STATIC_CAPACITY", "DynamicBufferKV", "KV_KINDS", "KVHolder", "KVLayout",
@@ -155,7 +156,8 @@ class _Buffers(KVHolder):
         return self.plan.capacity
 
     def _alloc(self, capacity: int, old: list[np.ndarray]) -> list[np.ndarray]:
-        buf = [np.zeros(self.layout.shape(capacity), dtype=np.float32) for _ in range(2 * self.layout.n_layers)]
+        # committed as written: memory follows the context actually used (lazy_zeros)
+        buf = [lazy_zeros(self.layout.shape(capacity)) for _ in range(2 * self.layout.n_layers)]
         for new, prev in zip(buf, old):
             new[:, :, :self._n] = prev[:, :, :self._n]
         return buf
