@@ -5,8 +5,9 @@ GGUF-transcoded MatMulNBits; present and append KV layouts) ends the same way: t
 `Slice(x, -n_logits)` (the rows that reach the head), then the head (Reshape, MatMul / Gemm /
 MatMulNBits, an optional softcap) into `logits`. `body_model` and `head_model` cut a graph at that
 Slice's output (runtimes/onnxruntime_split.py runs a draft on the target's body with them). The
-protos are read without their external data: a session built by `session` reads its weights from
-the bundle's folder.
+model files are read without their external data, and without the `onnx` package
+(runtimes/onnx_wire.py: importing it held ~10 MiB in every process that opened a bundle): a
+session built by `session` from a rebuilt model's bytes reads its weights from the bundle's folder.
 
 `MappedTables` maps initializers read-only from their external data file, to hand to several
 sessions with `SessionOptions.add_initializer` (a tied table) or to let a Gather's table go once
@@ -20,14 +21,27 @@ import os
 import threading
 import weakref
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import BackendError
+from .onnx_wire import (
+    FLOAT,
+    Node,
+    OnnxModel,
+    Value,
+    identity_node,
+    model_bytes,
+    parse_model,
+    read_model,
+    tensor_array,
+    tensor_value_info,
+)
 
-__all__ = ["HIDDEN", "LOGITS", "MappedTables", "body_model", "gathered_tables", "head_model", "import_ort",
-           "initializer_bytes", "load_proto", "ort_values", "session", "shared_names"]
+__all__ = ["HIDDEN", "LOGITS", "MappedTables", "OnnxModel", "as_model", "body_model", "gathered_tables", "head_model",
+           "import_ort", "initializer_bytes", "load_proto", "ort_values", "session", "session_options", "shared_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,111 +58,105 @@ HIDDEN = "hidden"  # the body's first output and the head's input: final hidden 
 LOGITS = "logits"
 
 
-def _load(path: Path):
-    import onnx
-
-    if not path.is_file():
-        raise BackendError(f"ONNX model not found: {path}")
-    return onnx.load(str(path), load_external_data=False)  # the protos only: ~200 KB for Gemma 3 270M
+def _model_of(src: str | os.PathLike | OnnxModel) -> OnnxModel:
+    return src if isinstance(src, OnnxModel) else read_model(src)
 
 
-def _cut(graph, name: str) -> str:
+def as_model(model) -> OnnxModel:
+    """An OnnxModel of an OnnxModel or of an `onnx` ModelProto (tests build those)."""
+    return model if isinstance(model, OnnxModel) else parse_model(model_bytes(model))
+
+
+def _cut(model: OnnxModel, name: str) -> str:
     """The tensor the head reads: the output of `Slice(final norm, -n_logits)`."""
-    neg = {n.output[0] for n in graph.node if n.op_type == "Neg" and list(n.input) == ["n_logits"]}
-    cut = [n.output[0] for n in graph.node if n.op_type == "Slice" and len(n.input) > 1 and n.input[1] in neg]
-    if len(cut) != 1 or not any(o.name == LOGITS for o in graph.output):
+    neg = {n.outputs[0] for n in model.nodes if n.op_type == "Neg" and n.inputs == ("n_logits",)}
+    cut = [n.outputs[0] for n in model.nodes if n.op_type == "Slice" and len(n.inputs) > 1 and n.inputs[1] in neg]
+    if len(cut) != 1 or not any(o.name == LOGITS for o in model.outputs):
         raise BackendError(f"{name} is not an edgespec decoder graph with a head to cut (export the bundle again)")
     return cut[0]
 
 
-def _needed(graph, outputs: Iterable[str], stop: str | None = None) -> list:
+def _needed(nodes: tuple[Node, ...], outputs: Iterable[str], stop: str | None = None) -> list[Node]:
     """The nodes that `outputs` depend on (not past `stop`), in the graph's (topological) order."""
-    producer = {o: i for i, n in enumerate(graph.node) for o in n.output}
+    producer = {o: i for i, n in enumerate(nodes) for o in n.outputs}
     keep, todo = set(), [o for o in outputs if o != stop]
     while todo:
         i = producer.get(todo.pop())
         if i is None or i in keep:
             continue
         keep.add(i)
-        todo += [t for t in graph.node[i].input if t and t != stop]
-    return [graph.node[i] for i in sorted(keep)]
+        todo += [t for t in nodes[i].inputs if t and t != stop]
+    return [nodes[i] for i in sorted(keep)]
 
 
-def _model(src, nodes: list, inputs: list, outputs: list, name: str):
-    """A model of `nodes` with the source's opsets, metadata and the initializers they read."""
-    from onnx import helper
-
-    used = {t for n in nodes for t in n.input}
-    inits = [t for t in src.graph.initializer if t.name in used]
-    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=inits)
-    model = helper.make_model(graph, opset_imports=list(src.opset_import), producer_name=src.producer_name)
-    model.ir_version = src.ir_version
-    model.metadata_props.extend(src.metadata_props)
-    return model
+def _model(src: OnnxModel, nodes: list[Node], inputs: list[Value], outputs: list[Value], name: str) -> OnnxModel:
+    """A model of `nodes` with the source's IR version, opsets, producer, metadata and the
+    initializers they read."""
+    used = {t for n in nodes for t in n.inputs}
+    inits = tuple(t for t in src.initializers if t.name in used)
+    return replace(src, graph_name=name, nodes=tuple(nodes), initializers=inits, inputs=tuple(inputs),
+                   outputs=tuple(outputs))
 
 
-def _hidden_size(model, cut: str) -> int:
+def _hidden_size(model: OnnxModel, cut: str) -> int:
     """The head's input width: the exporter records it; older bundles have it in the Reshape
     that follows the cut ([-1, hidden])."""
-    from onnx import numpy_helper
-
-    meta = {p.key: p.value for p in model.metadata_props}
+    meta = model.metadata_props
     if "edgespec.hidden_size" in meta:
         return int(meta["edgespec.hidden_size"])
-    consts = {t.name: t for t in model.graph.initializer}
-    for n in model.graph.node:
-        if n.op_type == "Reshape" and n.input[0] == cut and n.input[1] in consts:
-            return int(numpy_helper.to_array(consts[n.input[1]])[-1])
+    consts = {t.name: t for t in model.initializers if t.external is None}
+    for n in model.nodes:
+        if n.op_type == "Reshape" and n.inputs[0] == cut and len(n.inputs) > 1 and n.inputs[1] in consts:
+            return int(tensor_array(consts[n.inputs[1]])[-1])
     raise BackendError("cannot tell the hidden size of this ONNX graph (export the bundle again)")
 
 
-def body_model(path: str | os.PathLike):
-    """The decoder at `path` without its head: outputs `hidden` (1, N, hidden), the final hidden
-    rows of the last n_logits positions, then the graph's KV outputs."""
-    from onnx import TensorProto, helper
-
-    src = _load(Path(path))
-    cut = _cut(src.graph, Path(path).name)
-    width = _hidden_size(src, cut)
-    kv_out = [o for o in src.graph.output if o.name != LOGITS]
-    nodes = _needed(src.graph, [cut, *(o.name for o in kv_out)])
-    nodes.append(helper.make_node("Identity", [cut], [HIDDEN], name="edgespec_hidden"))
-    out = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, "N", width]), *kv_out]
-    return _model(src, nodes, list(src.graph.input), out, "edgespec_body")
+def body_model(src: str | os.PathLike | OnnxModel) -> OnnxModel:
+    """The decoder at `src` (a path or a model read once) without its head: outputs `hidden`
+    (1, N, hidden), the final hidden rows of the last n_logits positions, then the graph's KV outputs."""
+    model = _model_of(src)
+    cut = _cut(model, _label(src))
+    width = _hidden_size(model, cut)
+    kv_out = [o for o in model.outputs if o.name != LOGITS]
+    nodes = _needed(model.nodes, [cut, *(o.name for o in kv_out)])
+    nodes.append(identity_node(cut, HIDDEN, "edgespec_hidden"))
+    out = [tensor_value_info(HIDDEN, FLOAT, [1, "N", width]), *kv_out]
+    return _model(model, nodes, list(model.inputs), out, "edgespec_body")
 
 
-def head_model(path: str | os.PathLike):
+def head_model(src: str | os.PathLike | OnnxModel) -> OnnxModel:
     """The decoder's head alone: `hidden` (1, N, hidden) -> `logits` (1, N, vocab)."""
-    from onnx import TensorProto, helper
+    model = _model_of(src)
+    cut = _cut(model, _label(src))
+    width = _hidden_size(model, cut)
+    nodes = _needed(model.nodes, [LOGITS], stop=cut)
+    nodes.insert(0, identity_node(HIDDEN, cut, "edgespec_hidden"))
+    inp = [tensor_value_info(HIDDEN, FLOAT, [1, "N", width])]
+    out = [o for o in model.outputs if o.name == LOGITS]
+    return _model(model, nodes, inp, out, "edgespec_head")
 
-    src = _load(Path(path))
-    cut = _cut(src.graph, Path(path).name)
-    width = _hidden_size(src, cut)
-    nodes = _needed(src.graph, [LOGITS], stop=cut)
-    nodes.insert(0, helper.make_node("Identity", [HIDDEN], [cut], name="edgespec_hidden"))
-    inp = [helper.make_tensor_value_info(HIDDEN, TensorProto.FLOAT, [1, "N", width])]
-    out = [o for o in src.graph.output if o.name == LOGITS]
-    return _model(src, nodes, inp, out, "edgespec_head")
+
+def _label(src) -> str:
+    return (src.origin or src.graph_name) if isinstance(src, OnnxModel) else Path(src).name
 
 
 def shared_names(*models) -> list[str]:
     """Initializers every model reads (a tied table: the body's embedding, the head's matrix)."""
-    sets = [{t.name for t in m.graph.initializer} for m in models]
+    sets = [{t.name for t in as_model(m).initializers} for m in models]
     return sorted(set.intersection(*sets)) if sets else []
 
 
 def gathered_tables(model) -> list[str]:
     """External initializers a Gather reads rows of (the input embedding, as floats or as GGUF
     blocks and their scales): a forward reads a few rows, so they need not be in memory whole."""
-    from onnx import TensorProto
+    model = as_model(model)
+    external = {t.name for t in model.initializers if t.external is not None}
+    return sorted({n.inputs[0] for n in model.nodes if n.op_type == "Gather" and n.inputs[0] in external})
 
-    external = {t.name for t in model.graph.initializer if t.data_location == TensorProto.EXTERNAL}
-    return sorted({n.input[0] for n in model.graph.node if n.op_type == "Gather" and n.input[0] in external})
 
-
-def load_proto(path: str | os.PathLike):
-    """The graph of an .onnx file without its external data."""
-    return _load(Path(path))
+def load_proto(path: str | os.PathLike) -> OnnxModel:
+    """The graph of an .onnx file without its external data (read without the `onnx` package)."""
+    return read_model(path)
 
 
 # how often the pages of tables being prepacked are let go (a 2-vCPU EPYC prepacks ~190 MB of
@@ -179,32 +187,29 @@ class MappedTables:
     of the table no longer counts in the process's memory."""
 
     def __init__(self, model, folder: Path, names: Iterable[str]) -> None:
+        """model: an OnnxModel (or an `onnx` ModelProto) holding the initializers `names`."""
         import mmap
 
-        from onnx import TensorProto, helper, numpy_helper
-
-        protos = {t.name: t for t in model.graph.initializer}
+        tensors = {t.name: t for t in as_model(model).initializers}
         self._maps: dict[str, mmap.mmap] = {}
         self._ranges: list[tuple[Path, int, int]] = []  # (file, offset, length) of each mapped table
         self.arrays: dict[str, np.ndarray] = {}
         for name in names:
-            t = protos[name]
-            if t.data_location != TensorProto.EXTERNAL:
-                self.arrays[name] = np.ascontiguousarray(numpy_helper.to_array(t))
+            t = tensors[name]
+            if t.external is None:
+                self.arrays[name] = np.ascontiguousarray(tensor_array(t))
                 continue
-            info = {e.key: e.value for e in t.external_data}
-            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-            count = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
-            if int(info.get("length", count * dtype.itemsize)) != count * dtype.itemsize:
-                raise BackendError(f"initializer {name} is not stored as plain {dtype} (export the bundle again)")
-            file = info["location"]
+            nbytes = t.numel * t.dtype.itemsize
+            if int(t.external.get("length", nbytes)) != nbytes:
+                raise BackendError(f"initializer {name} is not stored as plain {t.dtype} (export the bundle again)")
+            file = t.external["location"]
             if file not in self._maps:
                 with open(folder / file, "rb") as f:
                     self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            offset = int(info.get("offset", 0))
-            flat = np.frombuffer(self._maps[file], dtype=dtype, count=count, offset=offset)
-            self.arrays[name] = flat.reshape(tuple(t.dims))
-            self._ranges.append((folder / file, offset, count * dtype.itemsize))
+            offset = int(t.external.get("offset", 0))
+            flat = np.frombuffer(self._maps[file], dtype=t.dtype, count=t.numel, offset=offset)
+            self.arrays[name] = flat.reshape(t.dims)
+            self._ranges.append((folder / file, offset, nbytes))
         self._stop = threading.Event()
         if self._maps and hasattr(mmap, "MADV_DONTNEED"):
             threading.Thread(target=_shed, args=(list(self._maps.values()), self._stop), daemon=True,
@@ -256,17 +261,18 @@ def session_options(threads: int | None, spin: bool):
 
 
 def session(model, folder: Path, *, threads: int | None, spin: bool, initializers: dict):
-    """An onnxruntime CPU session of a rebuilt `model` whose external data lives in `folder`;
+    """An onnxruntime CPU session of a rebuilt `model` (an OnnxModel, or an `onnx` ModelProto)
+    whose external data lives in `folder`, built from its bytes;
     `initializers`: name -> OrtValue used instead of the file's (shared with another session)."""
     ort = import_ort()
     opts = session_options(threads, spin)
     opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
-    present = {t.name for t in model.graph.initializer}
+    present = {t.name for t in as_model(model).initializers}
     for name, value in initializers.items():
         if name in present:
             opts.add_initializer(name, value)
     try:
-        return ort.InferenceSession(model.SerializeToString(), sess_options=opts, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model_bytes(model), sess_options=opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types; keep one line
         raise BackendError(f"cannot load the split graph of {folder.name}: {str(e).splitlines()[0]}") from e
 
@@ -281,14 +287,4 @@ def ort_values(arrays: dict[str, np.ndarray]) -> dict:
 
 def initializer_bytes(model, exclude: set[str]) -> int:
     """Bytes of `model`'s initializers (external or inline), those in `exclude` left out."""
-    from onnx import helper
-
-    total = 0
-    for t in model.graph.initializer:
-        if t.name in exclude:
-            continue
-        count = int(np.prod(t.dims, dtype=np.int64)) if len(t.dims) else 1
-        total += count * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-    return total
-
-
+    return sum(t.numel * t.itemsize for t in as_model(model).initializers if t.name not in exclude)

@@ -75,10 +75,7 @@ def _open_fused(ort, path: Path, threads: int | None, spin: bool) -> tuple[objec
     """(session, initializers it reads) of the whole graph. The tables a Gather reads rows of are
     mapped from the file and let go once loaded (a tied head prepacks its own copy): only the rows
     of the tokens seen are then resident."""
-    try:
-        proto = load_proto(path)
-    except ImportError:  # no `onnx` package: the session loads every weight itself
-        return _session(ort, path, threads, spin, {}), {}
+    proto = load_proto(path)  # the graph alone, read without the `onnx` package (runtimes/onnx_wire.py)
     tables = MappedTables(proto, path.parent, gathered_tables(proto))
     del proto
     values = ort_values(tables.arrays)

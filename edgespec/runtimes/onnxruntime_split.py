@@ -36,6 +36,7 @@ from .onnx_graphs import (
     HIDDEN,
     LOGITS,
     MappedTables,
+    OnnxModel,
     body_model,
     gathered_tables,
     head_model,
@@ -62,12 +63,13 @@ class OnnxHead:
     a lone row twice, as the fused graph's padded mode does (runtimes/onnxruntime.py)."""
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, pad_rows: bool = False,
-                 initializers: dict | None = None, in_body: bool = False) -> None:
+                 initializers: dict | None = None, in_body: bool = False, source: OnnxModel | None = None) -> None:
         """initializers: name -> OrtValue shared with the body's session (a tied table).
+        source: the file's model already read (load_proto), not read again.
         in_body: the file is also loaded as the body, which reports it whole, so this head reports
         no weights of its own (the memory report would count them twice)."""
         path = Path(model_path)
-        model = head_model(path)
+        model = head_model(path if source is None else source)
         self._values = dict(initializers or {})  # kept alive as long as the session
         self._sess = session(model, path.parent, threads=threads, spin=False, initializers=self._values)
         out = self._sess.get_outputs()[0].shape  # (1, N, V)
@@ -75,7 +77,7 @@ class OnnxHead:
             raise BackendError(f"{path.name}'s head has no fixed vocabulary size")
         self.vocab_size = int(out[2])
         self.hidden_size = int(self._sess.get_inputs()[0].shape[2])
-        shared = {t.name for t in model.graph.initializer} & set(self._values)
+        shared = {t.name for t in model.initializers} & set(self._values)
         self.weight_bytes = 0 if in_body else initializer_bytes(model, exclude=shared)
         self.pad_rows = pad_rows
         self._in = np.zeros((2, self.hidden_size), dtype=np.float32)
@@ -134,20 +136,22 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
     faster without). draft_head: a trained head's .onnx, which the draft then holds."""
     trim_heap()  # what earlier loads freed (a tokenizer's parse) goes back first: a lower peak
     target_path, draft_path = Path(target_path), Path(draft_path)
-    body_proto, head_proto = body_model(target_path), head_model(target_path)
+    source = load_proto(target_path)  # read once, cut twice
+    body_proto, head_proto = body_model(source), head_model(source)
     # the tied table (embedding and head) mapped once, handed to the head's and the body's sessions
     names = sorted({*shared_names(body_proto, head_proto), *gathered_tables(body_proto)})
     tables = MappedTables(body_proto, target_path.parent, names)
     tied = ort_values(tables.arrays)
     # the heads pad a lone row where the body's KV holder pads its forwards (runtimes/ort_kv.py),
     # so they multiply the rows the fused graph's head would
-    pad_rows = pad_rows and kv_kind([o.name for o in body_proto.graph.output]).pads
+    pad_rows = pad_rows and kv_kind([o.name for o in body_proto.outputs]).pads
     heads: list = []
     body = None
     try:
         # the head first: it prepacks its own copy of the table while the body's weights are not
         # loaded yet (the peak), then the table's pages go, and only gathered rows come back
-        heads.append(OnnxHead(target_path, threads=threads, pad_rows=pad_rows, initializers=tied, in_body=True))
+        heads.append(OnnxHead(target_path, threads=threads, pad_rows=pad_rows, initializers=tied, in_body=True,
+                              source=source))
         tables.drop_pages()
         body = OnnxRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, pad_rows=pad_rows,
                            output=HIDDEN, initializers=tied, **{"spin": False, **kw})
