@@ -155,7 +155,7 @@ class Engine:
             self._settle(plan, files, reopen if plan.switchable else None, mode, remember)
         kv = [rt.kv_capacity for rt in (self.target, self.draft) if rt is not None]
         self.limits = MappingProxyType(decoder_limits(self.config.max_context, kv, self.memory_plan, self.exactness,
-                                                      self.shared_body, plan.verify_limit))
+                                                      self.shared_body, plan.verify_limit, self.config.prefill_chunk))
         # most tokens a sequence may hold (prompt + reply); None: no fixed limit
         self.context_limit: int | None = self.limits["context_limit"]
         self.decoder = self.variant()

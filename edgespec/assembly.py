@@ -100,10 +100,11 @@ def probe_width(drafter: str | None, policy: str, k: int, max_batch: int | None)
 
 
 def decoder_limits(max_context: int | None, kv_capacities: list[int | None], memory_plan, exactness,
-                   shared_body: bool, verify_limit: int | None = None) -> dict[str, int | None]:
+                   shared_body: bool, verify_limit: int | None = None,
+                   prefill_chunk: int | None = None) -> dict[str, int | None]:
     """What every decoder on an engine's runtimes is built with (SpeculativeDecoder's limits):
-    the context the caches and the config allow, a memory plan's draft length and prefill chunk,
-    and the verify widths the exactness probe found exact, within the tuner's `verify_limit` (a
+    the context the caches and the config allow, a memory plan's draft length and prefill chunk
+    (without a plan, `prefill_chunk`), and the verify widths the exactness probe found exact, within the tuner's `verify_limit` (a
     draft on the target's body keeps to them too). None: no limit."""
     mp = memory_plan
     caps = [n for n in kv_capacities if n] + ([max_context] if max_context is not None else [])
@@ -113,8 +114,10 @@ def decoder_limits(max_context: int | None, kv_capacities: list[int | None], mem
         exact = verify_limit if exact is None else min(exact, verify_limit)
     return {"context_limit": min(caps) if caps else None, "max_draft": mp.max_draft if mp is not None else None,
             "verify_width": exact, "draft_width": exact if shared_body else None,
-            # prompts prefill in the chunks the memory plan sized the scratch memory for
-            "max_batch": max(mp.prefill_chunk, mp.max_draft + 1, 2) if mp is not None else None}
+            # prompts prefill in the chunks the memory plan sized the scratch memory for, else in
+            # `prefill_chunk`s; a verify forward is never split
+            "max_batch": (max(mp.prefill_chunk, mp.max_draft + 1, 2) if mp is not None
+                          else None if prefill_chunk is None else max(prefill_chunk, MAX_PROBE_WIDTH))}
 
 
 def _frozen(options: dict) -> MappingProxyType:

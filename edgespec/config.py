@@ -21,7 +21,9 @@ from .errors import ConfigError
 from .runtimes import BACKENDS, backend_info
 
 __all__ = ["EngineConfig", "Option", "OPTIONS", "DRAFTER_CHOICES", "POLICY_CHOICES", "DRAFT_BODY_CHOICES",
-           "engine_config"]
+           "DEFAULT_PREFILL_CHUNK", "engine_config"]
+
+DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per forward without a memory budget (EngineConfig.prefill_chunk)
 
 # the choices of the CLI flags, from the registries: "auto" picks from what the bundle has, "none"
 # decodes plainly
@@ -67,6 +69,10 @@ class EngineConfig:
     (edgespec.memory); below what plain decoding needs, a MemoryBudgetError names the bound.
     max_context: most tokens (prompt + reply) a sequence may hold (default: the backend's, 4096
     for onnxruntime, or what the budget allows); a chat drops its oldest turns to stay inside it.
+    prefill_chunk: prompt tokens per forward without a budget (a budget's plan sizes its own; a
+    verify forward is never split). onnxruntime's attention scratch grows with chunk x context:
+    the default model took 694 MiB more for a 1024-token prompt in one forward, 116 MiB in
+    128-token chunks, for ~8% more prefill time (docs/memory-budgets.md).
     static: OpenVINO's static-shape mode (as NPUs need; an NPU device turns it on by itself):
     fixed KV capacity and a fixed verify width k+1, so adaptive policies draft at most k.
     draft_body: "shared" runs the draft model on the target's body, the draft artifact giving
@@ -127,6 +133,10 @@ class EngineConfig:
         "--max-context", type=int, metavar="N",
         help="most tokens a conversation holds (default: 4096, or what --memory-budget allows); chat drops its "
              "oldest turns beyond it"))
+    prefill_chunk: int = field(default=DEFAULT_PREFILL_CHUNK, metadata=_opt(
+        "--prefill-chunk", type=int, metavar="N",
+        help=f"prompt tokens per forward (default: {DEFAULT_PREFILL_CHUNK}; a memory budget picks its own): a "
+             "long prompt in one forward takes scratch memory that grows with its length times the context"))
     require_exact: bool = field(default=False, metadata=_opt(
         "--require-exact", kind="both",
         help="draft only where a verify forward rounds bit for bit like plain decoding on this machine "
@@ -160,6 +170,8 @@ class EngineConfig:
         if self.max_context is not None and (isinstance(self.max_context, bool)
                                              or not isinstance(self.max_context, int) or self.max_context < 2):
             raise ConfigError(f"max_context must be an integer >= 2, got {self.max_context!r}")
+        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be an integer >= 1, got {self.prefill_chunk!r}")
         if self.memory_budget is not None:
             from .memory.budget import parse_bytes
 

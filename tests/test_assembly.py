@@ -44,6 +44,8 @@ def plan(m=None, installed=ALL, **kw):
     (dict(drafter="psychic"), "unknown drafter 'psychic'"),
     (dict(draft_body="borrowed"), "draft_body must be one of"),
     (dict(max_context=1), "max_context must be an integer >= 2"),
+    (dict(prefill_chunk=0), "prefill_chunk must be an integer >= 1"),
+    (dict(prefill_chunk=True), "prefill_chunk must be an integer >= 1"),
     (dict(threads=0), "threads must be an integer >= 1"),
     (dict(memory_budget="lots"), "memory budget must be a size"),
     (dict(use_draft="no"), "use_draft must be True or False"),
@@ -237,6 +239,10 @@ def test_decoder_limits_take_the_tightest_bound():
     assert lim["context_limit"] == 300 and lim["max_draft"] == 3 and lim["max_batch"] == 32
     assert decoder_limits(None, [], SimpleNamespace(kv_capacity=9, max_draft=40, prefill_chunk=8), None,
                           False)["max_batch"] == 41  # a verify of every draft still fits one forward
+    # without a plan, prompts go in the config's chunks, never narrower than the widest verify
+    assert decoder_limits(None, [], None, None, False, prefill_chunk=128)["max_batch"] == 128
+    assert decoder_limits(None, [], None, None, False, prefill_chunk=8)["max_batch"] == MAX_PROBE_WIDTH
+    assert decoder_limits(None, [], plan, None, False, prefill_chunk=128)["max_batch"] == 32  # the plan's
 
 
 def test_a_policy_gets_the_free_width_when_built_and_the_decoder_leaves_it():

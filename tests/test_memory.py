@@ -266,6 +266,23 @@ def test_fixed_path_matches_transformers_and_chunked_prefill(zoo):
     assert drafted > accepted > 0
 
 
+def test_a_long_prompt_without_a_budget_goes_in_chunks(zoo, monkeypatch):
+    """No budget: the prompt is fed prefill_chunk tokens at a time (a long prompt in one forward
+    takes scratch memory that grows with its length times the context); speculative decoding
+    still gives plain decoding's tokens."""
+    bundle = zoo.bundle("llama", AGREEING)
+    prompt = np.random.default_rng(3).integers(5, 300, 150).tolist()
+    outs = []
+    for drafter in ("model", "none"):
+        with load(bundle, k=3, drafter=drafter, prefill_chunk=40) as e:
+            sizes, forward = [], e.target.forward
+            monkeypatch.setattr(e.target, "forward", lambda ids, n_logits=1: sizes.append(len(ids)) or forward(
+                ids, n_logits))
+            outs.append([t for s in e.decoder.stream(list(prompt), SamplingParams(), 12) for t in s.tokens])
+        assert max(sizes) == 40 and sum(sizes) >= 150
+    assert outs[0] == outs[1] and len(outs[0]) == 12
+
+
 def test_forward_past_capacity_is_refused_and_leaves_the_cache(zoo):
     with target_runtime(zoo.bundle("llama", AGREEING), kv_capacity=8) as rt:
         rt.forward([1, 2, 3, 4, 5])
