@@ -33,8 +33,8 @@ from ..errors import BackendError, ContextFullError
 from .heap import lazy_zeros
 from .openvino_graph import pad_keys, pad_queries
 
-__all__ = ["DEFAULT_KV_CAPACITY", "DEFAULT_STATIC_CAPACITY", "DynamicBufferKV", "KV_KINDS", "KVHolder", "KVLayout",
-           "KVPlan", "StaticKV", "dynamic_inputs", "plan_kv"]
+__all__ = ["DEFAULT_KV_CAPACITY", "DEFAULT_STATIC_CAPACITY", "DynamicBufferKV", "Feed", "KV_KINDS", "KVHolder",
+           "KVLayout", "KVPlan", "StaticKV", "dynamic_inputs", "plan_kv"]
 
 DEFAULT_STATIC_CAPACITY = 1024  # positions a static-shape model holds unless kv_capacity says otherwise
 # the dynamic mode's limit unless kv_capacity says otherwise, as onnxruntime's and llama.cpp's:
@@ -77,6 +77,10 @@ class KVPlan:
     quantize: bool  # the CPU plugin may quantize activations to int8 on the fly
 
 
+# an input of a forward: an array, or (buffer, shape): a prefix of a buffer kept across forwards
+Feed = np.ndarray | tuple[np.ndarray, tuple[int, ...]]
+
+
 class KVHolder(abc.ABC):
     """One way of holding an IR's KV cache; the runtime feeds and reads the compiled model."""
 
@@ -108,8 +112,10 @@ class KVHolder(abc.ABC):
                                    f"positions (kv_capacity); this sequence needs {total}")
 
     @abc.abstractmethod
-    def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, np.ndarray]:
-        """The inputs of a forward appending `token_ids` (room reserved first)."""
+    def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, Feed]:
+        """The inputs of a forward appending `token_ids` (room reserved first): an array, or
+        (buffer, shape), the first prod(shape) elements of a C-contiguous buffer the holder keeps
+        (the runtime then wraps the buffer once and only reshapes it per forward)."""
 
     def commit(self, new: list[tuple[np.ndarray, np.ndarray]], n_new: int) -> None:
         """After a forward of `n_new` tokens: keep them; `new` holds each layer's (K, V) output rows."""
@@ -197,18 +203,37 @@ class DynamicBufferKV(_Buffers):
         if total > size:
             self._buf = self._alloc(min(max(total, 2 * size), self.plan.capacity), self._buf)
 
-    def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, np.ndarray]:
+    def __init__(self, layout: KVLayout, plan: KVPlan, request) -> None:
+        super().__init__(layout, plan, request)
+        # the token inputs' buffers, kept: a forward writes its prefix (pad_rows: one row more)
+        room = plan.capacity + 2
+        self._ids, self._pos = np.zeros((1, room), dtype=np.int64), np.zeros((1, room), dtype=np.int64)
+        self._mask, self._index = np.ones((1, room), dtype=np.int64), np.zeros(room, dtype=np.int64)
+
+    def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, Feed]:
         S, n = len(token_ids), self._n
         self.reserve(n + S)
         # pad_rows: the last token once more at the next position, its outputs dropped, so no
         # forward multiplies one row: on CPUs whose one-row FullyConnected kernel rounds unlike
         # the taller one (AVX2 with int8/int4 weights), a decode then rounds like a verify's rows
-        fed = [*token_ids, token_ids[-1]] if self.plan.pad_rows else token_ids
-        feed = dynamic_inputs(fed, n, n_logits, rows=S)
+        fed = S + self.plan.pad_rows
+        self._ids[0, :S] = token_ids
+        self._ids[0, S:fed] = token_ids[-1]
+        self._pos[0, :fed] = np.arange(n, n + fed)
+        # as dynamic_inputs: a padded forward's head takes two rows where one is asked
+        index = np.arange(S - n_logits, S + (fed > S and n_logits == 1))
+        self._index[:len(index)] = index
+        feed: dict[str, Feed] = {"input_ids": (self._ids, (1, fed)), "position_ids": (self._pos, (1, fed)),
+                                 "attention_mask": (self._mask, (1, n + fed)),
+                                 "logits_index": (self._index, (len(index),))}
+        shape = self.layout.shape(n)
         for j in range(self.layout.n_layers):
-            # with one KV head the prefix is contiguous and shared, else this copies it
-            feed[f"past_key_{j}"] = np.ascontiguousarray(self._buf[2 * j][:, :, :n])
-            feed[f"past_value_{j}"] = np.ascontiguousarray(self._buf[2 * j + 1][:, :, :n])
+            k, v = self._buf[2 * j], self._buf[2 * j + 1]
+            if self.layout.kv_heads == 1:  # the prefix is the buffer's first n rows: fed in place
+                feed[f"past_key_{j}"], feed[f"past_value_{j}"] = (k, shape), (v, shape)
+            else:  # one prefix per head: copied together
+                feed[f"past_key_{j}"] = np.ascontiguousarray(k[:, :, :n])
+                feed[f"past_value_{j}"] = np.ascontiguousarray(v[:, :, :n])
         return feed
 
 
@@ -226,7 +251,7 @@ class StaticKV(_Buffers):
                        for kind in ("key", "value")})
         model.reshape(shapes)
 
-    def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, np.ndarray]:
+    def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, Feed]:
         S, n, W, C = len(token_ids), self._n, self.plan.width, self.plan.capacity
         self.reserve(n + S)
         if S > W:
@@ -238,8 +263,9 @@ class StaticKV(_Buffers):
         mask[0, C:C + S] = 1
         feed = {"input_ids": ids, "position_ids": np.arange(n, n + W, dtype=np.int64)[None],
                 "attention_mask": mask, "logits_index": np.arange(W, dtype=np.int64)}
-        for j in range(self.layout.n_layers):
-            feed[f"past_key_{j}"], feed[f"past_value_{j}"] = self._buf[2 * j], self._buf[2 * j + 1]
+        for j in range(self.layout.n_layers):  # the whole buffers, the same every forward: bound once
+            k, v = self._buf[2 * j], self._buf[2 * j + 1]
+            feed[f"past_key_{j}"], feed[f"past_value_{j}"] = (k, k.shape), (v, v.shape)
         return feed
 
     def rows(self, logits: np.ndarray, n_new: int, n_logits: int) -> np.ndarray:
