@@ -195,6 +195,7 @@ class FixedBufferKV(KVHolder):
         # the padding row's K/V lands one slot past the sequence: room for it at capacity. Pages
         # are committed as they are written: RSS follows the context actually used (lazy_zeros)
         self._kv = [lazy_zeros((rows, lay.kv_heads, lay.head_dim)) for _ in range(2 * lay.n_layers)]
+        self._kv_bytes = sum(a.nbytes for a in self._kv)  # memory() runs with every streamed Response
         self.logits = np.zeros((_LOGIT_ROWS, width), dtype=np.float32)
         self._ids = np.zeros((1, rows), dtype=np.int64)
         self._n_logits = np.zeros(1, dtype=np.int64)
@@ -250,12 +251,12 @@ class FixedBufferKV(KVHolder):
         return list(self._kv)
 
     def memory(self) -> dict[str, int]:
-        return {"kv": sum(a.nbytes for a in self._kv), "kv_used": self.plan.layout.bytes_per_token * self._n,
+        return {"kv": self._kv_bytes, "kv_used": self.plan.layout.bytes_per_token * self._n,
                 "logits": self.logits.nbytes}
 
     def close(self) -> None:
         self._binding = None
-        self._kv = []
+        self._kv, self._kv_bytes = [], 0
         super().close()
 
 

@@ -166,6 +166,7 @@ class _Buffers(KVHolder):
         buf = [lazy_zeros(self.layout.shape(capacity)) for _ in range(2 * self.layout.n_layers)]
         for new, prev in zip(buf, old):
             new[:, :, :self._n] = prev[:, :, :self._n]
+        self._nbytes = sum(b.nbytes for b in buf)  # nbytes() runs with every streamed Response
         return buf
 
     def commit(self, new: list[tuple[np.ndarray, np.ndarray]], n_new: int) -> None:
@@ -176,10 +177,10 @@ class _Buffers(KVHolder):
         super().commit(new, n_new)
 
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self._buf)
+        return self._nbytes
 
     def close(self) -> None:
-        self._buf = []
+        self._buf, self._nbytes = [], 0
 
 
 class DynamicBufferKV(_Buffers):
