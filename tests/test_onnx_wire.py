@@ -70,7 +70,7 @@ def _check_cuts(path) -> None:
     model = read_model(path)
     assert model.to_bytes() == src.SerializeToString()  # read and written back: the same bytes
     assert onnx_graphs.body_model(model).to_bytes() == _ref_cut(src, body=True).SerializeToString()
-    assert onnx_graphs.head_model(path).to_bytes() == _ref_cut(src, body=False).SerializeToString()
+    assert onnx_graphs.head_model(path, direct=False).to_bytes() == _ref_cut(src, body=False).SerializeToString()
     external = {t.name for t in src.graph.initializer if t.data_location == TensorProto.EXTERNAL}
     assert onnx_graphs.gathered_tables(model) == sorted(
         {n.input[0] for n in src.graph.node if n.op_type == "Gather" and n.input[0] in external})
@@ -103,6 +103,36 @@ def test_cuts_of_a_transcoded_gguf_and_of_the_old_layout_with_inline_weights(zoo
         onnx.save_model(build_decoder(model.spec, model.tensors, GraphOptions(kv_layout=layout)), str(path),
                         save_as_external_data=layout == "append", location="model.onnx.data")
         _check_cuts(path)
+        direct, kept = onnx_graphs.head_model(path), onnx_graphs.head_model(path, direct=False)
+        assert [n.op_type for n in direct.nodes] == ["Identity", "MatMulNBits"]  # the tied head on the blocks
+        rows = np.random.default_rng(4).standard_normal((3, model.spec.hidden_size)).astype(np.float32)
+        for n in (1, 3):
+            np.testing.assert_array_equal(_head_logits(direct, path.parent, rows[:n]),
+                                          _head_logits(kept, path.parent, rows[:n]))
+
+
+def _head_logits(model, folder, rows: np.ndarray) -> np.ndarray:
+    sess = onnx_graphs.session(model, folder, threads=1, spin=False, initializers={})
+    return sess.run(["logits"], {"hidden": rows[None]})[0][0]
+
+
+@pytest.mark.parametrize("name, product", [("llama", "MatMul"), ("gemma3", "MatMul"), ("gemma3-tied", None)])
+def test_a_direct_head_writes_the_same_logits_bit_for_bit(zoo, name, product):
+    """Reshape -> MatMul -> Unsqueeze becomes one MatMul into `logits`; a head of another shape
+    (the tied fp32 head's Gemm) is left as it is."""
+    path = _target(zoo.bundle(name, DISAGREEING))
+    direct, kept = onnx_graphs.head_model(path), onnx_graphs.head_model(path, direct=False)
+    ops = [n.op_type for n in direct.nodes]
+    if product is None:
+        assert direct.to_bytes() == kept.to_bytes()
+    else:
+        assert ops == ["Identity", product] and direct.nodes[-1].outputs == ("logits",)
+        assert len(direct.initializers) == len(kept.initializers) - 2  # the two shape constants
+    width = int(direct.metadata_props["edgespec.hidden_size"])
+    rng = np.random.default_rng(3)
+    for n in (1, 2, 5):
+        rows = rng.standard_normal((n, width)).astype(np.float32)
+        np.testing.assert_array_equal(_head_logits(direct, path.parent, rows), _head_logits(kept, path.parent, rows))
 
 
 def test_a_graph_without_its_recorded_hidden_size_reads_it_from_the_reshape(zoo, tmp_path):

@@ -36,6 +36,7 @@ from .onnx_wire import (
     model_bytes,
     parse_model,
     read_model,
+    rewired,
     tensor_array,
     tensor_value_info,
 )
@@ -124,16 +125,52 @@ def body_model(src: str | os.PathLike | OnnxModel) -> OnnxModel:
     return _model(model, nodes, list(model.inputs), out, "edgespec_body")
 
 
-def head_model(src: str | os.PathLike | OnnxModel) -> OnnxModel:
-    """The decoder's head alone: `hidden` (1, N, hidden) -> `logits` (1, N, vocab)."""
+def head_model(src: str | os.PathLike | OnnxModel, *, direct: bool = True) -> OnnxModel:
+    """The decoder's head alone: `hidden` (1, N, hidden) -> `logits` (1, N, vocab).
+    direct: the head's product written straight into `logits` where the graph flattens the rows
+    around it (`_direct_product`); False: the graph's own nodes, as they are."""
     model = _model_of(src)
     cut = _cut(model, _label(src))
     width = _hidden_size(model, cut)
     nodes = _needed(model.nodes, [LOGITS], stop=cut)
+    if direct:
+        nodes = _direct_product(model, nodes, cut)
     nodes.insert(0, identity_node(HIDDEN, cut, "edgespec_hidden"))
     inp = [tensor_value_info(HIDDEN, FLOAT, [1, "N", width])]
     out = [o for o in model.outputs if o.name == LOGITS]
     return _model(model, nodes, inp, out, "edgespec_head")
+
+
+# products that multiply a (..., K) input over any leading dimensions
+_BATCHED = ("MatMul", "MatMulNBits")
+
+
+def _ints_of(consts: dict, name: str) -> list[int] | None:
+    return [int(v) for v in tensor_array(consts[name]).ravel()] if name in consts else None
+
+
+def _direct_product(model: OnnxModel, nodes: list[Node], cut: str) -> list[Node]:
+    """The head's nodes, with `logits = Unsqueeze(P(Reshape(cut, [-1, H]), ...), [0])` (how the
+    exporter writes every head without a softcap, P a MatMul or MatMulNBits) as `logits =
+    P(cut, ...)`: the same products of the same (1, N, H) rows, bit for bit. onnxruntime then
+    writes them into the bound logits buffer, where it allocated P's output apart and copied it
+    over: 1-5 MiB per call at Gemma 3's 262,144 logits a row, served from glibc's heap once the
+    first were freed, whose free blocks grew it by ~19 MiB during a generation (the default
+    configuration's peak). Any other head is left as it is."""
+    by_out = {o: n for n in nodes for o in n.outputs}
+    last = by_out.get(LOGITS)
+    prod = by_out.get(last.inputs[0]) if last is not None and last.op_type == "Unsqueeze" else None
+    flat = by_out.get(prod.inputs[0]) if prod is not None and prod.op_type in _BATCHED else None
+    if flat is None or flat.op_type != "Reshape" or flat.inputs[0] != cut or len(last.inputs) != 2:
+        return nodes
+    consts = {t.name: t for t in model.initializers if t.external is None}
+    shape = _ints_of(consts, flat.inputs[1])
+    if _ints_of(consts, last.inputs[1]) != [0] or shape is None or len(shape) != 2 or shape[0] != -1:
+        return nodes
+    if [n for n in nodes if {*flat.outputs, *prod.outputs} & set(n.inputs)] != [prod, last]:
+        return nodes  # the flattened rows or the product have another reader
+    direct = rewired(prod, (cut, *prod.inputs[1:]), (LOGITS,))
+    return [direct if n is prod else n for n in nodes if n is not flat and n is not last]
 
 
 def _label(src) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import BackendError
 
 __all__ = ["FLOAT", "OnnxModel", "Tensor", "Node", "Value", "identity_node", "model_bytes", "parse_model",
-           "read_model", "tensor_array", "tensor_value_info"]
+           "read_model", "rewired", "tensor_array", "tensor_value_info"]
 
 # onnx.proto field numbers
 _MODEL_IR, _MODEL_PRODUCER, _MODEL_GRAPH, _MODEL_OPSET, _MODEL_META = 1, 2, 7, 8, 14
@@ -304,6 +304,17 @@ def identity_node(src: str, dst: str, name: str) -> Node:
     raw = _ld(_NODE_INPUT, src.encode()) + _ld(_NODE_OUTPUT, dst.encode()) + _ld(_NODE_NAME, name.encode()) \
         + _ld(_NODE_OP, b"Identity")
     return Node("Identity", (src,), (dst,), memoryview(raw))
+
+
+def rewired(node: Node, inputs: tuple[str, ...], outputs: tuple[str, ...]) -> Node:
+    """`node` reading `inputs` and writing `outputs`; its other fields (name, domain, attributes)
+    as they were written."""
+    rest = b"".join(_key(f, 2) + _enc(v[1] - v[0]) + bytes(node.raw[v[0]:v[1]]) if wire == 2 else
+                    _key(f, wire) + (_enc(v) if wire == 0 else v)
+                    for f, wire, v in _fields(node.raw, 0, len(node.raw)) if f not in (_NODE_INPUT, _NODE_OUTPUT))
+    raw = b"".join([*(_ld(_NODE_INPUT, i.encode()) for i in inputs), *(_ld(_NODE_OUTPUT, o.encode()) for o in outputs),
+                    rest])
+    return Node(node.op_type, tuple(inputs), tuple(outputs), memoryview(raw))
 
 
 def tensor_value_info(name: str, elem_type: int, shape: list[int | str]) -> Value:
