@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BackendError
-from .heap import trim_heap
+from .heap import lazy_zeros, trim_heap
 from .onnx_graphs import (
     HIDDEN,
     LOGITS,
@@ -53,6 +53,10 @@ from .shared_body import SharedBodyRuntime, check_feature_head, check_heads, sha
 __all__ = ["OnnxFeatureHead", "OnnxHead", "open_shared_pair"]
 
 logger = logging.getLogger(__name__)
+
+# rows a head's buffers hold from the start (a verify of up to HEAD_ROWS - 1 drafts); only the
+# rows written are committed
+HEAD_ROWS = 16
 
 
 class OnnxHead:
@@ -80,16 +84,14 @@ class OnnxHead:
         shared = {t.name for t in model.initializers} & set(self._values)
         self.weight_bytes = 0 if in_body else initializer_bytes(model, exclude=shared)
         self.pad_rows = pad_rows
-        self._in = np.zeros((2, self.hidden_size), dtype=np.float32)
-        self._out = np.zeros((2, self.vocab_size), dtype=np.float32)
+        self._in, self._out = self._buffers(HEAD_ROWS)
         self._binding = self._sess.io_binding()
 
     def __call__(self, hidden: np.ndarray) -> np.ndarray:
         rows = len(hidden)
         n = rows + int(self.pad_rows and rows == 1)
         if n > len(self._in):  # a wider read than before: grow once, keep it
-            self._in = np.zeros((n, self.hidden_size), dtype=np.float32)
-            self._out = np.zeros((n, self.vocab_size), dtype=np.float32)
+            self._in, self._out = self._buffers(max(n, 2 * len(self._in)))
         x = self._in[:n]
         x[:rows] = hidden
         x[rows:] = hidden[-1]
@@ -98,6 +100,12 @@ class OnnxHead:
         b.bind_output(LOGITS, "cpu", 0, f32, [1, n, self.vocab_size], self._out.ctypes.data)
         self._sess.run_with_iobinding(b)
         return self._out[:rows]
+
+    def _buffers(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """Input and logits buffers of `rows` rows, committed a page at a time as rows are written
+        (lazy_zeros) and given back whole when replaced: from glibc's heap, a grown buffer left its
+        predecessor there as a free block (a MiB per row at Gemma 3's 262,144 logits)."""
+        return lazy_zeros((rows, self.hidden_size)), lazy_zeros((rows, self.vocab_size))
 
     def close(self) -> None:
         self._binding = None
