@@ -213,3 +213,25 @@ def test_generate_on_onnxruntime_never_imports_onnx(zoo):
     assert got["codes"] == [0, 0, 0] and got["onnxruntime"]
     assert got["tried"] == [] and not got["onnx"]
     assert got["texts"][0] == got["texts"][1] == got["texts"][2] != ""  # greedy: the same text every way
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_the_fused_graph_with_a_direct_head_gives_the_files_logits(zoo, name):
+    """OnnxRuntime opens the whole graph rewritten (onnx_graphs.fused_model): the same logits, bit
+    for bit, as a session of the file as written."""
+    import onnxruntime as ort
+
+    from edgespec.runtimes.onnxruntime import OnnxRuntime
+
+    path = _target(zoo.bundle(name, DISAGREEING))
+    model = onnx_graphs.fused_model(path)
+    producer = {o: n.op_type for n in model.nodes for o in n.outputs}
+    assert producer["logits"] == "MatMul" and len(model.nodes) == len(read_model(path).nodes) - 2
+    ids = [int(t) for t in np.random.default_rng(6).integers(3, 200, 24)]
+    with OnnxRuntime(path, threads=1) as rt:
+        got = np.array(rt.forward(ids, n_logits=5))
+        kv = rt.kv_buffers()[0].shape[1:]
+    plain = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {"input_ids": np.array([ids]), "n_logits": np.array([5])}
+    feeds.update({i.name: np.zeros((1, 0, *kv), np.float32) for i in plain.get_inputs()[2:]})
+    np.testing.assert_array_equal(got, plain.run(["logits"], feeds)[0][0])

@@ -41,8 +41,9 @@ from .onnx_wire import (
     tensor_value_info,
 )
 
-__all__ = ["HIDDEN", "LOGITS", "MappedTables", "OnnxModel", "as_model", "body_model", "gathered_tables", "head_model",
-           "import_ort", "initializer_bytes", "load_proto", "ort_values", "session", "session_options", "shared_names"]
+__all__ = ["HIDDEN", "LOGITS", "MappedTables", "OnnxModel", "as_model", "body_model", "fused_model", "gathered_tables",
+           "head_model", "import_ort", "initializer_bytes", "load_proto", "ort_values", "session", "session_options",
+           "shared_names"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,20 @@ def head_model(src: str | os.PathLike | OnnxModel, *, direct: bool = True) -> On
     inp = [tensor_value_info(HIDDEN, FLOAT, [1, "N", width])]
     out = [o for o in model.outputs if o.name == LOGITS]
     return _model(model, nodes, inp, out, "edgespec_head")
+
+
+def fused_model(src: str | os.PathLike | OnnxModel) -> OnnxModel:
+    """The whole decoder, its head's product written straight into `logits` (`_direct_product`);
+    a graph without an edgespec head to cut, as it is."""
+    model = _model_of(src)
+    try:
+        cut = _cut(model, _label(src))
+    except BackendError:
+        return model
+    nodes = _direct_product(model, list(model.nodes), cut)
+    if len(nodes) == len(model.nodes):
+        return model
+    return _model(model, nodes, list(model.inputs), list(model.outputs), model.graph_name)
 
 
 # products that multiply a (..., K) input over any leading dimensions

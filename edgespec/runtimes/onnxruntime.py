@@ -24,8 +24,8 @@ from .onnx_graphs import (
     LOGITS,
     MappedTables,
     body_model,
+    fused_model,
     gathered_tables,
-    load_proto,
     ort_values,
     session,
     session_options,
@@ -72,24 +72,26 @@ def _open_session(ort, path: Path, threads: int | None, spin: bool, output: str,
 
 
 def _open_fused(ort, path: Path, threads: int | None, spin: bool) -> tuple[object, dict]:
-    """(session, initializers it reads) of the whole graph. The tables a Gather reads rows of are
-    mapped from the file and let go once loaded (a tied head prepacks its own copy): only the rows
-    of the tokens seen are then resident."""
-    proto = load_proto(path)  # the graph alone, read without the `onnx` package (runtimes/onnx_wire.py)
-    tables = MappedTables(proto, path.parent, gathered_tables(proto))
-    del proto
+    """(session, initializers it reads) of the whole graph, its head's product written straight
+    into the bound logits (onnx_graphs.fused_model). The tables a Gather reads rows of are mapped
+    from the file and let go once loaded (a tied head prepacks its own copy): only the rows of the
+    tokens seen are then resident."""
+    model = fused_model(path)  # the graph alone, read without the `onnx` package (runtimes/onnx_wire.py)
+    tables = MappedTables(model, path.parent, gathered_tables(model))
     values = ort_values(tables.arrays)
-    sess = _session(ort, path, threads, spin, values)
+    sess = _session(ort, path, model, threads, spin, values)
     tables.drop_pages()
     return sess, values
 
 
-def _session(ort, path: Path, threads: int | None, spin: bool, initializers: dict):
+def _session(ort, path: Path, model, threads: int | None, spin: bool, initializers: dict):
+    """A session of `model` (read from `path`, maybe rewritten) whose external data lies next to `path`."""
     opts = session_options(threads, spin)
+    opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
     for name, value in initializers.items():
         opts.add_initializer(name, value)
     try:
-        return ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(model.to_bytes(), sess_options=opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own exception types; keep one line
         raise BackendError(f"cannot load {path.name}: {str(e).splitlines()[0]}") from e
 
