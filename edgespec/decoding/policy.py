@@ -14,6 +14,7 @@ policy by subclassing DraftPolicy and registering a factory `k -> policy` in POL
 from __future__ import annotations
 
 import abc
+import bisect
 import dataclasses
 import logging
 import math
@@ -100,8 +101,10 @@ def verify_table(measured: dict[int, float], max_width: int, slope: float) -> li
     measured = dict(zip(widths, isotonic([measured[w] for w in widths])))
     out: list[float] = []
     for w in range(1, max_width + 1):
-        lo = max((m for m in widths if m <= w), default=None)
-        hi = min((m for m in widths if m >= w), default=None)
+        # the nearest measured widths at or below and at or above w (bisect: this runs every step)
+        below, above = bisect.bisect_right(widths, w), bisect.bisect_left(widths, w)
+        lo = widths[below - 1] if below else None
+        hi = widths[above] if above < len(widths) else None
         if lo is not None and hi is not None:
             est = measured[lo] if lo == hi else measured[lo] + (measured[hi] - measured[lo]) * (w - lo) / (hi - lo)
         else:

@@ -47,7 +47,7 @@ from .onnx_graphs import (
     shared_names,
 )
 from .onnxruntime import OnnxRuntime
-from .ort_kv import kv_kind
+from .ort_kv import F32, RawBinding, kv_kind
 from .shared_body import SharedBodyRuntime, check_feature_head, check_heads, shared_pair
 
 __all__ = ["OnnxFeatureHead", "OnnxHead", "open_shared_pair"]
@@ -85,7 +85,8 @@ class OnnxHead:
         self.weight_bytes = 0 if in_body else initializer_bytes(model, exclude=shared)
         self.pad_rows = pad_rows
         self._in, self._out = self._buffers(HEAD_ROWS)
-        self._binding = self._sess.io_binding()
+        self._binding = RawBinding(self._sess)
+        self._bound = (0, 0)  # (rows, input address) bound: a call binds again only when they change
 
     def __call__(self, hidden: np.ndarray) -> np.ndarray:
         rows = len(hidden)
@@ -95,10 +96,12 @@ class OnnxHead:
         x = self._in[:n]
         x[:rows] = hidden
         x[rows:] = hidden[-1]
-        b, f32 = self._binding, np.float32
-        b.bind_input(HIDDEN, "cpu", 0, f32, [1, n, self.hidden_size], x.ctypes.data)
-        b.bind_output(LOGITS, "cpu", 0, f32, [1, n, self.vocab_size], self._out.ctypes.data)
-        self._sess.run_with_iobinding(b)
+        b = self._binding
+        if (n, self._in.ctypes.data) != self._bound:
+            b.bind_input(HIDDEN, b.device, F32, [1, n, self.hidden_size], self._in.ctypes.data)
+            b.bind_output(LOGITS, b.device, F32, [1, n, self.vocab_size], self._out.ctypes.data)
+            self._bound = (n, self._in.ctypes.data)
+        b.run()
         return self._out[:rows]
 
     def _buffers(self, rows: int) -> tuple[np.ndarray, np.ndarray]:

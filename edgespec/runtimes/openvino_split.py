@@ -50,18 +50,25 @@ class OpenVinoHead:
         self._req = self._compiled.create_infer_request()
         self._tensor = import_ov().Tensor
         self.pad_rows = pad_rows
+        # the input rows go into a kept buffer, wrapped in a Tensor once and reshaped per call
+        self._in, self._in_tensor = np.zeros((1, 0, self.hidden_size), dtype=np.float32), None
 
     def __call__(self, hidden: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(hidden, dtype=np.float32)[None]  # (1, R, H)
-        rows = x.shape[1]
-        if self.pad_rows and rows == 1:
-            x = np.concatenate([x, x], axis=1)
+        rows = len(hidden)
+        n = rows + int(self.pad_rows and rows == 1)
+        if n > self._in.shape[1]:  # a wider call than before: grow once, keep it
+            self._in = np.zeros((1, max(n, 17), self.hidden_size), dtype=np.float32)
+            self._in_tensor = self._tensor(self._in, shared_memory=True)
+            self._req.set_input_tensor(0, self._in_tensor)
+        self._in[0, :rows] = hidden
+        self._in[0, rows:n] = hidden[-1]
+        self._in_tensor.shape = (1, n, self.hidden_size)
         try:
-            self._req.set_input_tensor(0, self._tensor(x, shared_memory=True))
-            self._req.infer()
+            # views of the output (share_outputs): the logits, ~1 MB a row, are not copied
+            logits = self._req.infer(share_outputs=True).to_tuple()[0]
         except Exception as e:
             raise BackendError(f"OpenVINO head inference failed: {ov_reason(e)}") from e
-        return self._req.get_output_tensor(0).data[0][:rows]
+        return logits[0][:rows]
 
     def close(self) -> None:
         self._req = None
