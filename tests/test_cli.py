@@ -139,3 +139,19 @@ def test_info_shows_the_tuned_configuration_measured_once_then_cached(zoo, tmp_p
     assert next(ln for ln in again.stdout.splitlines() if "chosen:" in ln).endswith("[cached]")
     off = run("info", str(bundle), env={**env, "EDGESPEC_TUNE": "0"})
     assert "nothing measured" in off.stdout
+
+
+def test_sigterm_inside_exec_d_source_still_exits_as_sigterm(tmp_path):
+    """A SIGTERM landing in code built from source text (dataclasses, namedtuple: all through
+    transformers' import) must not turn `python -m` into a SIGINT death after the export unwound."""
+    (tmp_path / "sigterm_probe.py").write_text(
+        "import signal, sys\n"
+        "from edgespec.cli.export import sigterm_as_interrupt\n"
+        "with sigterm_as_interrupt() as got:\n"
+        "    try:\n"
+        "        exec('import os, signal, time\\nos.kill(os.getpid(), signal.SIGTERM)\\ntime.sleep(30)')\n"
+        "    except KeyboardInterrupt:\n"
+        "        pass\n"
+        "sys.exit(128 + signal.SIGTERM if got.is_set() else 1)\n")
+    proc = subprocess.run([sys.executable, "-m", "sigterm_probe"], cwd=tmp_path, capture_output=True, timeout=60)
+    assert proc.returncode == 128 + 15, proc.stderr

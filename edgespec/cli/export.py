@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .common import cli_entry, setup_logging
 
-__all__ = ["main", "build_parser"]
+__all__ = ["Terminated", "build_parser", "main", "sigterm_as_interrupt"]
 
 
 def _vocab(text: str) -> int | str | None:
@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, unwinding as Ctrl-C does. Its own class because CPython marks a plain
+    KeyboardInterrupt that leaves exec'd source text (dataclasses and namedtuple build their
+    methods that way, all through transformers' import) as unhandled, and a `python -m` process
+    then ends by SIGINT, whatever exit code it returns after catching it."""
+
+
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[threading.Event]:
     """While the block runs, SIGTERM raises KeyboardInterrupt where the export is, so it unwinds
@@ -90,7 +97,7 @@ def sigterm_as_interrupt() -> Iterator[threading.Event]:
 
     def terminate(signum, frame) -> None:
         got.set()
-        raise KeyboardInterrupt
+        raise Terminated
 
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
