@@ -104,8 +104,8 @@ def decoder_limits(max_context: int | None, kv_capacities: list[int | None], mem
                    prefill_chunk: int | None = None) -> dict[str, int | None]:
     """What every decoder on an engine's runtimes is built with (SpeculativeDecoder's limits):
     the context the caches and the config allow, a memory plan's draft length and prefill chunk
-    (without a plan, `prefill_chunk`), and the verify widths the exactness probe found exact, within the tuner's `verify_limit` (a
-    draft on the target's body keeps to them too). None: no limit."""
+    (without a plan, `prefill_chunk`), and the verify widths the exactness probe found exact,
+    within the tuner's `verify_limit` (a draft on the target's body keeps to them too). None: no limit."""
     mp = memory_plan
     caps = [n for n in kv_capacities if n] + ([max_context] if max_context is not None else [])
     caps += [mp.kv_capacity] if mp is not None else []

@@ -65,6 +65,45 @@ def test_the_probe_reads_the_cache_rows_a_wide_forward_wrote():
     assert verdict.exact == (2,) and verdict.exact_width == 2
 
 
+class KeySplitRounding(ToyRuntime):
+    """A toy whose wide forwards round apart only when their keys go past `keys` (onnxruntime's
+    SGEMM summed Gemma 3's 256-deep scores in one pass up to 128 keys, in halves beyond): a row
+    computed beside more keys than `keys` while its own position is within them."""
+
+    def __init__(self, *args, keys: int = 128, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.keys = keys
+
+    def forward(self, token_ids, n_logits=1):
+        start = self.n_past
+        out = super().forward(token_ids, n_logits)
+        if len(token_ids) > 1 and start < self.keys < self.n_past:
+            out = out + np.float32(1e-6) * (np.arange(out.shape[-1]) % 2 == 0)
+        return out
+
+
+def test_the_probe_looks_where_long_contexts_change_a_kernels_split():
+    """The short prefixes alone would call this runtime exact at every width; a verify at 128 keys
+    then parts from plain decoding mid-answer, as onnxruntime's did on Gemma 3 (round 14)."""
+    assert probe(KeySplitRounding(vocab=40), 8, starts=(5, 14)).fully_exact
+    verdict = probe(KeySplitRounding(vocab=40), 8)
+    assert verdict.exact == (2, 3, 4) and verdict.exact_width == 4  # 124 + 5 keys cross 128
+    assert probe(KeySplitRounding(vocab=40, keys=64), 8).exact_width == 4  # from 60
+
+
+@pytest.mark.parametrize("body", [WideRounding(vocab=40, from_width=3), KeySplitRounding(vocab=40)],
+                         ids=["wide", "key-split"])
+def test_the_probe_sees_a_shared_bodys_wide_forwards(body):
+    """A shared body keeps rows by token ids: the probe must make it run each wide forward, not
+    hand back the reference rows it already holds (which would call every width exact)."""
+    from edgespec.runtimes.shared_body import shared_pair
+    from tests.test_shared_body import MatrixHead
+
+    target, _ = shared_pair(body, MatrixHead(np.eye(40)), MatrixHead(np.eye(40)[:, :30]))
+    expected = probe(body, 8).exact_width
+    assert expected < 8 and probe(target, 8).exact_width == expected and target.n_past == 0
+
+
 def test_no_exact_width_is_said_plainly():
     verdict = probe(WideRounding(vocab=40, from_width=2), 5)
     assert verdict.exact == () and verdict.exact_width == 1

@@ -276,8 +276,8 @@ def test_a_long_prompt_without_a_budget_goes_in_chunks(zoo, monkeypatch):
     for drafter in ("model", "none"):
         with load(bundle, k=3, drafter=drafter, prefill_chunk=40) as e:
             sizes, forward = [], e.target.forward
-            monkeypatch.setattr(e.target, "forward", lambda ids, n_logits=1: sizes.append(len(ids)) or forward(
-                ids, n_logits))
+            monkeypatch.setattr(e.target, "forward", lambda ids, n_logits=1, sizes=sizes, forward=forward:
+                                sizes.append(len(ids)) or forward(ids, n_logits))
             outs.append([t for s in e.decoder.stream(list(prompt), SamplingParams(), 12) for t in s.tokens])
         assert max(sizes) == 40 and sum(sizes) >= 150
     assert outs[0] == outs[1] and len(outs[0]) == 12

@@ -144,3 +144,35 @@ def test_block_weights_with_mins_and_mixed_formats_keep_their_logits(zoo, tmp_pa
     got = _decode_logits(_save(graphs[True], tmp_path / "fused.onnx"), ids)
     for i, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max(), err_msg=f"forward {i}")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_attention_scores_round_alike_beside_any_number_of_keys(threads):
+    """Plain decoding computes a score row beside T keys, a verify beside T + 1 or more (its later
+    rows' keys, masked): the row's bits must not depend on how many keys stand beside it.
+    onnxruntime's SGEMM sums a 256-deep product (Gemma 3's head_dim) in one pass or in two
+    depending on how many columns each thread takes (on a 2-vCPU EPYC at T = 128 -> 129 and
+    144 -> 145), so the graph adds up products of depth 128, which it always sums in one pass."""
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper
+
+    from edgespec.exporters.onnx_graph import _G, OPSET, _scores
+
+    g = _G()
+    out = _scores(g, "q", "k", 256)
+    graph = helper.make_graph(g.nodes, "scores",
+                              [helper.make_tensor_value_info("q", TensorProto.FLOAT, [1, 1, "R", 256]),
+                               helper.make_tensor_value_info("k", TensorProto.FLOAT, [1, 1, "T", 256])],
+                              [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], g.inits)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    sess = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+                                .SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 1, 12, 256), dtype=np.float32)
+    k = rng.standard_normal((1, 1, 300, 256), dtype=np.float32)
+    for t in range(3, 296):
+        alone = sess.run(None, {"q": q[:, :, :8], "k": k[:, :, :t]})[0]
+        for rows, more in ((8, 1), (12, 1), (12, 4)):
+            beside = sess.run(None, {"q": q[:, :, :rows], "k": k[:, :, :t + more]})[0]
+            assert np.array_equal(beside[:, :, :8, :t], alone), (t, rows, more)

@@ -39,7 +39,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .gguf_transcode import BlockWeight
 from .onnx_blocks import BlockOps
-from .onnx_fused import fast_gelu, fused_add_rms_norm, fused_rms_norm, linear_group, once_per_forward, rotary
+from .onnx_fused import fast_gelu, fused_add_rms_norm, fused_rms_norm, linear_group, rotary
+from .onnx_masks import buffer_positions_and_masks, positions_and_masks
 from .spec import ModelSpec
 
 __all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
@@ -47,6 +48,7 @@ __all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
 logger = logging.getLogger(__name__)
 OPSET = 21
 _NEG = float(np.finfo(np.float32).min)
+SCORE_DEPTH = 128  # deepest attention-score product onnxruntime sums the same way at every key count (_scores)
 KV_LAYOUTS = ("present", "append", "buffer")
 
 
@@ -271,7 +273,7 @@ def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, m
     if copies == 2:
         q = g.op("Concat", [q, q], axis=2)  # (1, H, 2S, hd)
     rows = g.op("Reshape", [q, g.const([1, KVH, -1, hd], dtype=np.int64)])  # (1, KVH, rep*copies*S, hd)
-    scores = g.op("MatMul", [rows, g.op("Transpose", [k], perm=[0, 1, 3, 2])])  # (1, KVH, R, T)
+    scores = _scores(g, rows, k, hd)  # (1, KVH, R, T)
     if row_mask:
         probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
     else:
@@ -292,6 +294,29 @@ def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, m
     return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj")
 
 
+def _scores(g: _G, rows: str, k: str, hd: int) -> str:
+    """rows (1, KVH, R, hd) @ k (1, KVH, T, hd) transposed: (1, KVH, R, T), as products of depth
+    at most SCORE_DEPTH added up.
+
+    onnxruntime's SGEMM (MLAS) sums a product deeper than 128 in one pass or in 128-deep pieces
+    depending on how many output columns each of its threads takes, which follows T. A score row
+    computed beside T keys and beside T + 1 (a verify's later, masked keys) then rounds apart at a
+    few T: Gemma 3 (head_dim 256) on a 2-vCPU EPYC at T = 128 -> 129 and 144 -> 145, with other
+    thread counts elsewhere (64 -> 65 with 1 thread, 256 -> 257 ... with 4), and a greedy verify
+    there can pick another token than plain decoding. A product of depth 128 or less is always
+    one pass, at every T and thread count measured (1-8), so deeper heads are summed in slices."""
+    if hd <= SCORE_DEPTH:
+        return g.op("MatMul", [rows, g.op("Transpose", [k], perm=[0, 1, 3, 2])])
+    sizes = g.const([min(SCORE_DEPTH, hd - i) for i in range(0, hd, SCORE_DEPTH)], dtype=np.int64)
+    n = -(-hd // SCORE_DEPTH)
+    qs, ks = g.op("Split", [rows, sizes], n_out=n, axis=3), g.op("Split", [k, sizes], n_out=n, axis=3)
+    out = None
+    for q_part, k_part in zip(qs, ks):
+        part = g.op("MatMul", [q_part, g.op("Transpose", [k_part], perm=[0, 1, 3, 2])])
+        out = part if out is None else g.op("Add", [out, part])
+    return out
+
+
 def _to_heads_major(g: _G, x: str, kvh: int) -> str:
     """(1, T, kvh, hd) -> (1, kvh, T, hd); a free Reshape when there is one KV head."""
     if kvh == 1:
@@ -310,61 +335,6 @@ def _append_kv(g: _G, past: tuple[str, str], k: str, v: str, kvh: int, names: tu
     present_k = _to_heads_major(g, g.op("Concat", [past[0], new_k], axis=1), kvh)
     present_v = _to_heads_major(g, g.op("Concat", [past[1], new_v], axis=1), kvh)
     return present_k, present_v, new_k, new_v
-
-
-def _positions_and_masks(g: _G, spec: ModelSpec, past0: str, ids: str, seq_axis: int = 2, fused: bool = False) -> dict:
-    """Positions P..P+S-1, RoPE cos/sin per layer type, additive causal (and sliding) masks; `fused`:
-    cos/sin as RotaryEmbedding reads them, and onnx_fused.once_per_forward."""
-    i64 = dict(dtype=np.int64)
-    p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(seq_axis, **i64)])  # scalar P
-    s_len = g.op("Gather", [g.op("Shape", [ids]), g.const(1, **i64)])  # scalar S
-    t_len = g.op("Add", [p_len, s_len])
-    qpos = g.op("Range", [p_len, t_len, g.const(1, **i64)])  # (S,)
-    kpos = g.op("Range", [g.const(0, **i64), t_len, g.const(1, **i64)])  # (T,)
-    qcol = g.op("Unsqueeze", [qpos, g.const([1], **i64)])  # (S, 1)
-    krow = g.op("Unsqueeze", [kpos, g.const([0], **i64)])  # (1, T)
-    ctx = _masks_and_rope(g, spec, qcol, krow, g.op("LessOrEqual", [krow, qcol]), fused)
-    return {**ctx, **once_per_forward(g, spec, s_len, ctx["mask"])} if fused else ctx
-
-
-def _buffer_positions_and_masks(g: _G, spec: ModelSpec, past0: str) -> dict:
-    """As `_positions_and_masks`, for the buffer layout: query positions come from position_ids,
-    buffer slot j holds position j, and attention_mask says which keys exist."""
-    i64 = dict(dtype=np.int64)
-    p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(2, **i64)])
-    qpos = g.op("Squeeze", ["position_ids", g.const([0], **i64)])  # (S,)
-    kpos = g.op("Concat", [g.op("Range", [g.const(0, **i64), p_len, g.const(1, **i64)]), qpos], axis=0)  # (T,)
-    qcol = g.op("Unsqueeze", [qpos, g.const([1], **i64)])  # (S, 1)
-    krow = g.op("Unsqueeze", [kpos, g.const([0], **i64)])  # (1, T)
-    present = g.op("Unsqueeze", [g.op("Cast", [g.op("Squeeze", ["attention_mask", g.const([0], **i64)])],
-                                               to=TensorProto.BOOL), g.const([0], **i64)])  # (1, T)
-    return _masks_and_rope(g, spec, qcol, krow, g.op("And", [g.op("LessOrEqual", [krow, qcol]), present]))
-
-
-def _masks_and_rope(g: _G, spec: ModelSpec, qcol: str, krow: str, causal: str, fused: bool = False) -> dict:
-    """Additive masks (causal, and sliding where a layer type has a window) and RoPE cos/sin per
-    layer type, from query positions (S, 1), key positions (1, T) and the causal pattern (S, T)."""
-    i64 = dict(dtype=np.int64)
-    zero, neg = g.const(0.0, dtype=np.float32), g.const(_NEG, dtype=np.float32)
-    masks, rope = {}, {}
-    qf = g.op("Cast", [qcol], to=TensorProto.FLOAT)
-    for lt in sorted(set(spec.layer_types)):
-        allowed = causal
-        if lt == "sliding_attention" and spec.sliding_window:
-            near = g.op("Less", [g.op("Sub", [qcol, krow]), g.const(spec.sliding_window, **i64)])
-            allowed = g.op("And", [causal, near])
-        m = g.op("Where", [allowed, zero, neg])
-        masks[lt] = g.op("Unsqueeze", [m, g.const([0, 1, 2], **i64)])  # (1, 1, 1, S, T)
-        inv_freq, scale = spec.rope[lt]
-        freqs = g.op("Mul", [qf, g.const(inv_freq[None, :], dtype=np.float32)])  # (S, hd/2)
-        if fused:  # RotaryEmbedding's caches: (S, hd/2)
-            rope[lt] = tuple(g.op("Mul", [g.op(f, [freqs]), g.const(scale, dtype=np.float32)]) for f in ("Cos", "Sin"))
-            continue
-        emb = g.op("Concat", [freqs, freqs], axis=-1)  # (S, hd)
-        cos = g.op("Mul", [g.op("Cos", [emb]), g.const(scale, dtype=np.float32)])
-        sin = g.op("Mul", [g.op("Sin", [emb]), g.const(scale, dtype=np.float32)])
-        rope[lt] = tuple(g.op("Unsqueeze", [t, g.const([0, 1], **i64)]) for t in (cos, sin))  # (1,1,S,hd)
-    return {"mask": masks, "rope": rope}
 
 
 def build_decoder(
@@ -401,8 +371,8 @@ def build_decoder(
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (pk, pv)]
         past.append((pk, pv))
     fused = options.fused
-    ctx = (_buffer_positions_and_masks(g, spec, past[0][0]) if buffer
-           else _positions_and_masks(g, spec, past[0][0], ids, seq_axis=1 if append else 2, fused=fused))
+    ctx = (buffer_positions_and_masks(g, spec, past[0][0]) if buffer
+           else positions_and_masks(g, spec, past[0][0], ids, seq_axis=1 if append else 2, fused=fused))
     ctx["append"], ctx["fused"] = append, fused
     out_names, out_shape = (("new", [1, "S", spec.n_kv_heads, spec.head_dim]) if append
                             else ("new", [1, spec.n_kv_heads, "S", spec.head_dim]) if buffer

@@ -172,7 +172,7 @@ class BudgetedLoad:
             # taken from before the first, so what the first left held counts in the second
             before = rss_bytes()
             bctx = min(MIN_CONTEXT, rt.kv_capacity or MIN_CONTEXT, self.max_context or MIN_CONTEXT)
-            ran, peak = peak_during(lambda: rt.probe_scratch(min(MIN_CHUNK, bctx), bctx))
+            ran, peak = peak_during(lambda rt=rt, bctx=bctx: rt.probe_scratch(min(MIN_CHUNK, bctx), bctx))
             if ran:
                 mem = replace(mem, bound_scratch=(min(MIN_CHUNK, bctx), bctx, max(0, peak - before)))
                 setattr(self, role, mem)
@@ -186,7 +186,7 @@ class BudgetedLoad:
             # context could leave held what the plan then has no room for
             ctx = min(plan.kv_capacity, max(MIN_CONTEXT, plan.kv_capacity // 4))
             chunk = min(plan.prefill_chunk, ctx)
-            ran, peak = peak_during(lambda: ctx > 0 and rt.probe_scratch(chunk, ctx))
+            ran, peak = peak_during(lambda rt=rt, chunk=chunk, ctx=ctx: ctx > 0 and rt.probe_scratch(chunk, ctx))
             if ran:
                 took = max(0, peak - before)
                 setattr(self, role, replace(mem, scratch=(chunk, ctx, took)))

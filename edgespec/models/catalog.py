@@ -40,9 +40,10 @@ def cache_dir() -> Path:
 
 
 # Raised when the exporter writes the default bundle differently enough that one cached by an
-# older edgespec should be rebuilt (it still loads, it is only slower or heavier): 2 = the fused
-# onnxruntime decoder graph and the compact tokenizer.json.
-DEFAULT_BUNDLE_REVISION = 2
+# older edgespec should be rebuilt (it still loads): 2 = the fused onnxruntime decoder graph and
+# the compact tokenizer.json; 3 = attention scores summed from 128-deep products, so that a verify
+# rounds like plain decoding at every context length (onnx_graph._scores).
+DEFAULT_BUNDLE_REVISION = 3
 
 
 def default_bundle_path(preset: str = DEFAULT_PRESET) -> Path:

@@ -11,9 +11,12 @@ exact.
 The probe: from a fixed prefix, W+1 one-token forwards give reference rows; then, for each width
 w in 2..W, one w-token forward from the same prefix must give the same bits in every row, and a
 one-token forward after it the same bits as the reference row that follows (so the K/V rows the
-wide forward wrote are exact too). Two prefixes, so that block boundaries of padded keys fall
-inside some of the widths. The verdict is cached per machine, backend version, model file and
-runtime options (a JSON file in edgespec's cache), so only the first load pays.
+wide forward wrote are exact too). Four prefixes: two so that block boundaries of padded keys
+fall inside some of the widths, two whose widths cross 64 and 128 keys, where a matmul over the
+key axis may split it among threads differently (onnxruntime's SGEMM summed a 256-deep score
+product in one pass or in two halves as the key count went past 128). The verdict is cached per
+machine, backend version, model file and runtime options (a JSON file in edgespec's cache), so
+only the first load pays.
 """
 from __future__ import annotations
 
@@ -36,8 +39,10 @@ __all__ = ["Exactness", "PROBE_STARTS", "PROBE_VERSION", "machine_fingerprint", 
 
 logger = logging.getLogger(__name__)
 
-PROBE_VERSION = 2  # bump when the procedure changes: old verdicts are then probed again
-PROBE_STARTS = (5, 14)  # prefix lengths; keys padded to blocks of 16 cross a bound inside some widths
+PROBE_VERSION = 3  # bump when the procedure changes: old verdicts are then probed again
+# prefix lengths: keys padded to blocks of 16 cross a bound inside some widths (5, 14); and widths
+# from 60 and 124 cross 64 and 128 keys, where kernels change how they split the key axis
+PROBE_STARTS = (5, 14, 60, 124)
 _SEED = 20_251_124
 
 
@@ -118,16 +123,17 @@ def _probe_start(rt: Runtime, ids: list[int], start: int, max_width: int) -> dic
     """{width: worst difference} for widths 2..max_width from a prefix of `start` ids."""
     from .shared_body import SharedBodyRuntime
 
-    # a shared body keeps rows by token ids, so a trim would let the wide forward reuse the
-    # reference rows: it is emptied and fed the prefix again instead
-    refill = isinstance(rt, SharedBodyRuntime)
+    # a shared body keeps rows by token ids, so after a trim the wide forward would reuse the
+    # reference rows: another token fed at `start` first makes the body run from there again
+    diverge = isinstance(rt, SharedBodyRuntime)
+    other = ids[start] + 1 if ids[start] + 1 < rt.vocab_size else ids[start] - 1
     _prefill(rt, ids[:start])
     ref = [_forward(rt, [t], 1)[0] for t in ids[start:start + max_width + 1]]
     out = {}
     for w in range(2, max_width + 1):
-        if refill:
-            _prefill(rt, ids[:start])
-        else:  # the prefix's rows are the same bits either way: keep them
+        rt.trim(start)  # the prefix's rows are the same bits either way: keep them
+        if diverge:
+            rt.forward([other], n_logits=1)
             rt.trim(start)
         wide = _forward(rt, ids[start:start + w], w)
         after = _forward(rt, [ids[start + w]], 1)[0]  # reads the K/V rows the wide forward wrote
