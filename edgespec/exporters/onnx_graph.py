@@ -47,7 +47,6 @@ __all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
 
 logger = logging.getLogger(__name__)
 OPSET = 21
-_NEG = float(np.finfo(np.float32).min)
 SCORE_DEPTH = 128  # deepest attention-score product onnxruntime sums the same way at every key count (_scores)
 KV_LAYOUTS = ("present", "append", "buffer")
 
@@ -307,8 +306,8 @@ def _scores(g: _G, rows: str, k: str, hd: int) -> str:
     one pass, at every T and thread count measured (1-8), so deeper heads are summed in slices."""
     if hd <= SCORE_DEPTH:
         return g.op("MatMul", [rows, g.op("Transpose", [k], perm=[0, 1, 3, 2])])
-    sizes = g.const([min(SCORE_DEPTH, hd - i) for i in range(0, hd, SCORE_DEPTH)], dtype=np.int64)
-    n = -(-hd // SCORE_DEPTH)
+    depths = [min(SCORE_DEPTH, hd - i) for i in range(0, hd, SCORE_DEPTH)]
+    sizes, n = g.const(depths, dtype=np.int64), len(depths)
     qs, ks = g.op("Split", [rows, sizes], n_out=n, axis=3), g.op("Split", [k, sizes], n_out=n, axis=3)
     out = None
     for q_part, k_part in zip(qs, ks):
