@@ -9,12 +9,12 @@ from __future__ import annotations
 __version__ = "0.1.0"
 __all__ = ["__version__", "load", "default_bundle", "Engine", "EngineConfig", "Response", "GenerationStats",
            "ChatSession", "SamplingParams", "EdgespecError", "ConfigError", "BundleError", "BackendError", "BusyError",
-           "EngineClosedError"]
+           "EngineClosedError", "share_threads"]
 
 _LAZY = {
     "load": "edgespec.api", "default_bundle": "edgespec.api", "Engine": "edgespec.api", "Response": "edgespec.api",
     "GenerationStats": "edgespec.decoding", "EngineConfig": "edgespec.config", "ChatSession": "edgespec.session",
-    "SamplingParams": "edgespec.decoding",
+    "SamplingParams": "edgespec.decoding", "share_threads": "edgespec.runtimes.ort_pool",
     **{name: "edgespec.errors" for name in ("EdgespecError", "ConfigError", "BundleError", "BackendError",
                                              "BusyError", "EngineClosedError")},
 }

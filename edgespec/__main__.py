@@ -1,6 +1,6 @@
 """`python -m edgespec`."""
 import sys
 
-from edgespec.cli import main
+from edgespec.cli import run
 
-sys.exit(main())
+sys.exit(run())

@@ -177,4 +177,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    edgespec.share_threads()  # the app builds no onnxruntime sessions of its own (docs/api.md)
     sys.exit(main())

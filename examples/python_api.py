@@ -22,4 +22,7 @@ def main(bundle: str | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # this script owns its process and builds no onnxruntime sessions of its own: one thread pool
+    # for all of edgespec's (docs/api.md)
+    edgespec.share_threads()
     main(sys.argv[1] if len(sys.argv) > 1 else None)

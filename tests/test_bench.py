@@ -45,7 +45,7 @@ SMALL = [Prompt("story", "chat", messages=(("user", "the cat and the dog"),)),
          Prompt("raw", "code", text="the dog and the")]
 # runs torch-free: the CLI as an aarch64 box with only the runtime extras would run it
 NO_TORCH = ("import sys\nfor m in ('torch', 'transformers', 'optimum', 'accelerate'): sys.modules[m] = None\n"
-            "from edgespec.cli import main\nrc = main(sys.argv[1:])\n"
+            "from edgespec.cli import run\nsys.argv[0] = 'edgespec'\nrc = run()\n"
             "assert not [m for m in ('torch', 'transformers') if sys.modules.get(m)], 'torch was imported'\n"
             "sys.exit(rc)\n")
 
@@ -324,6 +324,9 @@ def test_cli_bench_on_a_tiny_bundle_without_torch(zoo, tmp_path):
     assert doc["label"] == "tiny" and set(doc["classes"]) == {"p", "chat"} and doc["identical"]
     assert doc["config"]["k"] == 3 and doc["config"]["policy"] == "fixed" and doc["config"]["repeat"] == 2
     assert doc["bundle"]["chat_format"].startswith("chat template")
+    # the command's onnxruntime sessions shared the process-wide pool (runtimes/ort_pool.py)
+    assert doc["backend"]["name"] == "onnxruntime" and doc["backend"]["onnxruntime_pool"]["allowed"]
+    assert doc["backend"]["onnxruntime_pool"]["made"] is not None
     assert all(len(p["configs"][PLAIN]["tok_s"]) == 2 for p in doc["prompts"])
     assert (tmp_path / "rep" / "report.md").stat().st_size > 500
     assert png_ok(tmp_path / "rep" / "speed.png")

@@ -81,3 +81,45 @@ def test_speculative_greedy_equals_plain_on_every_backend(bundle, prompts):
         if verdict.exact_width >= 2:
             assert drafted > 0 and widest <= verdict.exact_width
         print(f"{backend}: {drafted} tokens drafted, widest verify {widest}")
+
+
+# the same check in a process whose onnxruntime sessions share the process-wide thread pool, as
+# the `edgespec` command runs them (runtimes/ort_pool.py)
+_ON_THE_POOL = """
+import json
+import edgespec
+from edgespec.api import default_bundle, load
+from edgespec.bench.suites import encode_prompt, load_prompts
+from edgespec.decoding import SamplingParams
+from edgespec.runtimes.ort_pool import pool_state
+
+edgespec.share_threads()
+path = default_bundle()
+left, drafted = [], 0
+with load(path, backend="onnxruntime", use_draft=False) as plain, load(path, backend="onnxruntime") as spec:
+    for p in [p for suite in ("chat", "code", "grounded") for p in load_prompts(suite)]:
+        ids = encode_prompt(spec.tokenizer, p)
+        outs = []
+        for engine in (plain, spec):
+            tokens = list(ids)
+            for _ in engine.stream_ids(tokens, SamplingParams(), 64):
+                pass
+            outs.append(tokens[len(ids):])
+        drafted += spec.last_stats.drafted
+        if outs[1] != outs[0]:
+            left.append(p.id)
+print(json.dumps({"left": left, "drafted": drafted, "pool": pool_state()}))
+"""
+
+
+def test_speculative_greedy_equals_plain_on_the_shared_thread_pool(default_cache):
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("onnxruntime")
+    proc = subprocess.run([sys.executable, "-c", _ON_THE_POOL], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["pool"]["allowed"] and got["pool"]["made"] not in (None, "theirs")
+    assert got["drafted"] > 0 and got["left"] == [], f"speculative output left plain's on {got['left']}"

@@ -8,6 +8,7 @@ slows all of them alike; the summary then compares medians (summary.py).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 PLAIN, SPECULATIVE = "plain", "speculative"
 PEER = "llama.cpp"  # llama-cpp-python's own plain decode (peer.py), when the bench measures it
 WARMUP_TOKENS = 16
+# seconds before each peer run: onnxruntime's process-wide pool (runtimes/ort_pool.py) keeps a
+# thread spinning ~50 ms after edgespec's last forward, which would share the peer's first cores
+PEER_SETTLE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
 
     def one(name: str, ids: list[int], n: int, sampler: PeakRSS | None) -> RunRecord:
         if peer is not None and name == peer.name:
+            time.sleep(PEER_SETTLE_S)
             return peer.decode(ids, n, stop_ids, sampler)
         return measure_run(decoders[name], runtimes, ids, n, stop_ids, sampler)
 

@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 
 from ..config import EngineConfig
 from ..errors import ConfigError
+from ..runtimes.ort_pool import pool_state
 from .measure import BenchConfig
 
 __all__ = ["BenchRequest", "check_request", "run_benchmark", "save_results"]
@@ -143,7 +144,9 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
                 prompts=prompts,
                 backend={"name": engine.backend, "device": c.device, "draft_backend": engine.draft_backend,
                          "draft_device": c.draft_device or (c.device if engine.draft_backend else None),
-                         "threads": c.threads},
+                         "threads": c.threads,
+                         # whether onnxruntime's sessions shared the process-wide pool (runtimes/ort_pool.py)
+                         "onnxruntime_pool": pool_state()},
                 memory={"rss_before_load": rss_before, "rss_after_load": rss_after, "engine": engine.memory()},
                 memory_budget=c.memory_budget, started=started, duration_s=time.perf_counter() - t0,
                 peer=peer.describe() if peer is not None else None, verify_costs=costs)

@@ -40,6 +40,7 @@ from .onnx_wire import (
     tensor_array,
     tensor_value_info,
 )
+from .ort_pool import shared_pool
 
 __all__ = ["HIDDEN", "LOGITS", "MappedTables", "OnnxModel", "as_model", "body_model", "fused_model", "gathered_tables",
            "head_model", "import_ort", "initializer_bytes", "load_proto", "ort_values", "session", "session_options",
@@ -298,13 +299,17 @@ CPU_ARENA = False
 
 
 def session_options(threads: int | None, spin: bool):
-    """onnxruntime SessionOptions of every edgespec CPU session: full graph optimization, `threads`
-    intra-op threads (None: onnxruntime's choice), spin-waiting between runs only with `spin`,
-    no CPU arena (CPU_ARENA)."""
+    """onnxruntime SessionOptions of every edgespec CPU session: full graph optimization, no CPU
+    arena (CPU_ARENA), and the process-wide thread pool where the process allows it
+    (runtimes/ort_pool.py); else a pool of its own with `threads` intra-op threads (None:
+    onnxruntime's choice) that spin-wait between runs only with `spin`."""
     ort = import_ort()
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.enable_cpu_mem_arena = CPU_ARENA
+    if shared_pool(threads):
+        opts.use_per_session_threads = False
+        return opts
     if threads:
         opts.intra_op_num_threads = threads
     if not spin:

@@ -112,7 +112,9 @@ class OnnxRuntime(Runtime):
         """spin: idle intra-op threads spin-wait for the next run (onnxruntime's default). A session
         that alternates with another model's forwards (a draft and its target) should not: its
         spinning threads hold the cores the other needs (default bundle, 2 threads, speculative
-        decoding 1.11x faster without; a plain decode alone 0.89x).
+        decoding 1.11x faster without; a plain decode alone 0.89x). Where the process allows
+        onnxruntime's process-wide pool (runtimes/ort_pool.py), every session runs on it and
+        spins, and `spin` and `threads` no longer apply.
         pad_rows: compute every forward one row wider (its last token again) and drop that row, so
         no MatMul multiplies one row: the exact mode where a one-row kernel rounds unlike a taller
         one (MatMulNBits with int8 activations does, by whole logits), chosen by the exactness
