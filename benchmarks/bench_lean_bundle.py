@@ -43,12 +43,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
-# run a CLI verb in this fresh interpreter and report its own peak RSS (ru_maxrss, KiB on Linux)
+# run a CLI verb in this fresh interpreter as the `edgespec` command runs it (cli.run: onnxruntime's
+# process-wide thread pool) and report its own peak RSS (ru_maxrss, KiB on Linux)
 _RSS_WRAPPER = ("import atexit, resource, sys\n"
                 "atexit.register(lambda: print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
                 " file=sys.stderr))\n"
-                "from edgespec.cli import main\n"
-                "sys.exit(main(sys.argv[1:]))\n")
+                "from edgespec.cli import run\n"
+                "sys.argv[0] = 'edgespec'\n"
+                "sys.exit(run())\n")
 
 
 def run_cli(*args: str, env: dict | None = None) -> tuple[float, int, str]:
