@@ -25,8 +25,9 @@ logger = logging.getLogger(__name__)
 PLAIN, SPECULATIVE = "plain", "speculative"
 PEER = "llama.cpp"  # llama-cpp-python's own plain decode (peer.py), when the bench measures it
 WARMUP_TOKENS = 16
-# seconds before each peer run: onnxruntime's process-wide pool (runtimes/ort_pool.py) keeps a
-# thread spinning ~50 ms after edgespec's last forward, which would share the peer's first cores
+# seconds before and after each peer run, so every configuration starts on idle cores:
+# onnxruntime's process-wide pool (runtimes/ort_pool.py) keeps a thread spinning ~50 ms after
+# edgespec's last forward, llama.cpp's threads ~10 ms after its last
 PEER_SETTLE_S = 0.1
 
 
@@ -171,7 +172,10 @@ def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
     def one(name: str, ids: list[int], n: int, sampler: PeakRSS | None) -> RunRecord:
         if peer is not None and name == peer.name:
             time.sleep(PEER_SETTLE_S)
-            return peer.decode(ids, n, stop_ids, sampler)
+            try:
+                return peer.decode(ids, n, stop_ids, sampler)
+            finally:
+                time.sleep(PEER_SETTLE_S)
         return measure_run(decoders[name], runtimes, ids, n, stop_ids, sampler)
 
     for w in range(cfg.warmup):  # first runs pay for allocations; adaptive policies get first measurements
