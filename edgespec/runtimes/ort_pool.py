@@ -60,7 +60,7 @@ def shared_pool(threads: int | None) -> bool:
 
 
 def pool_state() -> dict:
-    """{"allowed": bool, "made": None | thread count (0: onnxruntime's choice) | "theirs"}: for
-    `edgespec info` and tests."""
+    """{"allowed": bool, "made": None | thread count (0: onnxruntime's choice) | "theirs"}: what
+    bench records with its figures, and what tests check."""
     with _lock:
         return dict(_state)
