@@ -10,8 +10,9 @@ per row, but needs one scale per weight row and one per activation row. This mea
 against the shipped one on real final hidden states of the default model (its target's body on
 the bench prompts): ms per call at 1-16 rows (the heads alternated), and top-1 agreement with the
 table's exact (float64) logits. Weights requantized per row to 8 bits (MLAS's u8s8 AVX2 kernel
-may saturate its 16-bit pair sums) and to 7 bits (cannot saturate). Activation rows are quantized
-on their own, so a row's logits do not depend on the rows beside it (checked): exactness would hold.
+may saturate its 16-bit pair sums) and to 7 bits (cannot saturate), each with activation rows in
+one int8 part or two (the remainder quantized again). Activation rows are quantized on their own,
+so a row's logits do not depend on the rows beside it (checked): exactness would hold.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def per_row_head(table: np.ndarray, bits: int, parts: int = 1):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # three pools take turns
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")  # the heads' pools take turns
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
