@@ -82,8 +82,11 @@ _COMMAND = textwrap.dedent("""
 """)
 
 
-def _run(code: str, *args) -> dict:
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, timeout=600)
+def run_json(code: str, *args, timeout: float = 600) -> dict:
+    """Run `code` in a fresh interpreter (a process-wide pool cannot be undone) and return the JSON
+    its last line prints."""
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -91,7 +94,7 @@ def _run(code: str, *args) -> dict:
 def test_sessions_on_the_shared_pool_compute_the_same_bits(zoo):
     bundle = zoo.bundle("gemma3-tied", DISAGREEING)
     target, draft = files(bundle)
-    got = _run(_SHARED, bundle, target, draft)
+    got = run_json(_SHARED, bundle, target, draft)
     assert got["before"] == {"allowed": False, "made": None}
     assert got["made"] == {"allowed": True, "made": 2}  # made by the first session, with its count
     assert got["same"] == [True] * 4  # target and draft logits, on the pool at 2 and at 1 thread asked
@@ -102,11 +105,11 @@ def test_sessions_on_the_shared_pool_compute_the_same_bits(zoo):
 
 def test_the_library_alone_leaves_onnxruntime_pools_be(zoo):
     bundle = zoo.bundle("gemma3-tied", DISAGREEING)
-    got = _run(_LIBRARY, bundle, files(bundle)[0])
+    got = run_json(_LIBRARY, bundle, files(bundle)[0])
     assert got["state"] == {"allowed": False, "made": None} and got["text"] != ""
 
 
 def test_the_command_asks_for_the_pool_and_main_does_not():
-    got = _run(_COMMAND)
+    got = run_json(_COMMAND)
     assert got["function"]["allowed"] is False
     assert got["command"]["allowed"] is True and got["command"]["made"] is None  # made by a first session only

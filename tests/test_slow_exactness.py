@@ -113,13 +113,9 @@ print(json.dumps({"left": left, "drafted": drafted, "pool": pool_state()}))
 
 
 def test_speculative_greedy_equals_plain_on_the_shared_thread_pool(default_cache):
-    import json
-    import subprocess
-    import sys
-
     pytest.importorskip("onnxruntime")
-    proc = subprocess.run([sys.executable, "-c", _ON_THE_POOL], capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    from tests.test_ort_pool import run_json
+
+    got = run_json(_ON_THE_POOL, timeout=1800)
     assert got["pool"]["allowed"] and got["pool"]["made"] not in (None, "theirs")
     assert got["drafted"] > 0 and got["left"] == [], f"speculative output left plain's on {got['left']}"
