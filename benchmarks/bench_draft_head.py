@@ -1,7 +1,7 @@
 """The trained draft head (`edgespec distill`, drafter `head`) against the default drafting, interleaved.
 
     python benchmarks/bench_draft_head.py BUNDLE [--prompts chat,code] [--max-tokens 128] [--repeat 2]
-        [--threads 2] [--backend onnxruntime] [--json benchmarks/results/draft_head.json]
+        [--threads 2] [--backend onnxruntime] [--policy cost --k 4] [--json benchmarks/results/draft_head.json]
 
 BUNDLE holds a trained head (its manifest's `draft_head`). One target body with the draft's
 VocabTrim head and the trained head (runtimes/onnxruntime_split.py or openvino_split.py, as the
@@ -11,7 +11,8 @@ built once and kept for the whole run (policies stay warm, as in a long-lived en
   both     the default drafting: prompt lookup, else the self-draft's VocabTrim head on the body
   model    the self-draft alone (a body forward per drafted token)
   head     the trained head alone (the head and the VocabTrim head per drafted token)
-every drafting one with the cost policy (the engine's default). For each prompt and repeat the
+every drafting one with the cost policy (the engine's default; `--policy fixed --k 1` measures a
+drafter's acceptance where the cost policy would stop drafting it). For each prompt and repeat the
 configurations run in a rotating order from empty caches, timed end to end (prefill included);
 greedy outputs must equal plain decoding's. Reports per configuration: tok/s (tokens over the
 sum of per-prompt median times), the median per-prompt ratio to `both`, acceptance per drafted
@@ -49,11 +50,12 @@ def open_pair(bundle, backend: str, threads: int, pad_rows: bool):
     return open_shared_pair(target, draft, threads=threads, draft_head=head, pad_rows=pad_rows)
 
 
-def decoder(name: str, target, draft, id_map, free_width: int) -> SpeculativeDecoder:
+def decoder(name: str, target, draft, id_map, free_width: int, policy: str = DEFAULT_POLICY,
+            k: int = DEFAULT_K) -> SpeculativeDecoder:
     if name == "plain":
         return SpeculativeDecoder(target)
     return SpeculativeDecoder(target, draft, id_map=id_map, drafter=name,
-                              policy=make_policy(DEFAULT_POLICY, DEFAULT_K, free_width=free_width))
+                              policy=make_policy(policy, k, free_width=free_width))
 
 
 def run_once(target, dec, ids: list[int], max_tokens: int, stop_ids) -> dict:
@@ -103,6 +105,8 @@ def main() -> None:
     p.add_argument("--configs", default=",".join(CONFIGS), help="a subset of: " + ", ".join(CONFIGS))
     p.add_argument("--pad-rows", action="store_true",
                    help="the exact mode (no one-row matmuls) the engine settles on where a verify rounds apart")
+    p.add_argument("--policy", default=DEFAULT_POLICY, help=f"draft policy (default {DEFAULT_POLICY})")
+    p.add_argument("--k", type=int, default=DEFAULT_K, help=f"draft length k (default {DEFAULT_K})")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     configs = tuple(c for c in CONFIGS if c in args.configs.split(","))
@@ -117,7 +121,7 @@ def main() -> None:
     load0 = os.getloadavg()
     target, draft = open_pair(bundle, args.backend, args.threads, args.pad_rows)
     free = max(1, target.capabilities.free_batch_tokens)
-    decoders = {name: decoder(name, target, draft, bundle.id_map(), free) for name in configs}
+    decoders = {name: decoder(name, target, draft, bundle.id_map(), free, args.policy, args.k) for name in configs}
     runs = {name: {pr.id: [] for pr in prompts} for name in configs}
     mismatches = []
     with target, draft:
@@ -140,7 +144,7 @@ def main() -> None:
         "bench": "draft_head", "edgespec": edgespec.__version__, "machine": machine_info(),
         "libraries": library_versions(), "bundle_draft_head": dataclasses.asdict(m.draft_head),
         "backend": args.backend, "threads": args.threads, "max_tokens": args.max_tokens,
-        "configs": configs, "pad_rows": args.pad_rows,
+        "configs": configs, "pad_rows": args.pad_rows, "policy": args.policy, "k": args.k,
         "repeat": args.repeat, "load_average_before": [round(x, 2) for x in load0],
         "load_average_after": [round(x, 2) for x in os.getloadavg()], "identical_to_plain": not mismatches,
         "mismatches": mismatches, "all": summarize(runs, prompts), "by_suite": by_suite,

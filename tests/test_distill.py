@@ -42,6 +42,14 @@ def test_a_budget_of_no_minutes_is_one_line(bundle, capsys, minutes):
         ExportConfig(output=bundle / "x", draft_head="trained", train_minutes=0)
 
 
+def test_a_negative_generation_length_is_one_line(bundle, capsys):
+    before = listing(bundle)
+    assert distill_main([str(bundle), "--gen-tokens", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--gen-tokens" in err
+    assert listing(bundle) == before
+
+
 def test_an_empty_calibration_file_is_one_line(bundle, tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")

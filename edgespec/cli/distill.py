@@ -11,7 +11,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..exporters.distill import DEFAULT_TRAIN_MINUTES
+    from ..exporters.distill import DEFAULT_GEN_TOKENS, DEFAULT_TRAIN_MINUTES
 
     p = argparse.ArgumentParser(prog="edgespec distill",
                                 description="Train a light draft head for a bundle on its own target and add it "
@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"training time budget on this CPU (default {DEFAULT_TRAIN_MINUTES:g})")
     p.add_argument("--calibration", type=Path, default=None, metavar="FILE",
                    help="extra prompts: one per line, or JSON lines with messages or text")
+    p.add_argument("--gen-tokens", type=int, default=DEFAULT_GEN_TOKENS, metavar="N",
+                   help=f"tokens the target generates after each prompt, to train on (default {DEFAULT_GEN_TOKENS}; "
+                        "more data, slower collection)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: onnxruntime's and torch's)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
@@ -33,7 +36,7 @@ def main(argv: list[str]) -> int:
     from ..exporters.distill import DistillConfig, distill_bundle
 
     entry = distill_bundle(DistillConfig(args.bundle, train_minutes=args.train_minutes, calibration=args.calibration,
-                                         threads=args.threads))
+                                         gen_tokens=args.gen_tokens, threads=args.threads))
     print(f"draft head added to {args.bundle}: held-out agreement {entry.held_out_agreement:.3f} "
           f"(chained {entry.held_out_agreement_chained:.3f}) on {entry.held_out_tokens} positions; trained "
           f"{entry.train_seconds / 60:.1f} min on {entry.training_tokens} positions, peak memory "

@@ -47,7 +47,7 @@ class DistillConfig:
         if isinstance(m, bool) or not isinstance(m, int | float) or not np.isfinite(m) or m <= 0:
             raise ConfigError(f"--train-minutes must be a number of minutes > 0, got {m}")
         if isinstance(self.gen_tokens, bool) or not isinstance(self.gen_tokens, int) or self.gen_tokens < 0:
-            raise ConfigError(f"gen_tokens must be an integer >= 0, got {self.gen_tokens}")
+            raise ConfigError(f"--gen-tokens must be an integer >= 0, got {self.gen_tokens}")
         if not self.builtin and self.calibration is None:
             raise ConfigError("no calibration prompts: give a calibration file or keep the built-in prompts")
 
