@@ -28,15 +28,14 @@ ALPHAS = (0.8, 0.9, 0.95, 0.98, 1.0)
 WIDTHS = tuple(range(1, 18))
 
 
-def expected_tokens(alpha: float, k: int) -> float:
-    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
 def ceiling(alpha: float, c: dict[int, float], llama_over_one: float) -> tuple[float, int]:
-    """(best speed-up over llama.cpp, its draft length) for a free drafter accepted `alpha`."""
-    rates = {b - 1: expected_tokens(alpha, b - 1) / c[b] * llama_over_one for b in c}
-    k = max(rates, key=rates.get)
-    return rates[k], k
+    """(best speed-up over llama.cpp, its draft length) for a free drafter accepted `alpha`: the
+    cost policy's own arithmetic (decoding/policy.py) with no drafting cost."""
+    from edgespec.decoding.policy import best_k, step_rate
+
+    verify = [c[b] for b in sorted(c)]  # verify[k]: a verify of k + 1 tokens, in one-token forwards
+    k = best_k(alpha, 0.0, verify)
+    return step_rate(alpha, k, 0.0, verify) * llama_over_one, k
 
 
 def main() -> None:
