@@ -41,6 +41,7 @@ def ceiling(alpha: float, c: dict[int, float], llama_over_one: float) -> tuple[f
 def main() -> None:
     import edgespec
     from edgespec.bench.machine import library_versions, machine_info
+    from edgespec.bench.measure import PEER_SETTLE_S
     from edgespec.bench.peer import LlamaCppPeer, find_peer_gguf
     from edgespec.bench.suites import encode_prompt, load_prompts
     from edgespec.tuning import verify_costs
@@ -60,11 +61,10 @@ def main() -> None:
         one.append(costs["one_token_ms"])
         for b in WIDTHS:
             wide[b].append(costs["ms"][str(b)])
-        time.sleep(0.1)  # llama.cpp starts on idle cores, as bench runs it
+        time.sleep(PEER_SETTLE_S)  # llama.cpp starts on idle cores, as bench runs it
         for ids in prompts:
-            rec = peer.decode(ids, 64)
-            llama.append(1e3 * (rec.total_s - rec.ttft_s) / max(len(rec.tokens) - 1, 1))
-        time.sleep(0.1)
+            llama.append(1e3 / peer.decode(ids, 64).tok_s)  # decode speed after the first token, as bench's
+        time.sleep(PEER_SETTLE_S)
     t1, lms = statistics.median(one), statistics.median(llama)
     c = {b: statistics.median(wide[b]) / t1 for b in WIDTHS}
     out = {
