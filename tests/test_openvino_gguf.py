@@ -247,8 +247,12 @@ def test_gguf_bundle_speculative_on_openvino_equals_plain_and_onnxruntime(zoo, t
                 pass
             outs.append(tokens[len(ids):])
         assert spec.shared_body and spec.last_stats.drafted > 0
-    assert outs[0] == outs[1] and len(outs[0]) == n
+    assert outs[0] == outs[1]
     m = load_bundle(out).manifest
+    # the random model may pick a stop id before n tokens: which step does depends on the CPU's
+    # kernels (it did at token 23 on an AVX-512 EPYC, not on an AVX2 one)
+    assert len(outs[0]) == n or (0 < len(outs[0]) < n and outs[0][-1] in m.tokenizer.stop_token_ids)
+    n = len(outs[0])
     with OnnxRuntime(out / m.target.formats["onnx"].file) as ort:
         logits = ort.forward(ids + outs[0][:-1], n)  # the positions predicting each generated token
     picked = logits[np.arange(n), outs[0]]
