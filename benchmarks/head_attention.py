@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -227,19 +228,22 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=448)
     ap.add_argument("--seconds", type=float, default=900.0)
     ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--data", type=Path, default=None, help="the collected data (.npz): read if it exists, else made")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="the collected data (.npz): read if it exists, else made and kept there")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
-    data = a.data or a.bundle / "head_data.npz"
-    if not data.exists():
-        collect_data(a.bundle, a.calibration, a.gen_tokens, data)
-    with ProcessPoolExecutor(2) as pool:  # side by side: the same machine load for both
-        jobs = [pool.submit(run_current, data, a.seconds), pool.submit(run_attention, data, a.seconds, a.window)]
-        results = [j.result() for j in jobs]
+    with tempfile.TemporaryDirectory() as tmp:  # without --data, the data (~180 MB) lives only for the run
+        data = a.data or Path(tmp) / "head_data.npz"
+        if not data.exists():
+            collect_data(a.bundle, a.calibration, a.gen_tokens, data)
+        positions = int(len(np.load(data)["tokens"]))
+        with ProcessPoolExecutor(2) as pool:  # side by side: the same machine load for both
+            jobs = [pool.submit(run_current, data, a.seconds), pool.submit(run_attention, data, a.seconds, a.window)]
+            results = [j.result() for j in jobs]
     from edgespec.bench.machine import machine_info
 
     report = {"machine": machine_info(), "seconds": a.seconds, "threads_each": 1, "gen_tokens": a.gen_tokens,
-              "positions": int(len(np.load(data)["tokens"])), "results": results}
+              "positions": positions, "results": results}
     for r in results:
         print(f"{r['variant']:>22}: held-out {r['held_out_agreement']:.3f} (chained "
               f"{r['held_out_agreement_chained']:.3f}), train {r['train_agreement']:.3f}, {r['steps']} steps")
