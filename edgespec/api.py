@@ -240,12 +240,14 @@ class Engine:
 
     # -- seams for tools: decoder variants on the same runtimes, a description for reports ------
     def variant(self, *, plain: bool = False, drafter: str | None = None, policy: str | DraftPolicy | None = None,
-                k: int | None = None, clock: Callable[[], float] | None = None) -> SpeculativeDecoder:
+                k: int | None = None, clock: Callable[[], float] | None = None,
+                trees: bool | None = None) -> SpeculativeDecoder:
         """A decoder on this engine's runtimes, built with its limits (context, memory plan, the
         verify widths exact here). By default the engine's own drafting; `plain`: no drafting;
         `drafter`: another drafter name; `policy` (a name or a DraftPolicy) and `k`: another
-        draft length (k alone selects the fixed policy); `clock`: another clock. The variants
-        share the runtimes' caches: run one at a time, and reset the runtimes between them."""
+        draft length (k alone selects the fixed policy); `clock`: another clock; `trees=False`:
+        chains only where the target could verify draft trees. The variants share the runtimes'
+        caches: run one at a time, and reset the runtimes between them."""
         if self._closed:
             raise EngineClosedError("the engine is closed; load the bundle again")
         clock = clock or self._clock
@@ -260,8 +262,9 @@ class Engine:
             policy = make_policy(policy or ("fixed" if k is not None else self.policy_name), self.k if k is None else k,
                                  free_width=max(1, self.target.capabilities.free_batch_tokens))
         draft = self.draft if needs_model else None
+        limits = {**self.limits, "trees": self.limits["trees"] and trees is not False}
         return SpeculativeDecoder(self.target, draft, id_map=self.bundle.id_map() if draft is not None else None,
-                                  drafter=name, policy=policy, **self.limits, clock=clock)
+                                  drafter=name, policy=policy, **limits, clock=clock)
 
     def describe(self) -> dict[str, Any]:
         """What this engine runs, as plain values for reports: backends, formats and precisions

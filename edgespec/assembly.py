@@ -114,6 +114,8 @@ def decoder_limits(max_context: int | None, kv_capacities: list[int | None], mem
         exact = verify_limit if exact is None else min(exact, verify_limit)
     return {"context_limit": min(caps) if caps else None, "max_draft": mp.max_draft if mp is not None else None,
             "verify_width": exact, "draft_width": exact if shared_body else None,
+            # draft trees where the target verifies them and the probe did not find their rows off
+            "trees": getattr(exactness, "trees", None) is not False,
             # prompts prefill in the chunks the memory plan sized the scratch memory for, else in
             # `prefill_chunk`s; a verify forward is never split
             "max_batch": (max(mp.prefill_chunk, mp.max_draft + 1, 2) if mp is not None

@@ -228,7 +228,11 @@ def test_decoder_limits_take_the_tightest_bound():
     from edgespec.assembly import decoder_limits
 
     assert decoder_limits(None, [None, None], None, None, False) == {
-        "context_limit": None, "max_draft": None, "verify_width": None, "draft_width": None, "max_batch": None}
+        "context_limit": None, "max_draft": None, "verify_width": None, "draft_width": None, "trees": True,
+        "max_batch": None}
+    # draft trees unless the probe found a tree forward's rows off plain decoding's
+    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=True), False)["trees"]
+    assert not decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=False), False)["trees"]
     exact = SimpleNamespace(exact_width=5)
     lim = decoder_limits(512, [4096, None], None, exact, True)
     assert lim["context_limit"] == 512 and lim["verify_width"] == lim["draft_width"] == 5

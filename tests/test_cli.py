@@ -84,6 +84,11 @@ def test_export_missing_model(tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_export_tree_needs_the_onnx_format(tmp_path):
+    assert_one_line_error(run("export", "--tree", "--format", "gguf", "-o", str(tmp_path / "b")), "--tree")
+    assert not (tmp_path / "b").exists()
+
+
 def test_export_corrupt_gguf(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + os.urandom(256))

@@ -111,3 +111,42 @@ def naive_greedy(model: ToyRuntime, prompt: Sequence[int], n: int, stop_ids=()) 
             break
     model.reset()
     return seq[len(prompt):]
+
+
+class TreeToyRuntime(ToyRuntime):
+    """A ToyRuntime that verifies draft trees (Capabilities.trees): forward_tree gives each row the
+    logits of its own path fed as a chain, and keep_rows keeps one path, checking it is one."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.capabilities = Capabilities(backend="toy", max_batch_tokens=self.capabilities.max_batch_tokens,
+                                         trees=True)
+        self.trees = 0  # tree forwards run
+        self._tree: tuple[int, list[int], list[int]] | None = None  # (start, tokens, parents)
+
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        ids, parents = [int(t) for t in token_ids], [int(p) for p in parents]
+        start, rows = len(self.cache), []
+        for i in range(len(ids)):
+            path, node = [], i
+            while node >= 0:
+                path.append(ids[node])
+                node = parents[node]
+            rows.append(self.forward(path[::-1], n_logits=1)[0])
+            self.trim(start)
+        self.calls -= len(ids) - 1  # one forward, as a backend runs it
+        for t in ids:  # the rows sit in the cache in input order until keep_rows
+            self.cache.append(t)
+            self._hashes.append(-1)
+        self.trees += 1
+        self._tree = (start, ids, parents)
+        return np.stack(rows)
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        first, ids, parents = self._tree
+        assert start == first and rows[0] == 0, (start, first, rows)
+        assert all(parents[b] == a for a, b in zip(rows, rows[1:])), f"rows {rows} are not a path"
+        self.trim(start)
+        self.forward([ids[r] for r in rows])
+        self.calls -= 1
+        self._tree = None

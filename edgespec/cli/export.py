@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "drafter 'head' (as `edgespec distill` does on a bundle)")
     p.add_argument("--train-minutes", type=float, default=None, metavar="N",
                    help="the draft head's training budget in minutes (default 10)")
+    p.add_argument("--tree", action="store_true",
+                   help="write the ONNX target's graph so one forward verifies a draft tree (onnxruntime; "
+                        "its attention sums in blocks, so plain decoding with it rounds as a tree verify)")
     p.add_argument("-o", "--output", type=Path, default=None,
                    help="bundle folder to write (default: the default bundle in the user cache)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
@@ -133,6 +136,7 @@ def _main(argv: list[str]) -> int:
         force=args.force,
         draft_head=None if args.draft_head == "none" else args.draft_head,
         train_minutes=args.train_minutes,
+        tree=args.tree,
     )
     out = export_bundle(cfg)
     print(f"bundle written: {out}")

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from edgespec.decoding.tree import DraftTree
 from edgespec.runtimes.base import Runtime, common_prefix
 
 __all__ = ["TrackedCache", "batch_limit", "common_prefix"]
@@ -59,6 +60,26 @@ class TrackedCache:
         logits = self.rt.forward(ids[split:], n_logits=n_logits)
         self.ids.extend(ids[split:])
         return logits
+
+    def feed_tree(self, ids: list[int], tree: DraftTree) -> np.ndarray:
+        """Feed `ids` (their last the tree's root) and then the draft tree in one forward
+        (Runtime.forward_tree); the logits of the root and every node, (tree.n + 1, V). Until
+        `keep_path`, the nodes are tracked as -1: no committed id matches them, so an `align`
+        in between (a failed step) keeps the root and drops every node's row."""
+        self.feed(ids[:-1], n_logits=1)
+        logits = self.rt.forward_tree([ids[-1], *tree.tokens], tree.row_parents())
+        self.ids.append(ids[-1])
+        self.ids.extend([-1] * tree.n)
+        return logits
+
+    def keep_path(self, tree: DraftTree, nodes: list[int]) -> None:
+        """After feed_tree: hold the root, then the accepted `nodes` (a root-to-node path), in place
+        of the whole tree. Rows stay valid only at their own position after their own parent, so
+        they are moved (Runtime.keep_rows), never matched by token id."""
+        root = len(self.ids) - tree.n - 1
+        self.rt.keep_rows(root, [0, *nodes])
+        del self.ids[root + 1:]
+        self.ids.extend(tree.tokens[n - 1] for n in nodes)
 
     def trim(self, n: int) -> None:
         """Keep the first `n` positions."""

@@ -12,6 +12,7 @@ import numpy as np
 
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.sampling import SamplingParams
+from edgespec.decoding.tree import DraftTree
 from edgespec.runtimes.base import Runtime
 
 __all__ = ["Draft", "Drafter"]
@@ -27,6 +28,8 @@ class Draft:
     ms_per_token: float | None = None  # marginal drafting cost, catch-up excluded (None: not measured)
     tail: int = 0  # the last `tail` tokens were appended by another, free drafter (prompt lookup)...
     tail_source: str = ""  # ...keyed so in the policy ("ngram:2")
+    # a draft tree (tree.py) verified in one forward: `tokens` are then its nodes in verify order
+    tree: DraftTree | None = None
 
 
 class Drafter(abc.ABC):

@@ -278,6 +278,7 @@ class BothDrafter(Drafter):
             raise ConfigError("a combined drafter needs a draft model or Token Recycling after prompt lookup")
         self.lookup, self.model, self.recycle = lookup, model, recycle
         self.runtimes = model.runtimes if model is not None else ()
+        self.trees = recycle is not None and recycle.trees  # its recycled drafts may be trees
 
     def propose(self, tokens, limit, policy, params, rng) -> Draft:
         t0 = self.lookup.clock()
@@ -314,6 +315,7 @@ class DrafterLimits:
     max_width: int | None = None  # a model drafter's widest forward, lookahead guesses included
     max_batch: int | None = None  # most tokens per forward, below the runtime's own limit
     clock: Callable[[], float] = time.perf_counter
+    trees: bool = False  # the target verifies draft trees in one forward (Capabilities.trees)
 
 
 @dataclass(frozen=True)
@@ -331,10 +333,10 @@ DRAFTERS: dict[str, DrafterKind] = {
                                                                  max_batch=lim.max_batch, clock=lim.clock),
                          "the draft model"),
     "ngram": DrafterKind(False, lambda v, d, m, lim: NgramDrafter(clock=lim.clock), "prompt lookup, no model"),
-    "recycle": DrafterKind(False, lambda v, d, m, lim: RecyclingDrafter(v, clock=lim.clock),
+    "recycle": DrafterKind(False, lambda v, d, m, lim: RecyclingDrafter(v, clock=lim.clock, trees=lim.trees),
                            "Token Recycling: chains of the target's own earlier top successors, no model"),
-    "lookup-recycle": DrafterKind(False, lambda v, d, m, lim: BothDrafter(NgramDrafter(clock=lim.clock),
-                                                                          recycle=RecyclingDrafter(v, clock=lim.clock)),
+    "lookup-recycle": DrafterKind(False, lambda v, d, m, lim: BothDrafter(
+        NgramDrafter(clock=lim.clock), recycle=RecyclingDrafter(v, clock=lim.clock, trees=lim.trees)),
                                   "prompt lookup when it pays more, else Token Recycling; no model"),
     "both": DrafterKind(True, lambda v, d, m, lim: _both(v, d, m, lim),
                         "prompt lookup when it pays more, else the draft model (with lookup tails and lookahead)"),
@@ -350,15 +352,16 @@ def _both(target_vocab: int, draft: Runtime, id_map: np.ndarray | None, lim: Dra
     lookup = NgramDrafter(clock=lim.clock)
     return BothDrafter(lookup, ModelDrafter(draft, target_vocab, id_map, guess=lookup.guess, max_width=lim.max_width,
                                             max_batch=lim.max_batch, clock=lim.clock),
-                       RecyclingDrafter(target_vocab, clock=lim.clock) if recycle else None)
+                       RecyclingDrafter(target_vocab, clock=lim.clock, trees=lim.trees) if recycle else None)
 
 
 def build_drafter(spec: str | Drafter | None, target_vocab: int, draft: Runtime | None,
                   id_map: np.ndarray | None, max_width: int | None = None, max_batch: int | None = None,
-                  clock: Callable[[], float] = time.perf_counter) -> Drafter | None:
+                  clock: Callable[[], float] = time.perf_counter, trees: bool = False) -> Drafter | None:
     """The drafter named `spec` (None: the draft model if given, else no drafting); max_width
     bounds a model drafter's widest forward and max_batch its prefill chunks (ModelDrafter); the
-    drafter reads `clock` for its costs."""
+    drafter reads `clock` for its costs; `trees`: the target verifies draft trees (Token Recycling
+    may draft one)."""
     if isinstance(spec, Drafter):
         if draft is not None or id_map is not None:
             raise ConfigError("give the draft model inside the drafter or as draft=, not both")
@@ -376,4 +379,4 @@ def build_drafter(spec: str | Drafter | None, target_vocab: int, draft: Runtime 
         raise ConfigError(f"drafter {spec!r} needs a draft model; pass draft= or use drafter='ngram'")
     if not kind.needs_model and (draft is not None or id_map is not None):
         raise ConfigError(f"drafter {spec!r} uses no draft model; drop draft= and id_map=")
-    return kind.build(target_vocab, draft, id_map, DrafterLimits(max_width, max_batch, clock))
+    return kind.build(target_vocab, draft, id_map, DrafterLimits(max_width, max_batch, clock, trees))

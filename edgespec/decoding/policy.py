@@ -196,6 +196,11 @@ class DraftPolicy(abc.ABC):
         ms_per_token is the drafter's marginal cost per drafted token, when it measured one.
         """
 
+    def verify_costs(self, source: str, max_width: int) -> list[float] | None:
+        """What verifies of 1..max_width rows cost after `source`'s drafts, in plain steps, as
+        measured (None: this policy does not measure costs)."""
+        return None
+
     def learn(self, source: str, drafted: int, accepted: int) -> None:  # noqa: B027
         """Learn the acceptance of `drafted` tokens of `source` that cost no step of their own, of which
         the target kept `accepted`: a tail (called only when it was tested: the draft before it was
@@ -379,6 +384,9 @@ class CostAwareK(DraftPolicy):
         table += [table[-1] + tail[w] - tail[head_k] for w in range(head_k + 1, len(tail))]
         return best_tail(self.acceptance(head_source), head_k, statistics.median(head.cost),
                          self.acceptance(source), table)
+
+    def verify_costs(self, source: str, max_width: int) -> list[float] | None:
+        return self._verify_table(source, max_width) if self._plain else None
 
     def _verify_table(self, source: str, max_width: int) -> list[float]:
         """verify_table of what was measured after `source`'s family of drafts, widths up to

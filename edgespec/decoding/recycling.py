@@ -7,8 +7,11 @@ token. The table costs no forward of its own, lives as long as the drafter (an e
 decoder, so a later generation starts warm), and drafting is a few table reads.
 
 The paper drafts a static tree (top-k at each depth) and verifies it in one forward with a tree
-attention mask. Every runtime here verifies a linear chain (no tree mask in the graphs), so this
-drafter proposes the chain only; the other k - 1 columns are kept for a tree verifier.
+attention mask. Where the target can (a bundle exported with `--tree`: exporters/onnx_tree.py,
+Capabilities.trees), this drafter weighs the trees of tree.py's menu against chains: it keeps how
+often the target's token was the table's first, second, ... successor (free: every verified row
+tells), and the policy's measured cost of each verify width, and drafts the shape with the most
+expected tokens per cost. Elsewhere it drafts chains.
 
 Drafts are deterministic: they are accepted as point masses, so greedy output equals plain
 decoding and sampling stays exact (acceptance.py).
@@ -22,6 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from edgespec.decoding.draft import Draft, Drafter
+from edgespec.decoding.tree import best_shape, recycled_tree, shape_size
 from edgespec.errors import ConfigError
 
 __all__ = ["STRIDE", "SUCCESSORS", "RecyclingDrafter", "SuccessorTable", "top_successors"]
@@ -94,24 +98,61 @@ class SuccessorTable:
 
 
 class RecyclingDrafter(Drafter):
-    """Token Recycling with chain drafts (see the module docstring). The policy sizes the chain
-    like any other drafter's, from its measured cost (table reads, ~0) and acceptance."""
+    """Token Recycling (see the module docstring). The policy sizes a chain like any other
+    drafter's, from its measured cost (table reads, ~0) and acceptance; with `trees`, a tree of
+    tree.py's menu is drafted instead where it promises more tokens per cost (`shape`: always
+    that shape, for tests and benchmarks)."""
 
     source = "recycle"
+    tree_source = "recycle:tree"  # the policy's key for tree steps: its own acceptance, recycle's costs
+    MAX_NODES = 16  # the widest tree considered: the exactness probe's widths stop at 17 rows
+    RANK_DECAY = 0.98  # per scored row: the rank statistics follow the text (~50 rows)
 
-    def __init__(self, vocab: int, k: int = SUCCESSORS, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, vocab: int, k: int = SUCCESSORS, clock: Callable[[], float] = time.perf_counter,
+                 trees: bool = False, shape: tuple[int, ...] | None = None) -> None:
         self.table = SuccessorTable(vocab, k)
         self.clock = clock
+        self.trees, self.shape = trees or shape is not None, shape
+        # decayed counts: rows whose target token was the table's r-th successor, and rows scored
+        self._ranks, self._scored = np.zeros(self.table.k), 0.0
         self._drafted = False  # whether the step now being verified is this drafter's
+
+    def reach(self) -> list[float]:
+        """Estimated probability that the target's next token is among a row's first 1..k successors
+        (a prior of one half of one row for the top-1, as the policy's)."""
+        return list((np.cumsum(self._ranks) + 0.5) / (self._scored + 1.0))
 
     def propose(self, tokens, limit, policy, params, rng) -> Draft:
         t0 = self.clock()
         n = min(policy.next_k(self.source), limit)
-        found = self.table.chain(tokens[-1], n) if n > 0 else []
+        if n <= 0:
+            self._drafted = False
+            return Draft([])
+        shape = self._shape(policy, limit, n)
+        if shape is not None:
+            tree = recycled_tree(self.table, tokens[-1], shape)
+            self._drafted = tree.n > 0
+            if tree.n and any(p != i for i, p in enumerate(tree.parents)):
+                return Draft(list(tree.tokens), None, self.tree_source, 1e3 * (self.clock() - t0) / tree.n,
+                             tree=tree)
+        found = self.table.chain(tokens[-1], n)
         self._drafted = bool(found)
         if not found:
             return Draft([])
         return Draft(found, None, self.source, 1e3 * (self.clock() - t0) / len(found))
+
+    def _shape(self, policy, limit: int, k: int) -> tuple[int, ...] | None:
+        """A tree shape to draft, or None for the policy's chain of k."""
+        if not self.trees or limit < 2:
+            return None
+        if self.shape is not None:
+            return self.shape if shape_size(self.shape) <= limit else None
+        max_nodes = min(limit, self.MAX_NODES)
+        costs = policy.verify_costs(self.source, max_nodes + 1)
+        if costs is None:  # a policy that does not measure costs: its chain
+            return None
+        best = best_shape(self.reach(), costs, max_nodes)
+        return None if set(best) == {1} else best
 
     def observe(self, tokens: list[int], logits: np.ndarray) -> list[tuple[str, int, int]]:
         # a step another drafter (or nobody) drafted still tells whether this one's first token
@@ -119,7 +160,20 @@ class RecyclingDrafter(Drafter):
         # table learns when it pays again without spending verifies on probes
         guess = int(self.table.rows[tokens[0], 0])
         drafted, self._drafted = self._drafted, False
+        before = self.table.rows[np.asarray(tokens)]
         top = self.table.update(tokens, logits)
+        self._count_ranks(before, top[:, 0])
         if drafted or guess < 0:
             return []
         return [(self.source, 1, int(guess == top[0, 0]))]
+
+    def _count_ranks(self, before: np.ndarray, target: np.ndarray) -> None:
+        """Where each row's target token stood among its token's successors before this update."""
+        for row, token in zip(before, target):
+            if row[0] < 0:  # never scored: the table could not have drafted here
+                continue
+            self._ranks *= self.RANK_DECAY
+            self._scored = self._scored * self.RANK_DECAY + 1.0
+            hit = np.flatnonzero(row == token)
+            if hit.size:
+                self._ranks[hit[0]] += 1.0

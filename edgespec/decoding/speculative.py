@@ -22,6 +22,7 @@ from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.drafters import build_drafter
 from edgespec.decoding.policy import DraftPolicy, FixedK
 from edgespec.decoding.sampling import SamplingParams, probabilities
+from edgespec.decoding.tree import DraftTree, accept_tree_greedy, accept_tree_point_masses
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Runtime
 
@@ -69,6 +70,9 @@ def _check_target(target: Runtime, drafter: Drafter | None, policy: DraftPolicy 
     if caps is not None and not caps.can_trim:
         raise ConfigError(f"speculative decoding rolls back rejected drafts, but the target backend "
                           f"{caps.backend!r} cannot trim its KV cache; run without drafting")
+    if getattr(drafter, "trees", False) and not getattr(caps, "trees", False):
+        raise ConfigError(f"this drafter drafts trees, but the target ({caps.backend if caps else 'this runtime'}) "
+                          "verifies chains only; export the bundle with --tree for onnxruntime")
     if batch_limit(target, max_batch) == 1:
         raise ConfigError("the target backend takes one token per forward, so it cannot verify drafts")
     variance = caps.batch_variance if caps is not None else None
@@ -99,6 +103,7 @@ class SpeculativeDecoder:
         verify_width: int | None = None,
         draft_width: int | None = None,
         max_batch: int | None = None,
+        trees: bool = True,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """context_limit: most positions a sequence may reach; max_draft: most drafts per step (both
@@ -107,7 +112,9 @@ class SpeculativeDecoder:
         runtimes/exactness.py); draft_width: the widest forward a model drafter may run, its
         lookahead guesses included (the same bound when the draft runs on the target's body, whose
         rows the verify reuses). max_batch: most tokens per forward of either model, below what
-        the runtimes accept (a memory plan's prefill chunk). clock: seconds, read around each phase
+        the runtimes accept (a memory plan's prefill chunk). trees: a recycling drafter may draft
+        trees where the target verifies them (Capabilities.trees; the engine passes False where
+        the exactness probe found tree rows off). clock: seconds, read around each phase
         (the drafters and the cost policy learn from it; a replay passes a virtual one)."""
         if draft is not None and draft is target:
             raise ConfigError("draft and target must be separate runtimes (each owns its own KV cache)")
@@ -117,8 +124,9 @@ class SpeculativeDecoder:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
                 raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
         id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
+        trees = trees and bool(getattr(getattr(target, "capabilities", None), "trees", False))
         self.drafter = build_drafter(drafter, target.vocab_size, draft, id_map, max_width=draft_width,
-                                     max_batch=max_batch, clock=clock)
+                                     max_batch=max_batch, clock=clock, trees=trees)
         _check_target(target, self.drafter, policy, max_batch)
         self.target, self.draft, self.id_map = target, draft, id_map
         self.policy = policy if policy is not None else FixedK(DEFAULT_K if self.drafter is not None else 0)
@@ -164,16 +172,18 @@ class SpeculativeDecoder:
                 t0 = self.clock()
                 draft = self._propose(tokens, budget, params, rng)
                 t1 = self.clock()
-                # 2. verify: one target forward scores every draft plus the bonus position
-                pending = self._target.pending(tokens) + draft.tokens
-                logits = self._target.feed(pending, n_logits=len(draft.tokens) + 1)
-                reused = self.target.reused_rows
-                # what the target computed anyway, for a drafter that learns from it
-                trials = self.drafter.observe(pending[len(pending) - len(logits):], logits) if self.drafter else []
-                # 3. accept / resample
-                n_acc, nxt = self._accept(draft, logits, params, rng)
-                # 4. commit
-                new = truncate_commit(draft.tokens[:n_acc] + [nxt], stop_ids, budget)
+                # 2-4. verify (one target forward scores every draft plus the bonus position),
+                #      accept / resample, commit
+                if draft.tree is not None:
+                    new, n_acc, trials, reused = self._tree_step(tokens, draft.tree, params, rng, budget, stop_ids)
+                else:
+                    pending = self._target.pending(tokens) + draft.tokens
+                    logits = self._target.feed(pending, n_logits=len(draft.tokens) + 1)
+                    reused = self.target.reused_rows
+                    # what the target computed anyway, for a drafter that learns from it
+                    trials = self.drafter.observe(pending[len(pending) - len(logits):], logits) if self.drafter else []
+                    n_acc, nxt = self._accept(draft, logits, params, rng)
+                    new = truncate_commit(draft.tokens[:n_acc] + [nxt], stop_ids, budget)
                 tokens.extend(new)
                 n_new += len(new)
                 # 5. rollback: drop rejected drafts from every cache
@@ -216,6 +226,26 @@ class SpeculativeDecoder:
                            source=draft.source, ms_per_token=draft.ms_per_token, width=step.drafted + 1)
         if draft.tail and step.accepted >= head:
             self.policy.learn(draft.tail_source, draft.tail, step.accepted - head)
+
+    def _tree_step(self, tokens: list[int], tree: DraftTree, params: SamplingParams, rng: np.random.Generator,
+                   budget: int, stop_ids: Container[int]) -> tuple[list[int], int, list, int]:
+        """Phases 2-4 for a draft tree: one forward over root and nodes, a walk down one path,
+        the cache keeping that path. Returns (committed ids, accepted drafts, free trials, reused rows)."""
+        logits = self._target.feed_tree(self._target.pending(tokens), tree)
+        reused = self.target.reused_rows
+        if params.greedy:
+            nodes, nxt = accept_tree_greedy(tree, logits)
+        else:
+            nodes, nxt = accept_tree_point_masses(tree, probabilities(logits, params), rng)
+        # the table learns every row; the accepted path's last, so its context is what a later row
+        # for the same token keeps (SuccessorTable.update: a later row wins)
+        on_path = set(nodes)
+        order = [i for i in range(1, tree.n + 1) if i not in on_path] + [0, *nodes]
+        rows = [tokens[-1], *tree.tokens]
+        trials = self.drafter.observe([rows[i] for i in order], logits[order]) if self.drafter else []
+        self._target.keep_path(tree, nodes)
+        new = truncate_commit([tree.tokens[n - 1] for n in nodes] + [nxt], stop_ids, budget)
+        return new, len(nodes), trials, reused
 
     @staticmethod
     def _accept(draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:

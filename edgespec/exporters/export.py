@@ -83,6 +83,8 @@ class ExportConfig:
     force: bool = False
     draft_head: str | None = None  # "trained": add a trained draft head (exporters/distill.py)
     train_minutes: float | None = None  # its training budget (None: distill's default)
+    # the target's ONNX graph takes draft trees (exporters/onnx_tree.py): one forward verifies a tree
+    tree: bool = False
 
     def __post_init__(self) -> None:
         if not self.formats:
@@ -110,6 +112,8 @@ class ExportConfig:
             raise ConfigError(f"--draft-vocab must be >= 1, got {self.draft_vocab}")
         if self.calibration is not None and self.draft_vocab is None and self.draft_head is None:
             raise ConfigError("--calibration only matters with --draft-vocab or --draft-head trained")
+        if self.tree and "onnx" not in self.formats:
+            raise ConfigError("--tree writes the ONNX target's graph for tree verification: add --format onnx")
         self._check_draft_head()
 
     def _check_draft_head(self) -> None:
@@ -329,8 +333,8 @@ def export_bundle(cfg: ExportConfig) -> Path:
         weights = _job_weights(source, precision)
         bar.update()
         # the target keeps a tied embedding as one tensor (Gather and Gemm share it)
-        target_arts = _write_formats(cfg.formats, ModelJob("target", spec, weights, precision,
-                                                           GraphOptions(tie_head=True), source, tmp), bar)
+        opts = GraphOptions(tie_head=True, tree=cfg.tree)
+        target_arts = _write_formats(cfg.formats, ModelJob("target", spec, weights, precision, opts, source, tmp), bar)
         bar.update()
         bar.set_postfix_str("tokenizer")
         tok_info = export_tokenizer(source, spec.family, tmp)

@@ -41,6 +41,7 @@ from .gguf_transcode import BlockWeight
 from .onnx_blocks import BlockOps
 from .onnx_fused import fast_gelu, fused_add_rms_norm, fused_rms_norm, linear_group, rotary
 from .onnx_masks import buffer_positions_and_masks, positions_and_masks
+from .onnx_tree import tree_attention, tree_context, tree_input_infos
 from .spec import ModelSpec
 
 __all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
@@ -70,6 +71,9 @@ class GraphOptions:
     # onnxruntime's fused kernels (onnx_fused.py: com.microsoft ops OpenVINO does not read);
     # None: on for the "append" layout, the one only onnxruntime runs
     fused_ops: bool | None = None
+    # tree verification (onnx_tree.py): tree_path/tree_depth inputs, attention summed in blocks at
+    # absolute positions so a tree's rows round as a chain's; onnxruntime's fused append graph only
+    tree: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -234,6 +238,10 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
         present_k = out_k = g.op("Concat", [past[0], k], axis=2)  # (1, KVH, T, hd)
         present_v = out_v = g.op("Concat", [past[1], v], axis=2)
     rep = H // KVH
+    if "score_index" in ctx:  # the tree graph (onnx_tree.py)
+        out = tree_attention(g, spec, q, present_k, present_v, ctx["row_mask"][lt], ctx,
+                             lambda rows, keys: _scores(g, rows, keys, hd), scaled)
+        return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
     if ctx["append"]:
         mask = ctx["row_mask"][lt] if fused else ctx["mask"][lt]
         return _attention_rows(g, spec, w, p, q, present_k, present_v, mask, fused, scaled), out_k, out_v
@@ -370,7 +378,12 @@ def build_decoder(
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (pk, pv)]
         past.append((pk, pv))
     fused = options.fused
+    if options.tree:  # checked here: writers set the layout on options built without it
+        if not (append and fused):
+            raise ValueError("tree verification is written for onnxruntime's fused append graph")
+        inputs += tree_input_infos()
     ctx = (buffer_positions_and_masks(g, spec, past[0][0]) if buffer
+           else tree_context(g, spec, past[0][0], ids) if options.tree
            else positions_and_masks(g, spec, past[0][0], ids, seq_axis=1 if append else 2, fused=fused))
     ctx["append"], ctx["fused"] = append, fused
     out_names, out_shape = (("new", [1, "S", spec.n_kv_heads, spec.head_dim]) if append
@@ -460,4 +473,4 @@ def _shape_metadata(spec: ModelSpec, w, layers, n_vocab: int, options: GraphOpti
     return {"edgespec.kv_layout": options.kv_layout, "edgespec.hidden_size": str(spec.hidden_size),
             "edgespec.n_heads": str(spec.n_heads), "edgespec.n_layers": str(len(layers)),
             "edgespec.intermediate_size": str(gate.shape[0] if gate is not None else 4 * spec.hidden_size),
-            "edgespec.vocab": str(n_vocab)}
+            "edgespec.vocab": str(n_vocab), "edgespec.tree": str(int(options.tree))}

@@ -178,7 +178,8 @@ def write_openvino(job, bar) -> Artifact:
     out.parent.mkdir(parents=True, exist_ok=True)
     # the graph computes in fp32; weights go to the IR as fp32 or fp16 (save_model compresses), or
     # as a GGUF's own blocks
-    opts = replace(job.opts, weight_dtype="fp32", kv_layout="buffer")
+    # OpenVINO verifies chains: its graph has no tree inputs (onnx_tree.py is onnxruntime's)
+    opts = replace(job.opts, weight_dtype="fp32", kv_layout="buffer", tree=False)
     bar.set_postfix_str(f"{'transcoding' if source else 'converting'} {job.role} to OpenVINO")
     weights = source_weights(job.weights) if source else job.weights
     model = convert_graph(job.spec, weights, opts, job.bundle_dir, job.role)

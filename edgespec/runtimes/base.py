@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..errors import BackendError
+
 __all__ = ["Capabilities", "Runtime", "common_prefix"]
 
 
@@ -46,6 +48,7 @@ class Capabilities:
     # why a k-token forward may round differently from k one-token forwards (None: it does not);
     # then speculative greedy output can differ from plain greedy on near-ties
     batch_variance: str | None = None
+    trees: bool = False  # forward_tree and keep_rows work (one forward verifies a draft tree)
     extra: dict = field(default_factory=dict)
 
 
@@ -102,6 +105,18 @@ class Runtime(abc.ABC):
     @abc.abstractmethod
     def trim(self, n_past: int) -> None:
         """Roll the cache back so that it holds only the first `n_past` positions."""
+
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """Append a draft tree in one forward: row i's token follows the path to row parents[i]
+        (-1 for row 0, where every path starts); logits `(len(token_ids), vocab)`, each row what
+        the same path fed as a chain gives, bit for bit. Then keep_rows keeps one path.
+        Where capabilities.trees is False: BackendError."""
+        raise BackendError(f"{self.capabilities.backend} verifies chains only here")
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        """After forward_tree at position `start`: hold the positions before it, then its rows `rows`
+        (increasing, one root-to-node path) at start, start+1, ..."""
+        raise BackendError(f"{self.capabilities.backend} verifies chains only here")
 
     def reset(self) -> None:
         self.trim(0)

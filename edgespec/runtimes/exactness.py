@@ -55,6 +55,8 @@ class Exactness:
     worst_diff: float  # the largest |logit difference| seen at any width (0.0: all exact)
     probe_ms: float  # what the probe cost when it ran (a cached verdict keeps the first run's figure)
     cached: bool = False  # read from the cache, not measured in this process
+    # a tree forward's path rows matched one-token forwards (None: the runtime verifies chains only)
+    trees: bool | None = None
 
     @property
     def exact_width(self) -> int:
@@ -73,7 +75,8 @@ class Exactness:
         where = "on this machine"
         if self.exact_width >= 2:
             tail = "" if self.fully_exact else f" (not {self.exact_width + 1}+: up to {self.worst_diff:.2g} off)"
-            return f"exact verify widths {where}: 2-{self.exact_width}{tail}"
+            trees = {None: "", True: "; tree verify exact", False: "; tree verify NOT exact (chains only)"}[self.trees]
+            return f"exact verify widths {where}: 2-{self.exact_width}{tail}{trees}"
         return (f"not exact {where}: a verify of 2+ tokens differs from one-token forwards "
                 f"by up to {self.worst_diff:.2g}")
 
@@ -87,7 +90,7 @@ class Exactness:
     def from_dict(cls, data: dict) -> Exactness:
         return cls(max_width=int(data["max_width"]), exact=tuple(int(w) for w in data["exact"]),
                    worst_diff=float(data["worst_diff"]), probe_ms=float(data["probe_ms"]),
-                   cached=bool(data.get("cached", False)))
+                   cached=bool(data.get("cached", False)), trees=data.get("trees"))
 
 
 def _ids(rt: Runtime, n: int) -> list[int]:
@@ -138,8 +141,30 @@ def _probe_start(rt: Runtime, ids: list[int], start: int, max_width: int) -> dic
         wide = _forward(rt, ids[start:start + w], w)
         after = _forward(rt, [ids[start + w]], 1)[0]  # reads the K/V rows the wide forward wrote
         out[w] = max(max(_row_diff(wide[i], ref[i]) for i in range(w)), _row_diff(after, ref[w]))
+    if rt.capabilities.trees:
+        out[0] = _probe_tree(rt, ids, start, max_width, ref)
     rt.reset()
     return out
+
+
+def _probe_tree(rt: Runtime, ids: list[int], start: int, max_width: int, ref: list[np.ndarray]) -> float:
+    """The worst difference of a tree forward's path rows (and of the forward after keeping that
+    path) from one-token forwards: every path node comes after a sibling, so no path key sits
+    where a chain would put it until the runtime moves it there (Runtime.keep_rows)."""
+    depth = (max_width - 1) // 2
+    if depth < 1:
+        return 0.0
+    tokens, parents, path = [ids[start]], [-1], [0]
+    for j in range(1, depth + 1):
+        sibling = ids[start + j] + 1 if ids[start + j] + 1 < rt.vocab_size else ids[start + j] - 1
+        tokens += [sibling, ids[start + j]]
+        parents += [path[-1], path[-1]]
+        path.append(len(tokens) - 1)
+    rt.trim(start)
+    rows = np.array(rt.forward_tree(tokens, parents), dtype=np.float32)
+    worst = max(_row_diff(rows[r], ref[i]) for i, r in enumerate(path))
+    rt.keep_rows(start, path)
+    return max(worst, _row_diff(_forward(rt, [ids[start + depth + 1]], 1)[0], ref[depth + 1]))
 
 
 def probe(rt: Runtime, max_width: int, starts: Sequence[int] = PROBE_STARTS) -> Exactness:
@@ -155,12 +180,17 @@ def probe(rt: Runtime, max_width: int, starts: Sequence[int] = PROBE_STARTS) -> 
     max_width = max(max_width, 1)
     ids = _ids(rt, max(starts) + max_width + 1)
     worst: dict[int, float] = {w: 0.0 for w in range(2, max_width + 1)}
+    trees = 0.0  # key 0 of _probe_start's result: the tree forward's
     for s in starts:
         for w, d in _probe_start(rt, ids, s, max_width).items():
-            worst[w] = max(worst[w], d)
+            if w == 0:
+                trees = max(trees, d)
+            else:
+                worst[w] = max(worst[w], d)
     ms = (time.perf_counter() - t0) * 1e3
     exact = tuple(w for w, d in sorted(worst.items()) if d == 0.0)
-    return Exactness(max_width, exact, max(worst.values(), default=0.0), round(ms, 1))
+    return Exactness(max_width, exact, max(worst.values(), default=0.0), round(ms, 1),
+                     trees=(trees == 0.0) if rt.capabilities.trees else None)
 
 
 def machine_fingerprint() -> str:

@@ -31,7 +31,7 @@ from .onnx_graphs import (
     session_options,
 )
 from .onnx_graphs import import_ort as _import_ort
-from .ort_kv import DEFAULT_KV_CAPACITY, graph_io, plan_kv
+from .ort_kv import DEFAULT_KV_CAPACITY, TreeRows, graph_io, plan_kv
 
 __all__ = ["OnnxRuntime", "available_devices", "DEFAULT_KV_CAPACITY", "OUTPUTS"]
 
@@ -148,7 +148,8 @@ class OnnxRuntime(Runtime):
         self._weight_bytes = _file_bytes(path)
         self.kv_bytes_per_token, self.kv_capacity = plan.layout.bytes_per_token, plan.capacity
         self.capabilities = Capabilities(backend="onnxruntime", can_trim=True, devices=("CPU",),
-                                         fixed_kv=plan.kind.fixed, extra={"pad_rows": bool(plan.pad)})
+                                         fixed_kv=plan.kind.fixed, trees=plan.tree and not plan.pad,
+                                         extra={"pad_rows": bool(plan.pad)})
 
     @property
     def n_past(self) -> int:
@@ -169,6 +170,14 @@ class OnnxRuntime(Runtime):
 
     def trim(self, n_past: int) -> None:
         self.kv.trim(n_past)
+
+    def forward_tree(self, token_ids: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        if len(parents) != len(token_ids) or not token_ids:
+            raise ValueError(f"need one parent per token, got {len(parents)} for {len(token_ids)}")
+        return self.kv.forward(token_ids, len(token_ids), TreeRows.from_parents(parents))
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        self.kv.keep_rows(start, rows)
 
     def probe_scratch(self, n_new: int, n_ctx: int) -> bool:
         return self.kv.probe(n_new, n_ctx)

@@ -12,7 +12,10 @@ new KV for a forward and runs it (`forward`), rolls back (`trim`, `reset`) and s
   buffer too: a step allocates nothing per candidate. The binds go through `RawBinding`, and only
   those that changed since the last forward are made again. `pad_rows` computes every forward one row
   wider (its last token again) and drops that row, the exact mode where a one-row kernel rounds
-  unlike a taller one; the padding row's K/V lands one slot past the sequence.
+  unlike a taller one; the padding row's K/V lands one slot past the sequence. A graph exported
+  with `--tree` also takes `tree_path`/`tree_depth` (exporters/onnx_tree.py): a chain's are bound
+  from one preallocated range, a tree forward's (`TreeRows`) for that forward only, and
+  `keep_rows` moves the accepted path's K/V rows behind the prefix.
 - `GrowingKV` (the "present" layout of early bundles, kept so they still load): the cache is the
   list of `present_*` OrtValues the last run returned, bound back as the next past; it grows by
   reallocation every step and a rollback copies the kept prefix. It is also the naive baseline
@@ -34,7 +37,7 @@ from ..errors import BackendError, ContextFullError
 from .heap import lazy_zeros
 
 __all__ = ["DEFAULT_KV_CAPACITY", "F32", "I64", "FixedBufferKV", "GrowingKV", "KVHolder", "KVLayout", "KVPlan",
-           "RawBinding", "graph_io", "kv_kind", "plan_kv"]
+           "RawBinding", "TreeRows", "graph_io", "kv_kind", "plan_kv"]
 
 # positions preallocated when no capacity is planned; numpy's zeroed buffers are committed
 # page by page as they fill, so an unused tail costs address space, not memory
@@ -96,6 +99,30 @@ def _c_objects(sess, binding) -> tuple[object, object, object]:
 
 
 @dataclass(frozen=True)
+class TreeRows:
+    """A tree forward's extra inputs (exporters/onnx_tree.py): `path` (S, D) int64, row s's path
+    from the forward's first row to itself, padded with s; `depth` (S,) int64."""
+
+    path: np.ndarray
+    depth: np.ndarray
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[int]) -> TreeRows:
+        """parents[i]: the row before row i on its path (-1: the first row, which every path starts at)."""
+        depth = np.zeros(len(parents), dtype=np.int64)
+        for i, par in enumerate(parents):
+            if (i == 0) != (par < 0) or par >= i:
+                raise ValueError(f"row {i}'s parent {par} must be an earlier row (-1 for row 0 only)")
+            depth[i] = depth[par] + 1 if i else 0
+        path = np.repeat(np.arange(len(parents), dtype=np.int64)[:, None], int(depth.max()) + 1, axis=1)
+        for i in range(len(parents)):
+            node = i
+            for d in range(int(depth[i]), -1, -1):
+                path[i, d], node = node, parents[node]
+        return cls(path, depth)
+
+
+@dataclass(frozen=True)
 class KVLayout:
     """The cache a graph reads: `n_layers` K and V tensors of `kv_heads` x `head_dim` per position, f32."""
 
@@ -116,6 +143,7 @@ class KVPlan:
     layout: KVLayout
     capacity: int | None  # most positions held (a forward past it: ContextFullError); None: no limit
     pad: int  # rows added to every forward (pad_rows), 0 or 1
+    tree: bool = False  # the graph takes tree_path/tree_depth (exporters/onnx_tree.py)
 
 
 class KVHolder(abc.ABC):
@@ -138,17 +166,23 @@ class KVHolder(abc.ABC):
     def n_past(self) -> int:
         return self._n
 
-    def forward(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
-        """Append `token_ids` (n_logits <= their count); the last `n_logits` rows of the output."""
+    def forward(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
+        """Append `token_ids` (n_logits <= their count); the last `n_logits` rows of the output.
+        `tree`: the rows form a draft tree (the tree graph only); keep_rows then keeps one path."""
         cap = self.plan.capacity
         if cap is not None and self._n + len(token_ids) > cap:
             raise ContextFullError(f"the context is full: {self._n} + {len(token_ids)} positions exceed "
                                    f"the KV capacity of {cap}")
-        return self._run(token_ids, n_logits)
+        return self._run(token_ids, n_logits, tree)
 
     @abc.abstractmethod
-    def _run(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
+    def _run(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
         """Bind, run the session, keep the new positions (room checked)."""
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        """After a tree forward that began at position `start`: hold the positions before it and
+        then the new rows `rows` (indices into that forward's rows, increasing: a root-to-node path)."""
+        raise BackendError("this KV layout verifies chains only")
 
     def trim(self, n_past: int) -> None:
         """Hold only the first `n_past` positions."""
@@ -198,6 +232,8 @@ class FixedBufferKV(KVHolder):
         self._kv_bytes = sum(a.nbytes for a in self._kv)  # memory() runs with every streamed Response
         self.logits = np.zeros((_LOGIT_ROWS, width), dtype=np.float32)
         self._ids = np.zeros((1, rows), dtype=np.int64)
+        self._arange = np.arange(rows, dtype=np.int64)  # a chain's tree_path and tree_depth (tree graph)
+        self._tree: TreeRows | None = None  # the arrays a tree forward bound, alive while bound
         self._n_logits = np.zeros(1, dtype=np.int64)
         self._binding = RawBinding(sess)
         # (past input, new output, buffer base address) per K/V buffer: the base never moves
@@ -207,8 +243,10 @@ class FixedBufferKV(KVHolder):
         b.bind_input("n_logits", b.device, I64, [1], self._n_logits.ctypes.data)  # its address never moves
         self._bound: tuple[int, int, int] = (-1, -1, 0)  # (ids width, logits rows, logits address) bound
 
-    def _run(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
+    def _run(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
         p, real, pad, lay = self._n, len(token_ids), self.plan.pad, self.plan.layout
+        if tree is not None and (pad or not self.plan.tree):
+            raise BackendError("tree verification needs the tree graph (edgespec export --tree) without pad_rows")
         # with padding, the graph also returns the padding row's logits (it returns the last rows)
         s, rows = real + pad, n_logits + pad
         if rows > len(self.logits):  # a wider verify than planned: grow once, keep it
@@ -224,8 +262,16 @@ class FixedBufferKV(KVHolder):
         if bound != self._bound:
             if bound[0] != self._bound[0]:
                 b.bind_input("input_ids", b.device, I64, [1, s], self._ids.ctypes.data)
+                if self.plan.tree:  # a chain: one path 0..s-1 for every row, depth = row
+                    b.bind_input("tree_path", b.device, I64, [1, s], self._arange.ctypes.data)
+                    b.bind_input("tree_depth", b.device, I64, [s], self._arange.ctypes.data)
             b.bind_output(self._output, b.device, F32, [1, rows, self._width], bound[2])
             self._bound = bound
+        if tree is not None:  # bound for this forward only: the next one binds its chain again
+            self._tree = tree
+            b.bind_input("tree_path", b.device, I64, list(tree.path.shape), tree.path.ctypes.data)
+            b.bind_input("tree_depth", b.device, I64, [s], tree.depth.ctypes.data)
+            self._bound = (-1, -1, 0)
         bind_in, bind_out, dev = b.bind_input, b.bind_output, b.device
         kvh, hd = lay.kv_heads, lay.head_dim
         past, new, row = [1, p, kvh, hd], [1, s, kvh, hd], kvh * hd * 4
@@ -235,6 +281,16 @@ class FixedBufferKV(KVHolder):
         b.run()
         self._n = p + real
         return self.logits[:n_logits]
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        if not self.plan.tree:
+            super().keep_rows(start, rows)
+        idx = np.asarray(rows, dtype=np.int64)
+        if start < 0 or start + (int(idx.max()) + 1 if idx.size else 0) > self._n or (np.diff(idx) <= 0).any():
+            raise ValueError(f"rows {list(rows)} are not increasing rows of the forward at {start} (n_past {self._n})")
+        for buf in self._kv:  # the path's K/V rows moved down behind the prefix: a few rows each
+            buf[start:start + idx.size] = buf[start + idx]
+        self._n = start + idx.size
 
     def probe(self, n_new: int, n_ctx: int) -> bool:
         if n_new < 1 or n_ctx > self.plan.capacity:
@@ -265,7 +321,9 @@ class GrowingKV(KVHolder):
 
     heads_axis = 1  # past: (1, kvh, P, hd)
 
-    def _run(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
+    def _run(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
+        if tree is not None:
+            raise BackendError("this KV layout verifies chains only")
         binding = self._sess.io_binding()
         binding.bind_cpu_input("input_ids", np.asarray([token_ids], dtype=np.int64))
         binding.bind_cpu_input("n_logits", np.asarray([n_logits], dtype=np.int64))
@@ -325,4 +383,4 @@ def plan_kv(inputs: Sequence[tuple[str, Sequence]], outputs: Sequence[str], *, c
     past = inputs[2][1]  # fixed: (1, P, kvh, hd); growing: (1, kvh, P, hd)
     layout = KVLayout(sum(1 for n in names if n.startswith("past_key_")), int(past[kind.heads_axis]), int(past[3]))
     return KVPlan(kind, layout, int(capacity or kind.default_capacity) if kind.fixed else capacity,
-                  int(pad_rows and kind.pads))
+                  int(pad_rows and kind.pads), tree="tree_path" in names and kind.fixed)

@@ -1,0 +1,258 @@
+"""Draft trees for Token Recycling's tree verification (issue 23): shape, drafting, acceptance.
+
+A chain stakes a whole verify on one guess per position; the successor table already holds the
+target's other top-k guesses, so a tree tries several at the first positions for the same one
+forward. The verify input is the root (the last committed, not yet fed token) followed by the
+draft nodes, every parent before its children; logits row i is the target's prediction for the
+token after node i, given the path root..i. Everything here is pure: the runtime only needs
+`row_parents()` (for the tree attention mask) and `depths()` (for position ids).
+
+Acceptance walks one path down from the root. Greedy, it follows the target's argmax, so it commits what
+plain greedy decoding would (if the tree's rows are the chain's bits: docs/LOG.md, tree rows).
+Sampling, the drafts are point masses tried one after another against the residual, which
+commits every token with exactly the target's conditional probability.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from edgespec.decoding.sampling import sample
+
+if TYPE_CHECKING:  # recycling.py drafts these trees: imported there, not here
+    from edgespec.decoding.recycling import SuccessorTable
+
+__all__ = [
+    "DraftTree",
+    "accept_tree_greedy",
+    "accept_tree_point_masses",
+    "best_shape",
+    "expected_tree_tokens",
+    "recycled_tree",
+    "shape_size",
+    "tree_shapes",
+]
+
+logger = logging.getLogger(__name__)
+
+# first-position widths of the menu's shapes; deeper positions take the top-1 (a chain):
+# acceptance falls with depth, so extra candidates pay most where a miss ends the step earliest
+_HEADS = ((1,), (2,), (3,), (2, 2))
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft nodes 1..n in verify order; node 0 is the root and is not stored.
+
+    tokens[i] is node i+1's token, parents[i] its parent's node index (0 = the root), < i+1, so
+    every parent is fed before its children. Siblings carry distinct tokens: a repeat could never
+    be accepted where its twin was not, and would only widen the verify."""
+
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        # plain int tuples whatever sequence of integers was passed: hashable, and fast to compare
+        for name in ("tokens", "parents"):
+            try:
+                object.__setattr__(self, name, tuple(operator.index(v) for v in getattr(self, name)))
+            except TypeError:
+                raise ValueError(f"draft tree {name} must be integers, got {getattr(self, name)!r}") from None
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"draft tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
+        if any(t < 0 for t in self.tokens):
+            raise ValueError(f"draft tree tokens must be >= 0, got {list(self.tokens)}")
+        for i, parent in enumerate(self.parents):
+            if not 0 <= parent <= i:
+                raise ValueError(f"node {i + 1}'s parent must be a node in 0..{i}, got {parent}")
+        if len(set(zip(self.parents, self.tokens))) != len(self.tokens):
+            raise ValueError(f"siblings repeat a token in the draft tree {list(zip(self.parents, self.tokens))}")
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> DraftTree:
+        """A linear tree: node i+1 follows node i."""
+        return cls(tuple(tokens), tuple(range(len(tokens))))
+
+    @property
+    def n(self) -> int:
+        """Number of draft nodes (the verify feeds n + 1 rows)."""
+        return len(self.tokens)
+
+    @cached_property
+    def _children(self) -> tuple[tuple[int, ...], ...]:
+        kids: list[list[int]] = [[] for _ in range(self.n + 1)]
+        for i, parent in enumerate(self.parents):
+            kids[parent].append(i + 1)
+        return tuple(tuple(k) for k in kids)
+
+    def children(self, node: int) -> tuple[int, ...]:
+        """Node indices whose parent is `node`, in stored (verify) order."""
+        return self._children[node]
+
+    def depths(self) -> tuple[int, ...]:
+        """Depth of nodes 0..n (the root is 0): the position offset of each verify row."""
+        out = [0]
+        for parent in self.parents:
+            out.append(out[parent] + 1)  # parents come first, so their depth is known
+        return tuple(out)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths())
+
+    def path_to(self, node: int) -> tuple[int, ...]:
+        """Node indices from the root to `node`, both included."""
+        if not 0 <= node <= self.n:
+            raise ValueError(f"node {node} is not in a tree of {self.n} drafts")
+        path = [node]
+        while path[-1] != 0:
+            path.append(self.parents[path[-1] - 1])
+        return tuple(reversed(path))
+
+    def row_parents(self) -> tuple[int, ...]:
+        """Each verify row's parent row, -1 for the root: a row attends to the cache and its
+        ancestors, found by following these."""
+        return (-1, *self.parents)
+
+
+def recycled_tree(table: SuccessorTable, root_token: int, widths: Sequence[int]) -> DraftTree:
+    """A static tree from the successor table: every node at depth d takes the first widths[d] ids
+    of its token's row (best first), skipping an id a sibling already holds.
+
+    Reads the table as `SuccessorTable.chain` does: a token never scored (-1) ends its branch, so
+    the tree may be smaller than its shape; widths (1,) * n give that chain. Nodes are stored
+    depth first: the first-children path, the likeliest, is rows 0..d as in a chain verify (the
+    runtime moves any other accepted path's rows there: Runtime.keep_rows)."""
+    if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= table.k for w in widths):
+        raise ValueError(f"tree widths must be integers in 1..{table.k} (the table's k), got {list(widths)}")
+    if not 0 <= root_token < len(table.rows):
+        raise ValueError(f"root token {root_token} is outside the table's vocabulary of {len(table.rows)}")
+    tokens: list[int] = []
+    parents: list[int] = []
+
+    def grow(node: int, token: int, depth: int) -> None:
+        if depth == len(widths):
+            return
+        taken: set[int] = set()
+        for successor in table.rows[token, : widths[depth]].tolist():
+            if successor >= 0 and successor not in taken:
+                taken.add(successor)
+                tokens.append(successor)
+                parents.append(node)
+                grow(len(tokens), successor, depth + 1)
+
+    grow(0, int(root_token), 0)
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+def shape_size(widths: Sequence[int]) -> int:
+    """Most draft nodes a shape can hold (a sparse table fills fewer): the verify's rows less one."""
+    return sum(math.prod(widths[: d + 1]) for d in range(len(widths)))
+
+
+def tree_shapes(max_nodes: int) -> tuple[tuple[int, ...], ...]:
+    """The menu of shapes holding at most `max_nodes` drafts: chains of 1..max_nodes, then a top-2,
+    a top-3 and a top-2-then-top-2 head, each continued by chains as deep as the bound allows.
+    Fixed and small on purpose: the engine picks among them from measured verify cost."""
+    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
+        raise ValueError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
+    shapes = []
+    for head in _HEADS:
+        shape = head
+        while shape_size(shape) <= max_nodes:
+            shapes.append(shape)
+            shape += (1,)
+    return tuple(shapes)
+
+
+def accept_tree_greedy(tree: DraftTree, logits: np.ndarray) -> tuple[list[int], int]:
+    """Walk from the root along the child carrying the target's argmax; stop where none does.
+
+    logits: (n+1, V), row i the target's prediction after node i. Returns the accepted node
+    indices in path order (root excluded) and the target's next token: the correction after the
+    last accepted node, or the bonus token at a leaf. On a chain it is `accept_greedy`."""
+    logits = np.asarray(logits)
+    if logits.ndim != 2 or logits.shape[0] != tree.n + 1:
+        raise ValueError(f"need {tree.n + 1} rows of target logits for {tree.n} drafts, got shape {logits.shape}")
+    best = np.argmax(logits, axis=-1)  # ties as accept_greedy breaks them: plain greedy's token
+    accepted: list[int] = []
+    node = 0  # the root
+    while True:
+        token = int(best[node])
+        match = [c for c in tree.children(node) if tree.tokens[c - 1] == token]
+        if not match:  # siblings are distinct: at most one child matches
+            return accepted, token
+        node = match[0]
+        accepted.append(node)
+
+
+def _pick(tree: DraftTree, node: int, p: np.ndarray, rng: np.random.Generator) -> tuple[int | None, int]:
+    """One position: (accepted child, its token), or (None, the token sampled instead)."""
+    residual, mass = p, 1.0  # an untouched row sums to 1, as accept_point_masses assumes
+    for child in tree.children(node):
+        token = tree.tokens[child - 1]
+        # accept with probability residual(x) / its mass, written without a division
+        if rng.random() * mass < residual[token]:
+            return child, token
+        if residual is p:
+            residual = p.copy()
+        residual[token] = 0.0
+        mass = float(residual.sum())
+    # rejected children's p summing to 1 happens only through rounding: fall back to p,
+    # as accept_point_masses does
+    return None, sample(residual if residual.sum() > 0 else p, rng)
+
+
+def accept_tree_point_masses(
+    tree: DraftTree, target_probs: np.ndarray, rng: np.random.Generator
+) -> tuple[list[int], int]:
+    """Multi-candidate speculative sampling for deterministic drafts (SpecInfer; Token Recycling;
+    "Multi-draft speculative sampling"): `accept_point_masses` over a tree.
+
+    target_probs: (n+1, V) normalised, row i the target's distribution after node i. At a node with
+    children x1..xm, x1 is accepted with probability p(x1); if not, p loses x1 (the residual of a
+    point mass) and x2 is accepted with probability r(x2) / sum(r), and so on; if all are rejected
+    the token is sampled from the residual. Exact: the token is xj with probability
+    (1 - p(x1) - ... - p(xj-1)) * p(xj) / (1 - p(x1) - ... - p(xj-1)) = p(xj), and any other x with
+    (1 - sum p(xj)) * p(x) / (1 - sum p(xj)) = p(x). So every committed token follows the target's
+    conditional given the tokens before it, and an accepted child's row is that conditional for
+    the next one. With one child per node it draws the same random numbers as
+    `accept_point_masses`. Returns the accepted node indices (root excluded) and the next token."""
+    target_probs = np.asarray(target_probs)
+    if target_probs.ndim != 2 or target_probs.shape[0] != tree.n + 1:
+        raise ValueError(f"need {tree.n + 1} target rows for {tree.n} drafts, got shape {target_probs.shape}")
+    accepted: list[int] = []
+    node = 0
+    while True:
+        child, token = _pick(tree, node, target_probs[node], rng)
+        if child is None:
+            return accepted, token
+        accepted.append(child)
+        node = child
+
+
+def expected_tree_tokens(widths: Sequence[int], reach: Sequence[float]) -> float:
+    """Tokens a step drafting a full tree of this shape commits on average, the target's own
+    included: depth d is reached if the target's token was among the first widths[d] successors
+    at every depth before, which happens with probability reach[w - 1] at each (independently:
+    the chain model of policy.expected_tokens, with one alpha per width)."""
+    expected, p = 1.0, 1.0
+    for w in widths:
+        p *= reach[w - 1]
+        expected += p
+    return expected
+
+
+def best_shape(reach: Sequence[float], verify_cost: Sequence[float], max_nodes: int) -> tuple[int, ...]:
+    """The menu's shape (tree_shapes) with the most expected tokens per verify cost.
+    verify_cost[i]: what a verify of i + 1 rows costs (policy.verify_table, in plain steps), at
+    least max_nodes + 1 long. On a backend where every row costs (c(B) steep) this is a chain."""
+    shapes = tree_shapes(max(1, min(max_nodes, len(verify_cost) - 1)))
+    return max(shapes, key=lambda w: expected_tree_tokens(w, reach) / verify_cost[shape_size(w)])
