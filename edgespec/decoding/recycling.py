@@ -160,9 +160,10 @@ class RecyclingDrafter(Drafter):
         # table learns when it pays again without spending verifies on probes
         guess = int(self.table.rows[tokens[0], 0])
         drafted, self._drafted = self._drafted, False
-        before = self.table.rows[np.asarray(tokens)]
+        before = self.table.rows[np.asarray(tokens)] if self.trees else None
         top = self.table.update(tokens, logits)
-        self._count_ranks(before, top[:, 0])
+        if before is not None:  # only shape choices read the ranks: chains pay nothing for them
+            self._count_ranks(before, top[:, 0])
         if drafted or guess < 0:
             return []
         return [(self.source, 1, int(guess == top[0, 0]))]

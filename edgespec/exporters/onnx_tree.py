@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto, helper
 
+from .onnx_masks import masks_and_rope
 from .spec import ModelSpec
 
 __all__ = ["BLOCK", "TREE_INPUTS", "tree_context", "tree_attention", "tree_input_infos"]
@@ -62,8 +63,6 @@ def tree_context(g, spec: ModelSpec, past0: str, ids: str) -> dict:
     depth-j key), then padding up to whole blocks: nb = nA + nt blocks of BLOCK columns, nA shared
     ([0, A), A = P rounded down to BLOCK) and nt per path ([A, A + nt * BLOCK)). Column c stands
     for position c, so the causal mask also masks the path after the node and the padding."""
-    from .onnx_masks import masks_and_rope
-
     rep = spec.n_heads // spec.n_kv_heads
     rc = 2 if rep == 1 else rep  # score rows per node (two copies of a lone query head: _attention_rows)
     kvh = spec.n_kv_heads
