@@ -14,6 +14,7 @@ commits every token with exactly the target's conditional probability.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -157,6 +158,7 @@ def shape_size(widths: Sequence[int]) -> int:
     return sum(math.prod(widths[: d + 1]) for d in range(len(widths)))
 
 
+@functools.lru_cache(maxsize=32, typed=True)  # pure, and asked for every drafting step: built once per bound
 def tree_shapes(max_nodes: int) -> tuple[tuple[int, ...], ...]:
     """The menu of shapes holding at most `max_nodes` drafts: chains of 1..max_nodes, then a top-2,
     a top-3 and a top-2-then-top-2 head, each continued by chains as deep as the bound allows.

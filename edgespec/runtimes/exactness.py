@@ -122,8 +122,9 @@ def _prefill(rt: Runtime, ids: list[int]) -> None:
         rt.forward(ids[i:i + step], n_logits=1)
 
 
-def _probe_start(rt: Runtime, ids: list[int], start: int, max_width: int) -> dict[int, float]:
-    """{width: worst difference} for widths 2..max_width from a prefix of `start` ids."""
+def _probe_start(rt: Runtime, ids: list[int], start: int, max_width: int) -> tuple[dict[int, float], float | None]:
+    """({width: worst difference} for widths 2..max_width, the tree forward's worst difference or
+    None where the runtime verifies chains only), from a prefix of `start` ids."""
     from .shared_body import SharedBodyRuntime
 
     # a shared body keeps rows by token ids, so after a trim the wide forward would reuse the
@@ -141,10 +142,9 @@ def _probe_start(rt: Runtime, ids: list[int], start: int, max_width: int) -> dic
         wide = _forward(rt, ids[start:start + w], w)
         after = _forward(rt, [ids[start + w]], 1)[0]  # reads the K/V rows the wide forward wrote
         out[w] = max(max(_row_diff(wide[i], ref[i]) for i in range(w)), _row_diff(after, ref[w]))
-    if rt.capabilities.trees:
-        out[0] = _probe_tree(rt, ids, start, max_width, ref)
+    tree = _probe_tree(rt, ids, start, max_width, ref) if rt.capabilities.trees else None
     rt.reset()
-    return out
+    return out, tree
 
 
 def _probe_tree(rt: Runtime, ids: list[int], start: int, max_width: int, ref: list[np.ndarray]) -> float:
@@ -180,17 +180,16 @@ def probe(rt: Runtime, max_width: int, starts: Sequence[int] = PROBE_STARTS) -> 
     max_width = max(max_width, 1)
     ids = _ids(rt, max(starts) + max_width + 1)
     worst: dict[int, float] = {w: 0.0 for w in range(2, max_width + 1)}
-    trees = 0.0  # key 0 of _probe_start's result: the tree forward's
+    trees: bool | None = None  # None: the runtime verifies chains only
     for s in starts:
-        for w, d in _probe_start(rt, ids, s, max_width).items():
-            if w == 0:
-                trees = max(trees, d)
-            else:
-                worst[w] = max(worst[w], d)
+        widths, tree = _probe_start(rt, ids, s, max_width)
+        for w, d in widths.items():
+            worst[w] = max(worst[w], d)
+        if tree is not None:
+            trees = tree == 0.0 and trees is not False
     ms = (time.perf_counter() - t0) * 1e3
     exact = tuple(w for w, d in sorted(worst.items()) if d == 0.0)
-    return Exactness(max_width, exact, max(worst.values(), default=0.0), round(ms, 1),
-                     trees=(trees == 0.0) if rt.capabilities.trees else None)
+    return Exactness(max_width, exact, max(worst.values(), default=0.0), round(ms, 1), trees=trees)
 
 
 def machine_fingerprint() -> str:

@@ -284,7 +284,7 @@ class FixedBufferKV(KVHolder):
 
     def keep_rows(self, start: int, rows: Sequence[int]) -> None:
         if not self.plan.tree:
-            super().keep_rows(start, rows)
+            return super().keep_rows(start, rows)  # raises: a chain graph has no tree rows
         idx = np.asarray(rows, dtype=np.int64)
         if start < 0 or start + (int(idx.max()) + 1 if idx.size else 0) > self._n or (np.diff(idx) <= 0).any():
             raise ValueError(f"rows {list(rows)} are not increasing rows of the forward at {start} (n_past {self._n})")
