@@ -20,10 +20,11 @@ Writes the JSON result to --out (and prints it).
     python benchmarks/bench_lean_bundle.py --memory BUNDLE [--repeat 3] [--out benchmarks/bench_lean_memory.json]
 
 measures only peak RSS (one fresh process per run, the median of --repeat): `edgespec generate` of
-BUNDLE on onnxruntime (64 tokens, greedy) with the draft on its own body, on the target's body
+BUNDLE on onnxruntime (64 tokens): as it opens by default, greedy and with chat's default sampler
+(temperature 0.7, top-p 0.95, top-k 40); greedy with the draft on its own body, on the target's body
 (--draft-body shared), without a draft, on the target's body in a process whose cache is empty
 (the first load on a machine: the exactness probe settles the exact mode), and llama-cpp-python's
-plain greedy run of the same GGUF (n_ctx 4096, edgespec's default KV capacity), so the draft's cost
+plain greedy and sampled runs of the same GGUF (n_ctx 4096, edgespec's default KV capacity), so the draft's cost
 reads side by side with the peer; then `edgespec plan BUNDLE`'s lower bounds, and the load average
 before and after (the machine may be shared: RSS does not depend on it, times do).
 """
@@ -162,14 +163,21 @@ def agreement(lean: Path, fp32: Path, gguf: Path, ids_list: list[list[int]], n: 
 _LLAMA_RUN = ("import resource, sys\n"
               "from llama_cpp import Llama\n"
               "llm = Llama(sys.argv[1], n_ctx=4096, n_threads=int(sys.argv[3]), verbose=False)\n"
-              "llm(sys.argv[2], max_tokens=int(sys.argv[4]), temperature=0.0)\n"
+              "llm(sys.argv[2], max_tokens=int(sys.argv[4]), temperature=float(sys.argv[5]), top_p=float(sys.argv[6]),"
+              " top_k=int(sys.argv[7]), min_p=0.0, repeat_penalty=1.0)\n"
               "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")
 
 PROMPT = "The history of the printing press"
 
 
-def llama_peak(gguf: Path, tokens: int, threads: int) -> int:
-    proc = subprocess.run([sys.executable, "-c", _LLAMA_RUN, str(gguf), PROMPT, str(threads), str(tokens)],
+# chat's default sampler (edgespec chat; llama.cpp's own defaults but min-p)
+SAMPLED = {"temperature": "0.7", "top_p": "0.95", "top_k": "40"}
+GREEDY = {"temperature": "0", "top_p": "1", "top_k": "1"}
+
+
+def llama_peak(gguf: Path, tokens: int, threads: int, sampling: dict = GREEDY) -> int:
+    proc = subprocess.run([sys.executable, "-c", _LLAMA_RUN, str(gguf), PROMPT, str(threads), str(tokens),
+                           sampling["temperature"], sampling["top_p"], sampling["top_k"]],
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"llama-cpp-python failed:\n{proc.stderr[-2000:]}")
@@ -193,8 +201,10 @@ def memory(bundle: Path, gguf: Path, tokens: int, threads: int, repeat: int) -> 
     """Peak RSS (MiB, median of `repeat` fresh processes) per configuration; the draft's cost as a
     share of llama-cpp-python's plain run."""
     runs: dict[str, list[int]] = {}
-    configs = {"draft_own_body": ["--draft-body", "own"], "draft_shared_body": ["--draft-body", "shared"],
-               "target_only": ["--no-draft"], "first_load_shared_body": ["--draft-body", "shared"]}
+    sampled = ["--temperature", SAMPLED["temperature"], "--top-p", SAMPLED["top_p"], "--top-k", SAMPLED["top_k"]]
+    configs = {"default": [], "default_sampled": sampled, "draft_own_body": ["--draft-body", "own"],
+               "draft_shared_body": ["--draft-body", "shared"], "target_only": ["--no-draft"],
+               "target_only_sampled": ["--no-draft", *sampled], "first_load_shared_body": ["--draft-body", "shared"]}
     load = [os.getloadavg()[0]]
     for _ in range(repeat):
         for name, extra in configs.items():
@@ -204,11 +214,15 @@ def memory(bundle: Path, gguf: Path, tokens: int, threads: int, repeat: int) -> 
                                     str(tokens), "--threads", str(threads), *extra, env=env)
             runs.setdefault(name, []).append(rss)
         runs.setdefault("llamacpp_plain", []).append(llama_peak(gguf, tokens, threads))
+        runs.setdefault("llamacpp_plain_sampled", []).append(llama_peak(gguf, tokens, threads, SAMPLED))
     load.append(os.getloadavg()[0])
     mib = {k: round(statistics.median(v) / 2**20) for k, v in runs.items()}
     peer = mib["llamacpp_plain"]
     return {"peak_rss_mib": mib, "runs_mib": {k: [round(x / 2**20) for x in v] for k, v in runs.items()},
             "vs_llamacpp_plain": {k: round(v / peer, 2) for k, v in mib.items() if k != "llamacpp_plain"},
+            "sampled_vs_llamacpp_sampled": {k: round(v / mib["llamacpp_plain_sampled"], 2)
+                                            for k, v in mib.items() if k.endswith("_sampled")
+                                            and not k.startswith("llamacpp")},
             "plan_lower_bounds_mib": plan_bounds(bundle, threads), "load_average_1min": load}
 
 

@@ -1,65 +1,96 @@
-"""edgespec against llama.cpp, side by side: `edgespec bench` with its llama.cpp peer column.
+"""edgespec against llama.cpp, side by side, greedy and sampled: `edgespec bench` with its llama.cpp peer.
 
-    python benchmarks/bench_peer.py [--bundle BUNDLE] [--per-class 2] [--repeat 1] [--max-tokens 48]
-                                    [--out DIR] [-- extra edgespec bench flags, e.g. --backend openvino]
+    python benchmarks/bench_peer.py [--bundle BUNDLE] [--modes greedy,chat,t1] [--prompts FILE.jsonl]
+                                    [--repeat 2] [--max-tokens 96] [--out DIR] [-- extra edgespec bench flags]
 
-Runs the `edgespec bench` command as a user runs it, on the default bundle (the embedded Gemma 3
-270M, exported on first use; its target came from the Q4_K_M GGUF, which is what llama.cpp
-decodes) or on BUNDLE, with the first --per-class prompts of the chat, code and grounded suites.
-In one process, per prompt and repeat, interleaved: edgespec plain, edgespec speculative, and
-llama-cpp-python's own plain greedy decode of the GGUF, all from the same prompt token ids. Decode
-tokens/s after the first token; `x llama.cpp` is the median of paired per-prompt ratios.
+Runs the `edgespec bench` command as a user runs it, once per sampling mode, on the default bundle
+(the embedded Gemma 3 270M, exported on first use; its target came from the Q4_K_M GGUF, which is
+what llama.cpp decodes) or on BUNDLE. Modes: `greedy`; `chat`, the sampler `edgespec chat` uses by
+default (temperature 0.7, top-p 0.95, top-k 40); `t1`, pure temperature 1 (top-k 0, top-p 1), the
+OpenAI API's default. The llama.cpp peer samples at the same settings. Prompts: the held-out set
+in benchmarks/data/heldout.jsonl (chat, code and grounded prompts no tuning has seen), or FILE.
 
-Writes into DIR (default: benchmarks/results/bench_peer/): prompts.jsonl (the prompts used),
-results.json (the bench's versioned JSON), report.md with its plots (llamacpp.png: the ratios per
-class), and run.log (the console output, with the machine line).
+In one process per mode, per prompt and repeat, interleaved: edgespec plain, edgespec speculative,
+and llama-cpp-python's own plain decode of the GGUF, all from the same prompt token ids. Every run
+stops at the model's end of turn (or --max-tokens). Decode tokens/s count the tokens after the
+first step over the time after it. `x llama.cpp` is the ratio of totals (all decode tokens over
+all decode time, edgespec's over the peer's, on the same prompts and repeats); the median of
+paired per-prompt ratios stands beside it.
+
+Writes into DIR (default: benchmarks/results/bench_peer/): per mode a folder with results.json
+(the bench's versioned JSON), report.md with its plots, and run.log (the console output, with the
+machine line); and summary.md, one table over the modes.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-CLASSES = ("chat", "code", "grounded")
+MODES = {
+    "greedy": ["--temperature", "0"],
+    "chat": ["--temperature", "0.7", "--top-p", "0.95", "--top-k", "40"],
+    "t1": ["--temperature", "1", "--top-p", "1", "--top-k", "0"],
+}
+TITLES = {"greedy": "greedy", "chat": "chat's defaults (T 0.7, top-p 0.95, top-k 40)",
+          "t1": "pure temperature 1 (top-k 0, top-p 1)"}
 
 
-def write_prompts(path: Path, per_class: int) -> int:
-    """The first `per_class` prompts of each suite, as a JSONL file `edgespec bench --prompts` reads."""
-    from edgespec.bench.suites import load_prompts
+def _x(m: dict, key: str) -> str:
+    v = m.get(key)
+    return "–" if v is None else f"{v:.2f}x"
 
-    lines = []
-    for cls in CLASSES:
-        for p in load_prompts(cls)[:per_class]:
-            obj = {"id": p.id, "class": p.cls}
-            if p.is_chat:
-                obj["messages"] = [{"role": r, "content": c} for r, c in p.messages]
-            else:
-                obj["text"] = p.text
-            lines.append(json.dumps(obj, ensure_ascii=False))
+
+def summary_rows(mode: str, doc: dict) -> list[str]:
+    """Markdown rows of one mode's results: per class and overall, llama.cpp, plain and speculative."""
+    rows = []
+    for cls, block in [*doc["classes"].items(), ("all", doc["overall"])]:
+        peer, plain, spec = block.get("llama.cpp", {}), block["plain"], block.get("speculative", {})
+        acc = spec.get("acceptance")
+        rows.append(
+            f"| {mode} | {cls} | {peer.get('tok_s', 0):.1f} | {plain['tok_s']:.1f} ({_x(plain, 'x_llamacpp')}; "
+            f"{_x(plain, 'x_llamacpp_paired')}) | {spec.get('tok_s', 0):.1f} ({_x(spec, 'x_llamacpp')}; "
+            f"{_x(spec, 'x_llamacpp_paired')}) | {'–' if acc is None else f'{acc:.0%}'} / "
+            f"{spec.get('mean_accepted_length', 0):.2f} |")
+    return rows
+
+
+def write_summary(out: Path, docs: dict[str, dict]) -> Path:
+    first = next(iter(docs.values()))
+    m = first["machine"]
+    lines = [
+        "# edgespec against llama-cpp-python, greedy and sampled", "",
+        f"Machine: {m['cpu']} ({m['arch']}; {' '.join(m.get('isa') or [])}), {m['cores_usable']} usable cores. "
+        f"Libraries: " + ", ".join(f"{k} {v}" for k, v in sorted(first["libraries"].items()) if v) + ".", "",
+        "Decode tok/s after the first step; in brackets, over llama-cpp-python's: the ratio of totals, then the "
+        "median of paired per-prompt ratios. Acceptance / tokens per target forward of speculative decoding.", "",
+        "| mode | class | llama-cpp-python tok/s | edgespec plain | edgespec speculative | acceptance / tok per step |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for mode, doc in docs.items():
+        lines += summary_rows(mode, doc)
+    lines += ["", "Modes: " + "; ".join(f"`{k}`: {TITLES[k]}" for k in docs) + ".",
+              "Greedy speculative output identical to plain: "
+              + ("yes" if docs.get("greedy", {}).get("identical", True) else "**NO**") + "."]
+    path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return len(lines)
+    return path
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bundle", default=None, help="bundle folder (default: the embedded Gemma 3 270M)")
-    ap.add_argument("--per-class", type=int, default=2, help="prompts per class (default: 2; the suites hold 8)")
-    ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_peer")
-    ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more `edgespec bench` flags")
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    prompts = args.out / "prompts.jsonl"
-    n = write_prompts(prompts, args.per_class)
-    extra = [a for a in args.extra if a != "--"]
+def run_mode(mode: str, args, extra: list[str]) -> dict:
+    out = args.out / mode
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "edgespec", "bench", *([args.bundle] if args.bundle else []),
-           "--prompts", str(prompts), "--repeat", str(args.repeat), "--max-tokens", str(args.max_tokens),
-           "--json", str(args.out / "results.json"), "--report", str(args.out), *extra]
-    print(f"{n} prompts: {' '.join(cmd[1:])}", file=sys.stderr)
+           "--prompts", str(args.prompts), "--repeat", str(args.repeat), "--max-tokens", str(args.max_tokens),
+           "--stop-at-eos", "--seed", str(args.seed), *MODES[mode],
+           "--json", str(out / "results.json"), "--report", str(out), *extra]
+    print(f"{mode}: {' '.join(cmd[1:])}", file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     log = f"$ edgespec {' '.join(cmd[3:])}\n\n{proc.stderr}\n{proc.stdout}"
     local_paths = [(str(HERE.parent) + "/", ""), (str(Path.home()), "~")]
@@ -67,10 +98,34 @@ def main() -> int:
         local_paths.insert(0, (str(args.bundle), Path(args.bundle).name))
     for local, shown in local_paths:  # no machine paths in results
         log = log.replace(local, shown)
-    (args.out / "run.log").write_text(log, encoding="utf-8")
+    (out / "run.log").write_text(log, encoding="utf-8")
     sys.stderr.write(proc.stderr)
     sys.stdout.write(proc.stdout)
-    return proc.returncode
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_peer: mode {mode} failed (exit {proc.returncode}); see {out / 'run.log'}")
+    return json.loads((out / "results.json").read_text(encoding="utf-8"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bundle", default=None, help="bundle folder (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--modes", default="greedy,chat,t1", help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--prompts", type=Path, default=HERE / "data" / "heldout.jsonl")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_peer")
+    ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more `edgespec bench` flags")
+    args = ap.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    extra = [a for a in args.extra if a != "--"]
+    docs = {mode: run_mode(mode, args, extra) for mode in modes}
+    print(f"summary: {write_summary(args.out, docs)}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":

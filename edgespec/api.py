@@ -386,12 +386,14 @@ class Engine:
         return min(max_tokens, room)
 
     def stream(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
-               stop_event: threading.Event | None = None, wait: bool | float = False) -> Iterator[Response]:
+               top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
+               stop: Sequence[str] = (), stop_event: threading.Event | None = None,
+               wait: bool | float = False) -> Iterator[Response]:
         """Plain completion of `prompt` (text, or token ids), streamed.
 
+        min_p: keep tokens at least min_p times as likely as the likeliest (SamplingParams);
         stop: strings that end the text (not included); stop_event / wait: see stream_ids."""
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
         check_max_tokens(max_tokens)
         if isinstance(prompt, str) and not prompt.isascii():
             try:  # a lone surrogate (from a bad byte in argv or a JSON escape) is not text
@@ -480,12 +482,19 @@ def _with_config_fields(fn):
 
 @_with_config_fields
 def load(bundle: str | Path | None = None, config: EngineConfig | None = None, **overrides) -> Engine:
-    """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use).
+    """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use). `bundle`
+    may also be a .gguf file: its bundle is built in the user cache on first use and reused
+    while the file's content is unchanged (exporters/gguf_bundles.py).
 
     config: an EngineConfig (edgespec.config; default: EngineConfig()); keyword overrides replace
     its fields, e.g. load(path, backend="openvino", k=3). What each field does: help(EngineConfig).
     """
-    cfg = engine_config(config, **overrides)  # checked before a default bundle is built
-    path = Path(bundle) if bundle is not None else default_bundle()
+    cfg = engine_config(config, **overrides)  # checked before any bundle is built
+    if bundle is None:
+        path = default_bundle()
+    else:
+        from .exporters.gguf_bundles import resolve_bundle
+
+        path = resolve_bundle(bundle)
     return Engine(load_bundle(path), cfg)
 

@@ -148,7 +148,7 @@ class ChatSession:
         self.turn_stats = []
 
     def send(self, message: str, *, max_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
-             top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+             top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop: Sequence[str] = (),
              stop_event: threading.Event | None = None, wait: bool | float = False) -> Iterator[Response]:
         """Add a user message and stream the reply. The reply is recorded in the history
         even when the stream is stopped early (a Stop button setting `stop_event`, leaving the
@@ -158,7 +158,7 @@ class ChatSession:
         if not message.strip():
             raise ConfigError("empty message")
         check_max_tokens(max_tokens)
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
         return self._turn(message, params, max_tokens, tuple(stop) + self.format.stop, stop_event, wait)
 
     def _turn(self, message: str, params: SamplingParams, max_tokens: int, stop: tuple[str, ...],

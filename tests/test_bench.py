@@ -213,20 +213,21 @@ def _rec(config, cls, prompt, rep, n, ttft, total, tokens=None, drafted=0, accep
                      accepted=accepted, draft_ms=1.0, verify_ms=3.0, peak_rss=100 + rep)
 
 
-def test_summary_speedup_is_a_ratio_of_measured_medians():
+def test_summary_speed_is_a_ratio_of_totals():
     runs = [
-        # plain: decode times 1.0, 1.2, 5.0 (an outlier) -> median 1.2; 11 tokens -> 10 decoded
+        # plain: decode times 1.0, 1.2, 5.0 (a slow patch counts as it happened); 11 tokens -> 10 decoded each
         _rec(PLAIN, "c", "p", 0, 11, 0.1, 1.1), _rec(PLAIN, "c", "p", 1, 11, 0.1, 1.3),
         _rec(PLAIN, "c", "p", 2, 11, 0.1, 5.1),
-        # speculative: decode 0.5, 0.6, 0.4 -> median 0.5
+        # speculative: decode 0.5, 0.6, 0.4
         _rec(SPECULATIVE, "c", "p", 0, 11, 0.2, 0.7, drafted=8, accepted=6),
         _rec(SPECULATIVE, "c", "p", 1, 11, 0.2, 0.8, drafted=8, accepted=6),
         _rec(SPECULATIVE, "c", "p", 2, 11, 0.2, 0.6, tokens=[0, 1, 2, 9] + list(range(4, 11)), drafted=8, accepted=6),
     ]
     s = summarise(runs, [PLAIN, SPECULATIVE])
     plain, spec = s["classes"]["c"][PLAIN], s["classes"]["c"][SPECULATIVE]
-    assert plain["tok_s"] == pytest.approx(10 / 1.2) and spec["tok_s"] == pytest.approx(10 / 0.5)
-    assert spec["speedup"] == pytest.approx(1.2 / 0.5)
+    assert plain["tok_s"] == pytest.approx(30 / 7.2) and spec["tok_s"] == pytest.approx(30 / 1.5)
+    assert plain["tok_s_per_repeat"] == pytest.approx([10 / 1.0, 10 / 1.2, 10 / 5.0])
+    assert spec["speedup"] == pytest.approx(7.2 / 1.5)
     assert spec["acceptance"] == pytest.approx(0.75) and plain["acceptance"] is None
     assert plain["ttft_ms"] == pytest.approx(100) and plain["prefill_tok_s"] == pytest.approx(50)
     assert spec["draft_share"] == pytest.approx(0.25)
@@ -234,6 +235,44 @@ def test_summary_speedup_is_a_ratio_of_measured_medians():
     assert s["mismatches"] == [{"class": "c", "prompt": "p", "config": SPECULATIVE, "repeat": 2, "first_difference": 3}]
     assert spec["identical"] is False and plain["identical"] is True
     assert s["prompts"][0]["configs"][SPECULATIVE]["identical"] is False
+
+
+def test_first_step_tokens_are_not_counted_without_their_time():
+    """A first step that commits a whole accepted draft is timed with the prompt (ttft): its
+    tokens leave the decode speed too, in the record and in the generation's own statistics."""
+    from edgespec.decoding import GenerationStats
+    from edgespec.decoding.speculative import StepResult
+
+    st = GenerationStats(prompt_tokens=5)
+    st.add(StepResult([1, 2, 3, 4], 3, 3, 1.0, 2.0), 0.5)  # prompt + first step: 4 tokens in 0.5 s
+    st.add(StepResult([5, 6], 1, 1, 1.0, 2.0), 0.7)
+    st.add(StepResult([7], 0, 0, 0.0, 2.0), 1.0)
+    assert st.first_step_tokens == 4 and st.decode_tokens == 3
+    assert st.tokens_per_s == pytest.approx(3 / 0.5)
+    rec = RunRecord.from_stats(st, list(range(1, 8)), 1.0)
+    assert rec.first_tokens == 4 and rec.decode_tokens == 3 and rec.tok_s == pytest.approx(3 / 0.5)
+    # a first step of one token: the one token is left out, as before
+    assert _rec(PLAIN, "c", "p", 0, 11, 0.1, 1.1).tok_s == pytest.approx(10 / 1.0)
+
+
+def test_sampled_runs_are_not_required_to_match_plain():
+    runs = [_rec(PLAIN, "c", "p", 0, 6, 0.1, 1.1), _rec(SPECULATIVE, "c", "p", 0, 6, 0.1, 0.6, tokens=[5] * 6)]
+    greedy, sampled = summarise(runs, [PLAIN, SPECULATIVE]), summarise(runs, [PLAIN, SPECULATIVE], greedy=False)
+    assert greedy["mismatches"] and greedy["overall"][SPECULATIVE]["identical"] is False
+    assert sampled["mismatches"] == [] and sampled["overall"][SPECULATIVE]["identical"] is None
+
+
+def test_bench_seeds_each_prompt_and_repeat():
+    from edgespec.bench.measure import run_params
+    from edgespec.decoding import SamplingParams
+
+    greedy = SamplingParams()
+    assert run_params(greedy, 3, 1) is greedy
+    chat = SamplingParams(temperature=0.7, top_p=0.95, top_k=40, seed=7)
+    seeds = {run_params(chat, i, rep).seed for i in range(4) for rep in range(3)}
+    assert len(seeds) == 12  # every (prompt, repeat) its own
+    assert run_params(chat, 2, 1) == run_params(chat, 2, 1)  # every configuration of one run the same
+    assert run_params(chat, 2, 1).temperature == 0.7 and run_params(chat, 2, 1).top_k == 40
 
 
 # ---------------------------------------------------------------- schema, report, compare

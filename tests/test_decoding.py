@@ -6,6 +6,7 @@ import pytest
 from scipy.stats import chisquare
 
 from edgespec.decoding import (
+    Candidates,
     FixedK,
     SamplingParams,
     SpeculativeDecoder,
@@ -24,6 +25,11 @@ V = 50
 PROMPT = [3, 14, 15, 9, 26]
 GREEDY = SamplingParams()
 KEEP = np.arange(0, V, 2)  # a trimmed draft head: even target ids only
+
+
+def dists(rows) -> list:
+    """Dense probability rows as the distributions acceptance takes."""
+    return [Candidates.from_row(r) for r in np.atleast_2d(rows)]
 
 
 def make_draft(kind: str) -> tuple[ToyRuntime, np.ndarray | None]:
@@ -202,19 +208,19 @@ def test_accept_sampled_cases():
     p = np.array([[0.2, 0.3, 0.5], [0.1, 0.1, 0.8], [0.0, 1.0, 0.0]])
     # a draft identical to the target is always accepted
     for _ in range(200):
-        n, nxt = accept_sampled([2, 0], p[:2], p, rng)
+        n, nxt = accept_sampled([2, 0], dists(p[:2]), dists(p), rng)
         assert n == 2 and nxt == 1
     # the target gives the draft token zero mass: always rejected, resampled where p > q
     q = np.array([[0.0, 0.0, 1.0]])
     target = np.array([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
     for _ in range(200):
-        n, nxt = accept_sampled([2], q, target, rng)
+        n, nxt = accept_sampled([2], dists(q), dists(target), rng)
         assert n == 0 and nxt in (0, 1)
     # a residual that is zero (p <= q everywhere, as from rounding) falls back to p
     q = np.array([[0.4, 0.6, 0.0]])
     target = np.array([[0.0, 0.3, 0.0], [1.0, 0.0, 0.0]])
     for _ in range(200):
-        n, nxt = accept_sampled([1], q, target, rng)
+        n, nxt = accept_sampled([1], dists(q), dists(target), rng)
         assert (n, nxt) in ((1, 0), (0, 1))
 
 
@@ -223,8 +229,8 @@ def test_rejection_sampling_keeps_target_distribution(k):
     rng = np.random.default_rng(1234)
     p = np.array([0.05, 0.30, 0.00, 0.25, 0.15, 0.25])
     q = np.array([0.40, 0.05, 0.20, 0.05, 0.30, 0.00])  # deliberately different, with disjoint zeros
-    target_probs = np.tile(p, (k + 1, 1))
-    draft_probs = np.tile(q, (k, 1))
+    target_probs = dists(np.tile(p, (k + 1, 1)))
+    draft_probs = dists(np.tile(q, (k, 1)))
     n = 20000
     counts = np.zeros(len(p))
     for _ in range(n):

@@ -11,6 +11,7 @@ from edgespec.api import resolve_drafting
 from edgespec.decoding import (
     DRAFTERS,
     POLICIES,
+    Candidates,
     FixedK,
     NgramDrafter,
     SamplingParams,
@@ -28,6 +29,11 @@ V = 50
 GREEDY = SamplingParams()
 # repeats a phrase, so prompt lookup finds matches from the first step
 PROMPT = [3, 14, 15, 9, 26, 5, 35, 8, 3, 14, 15, 9, 26]
+
+
+def dists(rows) -> list:
+    """Dense probability rows as the distributions acceptance takes."""
+    return [Candidates.from_row(r) for r in np.atleast_2d(rows)]
 
 
 def lookup(tokens, limit=4, **kw):
@@ -82,7 +88,7 @@ def test_ngram_drafter_validation_and_sources():
         NgramDrafter(max_ngram=0)
     d = NgramDrafter()
     draft = d.propose([1, 2, 3, 4, 1, 2], 3, FixedK(2), GREEDY, np.random.default_rng(0))
-    assert draft.tokens == [3, 4] and draft.source == "ngram:2" and draft.probs is None
+    assert draft.tokens == [3, 4] and draft.source == "ngram:2" and draft.dists is None
     assert d.propose([1, 2, 3, 4, 1, 2], 3, FixedK(0), GREEDY, np.random.default_rng(0)).tokens == []
 
 
@@ -265,8 +271,8 @@ def test_point_mass_acceptance_equals_rejection_sampling_with_one_hot_q():
     drafts = [2, 0, 5]
     one_hot = np.eye(6)[drafts]
     for seed in range(300):
-        a = accept_point_masses(drafts, p, np.random.default_rng(seed))
-        b = accept_sampled(drafts, one_hot, p, np.random.default_rng(seed))
+        a = accept_point_masses(drafts, dists(p), np.random.default_rng(seed))
+        b = accept_sampled(drafts, dists(one_hot), dists(p), np.random.default_rng(seed))
         assert a == b
 
 

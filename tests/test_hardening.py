@@ -315,8 +315,9 @@ def test_cli_force_on_user_files_is_one_line(source, tmp_path):
 def test_unwritable_cache_folder_is_one_line(source, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("a file where the cache folder should be")
-    # no -o: the bundle goes to the cache, which cannot be made (works as root too)
-    one_line_error(cli("export", "--target", str(source), env={"EDGESPEC_CACHE": str(blocker / "cache")}),
+    # an output folder under it cannot be made (works as root too); without -o a --target's bundle goes to
+    # the working directory, and a .gguf run with such a cache is tests/test_gguf_run.py's
+    one_line_error(cli("export", "--target", str(source), "-o", str(blocker / "cache" / "bundle")),
                    "cannot write the bundle")
 
 

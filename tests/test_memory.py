@@ -70,8 +70,9 @@ def test_candidate_bytes_counts_target_and_trimmed_draft_rows():
     V, K = 262144, 16384
     assert candidate_bytes(4, V, K, sampling=False) == 5 * V * 4 + 4 * K * 4
     assert candidate_bytes(0, V, None, sampling=False) == V * 4
-    # sampling adds float64 probabilities: target rows, draft rows, and draft rows scattered to V
-    assert candidate_bytes(4, V, K) == 5 * V * 4 + 4 * K * 4 + 8 * (5 * V + 4 * K + 4 * V)
+    # sampling adds one target row's scratch (12 bytes a token at most) and the draft rows' float32 exps
+    assert candidate_bytes(4, V, K) == 5 * V * 4 + 4 * K * 4 + 12 * V + 4 * 4 * K
+    assert candidate_bytes(0, V, None) == V * 4 + 12 * V
 
 
 def test_workspace_grows_with_chunk_times_context():

@@ -125,6 +125,36 @@ def test_recycling_greedy_equals_plain_and_starts_warm(runtime_cls, policy):
         assert len(runs[1]) < len(runs[0])
 
 
+def test_forget_makes_the_next_generation_start_cold():
+    """What the bench calls between repeats: the second generation drafts as the first did."""
+    dec = SpeculativeDecoder(LoopingRuntime(V, seed=0), drafter="recycle", policy=FixedK(4))
+    first = generate(dec, PROMPT, 60)[1]
+    dec.drafter.forget()
+    assert dec.drafter.table.updates == 0 and (dec.drafter.table.rows == -1).all()
+    again = generate(dec, PROMPT, 60)[1]
+    assert [(s.drafted, s.accepted) for s in again] == [(s.drafted, s.accepted) for s in first]
+    warm = generate(dec, PROMPT, 60)[1]  # without forget: the table the last run filled
+    assert len(warm) < len(first)
+
+
+def test_each_sampling_regime_learns_in_a_policy_of_its_own():
+    """Acceptance and costs differ when sampling: a sampled stream must not teach the greedy
+    policy (nor one temperature another), while repeating a setting keeps what it learned."""
+    dec = SpeculativeDecoder(ToyRuntime(V, seed=0), drafter="recycle", policy=make_policy("cost", 4))
+    greedy_before = dec.policy.snapshot()
+    hot = SamplingParams(temperature=1.0, seed=1)
+    generate(dec, PROMPT, 40, hot)
+    assert dec.policy.snapshot() == greedy_before  # greedy's policy untouched
+    sampled = dec.policy_for(hot)
+    assert sampled is not dec.policy and sampled.snapshot() != greedy_before
+    assert dec.policy_for(SamplingParams(temperature=1.0, seed=9)) is sampled  # the seed is no regime
+    assert dec.policy_for(SamplingParams(temperature=0.7, top_k=40)) is not sampled
+    assert dec.policy_for(GREEDY) is dec.policy
+    for t in range(20):  # old sampled settings are dropped; greedy's policy never is
+        dec.policy_for(SamplingParams(temperature=0.1 + t / 10))
+    assert dec.policy_for(GREEDY) is dec.policy and dec.policy_for(hot) is not sampled
+
+
 class Learning(FixedK):
     """A fixed policy that records what it is told to learn."""
 

@@ -7,6 +7,7 @@ from scipy.stats import chisquare
 
 from edgespec.decoding.acceptance import accept_greedy, accept_point_masses
 from edgespec.decoding.recycling import SuccessorTable
+from edgespec.decoding.token_dist import Candidates
 from edgespec.decoding.tree import (
     DraftTree,
     accept_tree_greedy,
@@ -21,6 +22,11 @@ from tests.toy import ToyRuntime, naive_greedy
 
 MIN_EXPECTED = 5  # chi-square needs about 5 expected counts per bin: rarer tokens share one bin
 P_MIN = 1e-3
+
+
+def dists(rows) -> list:
+    """Dense probability rows as the distributions acceptance takes."""
+    return [Candidates.from_row(r) for r in np.atleast_2d(rows)]
 
 # node:    1  2  3  4  5        0 ─┬─ 1 ─┬─ 3 ── 5
 # parent:  0  0  1  1  3           │     └─ 4
@@ -258,8 +264,8 @@ def test_point_masses_on_a_chain_draw_as_accept_point_masses():
                 probs[1, drafts[1]] = 0.0
                 probs[1] /= probs[1].sum()
         a, b = np.random.default_rng(1000 + seed), np.random.default_rng(1000 + seed)
-        n, nxt = accept_point_masses(drafts, probs, a)
-        accepted, token = accept_tree_point_masses(DraftTree.chain(drafts), probs, b)
+        n, nxt = accept_point_masses(drafts, dists(probs), a)
+        accepted, token = accept_tree_point_masses(DraftTree.chain(drafts), dists(probs), b)
         assert (accepted, token) == (list(range(1, n + 1)), nxt)
         assert a.random() == b.random()  # as many draws
         outcomes.add(n == k)
@@ -277,8 +283,9 @@ def test_point_masses_commit_the_target_distribution():
     paths = [tuple(tree.tokens[v - 1] for v in tree.path_to(node)[1:]) for node in range(tree.n + 1)]
     after = np.zeros((tree.n + 1, vocab))  # after[v, x]: x was committed right after node v's path
     rng = np.random.default_rng(0)
+    row_dists = dists(rows)
     for _ in range(n_runs):
-        accepted, token = accept_tree_point_masses(tree, rows, rng)
+        accepted, token = accept_tree_point_masses(tree, row_dists, rng)
         assert not accepted or tuple(accepted) == tree.path_to(accepted[-1])[1:]
         committed = tuple(tree.tokens[v - 1] for v in accepted) + (token,)
         for node, path in enumerate(paths):

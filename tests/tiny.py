@@ -9,6 +9,10 @@ WORDS = ("the a an of to in is was and or but if then else for while with on at 
          "hello world code python function return value list print import class def data model").split()
 CORPUS = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(0, len(WORDS), 3)]
 VOCAB = 320
+# Llama 3.1's RoPE scaling for the tiny Llama (head_dim 16, base 10000: wavelengths from 6 to ~20k
+# positions): an original context of 64 leaves one dim unscaled, smooths two and divides five by 8
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
 
 
 def make_tokenizer():
@@ -36,6 +40,9 @@ def make_config(family: str, vocab: int, layers: int = 2, tied: bool | None = No
                   num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if family == "llama":
         return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=bool(tied), **common)
+    if family == "llama3":  # a Llama with Llama 3.1's RoPE scaling (model_type "llama")
+        return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=bool(tied), rope_scaling=dict(LLAMA3_ROPE),
+                           **common)
     if family == "qwen2":
         return Qwen2Config(num_key_value_heads=2, tie_word_embeddings=tied is not False, **common)
     if family == "gemma3":

@@ -23,6 +23,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "qwen2": dict(family="qwen2", chat_template=CHATML),
     "gemma3": dict(family="gemma3", tied=False),
     "gemma3-tied": dict(family="gemma3"),
+    "llama3": dict(family="llama3"),  # Llama 3.1's RoPE scaling: GGUF writes it as rope_freqs.weight
 }
 FAMILIES = ("llama", "qwen2", "gemma3")
 

@@ -83,7 +83,7 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
     plan = getattr(engine, "memory_plan", None)
     if plan is not None:
         memory = {**memory, "plan": _jsonable(plan)}
-    summary = summarise(runs, configs)
+    summary = summarise(runs, configs, greedy=cfg.sampling.greedy)
     started = started or datetime.now(timezone.utc)
     tuning = getattr(engine, "tuning", None)
     extra = {"exactness": exactness_summary(engine), "verify_costs": verify_costs,
@@ -101,7 +101,7 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
         "backend": backend,
         "bundle": bundle_summary(engine),
         "config": {"prompts": _prompts_name(prompts_spec), **asdict(cfg), "k_sweep": list(cfg.k_sweep),
-                   "sampling": "greedy",
+                   "sampling": "greedy" if cfg.sampling.greedy else asdict(cfg.sampling),
                    "drafter": engine.drafter_name, "policy": engine.policy_name, "k": engine.k,
                    "memory_budget": memory_budget,
                    "draft_body": ("shared" if getattr(engine, "shared_body", False)

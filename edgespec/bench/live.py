@@ -50,7 +50,7 @@ def format_table(classes: dict, overall: dict | None = None) -> list[str]:
     return lines
 
 
-def _running(runs: list[RunRecord], configs: list[str]) -> dict:
+def _running(runs: list[RunRecord], configs: list[str], greedy: bool = True) -> dict:
     """Per class and configuration, the figures of the runs so far (identity from token equality)."""
     groups = group_runs(runs)
     out: dict = {}
@@ -64,14 +64,14 @@ def _running(runs: list[RunRecord], configs: list[str]) -> dict:
             m["identical"] = all(
                 r.tokens == groups[(k, p, PLAIN)][0].tokens
                 for (k, p, cfg), rs in groups.items() if k == cls and cfg == c and (k, p, PLAIN) in groups
-                for r in rs)
+                for r in rs) if greedy else None
             block[c] = {**m, **peer_figures(groups, [cls], c)}
         out[cls] = block
     return out
 
 
-def _prompt_line(runs: list[RunRecord], done: int, total: int) -> str:
-    """One prompt's runs in one repeat: speeds of every configuration and whether outputs agree."""
+def _prompt_line(runs: list[RunRecord], done: int, total: int, greedy: bool = True) -> str:
+    """One prompt's runs in one repeat: speeds of every configuration and, greedy, whether outputs agree."""
     by = {r.config: r for r in runs}
     plain = by.get(PLAIN)
     parts = []
@@ -81,7 +81,7 @@ def _prompt_line(runs: list[RunRecord], done: int, total: int) -> str:
             acc = f", acc {r.accepted / r.drafted:.0%}" if r.drafted else ""
             part += f" ({r.tok_s / plain.tok_s:.2f}x{acc})"
         parts.append(part)
-    same = plain is None or all(r.tokens == plain.tokens for r in runs if r.config != PEER)
+    same = not greedy or plain is None or all(r.tokens == plain.tokens for r in runs if r.config != PEER)
     r0 = runs[0]
     return (f"[{done}/{total}] {r0.cls}/{r0.prompt} #{r0.repeat + 1} ({r0.prompt_tokens} prompt tokens): "
             f"{'; '.join(parts)} tok/s{'' if same else '  OUTPUT DIFFERS FROM PLAIN!'}")
@@ -91,9 +91,11 @@ class LiveTable:
     """`update(record, done, total)` after each run; `close()` at the end."""
 
     def __init__(self, configs: list[str], classes: list[str], *, file: TextIO | None = None,
-                 repeat: int = 1, live: bool | None = None) -> None:
+                 repeat: int = 1, live: bool | None = None, greedy: bool = True) -> None:
+        """greedy: whether runs are greedy, so that every configuration's output must equal plain's."""
         from tqdm import tqdm
 
+        self.greedy = greedy
         self.file = file or sys.stderr
         self.configs, self.classes, self.repeat = configs, classes, max(repeat, 1)
         self.runs: list[RunRecord] = []
@@ -119,7 +121,7 @@ class LiveTable:
             return
         same = [r for r in self.runs if (r.cls, r.prompt, r.repeat) == (rec.cls, rec.prompt, rec.repeat)]
         if len(same) == len(self.configs):  # every configuration ran on this prompt: one line for it
-            print(_prompt_line(same, done, total), file=self.file, flush=True)
+            print(_prompt_line(same, done, total, self.greedy), file=self.file, flush=True)
         if done % max(total // self.repeat, 1) == 0 or done == total:  # a repeat pass is complete
             self._print_pass(done, total)
 
@@ -127,7 +129,7 @@ class LiveTable:
         return [c for c in self.configs if c in (PLAIN, SPECULATIVE, PEER)] or self.configs
 
     def _table(self) -> list[str]:
-        running = _running(self.runs, self._shown())
+        running = _running(self.runs, self._shown(), self.greedy)
         return [format_row(cls, c, m, self.peer) for cls, block in running.items() for c, m in block.items()]
 
     def _refresh_rows(self) -> None:

@@ -7,6 +7,7 @@ slows all of them alike; the summary then compares medians (summary.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -18,7 +19,7 @@ from ..memory.measure import PeakRSS
 from .suites import Prompt, encode_prompt
 
 __all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "PEER", "build_decoders", "measure_run", "run_bench",
-           "rotated", "fits"]
+           "rotated", "fits", "run_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,13 +34,16 @@ PEER_SETTLE_S = 0.1
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """How much to measure. Greedy decoding (so speculative output must equal plain output)."""
+    """How much to measure, and how to sample. Greedy by default: speculative output must then
+    equal plain output token for token. Sampled runs are checked by the rejection-sampling tests,
+    not token for token (plain and speculative draw their random numbers differently)."""
 
     repeat: int = 3
     max_tokens: int = 64
     warmup: int = 1  # unmeasured passes of every configuration before the first measured one
     stop_at_eos: bool = False  # default: fixed-length runs (as llama-bench), comparable across devices
     k_sweep: tuple[int, ...] = ()  # extra fixed-k speculative configurations, "k=2", "k=4", ...
+    sampling: SamplingParams = SamplingParams()  # every configuration, the llama.cpp peer included
 
     def __post_init__(self) -> None:
         for name, value, low in (("--repeat", self.repeat, 1), ("--max-tokens", self.max_tokens, 2),
@@ -71,23 +75,30 @@ class RunRecord:
     verify_ms: float = 0.0
     peak_rss: int = 0
     by_k: dict[str, list[int]] = field(default_factory=dict)  # "model:4" -> [steps, accepted]
+    first_tokens: int = 1  # tokens the first step committed, timed inside ttft_s
 
     @classmethod
     def from_stats(cls, st: GenerationStats, tokens: list[int], total_s: float) -> RunRecord:
         """A record of one measured generation (config, class, prompt and repeat left blank)."""
         return cls("", "", "", 0, st.prompt_tokens, tokens, st.first_token_s if st.steps else total_s, total_s,
                    steps=st.steps, drafted=st.drafted, accepted=st.accepted, draft_ms=st.draft_ms,
-                   verify_ms=st.verify_ms, by_k=st.by_draft_length())
+                   verify_ms=st.verify_ms, by_k=st.by_draft_length(),
+                   first_tokens=min(st.first_step_tokens, len(tokens)))
 
     @property
     def decode_s(self) -> float:
         return max(self.total_s - self.ttft_s, 0.0)
 
     @property
+    def decode_tokens(self) -> int:
+        """Tokens after the first step: the ones `decode_s` times."""
+        return max(len(self.tokens) - self.first_tokens, 0)
+
+    @property
     def tok_s(self) -> float:
-        """Decode speed after the first token."""
-        n = len(self.tokens)
-        return (n - 1) / self.decode_s if n > 1 and self.decode_s > 0 else 0.0
+        """Decode speed after the first step (its tokens are timed with the prompt, so not counted)."""
+        n = self.decode_tokens
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
 def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, SpeculativeDecoder]:
@@ -118,10 +129,13 @@ def fits(engine, n_prompt: int, max_tokens: int) -> bool:
 
 def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_tokens: int, stop_ids,
                 rss: PeakRSS | None = None, params: SamplingParams = SamplingParams()) -> RunRecord:
-    """Decode `ids` from empty caches and time it (greedy unless `params` say otherwise);
-    config/class/prompt fields are left blank."""
+    """Decode `ids` from empty caches and a drafter that has learned nothing (greedy unless
+    `params` say otherwise); config/class/prompt fields are left blank."""
     for rt in runtimes:
         rt.reset()
+    if decoder.drafter is not None:
+        # a repeat of the same prompt must not replay what the drafter learned in the last one
+        decoder.drafter.forget()
     if rss is not None:
         rss.mark()
     tokens = list(ids)
@@ -139,6 +153,16 @@ def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_token
 def rotated(names: list[str], shift: int) -> list[str]:
     s = shift % len(names)
     return names[s:] + names[:s]
+
+
+def run_params(sampling: SamplingParams, prompt_index: int, repeat: int) -> SamplingParams:
+    """The sampling of one measured run: the bench's, with a seed of its own per prompt and
+    repeat (from the bench's seed), so repeats draw different samples and every configuration
+    of one (prompt, repeat) gets the same seed."""
+    if sampling.greedy:
+        return sampling
+    base = 0 if sampling.seed is None else sampling.seed
+    return dataclasses.replace(sampling, seed=base * 1_000_003 + prompt_index * 1_009 + repeat)
 
 
 def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
@@ -169,24 +193,26 @@ def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
                           f"--max-tokens {cfg.max_tokens}")
     names = list(decoders) + ([peer.name] if peer is not None else [])
 
-    def one(name: str, ids: list[int], n: int, sampler: PeakRSS | None) -> RunRecord:
+    def one(name: str, ids: list[int], n: int, sampler: PeakRSS | None, params: SamplingParams) -> RunRecord:
         if peer is not None and name == peer.name:
             time.sleep(PEER_SETTLE_S)
             try:
-                return peer.decode(ids, n, stop_ids, sampler)
+                return peer.decode(ids, n, stop_ids, sampler, params=params)
             finally:
                 time.sleep(PEER_SETTLE_S)
-        return measure_run(decoders[name], runtimes, ids, n, stop_ids, sampler)
+        return measure_run(decoders[name], runtimes, ids, n, stop_ids, sampler, params)
 
     for w in range(cfg.warmup):  # first runs pay for allocations; adaptive policies get first measurements
         for name in names:
-            one(name, encoded[w % len(encoded)][1], min(WARMUP_TOKENS, cfg.max_tokens), None)
+            one(name, encoded[w % len(encoded)][1], min(WARMUP_TOKENS, cfg.max_tokens), None,
+                run_params(cfg.sampling, -1 - w, 0))
     total = cfg.repeat * len(encoded) * len(names)
     runs: list[RunRecord] = []
     for rep in range(cfg.repeat):  # repeats outermost: a slow patch of the machine hits every class
         for i, (p, ids) in enumerate(encoded):
+            params = run_params(cfg.sampling, i, rep)
             for name in rotated(names, rep + i):
-                rec = one(name, ids, cfg.max_tokens, rss)
+                rec = one(name, ids, cfg.max_tokens, rss, params)
                 rec.config, rec.cls, rec.prompt, rec.repeat = name, p.cls, p.id, rep
                 runs.append(rec)
                 if on_run is not None:

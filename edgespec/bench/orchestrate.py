@@ -81,6 +81,16 @@ def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     return peer
 
 
+def describe_sampling(params) -> str:
+    """'greedy', or the sampler's settings in one phrase."""
+    if params.greedy:
+        return "greedy"
+    parts = [f"temperature {params.temperature:g}", f"top-p {params.top_p:g}", f"top-k {params.top_k}"]
+    if params.min_p:
+        parts.append(f"min-p {params.min_p:g}")
+    return "sampled (" + ", ".join(parts) + ")"
+
+
 def _announce(engine, machine: dict, prompts, configs: list[str], cfg: BenchConfig, notify) -> dict | None:
     """Say what runs, and measure the target's c(B) (costs.py), which the document records."""
     from .costs import verify_costs
@@ -88,6 +98,7 @@ def _announce(engine, machine: dict, prompts, configs: list[str], cfg: BenchConf
     classes = list(dict.fromkeys(p.cls for p in prompts))
     notify(f"{engine.bundle.path.name} on {machine['cpu']} ({machine['arch']}, {machine['cores_usable']} cores), "
            f"{engine.backend}; drafter {engine.drafter_name}, policy {engine.policy_name}, k={engine.k}; "
+           f"{describe_sampling(cfg.sampling)}; "
            f"{len(prompts)} prompts in {len(classes)} classes × {cfg.repeat} repeats × {len(configs)} "
            f"configurations, {cfg.max_tokens} tokens each")
     if engine.exactness is not None:
@@ -130,8 +141,8 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
                 stack.callback(peer.close)
                 configs.append(peer.name)
             costs = _announce(engine, machine, prompts, configs, cfg, notify)
-            table = LiveTable(configs, list(dict.fromkeys(p.cls for p in prompts)), repeat=cfg.repeat) if live \
-                else None
+            table = LiveTable(configs, list(dict.fromkeys(p.cls for p in prompts)), repeat=cfg.repeat,
+                              greedy=cfg.sampling.greedy) if live else None
             started, t0 = datetime.now(timezone.utc), time.perf_counter()
             try:
                 runs = run_bench(engine, prompts, cfg, on_run=table.update if table else None, rss=rss, peer=peer)

@@ -1,11 +1,14 @@
-"""The peer an edge user already has: llama-cpp-python's own plain greedy decode of a GGUF.
+"""The peer an edge user already has: llama-cpp-python's own plain decode of a GGUF.
 
 `edgespec bench` runs it in its own process, interleaved with edgespec's configurations on every
 prompt and repeat, fed edgespec's prompt token ids (so both decode the same prompt, whatever either
 tokenizer or chat formatting would do) and timed as edgespec is timed: decode tokens/s after the
 first token. It goes through `Llama.generate`, the loop `create_completion` uses, with llama.cpp's
-greedy sampler and default settings (mmap, its own weight repacking): what a user of
-llama-cpp-python gets, not edgespec's tuned llama.cpp backend.
+sampler chain at the bench's settings (greedy, or temperature, top-k, top-p and min-p with no
+repetition penalty) and default settings otherwise (mmap, its own weight repacking): what a user
+of llama-cpp-python gets, not edgespec's tuned llama.cpp backend. llama.cpp applies the
+temperature after top-p and min-p, edgespec before them (decoding/sampling.py), so at the same
+settings the two sample from slightly different distributions; the work per token is the same.
 
 llama_cpp is imported only when a peer is opened; without it the bench runs without the column.
 """
@@ -20,10 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..decoding import SamplingParams
 from ..errors import ConfigError
 from .measure import PEER, RunRecord
 
-__all__ = ["PEER", "INSTALL_HINT", "PeerSource", "LlamaCppPeer", "find_peer_gguf", "check_gguf", "missing_reason"]
+__all__ = ["PEER", "INSTALL_HINT", "PeerSource", "LlamaCppPeer", "find_peer_gguf", "check_gguf", "missing_reason",
+           "sampler_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +127,17 @@ def _version() -> str | None:
         return None
 
 
+def sampler_settings(params: SamplingParams) -> dict:
+    """llama-cpp-python's `generate` keywords for `params`: its greedy sampler at temperature 0,
+    else its chain with the same knobs (0 turns top-k off in both)."""
+    if params.greedy:
+        return {"top_k": 1, "top_p": 1.0, "min_p": 0.0, "temp": 0.0}
+    return {"top_k": params.top_k, "top_p": params.top_p, "min_p": params.min_p,
+            "temp": params.temperature}
+
+
 class LlamaCppPeer:
-    """llama-cpp-python's plain greedy decode of one GGUF, timed like an edgespec run."""
+    """llama-cpp-python's plain decode of one GGUF, timed like an edgespec run."""
 
     name = PEER
 
@@ -150,13 +164,17 @@ class LlamaCppPeer:
         """What the JSON records about the peer (a file name, no local path)."""
         return {"name": PEER, "library": "llama-cpp-python", "version": _version(), "gguf": self.source.path.name,
                 "origin": self.source.origin, "threads": self.threads, "n_ctx": self.n_ctx,
-                "sampling": "greedy (llama.cpp's greedy sampler)"}
+                "sampling": "llama.cpp's sampler chain at the bench's settings"}
 
-    def decode(self, ids: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (), rss=None) -> RunRecord:
-        """Greedy-decode `max_tokens` tokens after `ids` from an empty cache, timed; the record's
-        config/class/prompt fields are left for the caller, as measure.measure_run leaves them."""
+    def decode(self, ids: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (), rss=None,
+               params: SamplingParams = SamplingParams()) -> RunRecord:
+        """Decode `max_tokens` tokens after `ids` from an empty cache, timed (greedy unless
+        `params` say otherwise); the record's config/class/prompt fields are left for the caller,
+        as measure.measure_run leaves them."""
         llm = self._llm
         llm.reset()  # n_tokens = 0: generate() then reuses no cached prefix, every run prefills
+        if params.seed is not None:
+            llm.set_seed(params.seed)
         if rss is not None:
             rss.mark()
         rec = RunRecord(PEER, "", "", 0, len(ids), [], 0.0, 0.0)
@@ -164,7 +182,7 @@ class LlamaCppPeer:
         stops = set(stop_ids)
         t0 = time.perf_counter()
         first = None
-        gen = llm.generate(list(ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True)
+        gen = llm.generate(list(ids), **sampler_settings(params), repeat_penalty=1.0, reset=True)
         try:
             for tok in gen:
                 if first is None:

@@ -366,13 +366,14 @@ def _plot_peer(runs: list[dict], out: Path) -> None:
                     ax.annotate(f"{v:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                                 va="bottom", fontsize=8)
             for row in r.get("prompts", []):  # the per-prompt pairs the medians are taken over
-                x = (row["configs"].get(c) or {}).get("x_llamacpp")
+                x = (row["configs"].get(c) or {}).get("x_llamacpp_paired")
                 if x is not None and row["class"] in classes:
                     ax.scatter([xs[classes.index(row["class"])], xs[-1]], [x, x], s=9, color="black", zorder=3)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(classes)), classes)
-    ax.set_ylabel("decode tok/s over llama.cpp's (paired per prompt)")
-    ax.set_title("edgespec over llama.cpp, same GGUF model (medians; dots: prompts)")
+    ax.set_ylabel("decode tok/s over llama.cpp's")
+    ax.set_title("edgespec over llama.cpp, same GGUF model (bars: total tokens over total time; "
+                 "dots: per prompt, median of paired repeats)", fontsize=9)
     ax.legend(fontsize=8)
     fig.savefig(out)
 

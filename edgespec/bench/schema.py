@@ -1,6 +1,6 @@
 """The bench JSON document: built, written, read and validated.
 
-Version 1 (`"kind": "edgespec-bench"`), one run on one device:
+Version 2 (`"kind": "edgespec-bench"`), one run on one device:
 
     schema_version, kind, label, created (UTC ISO 8601), duration_s
     machine     cpu, arch, isa (e.g. ["AVX", "AVX2", "FMA"] or ["NEON", "DOTPROD", "I8MM"]), cores_physical,
@@ -9,7 +9,8 @@ Version 1 (`"kind": "edgespec-bench"`), one run on one device:
     backend     name, device, draft_backend, draft_device, threads
     bundle      name, model_type, family, base_model, chat_format, target {format, precision, n_layers,
                 vocab_size, source}, draft (same, plus vocab_info) or null
-    config      prompts, repeat, max_tokens, warmup, stop_at_eos, sampling, drafter, policy, k, k_sweep,
+    config      prompts, repeat, max_tokens, warmup, stop_at_eos, sampling ("greedy", or {temperature, top_p,
+                top_k, min_p, seed}), drafter, policy, k, k_sweep,
                 memory_budget, draft_body ("shared": the draft on the target's body, "own", or null)
     memory      rss_before_load, rss_after_load, engine {target|draft: {weights, kv, ...}} (bytes),
                 plan (the engine's memory plan under --memory-budget, when it has one)
@@ -29,17 +30,24 @@ Version 1 (`"kind": "edgespec-bench"`), one run on one device:
     mismatches  [{class, prompt, config, repeat, first_difference}]: greedy speculative != plain
     identical   true when there are no mismatches
 
-metrics: prompts, runs, new_tokens, prompt_tokens, tok_s (decode, after the first token),
+metrics: prompts, runs, new_tokens, prompt_tokens, tok_s (decode: every run's tokens after its first step
+over every run's time after it),
 tok_s_per_repeat, e2e_tok_s, ttft_ms, prefill_tok_s, acceptance (null for plain),
 mean_accepted_length (tokens per target forward), mean_draft_length, draft_ms_per_token,
 verify_ms_per_token, draft_share, peak_rss_bytes, by_draft_length [{drafter, k, steps, accepted,
-acceptance}], identical; and for every configuration but plain and the peer: speedup (measured decode
-tok/s over plain's), e2e_speedup. With a peer, every edgespec configuration has x_llamacpp (the
-median of paired per-prompt tok/s ratios to the peer) and the peer agree_tokens, agree_tokens_min,
-agree_prompts (greedy tokens agreeing with edgespec plain before the first difference); per prompt,
-`prompts` rows carry agree_tokens and each configuration's x_llamacpp.
+acceptance}], identical (null for sampled runs, which are not compared token for token); and for
+every configuration but plain and the peer: speedup (measured decode tok/s over plain's),
+e2e_speedup. With a peer, every edgespec configuration has x_llamacpp (the ratio of totals: its
+decode tok/s over the peer's on the same prompts and repeats) and x_llamacpp_paired (the median
+of paired per-prompt tok/s ratios), and the peer agree_tokens, agree_tokens_min, agree_prompts
+(greedy tokens agreeing with edgespec plain before the first difference); per prompt, `prompts`
+rows carry agree_tokens and each configuration's x_llamacpp_paired.
 
-`compare` may write `"kind": "edgespec-bench-compare"` with `runs`: a list of version-1 run documents.
+Version 2 changed tok_s (the first step's tokens are no longer counted without its time),
+x_llamacpp (a ratio of totals; version 1's median of paired ratios is now x_llamacpp_paired) and
+identical (null when sampled).
+
+`compare` may write `"kind": "edgespec-bench-compare"` with `runs`: a list of run documents of this version.
 New fields may be added within a version; removing or changing one bumps the version.
 """
 from __future__ import annotations
@@ -56,7 +64,7 @@ __all__ = ["SCHEMA_VERSION", "KIND", "COMPARE_KIND", "validate", "save", "save_c
            "compare_document",
            "check_json_path"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 KIND = "edgespec-bench"
 COMPARE_KIND = "edgespec-bench-compare"
 
@@ -71,7 +79,7 @@ CONFIG = {"repeat": int, "max_tokens": int, "prompts": str}
 METRICS = {
     "prompts": int, "runs": int, "new_tokens": int, "tok_s": NUMBER, "e2e_tok_s": NUMBER, "ttft_ms": NUMBER,
     "prefill_tok_s": NUMBER, "mean_accepted_length": NUMBER, "draft_share": NUMBER, "peak_rss_bytes": int,
-    "by_draft_length": list, "identical": bool,
+    "by_draft_length": list, "identical": (bool, type(None)),
 }
 
 
@@ -80,7 +88,7 @@ def _check(obj: dict, spec: dict, where: str) -> None:
         if key not in obj:
             raise ConfigError(f"{where}: missing field '{key}'")
         v = obj[key]
-        if isinstance(v, bool) and typ is not bool:
+        if isinstance(v, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,)):
             raise ConfigError(f"{where}: field '{key}' has the wrong type")
         if not isinstance(v, typ):
             raise ConfigError(f"{where}: field '{key}' has the wrong type ({type(v).__name__})")
@@ -100,7 +108,7 @@ def _check_metrics(m: object, where: str, plain: bool) -> None:
 
 
 def validate(doc: object, where: str = "bench result") -> dict:
-    """`doc` if it is a valid version-1 run document, else a one-line ConfigError saying what is wrong."""
+    """`doc` if it is a valid version-2 run document, else a one-line ConfigError saying what is wrong."""
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: not a JSON object")
     if doc.get("kind") != KIND:

@@ -1,16 +1,18 @@
 """From measured runs to per-prompt and per-class figures (pure functions).
 
-Per prompt and configuration, the median over repeats of each time. A class's decode speed is
-the sum of its prompts' tokens over the sum of their median decode times, so long replies weigh
-as they should; the speed-up is that measured speed divided by plain decoding's measured speed,
-never a figure derived from acceptance. Greedy speculative output must equal plain output token
-for token; every prompt where it does not is listed as a mismatch.
+A configuration's decode speed is the ratio of totals: every run's tokens after its first step
+over every run's time after its first step (the first step is timed with the prompt, so its
+tokens are not counted either). The speed-up is that speed divided by plain decoding's, never a
+figure derived from acceptance. Greedy speculative output must equal plain output token for
+token; every prompt where it does not is listed as a mismatch (sampled runs are not compared:
+plain and speculative decoding draw their random numbers differently).
 
-When the llama.cpp peer ran (peer.py), every edgespec configuration also gets `x_llamacpp`: per
-prompt, the median over repeats of its tok/s over the peer's in the same repeat (paired: the two
-ran back to back), then the median over the prompts. The peer is another program on a quantized
-GGUF, so its greedy text is not required to match; how far it agrees with edgespec plain is
-reported (`agree_tokens`), never counted as a mismatch.
+When the llama.cpp peer ran (peer.py), every edgespec configuration also gets `x_llamacpp`, the
+same ratio of totals over the peer's speed on the same prompts and repeats, and beside it
+`x_llamacpp_paired`: per prompt, the median over repeats of its tok/s over the peer's in the same
+repeat (the two ran back to back), then the median over the prompts. The peer is another program
+on a quantized GGUF, so its greedy text is not required to match; how far it agrees with edgespec
+plain is reported (`agree_tokens`), never counted as a mismatch.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from statistics import median
 from .measure import PEER, PLAIN, RunRecord
 
 __all__ = ["summarise", "group_runs", "class_metrics", "prompt_rows", "mismatches", "first_difference",
-           "peer_ratio", "peer_agreement", "peer_figures"]
+           "peer_ratio", "peer_ratio_paired", "peer_agreement", "peer_figures"]
 
 
 def group_runs(runs: list[RunRecord]) -> dict[tuple[str, str, str], list[RunRecord]]:
@@ -49,10 +51,9 @@ def class_metrics(groups: list[list[RunRecord]], plain: dict | None = None) -> d
         return {}
     flat = [r for g in groups for r in g]
     n_tok = [median(len(r.tokens) for r in g) for g in groups]
-    dec_s = [median(r.decode_s for r in g) for g in groups]
-    tot_s = [median(r.total_s for r in g) for g in groups]
     ttft = [median(r.ttft_s for r in g) for g in groups]
-    decoded = sum(max(n - 1, 0) for n in n_tok)
+    decoded, dec_s = sum(r.decode_tokens for r in flat), sum(r.decode_s for r in flat)
+    made_all, tot_s = sum(len(r.tokens) for r in flat), sum(r.total_s for r in flat)
     drafted, accepted, steps = (sum(getattr(r, f) for r in flat) for f in ("drafted", "accepted", "steps"))
     draft_ms, verify_ms = sum(r.draft_ms for r in flat), sum(r.verify_ms for r in flat)
     made = sum(len(r.tokens) for r in flat)
@@ -61,7 +62,7 @@ def class_metrics(groups: list[list[RunRecord]], plain: dict | None = None) -> d
     for i in range(n_rep):
         reps = [g[i] for g in groups if i < len(g)]
         s = sum(r.decode_s for r in reps)
-        per_rep.append(sum(max(len(r.tokens) - 1, 0) for r in reps) / s if s > 0 else 0.0)
+        per_rep.append(sum(r.decode_tokens for r in reps) / s if s > 0 else 0.0)
     by_k: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for r in flat:
         for key, (n, a) in r.by_k.items():
@@ -72,9 +73,9 @@ def class_metrics(groups: list[list[RunRecord]], plain: dict | None = None) -> d
         "runs": len(flat),
         "new_tokens": int(sum(n_tok)),
         "prompt_tokens": int(sum(g[0].prompt_tokens for g in groups)),
-        "tok_s": decoded / sum(dec_s) if sum(dec_s) > 0 else 0.0,
+        "tok_s": decoded / dec_s if dec_s > 0 else 0.0,
         "tok_s_per_repeat": per_rep,
-        "e2e_tok_s": sum(n_tok) / sum(tot_s) if sum(tot_s) > 0 else 0.0,
+        "e2e_tok_s": made_all / tot_s if tot_s > 0 else 0.0,
         "ttft_ms": 1e3 * median(ttft),
         "prefill_tok_s": sum(g[0].prompt_tokens for g in groups) / sum(ttft) if sum(ttft) > 0 else 0.0,
         "acceptance": accepted / drafted if drafted else None,
@@ -106,6 +107,25 @@ def _paired(runs: list[RunRecord], peer_runs: list[RunRecord]) -> float | None:
 
 
 def peer_ratio(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str], config: str) -> float | None:
+    """`config`'s speed over the llama.cpp peer's on `classes`: the ratio of totals (decode tokens
+    over decode time), on the (prompt, repeat) pairs both ran."""
+    mine = theirs = None
+    for (cls, prompt, c), rs in groups.items():
+        if c != config or cls not in classes:
+            continue
+        peer = {r.repeat: r for r in groups.get((cls, prompt, PEER), [])}
+        for r in rs:
+            if r.repeat in peer:
+                a, b = mine or (0, 0.0), theirs or (0, 0.0)
+                mine = (a[0] + r.decode_tokens, a[1] + r.decode_s)
+                theirs = (b[0] + peer[r.repeat].decode_tokens, b[1] + peer[r.repeat].decode_s)
+    if mine is None or not mine[1] or not theirs[1] or not theirs[0]:
+        return None
+    return (mine[0] / mine[1]) / (theirs[0] / theirs[1])
+
+
+def peer_ratio_paired(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str],
+                      config: str) -> float | None:
     """`config`'s speed over the llama.cpp peer's on `classes`: the median of paired per-prompt ratios."""
     ratios = [_paired(rs, groups.get((cls, prompt, PEER), []))
               for (cls, prompt, c), rs in groups.items() if c == config and cls in classes]
@@ -140,12 +160,16 @@ def peer_figures(groups: dict[tuple[str, str, str], list[RunRecord]], classes: l
         return {}
     if config == PEER:
         return peer_agreement(groups, classes)
-    return {"x_llamacpp": peer_ratio(groups, classes, config)}
+    return {"x_llamacpp": peer_ratio(groups, classes, config),
+            "x_llamacpp_paired": peer_ratio_paired(groups, classes, config)}
 
 
-def mismatches(groups: dict[tuple[str, str, str], list[RunRecord]]) -> list[dict]:
-    """Every (prompt, configuration, repeat) whose greedy tokens differ from plain decoding's first run."""
-    out = []
+def mismatches(groups: dict[tuple[str, str, str], list[RunRecord]], greedy: bool = True) -> list[dict]:
+    """Every (prompt, configuration, repeat) whose greedy tokens differ from plain decoding's first
+    run; none for sampled runs, which are not required to agree."""
+    out: list[dict] = []
+    if not greedy:
+        return out
     for (cls, prompt, config), runs in sorted(groups.items()):
         ref = groups.get((cls, prompt, PLAIN))
         if not ref or config == PEER:  # the peer is compared by peer_agreement, not required to match
@@ -160,7 +184,8 @@ def mismatches(groups: dict[tuple[str, str, str], list[RunRecord]]) -> list[dict
     return out
 
 
-def prompt_rows(groups: dict[tuple[str, str, str], list[RunRecord]], configs: list[str]) -> list[dict]:
+def prompt_rows(groups: dict[tuple[str, str, str], list[RunRecord]], configs: list[str],
+                greedy: bool = True) -> list[dict]:
     """One row per prompt: its sizes, and per configuration the per-repeat speeds and medians."""
     keys = list(dict.fromkeys((cls, prompt) for cls, prompt, _ in groups))
     rows = []
@@ -182,15 +207,16 @@ def prompt_rows(groups: dict[tuple[str, str, str], list[RunRecord]], configs: li
                 "total_s": [r.total_s for r in rs],
                 "median_tok_s": median(r.tok_s for r in rs),
                 "acceptance": sum(r.accepted for r in rs) / drafted if drafted else None,
-                "identical": all(first_difference(ref[0].tokens, r.tokens) is None for r in rs) if ref else None,
+                "identical": all(first_difference(ref[0].tokens, r.tokens) is None for r in rs)
+                if ref and greedy else None,
             }
             if peer_runs and c != PEER:
-                row["configs"][c]["x_llamacpp"] = _paired(rs, peer_runs)
+                row["configs"][c]["x_llamacpp_paired"] = _paired(rs, peer_runs)
         rows.append(row)
     return rows
 
 
-def summarise(runs: list[RunRecord], configs: list[str]) -> dict:
+def summarise(runs: list[RunRecord], configs: list[str], greedy: bool = True) -> dict:
     """{"classes": {cls: {config: metrics}}, "overall": {config: metrics}, "prompts": [...], "mismatches": [...]}"""
     groups = group_runs(runs)
     classes = list(dict.fromkeys(r.cls for r in runs))
@@ -201,10 +227,11 @@ def summarise(runs: list[RunRecord], configs: list[str]) -> dict:
             per_prompt = [rs for (cls, _, cfg), rs in groups.items() if cfg == c and cls in selected]
             m = class_metrics(per_prompt, out.get(PLAIN) if c != PEER else None)  # the peer: no speed-up
             if m:
-                m["identical"] = not any(b["config"] == c and b["class"] in selected for b in bad)
+                m["identical"] = not any(b["config"] == c and b["class"] in selected for b in bad) if greedy \
+                    else None
                 out[c] = {**m, **peer_figures(groups, selected, c)}
         return out
 
-    bad = mismatches(groups)
+    bad = mismatches(groups, greedy)
     return {"classes": {cls: block([cls]) for cls in classes}, "overall": block(classes),
-            "prompts": prompt_rows(groups, configs), "mismatches": bad}
+            "prompts": prompt_rows(groups, configs, greedy), "mismatches": bad}

@@ -5,16 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_engine_args, cli_entry, engine_config_from_args, setup_logging
+from .common import (
+    add_engine_args,
+    add_sampling_args,
+    cli_entry,
+    engine_config_from_args,
+    sampling_params,
+    setup_logging,
+)
 
 __all__ = ["main", "build_parser", "build_compare_parser"]
 
-DESCRIPTION = """Measure what speculative decoding buys on this machine. Plain and speculative greedy
-decoding run alternately in one process on the same loaded model, per prompt class (chat, code,
-input-grounded, long context), with warm-up, repeats and medians; the speed-up is measured, and
-speculative output is checked token for token against plain output. When the bundle's target came
-from a GGUF (or with --peer-gguf), llama-cpp-python's own plain decode of that GGUF runs alongside,
-on the same prompt token ids: the `x llama.cpp` column."""
+DESCRIPTION = """Measure what speculative decoding buys on this machine. Plain and speculative decoding
+run alternately in one process on the same loaded model, per prompt class (chat, code,
+input-grounded, long context), with warm-up and repeats; speeds are total tokens over total time
+after each run's first step. Greedy by default, where speculative output is checked token for
+token against plain output; --temperature and the other sampling flags measure sampled decoding.
+When the bundle's target came from a GGUF (or with --peer-gguf), llama-cpp-python's own plain
+decode of that GGUF runs alongside at the same sampling settings, on the same prompt token ids:
+the `x llama.cpp` column (ratio of totals; the JSON also has the median of paired ratios)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,7 +43,7 @@ def _k_list(text: str) -> tuple[int, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="edgespec bench", description=DESCRIPTION,
                 epilog="Compare saved runs: edgespec bench compare A.json B.json ... --report DIR")
-    p.add_argument("bundle", nargs="?", default=None, help="bundle folder (default: the embedded Gemma 3 270M)")
+    p.add_argument("bundle", nargs="?", default=None, help="bundle or .gguf file (default: the embedded Gemma 3 270M)")
     g = p.add_argument_group("benchmark")
     g.add_argument("--prompts", default="all", metavar="SUITE|FILE.jsonl",
                    help="built-in suites: all (default), chat, code, grounded, long, or several joined by commas; "
@@ -49,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", default=None, metavar="FILE", help="write the results (versioned schema) here")
     g.add_argument("--report", default=None, metavar="DIR", help="write report.md and PNG plots into DIR")
     g.add_argument("--label", default=None, help="name of this run in reports (default: CPU, cores, backend)")
+    # greedy unless asked: chat's sampler is one flag set away (--temperature 0.7 --top-p 0.95 --top-k 40)
+    add_sampling_args(p, max_tokens=None)
     g = p.add_argument_group("peer (llama.cpp)")
     g.add_argument("--peer-gguf", default=None, metavar="FILE",
                    help="also measure llama-cpp-python's own plain decode of this GGUF (default: the GGUF the "
@@ -84,6 +95,11 @@ def _compare(argv: list[str]) -> int:
     return 0
 
 
+def _gguf_given(bundle: str | None) -> str | None:
+    """The GGUF file named instead of a bundle: the peer decodes that same file (unless --no-peer)."""
+    return bundle if bundle is not None and str(bundle).lower().endswith(".gguf") else None
+
+
 def _run(argv: list[str]) -> int:
     from ..bench.live import format_table
     from ..bench.measure import BenchConfig
@@ -93,12 +109,14 @@ def _run(argv: list[str]) -> int:
     setup_logging(args.verbose)
     req = BenchRequest(bundle=args.bundle, engine=engine_config_from_args(args, require_exact=True),
                        bench=BenchConfig(repeat=args.repeat, max_tokens=args.max_tokens, warmup=args.warmup,
-                                         stop_at_eos=args.stop_at_eos, k_sweep=args.k_sweep),
+                                         stop_at_eos=args.stop_at_eos, k_sweep=args.k_sweep,
+                                         sampling=sampling_params(args)),
                        prompts=args.prompts, json=args.json, report=args.report, label=args.label,
-                       peer_gguf=args.peer_gguf, peer=not args.no_peer)
+                       peer_gguf=args.peer_gguf or (None if args.no_peer else _gguf_given(args.bundle)),
+                       peer=not args.no_peer)
     doc = run_benchmark(req, notify=lambda line: print(f"edgespec bench: {line}", file=sys.stderr))
     print("\n".join(format_table(doc["classes"], doc["overall"])))
-    if doc["mismatches"]:
+    if doc["mismatches"]:  # greedy runs only: sampled ones are not compared token for token
         print(f"WARNING: greedy speculative output differed from plain decoding in {len(doc['mismatches'])} "
               f"run(s); speculative decoding must be lossless (see the JSON's 'mismatches')", file=sys.stderr)
     if args.json:

@@ -32,7 +32,7 @@ HELP = """commands:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgespec chat", description="Chat with a bundle.")
-    p.add_argument("bundle", nargs="?", default=None, help="bundle folder (default: the embedded Gemma 3 270M)")
+    p.add_argument("bundle", nargs="?", default=None, help="bundle or .gguf file (default: the embedded Gemma 3 270M)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--chat-format", default="auto", metavar="FORMAT",
                    help=f"how messages are shown to the model: {', '.join(CHAT_FORMAT_CHOICES)}. auto (default): "
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(transcripts: {'; '.join(t.description for t in TRANSCRIPTS.values())})")
     # sampled like llama.cpp's and LM Studio's chat defaults (docs/chat-formats.md); --temperature 0 is greedy
     add_sampling_args(p, max_tokens=512, temperature=CHAT_SAMPLING.temperature, top_p=CHAT_SAMPLING.top_p,
-                      top_k=CHAT_SAMPLING.top_k)
+                      top_k=CHAT_SAMPLING.top_k, min_p=CHAT_SAMPLING.min_p)
     add_engine_args(p)
     return p
 
@@ -70,6 +70,9 @@ def _session_stats(session) -> str:
     k_line = (f"k over time (last reply; L = prompt lookup): {ks}" if last_turn.drafted
               else "no drafts in the last reply")
     total = f"session: {len(turns)} replies, {sum(t.new_tokens for t in turns)} tokens"
+    decode_s = sum(max(t.elapsed_s - t.first_token_s, 0.0) for t in turns)
+    if decode_s > 0:  # every reply's tokens after its first step over the time after it
+        total += f", {sum(t.decode_tokens for t in turns) / decode_s:.1f} tok/s"
     if drafted:
         total += f", acceptance {accepted / drafted:.0%}"
     return f"last reply: {last}\n{total}\n{k_line}"

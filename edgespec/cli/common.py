@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from ..errors import EdgespecError
 
-__all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "cli_entry", "setup_logging", "open_engine",
-           "engine_config_from_args", "print_memory_plan"]
+__all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "sampling_params", "cli_entry", "setup_logging",
+           "open_engine", "engine_config_from_args", "print_memory_plan"]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -46,27 +46,41 @@ def engine_config_from_args(args: argparse.Namespace, **verb_defaults):
     return EngineConfig(**given)
 
 
-def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                      top_k: int = 0) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None, temperature: float = 0.0,
+                      top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> None:
+    """The sampling flags with the verb's defaults; `max_tokens` None: the verb adds its own --max-tokens."""
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=temperature,
                    help=f"0 = greedy (default: {temperature:g})")
     g.add_argument("--top-p", type=float, default=top_p, help=f"nucleus sampling mass (0, 1] (default: {top_p:g})")
     g.add_argument("--top-k", type=int, default=top_k, help=f"keep the k likeliest tokens (0 = off; default: {top_k})")
+    g.add_argument("--min-p", type=float, default=min_p,
+                   help=f"keep tokens at least this times as likely as the likeliest, after top-p [0, 1) "
+                        f"(0 = off; default: {min_p:g})")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens per reply (default: {max_tokens})")
+    if max_tokens is not None:
+        g.add_argument("--max-tokens", type=int, default=max_tokens,
+                       help=f"new tokens per reply (default: {max_tokens})")
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
-    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+    return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                 max_tokens=args.max_tokens)
+
+
+def sampling_params(args: argparse.Namespace):
+    """The SamplingParams of the parsed sampling flags (validated: a bad value is a ConfigError)."""
+    from ..decoding import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          seed=args.seed)
 
 
 def validate_sampling(args: argparse.Namespace) -> None:
     """Fail on bad sampling flags before any model is loaded."""
-    from ..decoding import SamplingParams, check_max_tokens
+    from ..decoding import check_max_tokens
 
-    SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    sampling_params(args)
     check_max_tokens(args.max_tokens, "--max-tokens")
 
 

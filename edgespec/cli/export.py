@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .common import cli_entry, setup_logging
 
-__all__ = ["Terminated", "build_parser", "main", "sigterm_as_interrupt"]
+__all__ = ["Terminated", "build_parser", "default_output", "main", "sigterm_as_interrupt"]
 
 
 def _vocab(text: str) -> int | str | None:
@@ -75,10 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the ONNX target's graph so one forward verifies a draft tree (onnxruntime; "
                         "its attention sums in blocks, so plain decoding with it rounds as a tree verify)")
     p.add_argument("-o", "--output", type=Path, default=None,
-                   help="bundle folder to write (default: the default bundle in the user cache)")
+                   help="bundle folder to write (default with --target: ./NAME.bundle in the working directory, "
+                        "NAME the target's file or folder name without .gguf; without --target: the embedded "
+                        "default's bundle in the user cache, which only this or an explicit -o rewrites)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
+
+
+def default_output(target: Path | None, cwd: Path) -> Path | None:
+    """Where a bundle goes without -o: beside the working directory for a model the user names
+    (as mlx-lm's convert writes ./mlx_model), so a user's model never lands in the embedded
+    default's cache folder and runs as the default; None (that folder) for the embedded default."""
+    if target is None:
+        return None
+    name = Path(target).expanduser().resolve().name
+    if name.lower().endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return cwd / f"{name or 'model'}.bundle"
 
 
 class Terminated(KeyboardInterrupt):
@@ -124,7 +138,7 @@ def _main(argv: list[str]) -> int:
 
     draft = None if args.draft == "none" else ("self" if args.draft == "self" else Path(args.draft))
     cfg = ExportConfig(
-        output=args.output or default_bundle_path(),
+        output=args.output or default_output(args.target, Path.cwd()) or default_bundle_path(),
         target=args.target,
         draft=draft,
         formats=tuple(dict.fromkeys(args.formats or ("onnx",))),

@@ -22,7 +22,7 @@ __all__ = ["main", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgespec generate", description="Complete a prompt, streaming the text.")
     p.add_argument("args", nargs="+", metavar="[BUNDLE] PROMPT",
-                   help="optional bundle folder, then the prompt ('-' reads it from stdin)")
+                   help="optional bundle folder or .gguf file, then the prompt ('-' reads it from stdin)")
     add_sampling_args(p, max_tokens=128)
     add_engine_args(p)
     p.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr at the end")

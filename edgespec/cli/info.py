@@ -101,7 +101,8 @@ def _exactness(path: str, retune: bool) -> list[str]:
 @cli_entry
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="edgespec info", description="Show backends and a bundle.")
-    p.add_argument("bundle", nargs="?", default=None)
+    p.add_argument("bundle", nargs="?", default=None,
+                   help="bundle folder or .gguf file (a GGUF's bundle is built in the user cache on first use)")
     p.add_argument("--no-probe", dest="probe", action="store_false",
                    help="skip the exactness probe and the tuning of each configuration (they load the bundle; "
                         "cached after the first run)")
@@ -110,6 +111,9 @@ def main(argv: list[str]) -> int:
     print("backends:")
     print("\n".join(_backends()))
     if args.bundle:
+        from ..exporters.gguf_bundles import resolve_bundle
+
+        args.bundle = str(resolve_bundle(args.bundle))
         print("\n".join(_bundle(args.bundle)))
         if args.probe:
             lines, measured = _tuning(args.bundle, args.retune)

@@ -16,7 +16,7 @@ _UNBOUNDED = "1TiB"
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgespec plan", description="Show how a bundle fits a memory budget.")
-    p.add_argument("bundle", nargs="?", default=None, help="bundle folder (default: the embedded Gemma 3 270M)")
+    p.add_argument("bundle", nargs="?", default=None, help="bundle or .gguf file (default: the embedded Gemma 3 270M)")
     add_engine_args(p)
     return p
 

@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="edgespec serve",
                                 description="Serve a bundle over an OpenAI-compatible HTTP API "
                                             "(/v1/chat/completions, /v1/completions, /v1/models, /health).")
-    p.add_argument("bundle", nargs="?", default=None, help="bundle folder (default: the embedded Gemma 3 270M)")
+    p.add_argument("bundle", nargs="?", default=None, help="bundle or .gguf file (default: the embedded Gemma 3 270M)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 opens it to the network)")

@@ -17,16 +17,19 @@ from edgespec.decoding.policy import (
     make_policy,
 )
 from edgespec.decoding.recycling import RecyclingDrafter
-from edgespec.decoding.sampling import SamplingParams, check_max_tokens, probabilities, sample
+from edgespec.decoding.sampling import LazyDists, SamplingParams, check_max_tokens, distribution, probabilities, sample
 from edgespec.decoding.speculative import DEFAULT_K, SpeculativeDecoder, StepResult
 from edgespec.decoding.stats import GenerationStats
+from edgespec.decoding.token_dist import Candidates, DenseDist, TokenDist, point_mass
 
 __all__ = [
     "DEFAULT_K",
     "DEFAULT_POLICY",
     "DRAFTERS",
+    "DenseDist",
     "POLICIES",
     "BothDrafter",
+    "Candidates",
     "CostAwareK",
     "Draft",
     "DraftPolicy",
@@ -34,19 +37,23 @@ __all__ = [
     "FixedK",
     "GenerationStats",
     "HeuristicK",
+    "LazyDists",
     "ModelDrafter",
     "NgramDrafter",
     "RecyclingDrafter",
     "SamplingParams",
     "SpeculativeDecoder",
     "StepResult",
+    "TokenDist",
     "accept_greedy",
     "accept_point_masses",
     "accept_sampled",
     "build_drafter",
     "check_max_tokens",
+    "distribution",
     "make_policy",
     "map_draft_ids",
+    "point_mass",
     "probabilities",
     "sample",
     "scatter_to_target",

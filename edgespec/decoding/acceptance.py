@@ -1,6 +1,7 @@
 """Accept/resample drafted tokens against the target, and map a trimmed draft vocabulary.
 
-Pure functions: each takes arrays and returns numbers, so every rule is testable alone.
+Pure functions: each takes distributions (token_dist.py) or arrays and returns numbers, so every
+rule is testable alone.
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgespec.decoding.sampling import sample
+from edgespec.decoding.token_dist import TokenDist
 
 __all__ = [
     "accept_greedy",
@@ -17,7 +18,6 @@ __all__ = [
     "accept_sampled",
     "scatter_to_target",
     "map_draft_ids",
-    "point_masses",
 ]
 
 logger = logging.getLogger(__name__)
@@ -42,63 +42,55 @@ def accept_greedy(draft_tokens: Sequence[int], target_logits: np.ndarray) -> tup
 
 def accept_sampled(
     draft_tokens: Sequence[int],
-    draft_probs: np.ndarray,
-    target_probs: np.ndarray,
+    draft_dists: Sequence[TokenDist],
+    target_dists: Sequence[TokenDist],
     rng: np.random.Generator,
 ) -> tuple[int, int]:
     """Speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
 
-    draft_probs (k, V) and target_probs (k+1, V) are both in the TARGET vocabulary. Every
-    committed token is then distributed exactly as if sampled from the target alone.
+    draft_dists (k) and target_dists (k+1) are distributions over TARGET ids (a trimmed draft's
+    through its id map; a point mass for a deterministic proposal). Draft i is accepted with
+    probability min(1, p(x)/q(x)); at the first rejection the token is drawn from max(0, p - q)
+    renormalised, computed on p's support (token_dist.py), never on a full-vocabulary row. Every
+    committed token is then distributed exactly as if sampled from the target alone. Target
+    rows are read in order and only while drafts are accepted (a lazy sequence builds only those).
     Returns (n_accepted, next_token).
     """
     k = len(draft_tokens)
-    if draft_probs.shape[0] != k or target_probs.shape[0] != k + 1:
-        raise ValueError(
-            f"need {k} draft rows and {k + 1} target rows, got {draft_probs.shape[0]} and {target_probs.shape[0]}"
-        )
+    if len(draft_dists) != k or len(target_dists) != k + 1:
+        raise ValueError(f"need {k} draft rows and {k + 1} target rows, got {len(draft_dists)} and {len(target_dists)}")
     for i, tok in enumerate(draft_tokens):
-        p, q = target_probs[i, tok], draft_probs[i, tok]
+        p_row = target_dists[i]
+        p, q = p_row.prob(tok), draft_dists[i].prob(tok)
         # accept with probability min(1, p/q), written without a division by q
         if rng.random() * q < p:
             continue
-        residual = np.maximum(target_probs[i] - draft_probs[i], 0.0)
-        # a zero residual only happens through rounding (p <= q everywhere): fall back to p
-        row = residual if residual.sum() > 0 else target_probs[i]
-        return i, sample(row, rng)
-    return k, sample(target_probs[k], rng)
+        # a residual without mass only happens through rounding (p <= q everywhere): fall back to p
+        residual = p_row.minus(draft_dists[i])
+        return i, (residual if residual is not None else p_row).sample(rng)
+    return k, target_dists[k].sample(rng)
 
 
 def accept_point_masses(
-    draft_tokens: Sequence[int], target_probs: np.ndarray, rng: np.random.Generator
+    draft_tokens: Sequence[int], target_dists: Sequence[TokenDist], rng: np.random.Generator
 ) -> tuple[int, int]:
     """`accept_sampled` for drafts proposed deterministically (prompt lookup).
 
     The draft distribution is a point mass q = one_hot(x), so the test accepts x with
     probability p(x) and the residual max(0, p − q) is p with x removed: still exactly lossless.
-    Draws the same random numbers as `accept_sampled` given one-hot rows, without building them.
+    Draws the same random numbers as `accept_sampled` given point masses, without building them.
     """
     k = len(draft_tokens)
-    if target_probs.shape[0] != k + 1:
-        raise ValueError(f"need {k + 1} target rows for {k} drafts, got {target_probs.shape[0]}")
+    if len(target_dists) != k + 1:
+        raise ValueError(f"need {k + 1} target rows for {k} drafts, got {len(target_dists)}")
     for i, tok in enumerate(draft_tokens):
-        p = target_probs[i, tok]
-        if rng.random() < p:
+        p_row = target_dists[i]
+        if rng.random() < p_row.prob(tok):
             continue
-        residual = target_probs[i].copy()
-        residual[tok] = 0.0
+        residual = p_row.without([tok])
         # p(x) == 1 up to rounding leaves nothing else: fall back to p, as accept_sampled does
-        return i, sample(residual if residual.sum() > 0 else target_probs[i], rng)
-    return k, sample(target_probs[k], rng)
-
-
-def point_masses(tokens: Sequence[int], vocab: int) -> np.ndarray:
-    """One-hot rows (len(tokens), vocab): the draft distribution of deterministic proposals,
-    for a draft whose other rows were sampled (`accept_sampled` then treats them as
-    `accept_point_masses` would)."""
-    rows = np.zeros((len(tokens), vocab), dtype=np.float64)
-    rows[np.arange(len(tokens)), np.asarray(tokens, dtype=np.int64)] = 1.0
-    return rows
+        return i, (residual if residual is not None else p_row).sample(rng)
+    return k, target_dists[k].sample(rng)
 
 
 def scatter_to_target(draft_probs: np.ndarray, id_map: np.ndarray | None, target_vocab: int) -> np.ndarray:

@@ -12,6 +12,7 @@ import numpy as np
 
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.sampling import SamplingParams
+from edgespec.decoding.token_dist import TokenDist
 from edgespec.decoding.tree import DraftTree
 from edgespec.runtimes.base import Runtime
 
@@ -23,7 +24,9 @@ class Draft:
     """One step's proposal."""
 
     tokens: list[int]  # target ids
-    probs: np.ndarray | None = None  # (len(tokens), V_target) if sampled from a distribution, else point masses
+    # per token, the distribution it was drawn from, over target ids (token_dist.py: a trimmed
+    # head's stays K wide); None when every token is a deterministic proposal (point masses)
+    dists: list[TokenDist] | None = None
     source: str = ""  # the policy's key for the drafter that proposed them
     ms_per_token: float | None = None  # marginal drafting cost, catch-up excluded (None: not measured)
     tail: int = 0  # the last `tail` tokens were appended by another, free drafter (prompt lookup)...
@@ -44,6 +47,11 @@ class Drafter(abc.ABC):
 
     def sync(self, tokens: list[int]) -> None:  # noqa: B027 - stateless drafters need nothing
         """Drop cached state that is no longer a prefix of `tokens` (after a commit, or a stop)."""
+
+    def forget(self) -> None:  # noqa: B027 - drafters that learn nothing across streams need nothing
+        """Drop what was learned from earlier streams (a recycled successor table), so the next
+        stream starts as a fresh engine's would: a benchmark repeating a prompt must not replay
+        the last repeat's continuations. Caches are `sync`'s business, not this."""
 
     def observe(self, tokens: list[int], logits: np.ndarray) -> list[tuple[str, int, int]]:
         """The target's logits a verify (or plain step) computed anyway: row i follows `tokens[i]`,

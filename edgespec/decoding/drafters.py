@@ -13,10 +13,11 @@
   HeadDrafter    a trained draft head (head_drafter.py) on the target's hidden rows: a drafted
                  token costs a small head, not a body forward (`edgespec distill`)
 
-Drafts are target ids. A drafter that samples returns its distributions in the target
-vocabulary; deterministic proposals (a lookup, an argmax draft) return none and are accepted
-as point masses, which keeps sampling exactly lossless. A tail is deterministic too: after a
-sampled draft its rows are point masses.
+Drafts are target ids. A drafter that samples returns its distributions over target ids (a
+trimmed head's through its id map, never scattered to the target vocabulary); deterministic
+proposals (a lookup, an argmax draft) return none and are accepted as point masses, which keeps
+sampling exactly lossless. A tail is deterministic too: after a sampled draft its rows are point
+masses.
 
 Why tails and lookahead: on a CPU each extra token in a forward costs a few percent of a
 one-token forward (Gemma 3 270M int4 on OpenVINO, 2 threads: 21.7 ms for one token, 25.3 for
@@ -31,16 +32,18 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
-from edgespec.decoding.acceptance import map_draft_ids, point_masses, scatter_to_target
+from edgespec.decoding.acceptance import map_draft_ids
 from edgespec.decoding.cache import TrackedCache
 from edgespec.decoding.draft import Draft, Drafter
-from edgespec.decoding.head_drafter import HeadDrafter
+from edgespec.decoding.head_drafter import HeadDrafter, draft_distribution, draft_index
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.recycling import RecyclingDrafter
-from edgespec.decoding.sampling import probabilities, sample, top_probability
+from edgespec.decoding.sampling import top_probability
+from edgespec.decoding.token_dist import TokenDist, point_mass
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Runtime
 
@@ -112,7 +115,7 @@ class ModelDrafter(Drafter):
         if k <= 0:
             return Draft([])
         drafts: list[int] = []
-        rows: list[np.ndarray] = []
+        dists: list[TokenDist] = []
         confidences: list[float] = []
         steady: list[float] = []
         ahead: list[tuple[int, np.ndarray]] = []  # guesses fed past the last draft, with the logits after each
@@ -125,25 +128,28 @@ class ModelDrafter(Drafter):
                 computed = len(pending) - min(self.runtime.reused_rows, len(pending))
             logits = ahead.pop(0)[1]
             if params.greedy:
-                draft_id = int(np.argmax(logits))
+                new = map_draft_ids([int(np.argmax(logits))], self.id_map)
             else:
-                rows.append(probabilities(logits, params))
-                draft_id = sample(rows[-1], rng)
+                dists.append(draft_distribution(logits, params, self.id_map, lambda: self._index))
+                new = [dists[-1].sample(rng)]  # a target id
             if policy.uses_confidence:
                 confidences.append(top_probability(logits))
             # a long catch-up is not the cost of one more token; one the runtime held already
             # (a draft on the target's body, after a lookup step) costs what a draft forward does
             if computed <= 2:
                 steady.append(self.clock() - t0)
-            new = map_draft_ids([draft_id], self.id_map)
             drafts.extend(new)
             pending = [] if ahead and ahead[0][0] == new[0] else new
             self.guess_hits += not pending
             if confidences and not policy.keep_drafting(confidences):
                 break
-        probs = scatter_to_target(np.stack(rows), self.id_map, self.target_vocab) if rows else None
         ms = 1e3 * sum(steady) / len(steady) if steady else None
-        return Draft(drafts, probs, self.source, ms)
+        return Draft(drafts, dists or None, self.source, ms)
+
+    @cached_property
+    def _index(self) -> np.ndarray:
+        """Target id -> draft id: built once, and only for a dense (pure temperature) trimmed row."""
+        return draft_index(self.id_map, self.target_vocab)
 
     def _feed(self, tokens: list[int], drafts: list[int], pending: list[int],
               stale: int) -> list[tuple[int, np.ndarray]]:
@@ -263,8 +269,8 @@ class NgramDrafter(Drafter):
         tail = found[:policy.next_tail(source, draft.source, len(draft.tokens))] if found else []
         if not tail:
             return draft
-        probs = None if draft.probs is None else np.concatenate([draft.probs, point_masses(tail, vocab)])
-        return Draft(draft.tokens + tail, probs, draft.source, draft.ms_per_token, len(tail), source)
+        dists = None if draft.dists is None else draft.dists + [point_mass(t) for t in tail]
+        return Draft(draft.tokens + tail, dists, draft.source, draft.ms_per_token, len(tail), source)
 
 
 class BothDrafter(Drafter):
@@ -300,6 +306,10 @@ class BothDrafter(Drafter):
     def sync(self, tokens: list[int]) -> None:
         if self.model is not None:
             self.model.sync(tokens)
+
+    def forget(self) -> None:
+        if self.recycle is not None:
+            self.recycle.forget()
 
     def observe(self, tokens: list[int], logits: np.ndarray) -> list[tuple[str, int, int]]:
         return self.recycle.observe(tokens, logits) if self.recycle is not None else []

@@ -6,8 +6,9 @@ Each step reads the target's final hidden row of the position before the last co
 head, which predicts the next position's feature; the draft's VocabTrim head turns the feature
 into logits over its K tokens, the drafted token (argmax, or sampled) and that feature feed the
 head again. Drafts are mapped to target ids with the id map; a sampling draft's distributions
-are scattered to the target vocabulary, so verification is the decoder's usual one (greedy
-match, or rejection sampling: exact).
+are placed in target ids through the same map (`draft_distribution`: K wide, never scattered to
+the target vocabulary), so verification is the decoder's usual one (greedy match, or rejection
+sampling: exact).
 """
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from edgespec.decoding.acceptance import map_draft_ids, scatter_to_target
+from edgespec.decoding.acceptance import map_draft_ids
 from edgespec.decoding.draft import Draft, Drafter
-from edgespec.decoding.sampling import probabilities, sample, top_probability
+from edgespec.decoding.sampling import SamplingParams, distribution, top_probability
+from edgespec.decoding.token_dist import DenseDist, TokenDist
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Runtime
 
-__all__ = ["HeadDrafter", "draft_index"]
+__all__ = ["HeadDrafter", "draft_distribution", "draft_index"]
 
 
 def draft_index(id_map: np.ndarray | None, target_vocab: int) -> np.ndarray:
@@ -32,6 +34,18 @@ def draft_index(id_map: np.ndarray | None, target_vocab: int) -> np.ndarray:
     index = np.full(target_vocab, len(id_map), dtype=np.int64)
     index[id_map] = np.arange(len(id_map))
     return index
+
+
+def draft_distribution(logits: np.ndarray, params: SamplingParams, id_map: np.ndarray | None,
+                       index: Callable[[], np.ndarray]) -> TokenDist:
+    """A draft row's sampling distribution in target ids: its candidates mapped through the id
+    map, or a dense row kept K wide with the map and its inverse (`index()`, asked only then)."""
+    dist = distribution(logits, params)
+    if id_map is None:
+        return dist
+    if isinstance(dist, DenseDist):
+        return dist.mapped(id_map, index())
+    return dist.mapped(id_map)
 
 
 class HeadDrafter(Drafter):
@@ -67,21 +81,19 @@ class HeadDrafter(Drafter):
         t0 = self.clock()
         token = tokens[-1]
         drafts: list[int] = []
-        rows: list[np.ndarray] = []
+        dists: list[TokenDist] = []
         confidences: list[float] = []
         for _ in range(k):
             hidden = self.features(hidden, self._index[[token]])  # (1, H): the next position's feature
             logits = self.draft.head(hidden)[-1]
             if params.greedy:
-                draft_id = int(np.argmax(logits))
+                token = map_draft_ids([int(np.argmax(logits))], self.id_map)[0]
             else:
-                rows.append(probabilities(logits, params))
-                draft_id = sample(rows[-1], rng)
-            token = map_draft_ids([draft_id], self.id_map)[0]
+                dists.append(draft_distribution(logits, params, self.id_map, lambda: self._index))
+                token = dists[-1].sample(rng)  # a target id
             drafts.append(token)
             if policy.uses_confidence:
                 confidences.append(top_probability(logits))
                 if not policy.keep_drafting(confidences):
                     break
-        probs = scatter_to_target(np.stack(rows), self.id_map, self.target_vocab) if rows else None
-        return Draft(drafts, probs, self.source, 1e3 * (self.clock() - t0) / len(drafts))
+        return Draft(drafts, dists or None, self.source, 1e3 * (self.clock() - t0) / len(drafts))

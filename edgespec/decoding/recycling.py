@@ -74,6 +74,11 @@ class SuccessorTable:
         self.rows = np.full((vocab, self.k), -1, dtype=np.int32)
         self.updates = 0  # rows written so far
 
+    def clear(self) -> None:
+        """Forget every successor (in place: the table keeps its memory)."""
+        self.rows.fill(-1)
+        self.updates = 0
+
     def update(self, tokens: list[int], logits: np.ndarray) -> np.ndarray:
         """Row i of `logits` follows `tokens[i]`; a later row for the same token wins (its context
         is the newer). Returns each row's top k, (len(tokens), k)."""
@@ -116,6 +121,11 @@ class RecyclingDrafter(Drafter):
         # decayed counts: rows whose target token was the table's r-th successor, and rows scored
         self._ranks, self._scored = np.zeros(self.table.k), 0.0
         self._drafted = False  # whether the step now being verified is this drafter's
+
+    def forget(self) -> None:
+        self.table.clear()
+        self._ranks, self._scored = np.zeros(self.table.k), 0.0
+        self._drafted = False
 
     def reach(self) -> list[float]:
         """Estimated probability that the target's next token is among a row's first 1..k successors

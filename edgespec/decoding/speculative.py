@@ -9,8 +9,10 @@ an empty draft.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 
@@ -21,17 +23,26 @@ from edgespec.decoding.cache import TrackedCache, batch_limit, common_prefix
 from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.drafters import build_drafter
 from edgespec.decoding.policy import DraftPolicy, FixedK
-from edgespec.decoding.sampling import SamplingParams, probabilities
+from edgespec.decoding.sampling import LazyDists, SamplingParams
 from edgespec.decoding.tree import DraftTree, accept_tree_greedy, accept_tree_point_masses
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Runtime
 
-__all__ = ["DEFAULT_K", "StepResult", "SpeculativeDecoder", "common_prefix", "truncate_commit"]
+__all__ = ["DEFAULT_K", "StepResult", "SpeculativeDecoder", "common_prefix", "sampling_regime", "truncate_commit"]
 
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()  # batch-variance reasons already reported
 
 DEFAULT_K = 4
+MAX_REGIMES = 8  # sampling settings whose policies a decoder keeps (a chat uses one, a server a few)
+
+
+def sampling_regime(params: SamplingParams) -> tuple:
+    """What a draft-length policy's estimates depend on in `params`: greedy, or the sampler's
+    settings (the seed changes neither acceptance nor cost)."""
+    if params.greedy:
+        return ("greedy",)
+    return ("sampled", params.temperature, params.top_p, params.top_k, params.min_p)
 
 
 @dataclass
@@ -130,6 +141,11 @@ class SpeculativeDecoder:
         _check_target(target, self.drafter, policy, max_batch)
         self.target, self.draft, self.id_map = target, draft, id_map
         self.policy = policy if policy is not None else FixedK(DEFAULT_K if self.drafter is not None else 0)
+        # Acceptance and step costs differ between greedy and sampled decoding (and between
+        # temperatures): each sampling regime learns in a policy of its own, a copy of `policy`
+        # as given. `policy` itself serves greedy decoding.
+        self._fresh_policy = copy.deepcopy(self.policy)
+        self._policies: OrderedDict[tuple, DraftPolicy] = OrderedDict({sampling_regime(SamplingParams()): self.policy})
         self._target = TrackedCache(target, max_batch)
         self.clock = clock
         self.max_batch = max_batch
@@ -160,6 +176,7 @@ class SpeculativeDecoder:
         self, tokens: list[int], params: SamplingParams, max_new_tokens: int, stop_ids: Container[int]
     ) -> Iterator[StepResult]:
         rng = np.random.default_rng(params.seed)
+        policy = self.policy_for(params)
         n_new = 0
         try:
             # 0. prefill: keep the target's common prefix with `tokens`, feed all but the last token
@@ -170,7 +187,7 @@ class SpeculativeDecoder:
                 budget = max_new_tokens - n_new
                 # 1. draft
                 t0 = self.clock()
-                draft = self._propose(tokens, budget, params, rng)
+                draft = self._propose(tokens, budget, params, rng, policy)
                 t1 = self.clock()
                 # 2-4. verify (one target forward scores every draft plus the bonus position),
                 #      accept / resample, commit
@@ -191,9 +208,9 @@ class SpeculativeDecoder:
                 t2 = self.clock()
                 step = StepResult(new, len(draft.tokens), n_acc, (t1 - t0) * 1e3, (t2 - t1) * 1e3, draft.source,
                                   draft.tail)
-                self._learn(step, draft, reused)
+                self._learn(policy, step, draft, reused)
                 for source, drafted, accepted in trials:
-                    self.policy.learn(source, drafted, accepted)
+                    policy.learn(source, drafted, accepted)
                 yield step
                 if new[-1] in stop_ids:
                     return
@@ -201,7 +218,21 @@ class SpeculativeDecoder:
             # a consumer that stops the stream, or a failed forward, must leave no uncommitted tokens cached
             self._rollback(tokens)
 
-    def _propose(self, tokens: list[int], budget: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
+    def policy_for(self, params: SamplingParams) -> DraftPolicy:
+        """The draft-length policy that learns under `params`' sampling regime (sampling_regime):
+        the given policy for greedy decoding, a fresh copy of it for each sampled setting."""
+        key = sampling_regime(params)
+        policy = self._policies.get(key)
+        if policy is None:
+            policy = self._policies[key] = copy.deepcopy(self._fresh_policy)
+            while len(self._policies) > MAX_REGIMES:  # the oldest sampled setting; greedy's stays
+                oldest = next(k for k in self._policies if k != sampling_regime(SamplingParams()))
+                del self._policies[oldest]
+        self._policies.move_to_end(key)
+        return policy
+
+    def _propose(self, tokens: list[int], budget: int, params: SamplingParams, rng: np.random.Generator,
+                 policy: DraftPolicy) -> Draft:
         """Phase 1: the drafter's proposal, capped so the commit fits the budget and the verify one batch."""
         limit = budget - 1  # verify always adds one token of its own
         if (cap := self._target.limit) is not None:
@@ -214,18 +245,18 @@ class SpeculativeDecoder:
             limit = min(limit, self.context_limit - len(tokens))
         if self.drafter is None or limit <= 0:
             return Draft([])
-        return self.drafter.propose(tokens, limit, self.policy, params, rng)
+        return self.drafter.propose(tokens, limit, policy, params, rng)
 
-    def _learn(self, step: StepResult, draft: Draft, reused: int) -> None:
+    def _learn(self, policy: DraftPolicy, step: StepResult, draft: Draft, reused: int) -> None:
         """Tell the policy the step's cost and each drafter's acceptance. A plain step whose row
         was computed ahead (a lookahead guess on a shared body) is no measure of a plain step; a
         tail was tested only if the draft before it was accepted whole."""
         head = step.drafted - draft.tail
         verify_ms = None if reused and not step.drafted else step.verify_ms
-        self.policy.update(head, min(step.accepted, head), step.draft_ms, verify_ms,
-                           source=draft.source, ms_per_token=draft.ms_per_token, width=step.drafted + 1)
+        policy.update(head, min(step.accepted, head), step.draft_ms, verify_ms,
+                      source=draft.source, ms_per_token=draft.ms_per_token, width=step.drafted + 1)
         if draft.tail and step.accepted >= head:
-            self.policy.learn(draft.tail_source, draft.tail, step.accepted - head)
+            policy.learn(draft.tail_source, draft.tail, step.accepted - head)
 
     def _tree_step(self, tokens: list[int], tree: DraftTree, params: SamplingParams, rng: np.random.Generator,
                    budget: int, stop_ids: Container[int]) -> tuple[list[int], int, list, int]:
@@ -236,7 +267,8 @@ class SpeculativeDecoder:
         if params.greedy:
             nodes, nxt = accept_tree_greedy(tree, logits)
         else:
-            nodes, nxt = accept_tree_point_masses(tree, probabilities(logits, params), rng)
+            # only the rows on the walked path are built
+            nodes, nxt = accept_tree_point_masses(tree, LazyDists(logits, params), rng)
         # the table learns every row; the accepted path's last, so its context is what a later row
         # for the same token keeps (SuccessorTable.update: a later row wins)
         on_path = set(nodes)
@@ -252,10 +284,11 @@ class SpeculativeDecoder:
         """Phase 3: how many drafts the target keeps, and its own next token."""
         if params.greedy:
             return accept_greedy(draft.tokens, logits)
-        target_probs = probabilities(logits, params)
-        if draft.probs is None:  # deterministic proposals: point masses
-            return accept_point_masses(draft.tokens, target_probs, rng)
-        return accept_sampled(draft.tokens, draft.probs, target_probs, rng)
+        # row i is built only if drafts 0..i-1 were accepted
+        target = LazyDists(logits, params)
+        if draft.dists is None:  # deterministic proposals: point masses
+            return accept_point_masses(draft.tokens, target, rng)
+        return accept_sampled(draft.tokens, draft.dists, target, rng)
 
     def _rollback(self, tokens: list[int]) -> None:
         """Trim every cache to its common prefix with `tokens` (keeping the last token unfed)."""

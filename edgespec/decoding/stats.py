@@ -20,6 +20,7 @@ class GenerationStats:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     first_token_s: float = 0.0  # prompt processing + first step
+    first_step_tokens: int = 0  # what the first step committed: timed inside first_token_s
     elapsed_s: float = 0.0
     k_history: list[int] = field(default_factory=list)  # drafted tokens per step: k over time
     source_history: list[str] = field(default_factory=list)  # who drafted each step ("model", "ngram:3", "")
@@ -29,6 +30,7 @@ class GenerationStats:
         """Account one decoding step that ended `now_s` seconds into the generation."""
         if self.steps == 0:
             self.first_token_s = now_s
+            self.first_step_tokens = len(step.tokens)
         self.steps += 1
         self.new_tokens += len(step.tokens)
         self.drafted += step.drafted
@@ -50,9 +52,16 @@ class GenerationStats:
         return self.new_tokens / self.steps if self.steps else 0.0
 
     @property
+    def decode_tokens(self) -> int:
+        """Tokens committed after the first step: the ones whose time `tokens_per_s` counts."""
+        return self.new_tokens - self.first_step_tokens
+
+    @property
     def tokens_per_s(self) -> float:
+        """Decode speed after the first step. A first step that committed several tokens (a draft
+        accepted right after the prompt) is timed with the prompt, so its tokens are left out too."""
         decode = self.elapsed_s - self.first_token_s
-        return (self.new_tokens - 1) / decode if decode > 0 and self.new_tokens > 1 else 0.0
+        return self.decode_tokens / decode if decode > 0 and self.decode_tokens > 0 else 0.0
 
     def by_draft_length(self) -> dict[str, list[int]]:
         """{"<drafter kind>:<drafted>": [steps, accepted]} over the steps that drafted, the drafter

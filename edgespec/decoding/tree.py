@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgespec.decoding.sampling import sample
+from edgespec.decoding.token_dist import TokenDist
 
 if TYPE_CHECKING:  # recycling.py drafts these trees: imported there, not here
     from edgespec.decoding.recycling import SuccessorTable
@@ -195,30 +195,29 @@ def accept_tree_greedy(tree: DraftTree, logits: np.ndarray) -> tuple[list[int], 
         accepted.append(node)
 
 
-def _pick(tree: DraftTree, node: int, p: np.ndarray, rng: np.random.Generator) -> tuple[int | None, int]:
+def _pick(tree: DraftTree, node: int, p: TokenDist, rng: np.random.Generator) -> tuple[int | None, int]:
     """One position: (accepted child, its token), or (None, the token sampled instead)."""
-    residual, mass = p, 1.0  # an untouched row sums to 1, as accept_point_masses assumes
+    residual = p
     for child in tree.children(node):
         token = tree.tokens[child - 1]
-        # accept with probability residual(x) / its mass, written without a division
-        if rng.random() * mass < residual[token]:
+        # accept with probability residual(x): the residual is renormalised after each removal
+        if rng.random() < residual.prob(token):
             return child, token
-        if residual is p:
-            residual = p.copy()
-        residual[token] = 0.0
-        mass = float(residual.sum())
-    # rejected children's p summing to 1 happens only through rounding: fall back to p,
-    # as accept_point_masses does
-    return None, sample(residual if residual.sum() > 0 else p, rng)
+        rest = residual.without([token])
+        if rest is None:  # rejected children's p summing to 1 happens only through rounding
+            return None, p.sample(rng)  # fall back to p, as accept_point_masses does
+        residual = rest
+    return None, residual.sample(rng)
 
 
 def accept_tree_point_masses(
-    tree: DraftTree, target_probs: np.ndarray, rng: np.random.Generator
+    tree: DraftTree, target_dists: Sequence[TokenDist], rng: np.random.Generator
 ) -> tuple[list[int], int]:
     """Multi-candidate speculative sampling for deterministic drafts (SpecInfer; Token Recycling;
     "Multi-draft speculative sampling"): `accept_point_masses` over a tree.
 
-    target_probs: (n+1, V) normalised, row i the target's distribution after node i. At a node with
+    target_dists: n+1 distributions (token_dist.py), row i the target's after node i; only the
+    rows on the walked path are read (a lazy sequence builds only those). At a node with
     children x1..xm, x1 is accepted with probability p(x1); if not, p loses x1 (the residual of a
     point mass) and x2 is accepted with probability r(x2) / sum(r), and so on; if all are rejected
     the token is sampled from the residual. Exact: the token is xj with probability
@@ -227,13 +226,12 @@ def accept_tree_point_masses(
     conditional given the tokens before it, and an accepted child's row is that conditional for
     the next one. With one child per node it draws the same random numbers as
     `accept_point_masses`. Returns the accepted node indices (root excluded) and the next token."""
-    target_probs = np.asarray(target_probs)
-    if target_probs.ndim != 2 or target_probs.shape[0] != tree.n + 1:
-        raise ValueError(f"need {tree.n + 1} target rows for {tree.n} drafts, got shape {target_probs.shape}")
+    if len(target_dists) != tree.n + 1:
+        raise ValueError(f"need {tree.n + 1} target rows for {tree.n} drafts, got {len(target_dists)}")
     accepted: list[int] = []
     node = 0
     while True:
-        child, token = _pick(tree, node, target_probs[node], rng)
+        child, token = _pick(tree, node, target_dists[node], rng)
         if child is None:
             return accepted, token
         accepted.append(child)

@@ -127,7 +127,36 @@ def _rope(spec, layer_type: str) -> tuple[float, float]:
     return float(f"{base:.6g}"), float(f"{scale:.6g}")
 
 
-def _hparams(w, job, arch: str, n_layers: int, layers: tuple[int, ...]) -> None:
+def _rope_theta(cfg) -> float | None:
+    """The unscaled RoPE base of a transformers config (v4: rope_theta; v5: rope_parameters)."""
+    theta = getattr(cfg, "rope_theta", None)
+    params = getattr(cfg, "rope_parameters", None)
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    return float(theta) if theta is not None else None
+
+
+def _rope_freqs(job) -> tuple[float, np.ndarray] | None:
+    """(freq_base, rope_freqs) for a table llama.cpp reproduces only through per-dimension divisors
+    (Llama 3.1+ scaling): llama.cpp's converter stores them as `rope_freqs.weight`, which ggml_rope_ext
+    applies as freq_factors, theta_i = pos * base^(-2i/d) / rope_freqs[i]. None: the table is geometric."""
+    spec, cfg = job.spec, job.source.model.config
+    if not spec.family.gguf_rope_freqs or "full_attention" not in spec.rope:
+        return None
+    inv, attn_scale = spec.rope["full_attention"]
+    theta = _rope_theta(getattr(cfg, "text_config", None) or cfg)
+    if theta is None or abs(attn_scale - 1.0) > 1e-6:
+        return None
+    d = 2 * len(inv)
+    # transformers' own unscaled table (float32 arange / d, float32 power), so unscaled dims give 1 exactly
+    plain = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d)))
+    factors = plain.astype(np.float64) / np.asarray(inv, dtype=np.float64)
+    if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
+        return None
+    return theta, factors.astype(np.float32)
+
+
+def _hparams(w, job, arch: str, n_layers: int, layers: tuple[int, ...], freqs) -> None:
     spec, cfg = job.spec, job.source.model.config
     cfg = getattr(cfg, "text_config", None) or cfg
     if arch == "gemma3" and abs(spec.query_scale - spec.head_dim ** -0.5) > 1e-9:
@@ -145,7 +174,7 @@ def _hparams(w, job, arch: str, n_layers: int, layers: tuple[int, ...]) -> None:
     w.add_layer_norm_rms_eps(spec.rms_eps)
     lts = [spec.layer_types[i] for i in layers]
     full = "full_attention" if "full_attention" in spec.rope else lts[0]
-    base, scale = _rope(spec, full)
+    base, scale = (freqs[0], 1.0) if freqs is not None else _rope(spec, full)
     w.add_rope_freq_base(base)
     if scale != 1.0:
         from gguf import RopeScalingType
@@ -286,7 +315,8 @@ def _write(job, path: Path, half: bool) -> None:
     keep = job.opts.vocab_keep
     n_vocab = len(keep) if keep is not None else job.spec.vocab_size
     w = GGUFWriter(str(path), arch)
-    _hparams(w, job, arch, len(layers), layers)
+    freqs = _rope_freqs(job)
+    _hparams(w, job, arch, len(layers), layers, freqs)
     w.add_file_type(LlamaFileType.MOSTLY_F16 if half else LlamaFileType.ALL_F32)
     _tokenizer(w, job, keep is not None, n_vocab)
     if keep is not None:
@@ -297,6 +327,8 @@ def _write(job, path: Path, half: bool) -> None:
     for name, arr in _tensors(job, arch, layers):
         arr = np.ascontiguousarray(arr, dtype=np.float16 if half and arr.ndim == 2 else np.float32)
         w.add_tensor(name, arr)
+    if freqs is not None:  # llama.cpp's converter writes Llama 3's scaling as this tensor
+        w.add_tensor("rope_freqs.weight", np.ascontiguousarray(freqs[1], dtype=np.float32))
     _finish(w)
 
 

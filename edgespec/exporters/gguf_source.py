@@ -5,8 +5,10 @@ so the ONNX writer can emit them as MatMulNBits as they are; `dequantized()` giv
 arrays (gguf-py's own dequantizer) for formats and precisions that re-encode.
 
 The config becomes a ModelSpec from the `<arch>.*` metadata keys, with the facts llama.cpp itself
-hard-codes per architecture (activation, Gemma 3's sliding-window pattern) in `_ARCHS`. The
-tokenizer becomes a `tokenizers` tokenizer.json (gguf_tokenizer.py).
+hard-codes per architecture (activation, Gemma 3's sliding-window pattern) in `_ARCHS`. RoPE tables
+are computed as llama.cpp rotates: the linear scale factor and Llama 3's `rope_freqs.weight` divisors
+applied, any other `<arch>.rope.*` key refused by name. The tokenizer becomes a `tokenizers`
+tokenizer.json (gguf_tokenizer.py).
 """
 from __future__ import annotations
 
@@ -109,25 +111,58 @@ def _layer_types(reader, arch: str, facts: ArchFacts, n_layers: int) -> tuple[st
     return ("full_attention",) * n_layers
 
 
-def _rope(reader, arch: str, facts: ArchFacts, head_dim: int, layer_types) -> dict:
+# `<arch>.rope.*` keys this reader turns into the RoPE tables; any other one is refused by name, so no
+# scaling the file asks for is dropped silently
+_ROPE_KEYS = ("dimension_count", "freq_base", "freq_base_swa", "scaling.type", "scaling.factor", "scale_linear",
+              "scaling.original_context_length", "scaling.finetuned", "scaling.attn_factor")
+
+
+def _rope_scale(reader, arch: str) -> float:
+    """llama.cpp's linear frequency scale factor (1.0: none); any other scaling is refused by key."""
+    for key in reader.fields:
+        if key.startswith(f"{arch}.rope.") and key[len(arch) + 6:] not in _ROPE_KEYS:
+            raise ExportError(f"the GGUF's RoPE key '{key}' is not supported")
+    kind = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
+    # llama.cpp divides the frequencies by the factor whatever the type, reading the older
+    # `rope.scale_linear` when `rope.scaling.factor` is absent or 0
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 0.0) or 0.0)
+    factor = factor or float(_field(reader, f"{arch}.rope.scale_linear", 1.0) or 1.0)
+    # yarn at factor 1 ramps between two equal tables with no magnitude change: the plain table
+    if kind not in ("none", "linear") and not (kind == "yarn" and factor == 1.0):
+        raise ExportError(f"the GGUF's '{arch}.rope.scaling.type' = '{kind}' is not supported (none, linear)")
+    attn = float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0)
+    if attn != 1.0:  # llama.cpp multiplies cos/sin by it; no source edgespec reads sets it
+        raise ExportError(f"the GGUF's '{arch}.rope.scaling.attn_factor' = {attn} is not supported")
+    return factor
+
+
+def _rope(reader, arch: str, facts: ArchFacts, head_dim: int, layer_types, freqs: np.ndarray | None) -> dict:
+    """inv_freq per layer type as llama.cpp rotates: base^(-2i/d), divided by the linear scale factor
+    and by `rope_freqs` (Llama 3's per-dimension divisors, ggml_rope_ext's freq_factors)."""
     dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
     if dim != head_dim:
-        raise ExportError(f"partial rotary embeddings ({dim} of {head_dim} dims) are not supported")
+        raise ExportError(f"the GGUF's '{arch}.rope.dimension_count' = {dim} (partial rotary over {head_dim} "
+                          "head dims) is not supported")
     base = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
-    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
-    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-    if kind not in ("none", "linear") and factor != 1.0:
-        raise ExportError(f"RoPE scaling '{kind}' in a GGUF source is not supported yet")
+    factor = _rope_scale(reader, arch)
+    if freqs is not None and freqs.shape != (dim // 2,):
+        raise ExportError(f"the GGUF's rope_freqs.weight has shape {freqs.shape}; expected ({dim // 2},)")
     tables = {}
     if "full_attention" in layer_types:
-        tables["full_attention"] = (_inv_freq(base, dim) / np.float32(factor), 1.0)
+        inv = _inv_freq(base, dim) / np.float32(factor)
+        if freqs is not None:  # in float64, rounded once: the table llama.cpp's theta / freq_factor gives
+            inv = (inv.astype(np.float64) / freqs.astype(np.float64)).astype(np.float32)
+        tables["full_attention"] = (inv, 1.0)
     if "sliding_attention" in layer_types:
+        if freqs is not None:
+            raise ExportError("rope_freqs.weight on a model with sliding-window layers is not supported")
         swa = float(_field(reader, f"{arch}.rope.freq_base_swa", facts.swa_base or base))
         tables["sliding_attention"] = (_inv_freq(swa, dim), 1.0)
     return tables
 
 
-def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool) -> tuple[ModelSpec, SimpleNamespace]:
+def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool,
+          freqs: np.ndarray | None) -> tuple[ModelSpec, SimpleNamespace]:
     hidden = int(_require(reader, f"{arch}.embedding_length"))
     n_layers = int(_require(reader, f"{arch}.block_count"))
     n_heads = int(_require(reader, f"{arch}.attention.head_count"))
@@ -153,7 +188,7 @@ def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool) -> tuple[
         query_scale=float(head_dim ** -0.5),
         layer_types=layer_types,
         sliding_window=int(window) if window is not None and "sliding_attention" in layer_types else None,
-        rope=_rope(reader, arch, facts, head_dim, layer_types),
+        rope=_rope(reader, arch, facts, head_dim, layer_types, freqs),
         final_logit_softcap=float(softcap) if softcap else None,
         tie_embeddings=tied,
     )
@@ -161,6 +196,8 @@ def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool) -> tuple[
         max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
         intermediate_size=int(_require(reader, f"{arch}.feed_forward_length")),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        # what gguf_export writes back as freq_base beside rope_freqs when it re-encodes this model
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
     )
     return spec, config
 
@@ -207,11 +244,13 @@ def read_gguf(path: Path, reader=None) -> GGUFModel:
     family = family_for(facts.model_type)
     tensors: dict[str, BlockWeight | np.ndarray] = {}
     types: Counter = Counter()
+    freqs = None
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight" and family.gguf_rope_freqs:
+            freqs = np.asarray(transcode(t.data, t.tensor_type, (int(t.n_elements),), t.name), dtype=np.float32)
+            continue
         name = _hf_name(t.name, family.sandwich_norm)
         if name is None:
-            if t.name.startswith("rope_"):  # llama.cpp's precomputed rope tables: edgespec computes its own
-                continue
             raise ExportError(f"GGUF tensor {t.name} has no counterpart in edgespec's {arch} graph")
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne0 (the row length) first
         w = transcode(t.data, t.tensor_type, shape, t.name)
@@ -225,7 +264,7 @@ def read_gguf(path: Path, reader=None) -> GGUFModel:
         raise ExportError(f"{path.name} has no token embedding (token_embd.weight)")
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     tied = "lm_head.weight" not in tensors
-    spec, config = _spec(reader, arch, facts, vocab, tied)
+    spec, config = _spec(reader, arch, facts, vocab, tied, freqs)
     if facts.unpermute_qk:
         for i in range(spec.n_layers):
             for proj, heads in (("q_proj", spec.n_heads), ("k_proj", spec.n_kv_heads)):

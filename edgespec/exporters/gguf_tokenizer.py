@@ -3,11 +3,13 @@
 SentencePiece-style vocabularies (`tokenizer.ggml.model = llama`: Gemma, Llama 2) carry tokens and
 scores but no merges; llama.cpp merges the adjacent pair whose joined piece scores highest. A BPE
 whose merges are ordered by the joined piece's score does the same, so the merges are generated
-from the vocabulary, as transformers' GGUF converter does, with its two Gemma fixes: tokens of
-several spaces are stored as spaces but looked up as "▁" runs, and Gemma's merge order is its
-token order, not its scores. Byte-level BPE vocabularies
-(`gpt2`: Qwen, Llama 3) carry their merges. Control tokens are special added tokens and
-user-defined tokens plain added tokens, both matched before the model, as llama.cpp does.
+from the vocabulary, as transformers' GGUF converter does (Gemma's merge order being its token
+order, which its scores follow). Byte-level BPE vocabularies
+(`gpt2`: Qwen, Llama 3, SmolLM) carry their merges and name their pre-tokenizer, whose regexes
+are llama.cpp's own (gguf_pretokenizers.py). Control tokens are special added tokens and
+user-defined tokens plain added tokens, both matched in the raw text before the model, as
+llama.cpp does with special tokens parsed; tests/test_gguf_tokenizer.py checks the ids against
+llama.cpp's.
 
 `GGUFTokenizer` answers the part of a transformers tokenizer that the exporter uses
 (tokenizer_export, vocabtrim), so both kinds of source take the same path.
@@ -20,8 +22,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ..errors import ExportError
+from .gguf_pretokenizers import pre_tokenizer
 
-__all__ = ["GGUFTokenizer", "build_tokenizer", "compact_merges", "spm_merges"]
+__all__ = ["GGUFTokenizer", "build_tokenizer", "compact_merges", "default_add_bos", "spm_merges"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,55 +73,90 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
-def build_tokenizer(reader):
-    """(tokenizers.Tokenizer, token types, token strings as the tokenizer spells them) from a
-    GGUFReader's tokenizer.* metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+def default_add_bos(reader) -> bool:
+    """Whether llama.cpp puts BOS first when the GGUF has no `tokenizer.ggml.add_bos_token`: always
+    for SentencePiece, for BPE only with some pre-tokenizers (Llama 3, Tekken)."""
+    if _field(reader, "tokenizer.ggml.model") == "gpt2":
+        return pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default")).add_bos
+    return True
+
+
+def _spm(reader, tokens: list[str]):
+    """SentencePiece as llama.cpp runs it: spaces escaped to "▁" (one more in front of each run of
+    text when `add_space_prefix`, llama.cpp's default), the best-scored pair merged first, unknown
+    characters as <0xXX> byte tokens."""
+    from tokenizers import Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
+
+    if _field(reader, "general.architecture", "") in _MERGE_BY_POSITION:
+        scores = [-float(i) for i in range(len(tokens))]
+    else:
+        scores = _field(reader, "tokenizer.ggml.scores")
+        if scores is None:
+            raise ExportError("the GGUF's SentencePiece tokenizer has no scores")
+    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else None
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # no text reaches the model with a space left (all become "▁"): merges of pieces holding one
+    # (Gemma's runs of spaces) never apply, and would keep compact_merges from its short form
+    merges = [m for m in spm_merges(tokens, scores) if " " not in m[0] and " " not in m[1]]
+    tok = Tokenizer(BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    norms = [normalizers.Replace(" ", "▁")]
+    # the normalizer runs on each stretch of text between added tokens, and llama.cpp adds the
+    # prefix to each stretch after a special or user-defined token: the same places
+    if _field(reader, "tokenizer.ggml.add_space_prefix", True):
+        norms.insert(0, normalizers.Prepend("▁"))
+    tok.normalizer = normalizers.Sequence(norms)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tok
+
+
+def _merge_pair(merge: str) -> tuple[str, str] | None:
+    # llama.cpp splits at the first space after the first character
+    cut = merge.find(" ", 1)
+    return None if cut < 0 else (merge[:cut], merge[cut + 1:])
+
+
+def _byte_level_bpe(reader, tokens: list[str]):
+    """Byte-level BPE with the merges the GGUF carries, split first by the regexes llama.cpp uses
+    for the GGUF's `tokenizer.ggml.pre` (gguf_pretokenizers.py)."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    pre = pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
+    merges = [p for p in map(_merge_pair, _field(reader, "tokenizer.ggml.merges") or []) if p is not None]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(BPE(vocab, merges, unk_token=None, fuse_unk=False, byte_fallback=False,
+                        ignore_merges=pre.ignore_merges))
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.regexes]
+    tok.pre_tokenizer = pre_tokenizers.Sequence(splits + [pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                    use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def build_tokenizer(reader):
+    """(tokenizers.Tokenizer, token types, token strings) from a GGUFReader's tokenizer.* metadata,
+    tokenizing as llama.cpp does with special tokens parsed."""
+    from tokenizers import AddedToken
 
     kind = _field(reader, "tokenizer.ggml.model")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if kind is None or tokens is None:
         raise ExportError("the GGUF carries no tokenizer (tokenizer.ggml.model / tokens)")
     types = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
-    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
-    arch = _field(reader, "general.architecture", "")
-    if kind == "llama" and arch in _MERGE_BY_POSITION:
-        tokens = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
-        scores = [-float(i) for i in range(len(tokens))]
-    elif kind == "llama":
-        scores = _field(reader, "tokenizer.ggml.scores")
-        if scores is None:
-            raise ExportError("the GGUF's SentencePiece tokenizer has no scores")
-    vocab = {t: i for i, t in enumerate(tokens)}
     if kind == "llama":
-        unk = tokens[unk_id] if unk_id is not None else None
-        tok = Tokenizer(BPE(vocab, spm_merges(tokens, scores), unk_token=unk, fuse_unk=True, byte_fallback=True))
-        norms = [normalizers.Replace(" ", "▁")]
-        if _field(reader, "tokenizer.ggml.add_space_prefix", False):
-            norms.insert(0, normalizers.Prepend("▁"))
-        tok.normalizer = normalizers.Sequence(norms)
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+        tok = _spm(reader, tokens)
     elif kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges") or []]
-        tok = Tokenizer(BPE(vocab, merges, unk_token=None, fuse_unk=False, byte_fallback=False))
-        pre = _field(reader, "tokenizer.ggml.pre", "default")
-        if pre not in ("default", "gpt2", "qwen2", "llama-bpe", "llama3"):
-            raise ExportError(f"the GGUF's BPE pre-tokenizer '{pre}' is not supported yet")
-        split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+") if pre != "default" else None
-        seq = [pre_tokenizers.Split(Regex(split), behavior="isolated")] if split else []
-        tok.pre_tokenizer = pre_tokenizers.Sequence(seq + [pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                                                    use_regex=split is None)])
-        tok.decoder = decoders.ByteLevel()
+        tok = _byte_level_bpe(reader, tokens)
     else:
         raise ExportError(f"the GGUF's tokenizer model '{kind}' is not supported (llama, gpt2)")
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
                             for i, t in enumerate(types) if t == _CONTROL])
-    # user-defined pieces are matched whole, as llama.cpp does (a respelled "▁" run is not one)
-    raw = _field(reader, "tokenizer.ggml.tokens")
+    # user-defined pieces are matched whole in the raw text, as llama.cpp does: Gemma's runs of
+    # spaces, stored as spaces, are found before spaces become "▁"
     tok.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
-                    for i, t in enumerate(types) if t == _USER_DEFINED and tokens[i] == raw[i]])
+                    for i, t in enumerate(types) if t == _USER_DEFINED])
     return tok, types, tokens
 
 
@@ -139,7 +177,11 @@ class GGUFTokenizer:
         self.eos_token_id = None if ids["eos"] is None else int(ids["eos"])
         self.pad_token_id = None if ids["padding"] is None else int(ids["padding"])
         self.unk_token_id = None if ids["unknown"] is None else int(ids["unknown"])
-        self.add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", self.bos_token_id is not None))
+        self.add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", default_add_bos(reader)))
+        if _field(reader, "tokenizer.ggml.add_eos_token", False):
+            # llama.cpp would end every prompt with EOS; a prompt to continue must not end there
+            logger.warning("the GGUF asks for EOS after each text (tokenizer.ggml.add_eos_token); edgespec "
+                           "does not add it to prompts")
         self.chat_template = _field(reader, "tokenizer.chat_template")
         added = set(self._tok.get_added_tokens_decoder())
         self.added_tokens_decoder = {i: _Added(self._tokens[i], t == _CONTROL)

@@ -7,7 +7,8 @@ no KV cache, no forward scratch of its own):
               (measured at load: RSS before/after opening it and one warm-up forward)
   kv          per model: positions x layers x KV heads x head dim x 2 (K and V) x dtype bytes
   candidates  logits of one step: (k+1) x vocab for the target's verify, k x K for a draft with
-              a K-token (VocabTrim) head; sampling adds float64 probabilities of the same rows
+              a K-token (VocabTrim) head; sampling adds one target row's selection scratch or
+              float32 exps, and each draft row's float32 exps (decoding/token_dist.py)
   workspace   per model: scratch activations of its largest forward (a prefill chunk over the
               whole context), held by the backend's allocator once touched
 All functions here are pure; numbers are bytes.
@@ -77,18 +78,22 @@ def _along(points: list[tuple[int, int]], est: int) -> float:
 
 
 def candidate_bytes(k: int, target_vocab: int, draft_vocab: int | None, sampling: bool = True) -> int:
-    """Logits (and, when sampling, probabilities) of one speculative step with up to k drafts.
+    """Logits (and, when sampling, distributions) of one speculative step with up to k drafts.
 
-    Target: (k+1) x vocab fp32 logits (a reused buffer), plus float64 probabilities of those rows
-    and of the k draft rows scattered to the full vocabulary when sampling. Draft: k x K rows."""
+    Target: (k+1) x vocab fp32 logits (a reused buffer). Draft: k x K fp32 logit rows. Sampling
+    builds the target's distributions one row at a time, the largest being either the top-k /
+    top-p selection (argpartition's int64 indices and a bool mask: 9 bytes a token) or, for pure
+    temperature, float32 exps, a float32 residual and a draft row placed in target ids (12 bytes
+    a token); each draft row keeps its float32 exps (K wide) until the verify. No float64 row of
+    the vocabulary is built."""
     rows = k + 1
     b = 4 * rows * target_vocab
     if draft_vocab is not None and k > 0:
         b += 4 * k * draft_vocab
         if sampling:
-            b += 8 * k * draft_vocab + 8 * k * target_vocab
+            b += 4 * k * draft_vocab
     if sampling:
-        b += 8 * rows * target_vocab
+        b += 12 * target_vocab
     return b
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["Preset", "PRESETS", "DEFAULT_PRESET", "cache_dir", "default_bundle_path", "preset_source"]
+__all__ = ["Preset", "PRESETS", "DEFAULT_PRESET", "BUNDLE_REVISION", "cache_dir", "default_bundle_path",
+           "gguf_bundles_dir", "preset_source"]
 
 
 @dataclass(frozen=True)
@@ -39,15 +40,23 @@ def cache_dir() -> Path:
     return Path(user_cache_dir("edgespec"))
 
 
-# Raised when the exporter writes the default bundle differently enough that one cached by an
-# older edgespec should be rebuilt (it still loads): 2 = the fused onnxruntime decoder graph and
-# the compact tokenizer.json; 3 = attention scores summed from 128-deep products, so that a verify
-# rounds like plain decoding at every context length (onnx_graph._scores).
-DEFAULT_BUNDLE_REVISION = 3
+# Raised when the exporter writes bundles differently enough that one cached by an older edgespec
+# should be rebuilt (it still loads): the default bundle and those built for a GGUF run directly
+# carry it in their folder names. 2 = the fused onnxruntime decoder graph and the compact
+# tokenizer.json; 3 = attention scores summed from 128-deep products, so that a verify rounds like
+# plain decoding at every context length (onnx_graph._scores).
+BUNDLE_REVISION = 3
 
 
 def default_bundle_path(preset: str = DEFAULT_PRESET) -> Path:
-    return cache_dir() / "bundles" / f"{preset}-r{DEFAULT_BUNDLE_REVISION}"
+    """The embedded default's bundle in the cache; only `edgespec export` with no --target (or an
+    explicit -o naming it) and the first load without a bundle write it."""
+    return cache_dir() / "bundles" / f"{preset}-r{BUNDLE_REVISION}"
+
+
+def gguf_bundles_dir() -> Path:
+    """Where the bundles of GGUF files run directly are cached, one folder per file content."""
+    return cache_dir() / "bundles" / "gguf"
 
 
 def preset_source(preset: str = DEFAULT_PRESET) -> Path:

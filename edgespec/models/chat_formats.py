@@ -111,6 +111,7 @@ class ChatSampling:
     temperature: float = 0.7
     top_p: float = 0.95
     top_k: int = 40
+    min_p: float = 0.0  # off, as before min_p existed
 
 
 CHAT_SAMPLING = ChatSampling()

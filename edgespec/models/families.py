@@ -51,12 +51,13 @@ class Family:
     reserved_token_pattern: str | None = None  # placeholder specials never emitted (not kept by VocabTrim)
     gguf_arch: str | None = None  # llama.cpp architecture name (None: no GGUF writer for it)
     gguf_permute_qk: bool = False  # llama.cpp's LLAMA rope pairs adjacent dims: q/k rows are reordered
+    gguf_rope_freqs: bool = False  # llama.cpp's architecture reads a `rope_freqs.weight` (Llama 3 scaling)
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", reserved_token_pattern=r"<\|reserved_special_token_\d+\|>", gguf_arch="llama",
-                    gguf_permute_qk=True),
-    "mistral": Family("mistral", gguf_arch="llama", gguf_permute_qk=True),
+                    gguf_permute_qk=True, gguf_rope_freqs=True),
+    "mistral": Family("mistral", gguf_arch="llama", gguf_permute_qk=True, gguf_rope_freqs=True),
     "qwen2": Family("qwen2", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",), gguf_arch="qwen2"),
     "qwen3": Family("qwen3", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",), gguf_arch="qwen3"),
     "phi3": Family("phi3", fused_qkv=True, stop_tokens=("<|end|>",)),

@@ -86,7 +86,8 @@ def _refuse_unsupported(req) -> None:
 
 def _sampling(req) -> SamplingParams:
     # pydantic already checked the ranges; SamplingParams checks the combination
-    return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed)
+    return SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                          seed=req.seed)
 
 
 async def _watch_client(request: Request, job: Job, every_s: float) -> None:

@@ -84,6 +84,7 @@ class _Sampling(_Request):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)  # an extension, as in llama.cpp's and vLLM's servers
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0)  # an extension, as in llama.cpp's and vLLM's servers
     stop: Stop = None
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     n: int = Field(default=1, ge=1)
