@@ -1,7 +1,7 @@
 """The lean bundle (a GGUF's own blocks as MatMulNBits, no torch) against the fp32 bundle and llama.cpp.
 
     python benchmarks/bench_lean_bundle.py [--work DIR] [--prompts 16] [--tokens 64] [--threads 2]
-                                           [--reuse] [--out benchmarks/bench_lean_bundle.json]
+                                           [--reuse] [--out benchmarks/results/bench_lean_bundle.json]
 
 On the embedded Gemma 3 270M Q4_K_M GGUF, one fresh process per measured run:
   1. `edgespec export` of the default GGUF (torch-free path): wall time, bundle size, ONNX target
@@ -17,7 +17,8 @@ On the embedded Gemma 3 270M Q4_K_M GGUF, one fresh process per measured run:
      GGUF from the same token ids: tokens before the first difference, median over prompts.
 Writes the JSON result to --out (and prints it).
 
-    python benchmarks/bench_lean_bundle.py --memory BUNDLE [--repeat 3] [--out benchmarks/bench_lean_memory.json]
+    python benchmarks/bench_lean_bundle.py --memory BUNDLE [--repeat 3]
+        [--out benchmarks/results/bench_lean_memory.json]
 
 measures only peak RSS (one fresh process per run, the median of --repeat): `edgespec generate` of
 BUNDLE on onnxruntime (64 tokens): as it opens by default, greedy and with chat's default sampler
@@ -128,7 +129,7 @@ def agreement(lean: Path, fp32: Path, gguf: Path, ids_list: list[list[int]], n: 
     """lean, fp32: the two target ONNX files."""
     from llama_cpp import Llama
 
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     ref, new = (OnnxRuntime(p, threads=threads, kv_capacity=2048) for p in (fp32, lean))
     llm = Llama(str(gguf), n_ctx=2048, n_threads=threads, n_batch=512, logits_all=True, verbose=False)
@@ -233,7 +234,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, help="result JSON (default: bench_lean_bundle.json, with --memory "
-                                             "bench_lean_memory.json, next to this script)")
+                                             "bench_lean_memory.json, in results/ beside this script)")
     ap.add_argument("--reuse", action="store_true", help="keep bundles already in --work (no export timing)")
     ap.add_argument("--memory", type=Path, metavar="BUNDLE", help="measure only peak RSS of BUNDLE's configurations")
     ap.add_argument("--repeat", type=int, default=3, help="fresh processes per configuration with --memory")
@@ -242,7 +243,8 @@ def main() -> int:
     from edgespec.models.catalog import preset_source
 
     gguf = preset_source()
-    args.out = args.out or HERE / ("bench_lean_memory.json" if args.memory is not None else "bench_lean_bundle.json")
+    default_out = "bench_lean_memory.json" if args.memory is not None else "bench_lean_bundle.json"
+    args.out = args.out or HERE / "results" / default_out
     if args.memory is not None:
         result = {"machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads,
                               "cpus_visible": len(os.sched_getaffinity(0))},

@@ -23,7 +23,7 @@ import numpy as np
 import edgespec
 from edgespec.bundle import load_bundle
 from edgespec.decoding import SamplingParams
-from edgespec.runtimes.llamacpp import LlamaCppRuntime, use_extra_buffer_types
+from edgespec.runtimes.llamacpp.runtime import LlamaCppRuntime, use_extra_buffer_types
 
 PROMPTS = [
     "The history of the printing press begins",

@@ -89,7 +89,7 @@ def layouts(new_bundle: str, old_bundle: str, prompt_tokens: int, rounds: int) -
     import numpy as np
 
     from edgespec.bundle import load_bundle
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
     from edgespec.tokenizer import Tokenizer
 
     rts = {}

@@ -22,6 +22,7 @@ import argparse
 import json
 import logging
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -44,7 +45,7 @@ def genai_model(xml: Path):
     import openvino as ov
     import openvino.opset13 as ops
 
-    from edgespec.runtimes.openvino_graph import make_stateful
+    from edgespec.runtimes.openvino.graph import make_stateful
 
     model = ov.Core().read_model(str(xml))
     make_stateful(model)
@@ -124,9 +125,9 @@ def _genai_run(pipe, ids, n_new):
 
 def _bench_bundle(bundle: Path, args, tmp: Path, report: dict) -> None:
     """Every configuration on one bundle, interleaved per prompt; results go into `report`."""
-    from edgespec.api import Engine
     from edgespec.bundle import load_bundle
     from edgespec.decoding import SpeculativeDecoder, make_policy
+    from edgespec.engine.engine import Engine
 
     b = load_bundle(bundle)
     prec = b.manifest.target.formats["openvino"].precision
@@ -143,9 +144,9 @@ def _bench_bundle(bundle: Path, args, tmp: Path, report: dict) -> None:
     configs["edgespec spec (prompt lookup)"] = lambda ids, e=lookup: _edgespec_run(e, ids, args.tokens)
     # the previous exact mode, same weights and drafting: KV in OpenVINO's state (a rollback
     # writes the kept prefix back), f32 activations, one-row forwards, unpadded keys
-    from ov_state_kv import StatefulKV  # benchmarks/: OpenVINO's state, the previous exact mode
-
-    from edgespec.runtimes.openvino import OpenVinoRuntime
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/ holds the baseline
+    from edgespec.runtimes.openvino.runtime import OpenVinoRuntime
+    from tests.ov_state_kv import StatefulKV  # OpenVINO's state, the previous exact mode
 
     def f32_state(role):
         return OpenVinoRuntime(bundle / role.formats["openvino"].file, threads=args.threads, kv=StatefulKV)

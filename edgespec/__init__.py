@@ -12,9 +12,10 @@ __all__ = ["__version__", "load", "default_bundle", "Engine", "EngineConfig", "R
            "EngineClosedError", "share_threads"]
 
 _LAZY = {
-    "load": "edgespec.api", "default_bundle": "edgespec.api", "Engine": "edgespec.api", "Response": "edgespec.api",
-    "GenerationStats": "edgespec.decoding", "EngineConfig": "edgespec.config", "ChatSession": "edgespec.session",
-    "SamplingParams": "edgespec.decoding", "share_threads": "edgespec.runtimes.ort_pool",
+    **{name: "edgespec.engine.engine" for name in ("load", "default_bundle", "Engine", "Response")},
+    "GenerationStats": "edgespec.decoding", "EngineConfig": "edgespec.engine.config",
+    "ChatSession": "edgespec.engine.session", "SamplingParams": "edgespec.decoding",
+    "share_threads": "edgespec.runtimes.onnxruntime.pool",
     **{name: "edgespec.errors" for name in ("EdgespecError", "ConfigError", "BundleError", "BackendError",
                                              "BusyError", "EngineClosedError")},
 }

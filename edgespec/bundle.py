@@ -81,7 +81,7 @@ class TokenizerInfo:
 
 @dataclass(frozen=True)
 class DraftHeadEntry:
-    """A trained draft head (`edgespec distill`, exporters/draft_head.py): one ONNX file every
+    """A trained draft head (`edgespec distill`, training/draft_head.py): one ONNX file every
     ONNX-reading backend runs (onnxruntime, OpenVINO), on the target's final hidden rows, ending in
     the draft's VocabTrim head; and how it was trained."""
 

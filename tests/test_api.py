@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from edgespec.api import Engine, GenerationStats, Response, load
 from edgespec.bundle import load_bundle
 from edgespec.decoding import SamplingParams
+from edgespec.engine.engine import Engine, GenerationStats, Response, load
 from edgespec.errors import BusyError, ConfigError, EngineClosedError
 from tests.tiny import LONG_PROMPT, PROMPTS
 from tests.zoo import DISAGREEING

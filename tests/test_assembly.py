@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from edgespec.assembly import MAX_PROBE_WIDTH, plan_engine, probe_width
-from edgespec.config import OPTIONS, EngineConfig, engine_config
+from edgespec.engine.assembly import MAX_PROBE_WIDTH, plan_engine, probe_width
+from edgespec.engine.config import OPTIONS, EngineConfig, engine_config
 from edgespec.errors import ConfigError
 from edgespec.runtimes import BACKENDS
 
@@ -90,7 +90,7 @@ def test_every_field_has_one_flag_and_the_cli_parses_into_the_config():
 def test_load_shows_the_config_fields_as_keywords():
     import inspect
 
-    from edgespec.api import load
+    from edgespec.engine.engine import load
 
     params = inspect.signature(load).parameters
     assert list(params)[:2] == ["bundle", "config"]
@@ -186,8 +186,8 @@ def test_describe_is_plain_values():
 
 
 def test_variants_share_the_runtimes_and_limits(zoo):
-    from edgespec.api import load
     from edgespec.decoding import FixedK
+    from edgespec.engine.engine import load
     from tests.zoo import DISAGREEING
 
     with load(zoo.bundle("llama", DISAGREEING), drafter="model", k=2, max_context=96, draft_body="own") as e:
@@ -206,8 +206,8 @@ def test_variants_share_the_runtimes_and_limits(zoo):
 
 
 def test_an_injected_clock_times_the_generation(zoo):
-    from edgespec.api import Engine
     from edgespec.bundle import load_bundle
+    from edgespec.engine.engine import Engine
 
     ticks = []
 
@@ -225,7 +225,7 @@ def test_an_injected_clock_times_the_generation(zoo):
 
 
 def test_decoder_limits_take_the_tightest_bound():
-    from edgespec.assembly import decoder_limits
+    from edgespec.engine.assembly import decoder_limits
 
     assert decoder_limits(None, [None, None], None, None, False) == {
         "context_limit": None, "max_draft": None, "verify_width": None, "draft_width": None, "trees": True,

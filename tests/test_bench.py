@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from edgespec.api import load
 from edgespec.bench import (
     PLAIN,
     SPECULATIVE,
@@ -34,6 +33,7 @@ from edgespec.bench import (
 )
 from edgespec.bench.machine import cpu_model, isa_features
 from edgespec.bench.schema import SCHEMA_VERSION
+from edgespec.engine.engine import load
 from edgespec.errors import ConfigError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -363,7 +363,7 @@ def test_cli_bench_on_a_tiny_bundle_without_torch(zoo, tmp_path):
     assert doc["label"] == "tiny" and set(doc["classes"]) == {"p", "chat"} and doc["identical"]
     assert doc["config"]["k"] == 3 and doc["config"]["policy"] == "fixed" and doc["config"]["repeat"] == 2
     assert doc["bundle"]["chat_format"].startswith("chat template")
-    # the command's onnxruntime sessions shared the process-wide pool (runtimes/ort_pool.py)
+    # the command's onnxruntime sessions shared the process-wide pool (runtimes/onnxruntime/pool.py)
     assert doc["backend"]["name"] == "onnxruntime" and doc["backend"]["onnxruntime_pool"]["allowed"]
     assert doc["backend"]["onnxruntime_pool"]["made"] is not None
     assert all(len(p["configs"][PLAIN]["tok_s"]) == 2 for p in doc["prompts"])

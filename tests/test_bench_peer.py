@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from edgespec.api import load
 from edgespec.bench import (
     PLAIN,
     SPECULATIVE,
@@ -30,6 +29,7 @@ from edgespec.bench import (
 from edgespec.bench.document import exactness_summary
 from edgespec.bench.measure import PEER
 from edgespec.decoding import SamplingParams, SpeculativeDecoder
+from edgespec.engine.engine import load
 from edgespec.errors import ConfigError
 from tests.test_bench import LENIENT, SMALL, assert_one_line_error, png_ok, run_cli
 
@@ -316,13 +316,13 @@ def test_compare_two_devices_report_and_plots(peer_doc, tmp_path):
 
 
 def test_unusable_json_path_fails_before_measuring(zoo, tmp_path, capsys, monkeypatch):
-    import edgespec.api
+    import edgespec.engine.engine
     from edgespec.cli import main
 
     def never(*a, **k):
         raise AssertionError("measured (or loaded a model) before checking --json")
 
-    monkeypatch.setattr(edgespec.api, "load", never)
+    monkeypatch.setattr(edgespec.engine.engine, "load", never)
     a_file = tmp_path / "file.txt"
     a_file.write_text("x")
     bundle = str(zoo.bundle("llama"))

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from edgespec.api import load
+from edgespec.engine.engine import load
+from edgespec.engine.session import ChatFormat, ChatPrompt, ReplyShaper, chat_format_for
 from edgespec.errors import ConfigError
 from edgespec.models.chat_formats import (
     CHAT_FORMAT_CHOICES,
@@ -20,7 +21,6 @@ from edgespec.models.chat_formats import (
     pick_chat_format,
 )
 from edgespec.models.families import FAMILIES
-from edgespec.session import ChatFormat, ChatPrompt, ReplyShaper, chat_format_for
 from tests.tiny import PROMPTS
 from tests.zoo import DISAGREEING
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from edgespec.runtimes.compile_cache import compile_cache_dir, evictions
+from edgespec.runtimes.openvino.compile_cache import compile_cache_dir, evictions
 
 
 def test_evictions_drop_least_recently_used_until_under_cap():

@@ -17,7 +17,7 @@ from PySide6.QtCore import Qt  # noqa: E402
 from PySide6.QtTest import QTest  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from edgespec.api import load  # noqa: E402
+from edgespec.engine.engine import load  # noqa: E402
 from tests.zoo import DISAGREEING  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "desktop_chat.py"

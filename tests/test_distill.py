@@ -12,10 +12,10 @@ pytest.importorskip("onnxruntime")
 
 from edgespec.cli.distill import main as distill_main  # noqa: E402
 from edgespec.errors import BackendError, ConfigError  # noqa: E402
-from edgespec.exporters.distill import DistillConfig, distill_bundle  # noqa: E402
-from edgespec.exporters.draft_head import HeadWeights, build_onnx  # noqa: E402
 from edgespec.exporters.export import ExportConfig  # noqa: E402
-from edgespec.runtimes.onnxruntime_split import open_shared_pair  # noqa: E402
+from edgespec.runtimes.onnxruntime.split import open_shared_pair  # noqa: E402
+from edgespec.training.distill import DistillConfig, distill_bundle  # noqa: E402
+from edgespec.training.draft_head import HeadWeights, build_onnx  # noqa: E402
 from tests.test_draft_head import onnx_files  # noqa: E402
 from tests.zoo import AGREEING  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_an_empty_calibration_file_is_one_line(bundle, tmp_path, capsys):
 def test_without_torch_distill_says_what_to_install(bundle, capsys, monkeypatch):
     import sys
 
-    monkeypatch.delitem(sys.modules, "edgespec.exporters.draft_head_train", raising=False)
+    monkeypatch.delitem(sys.modules, "edgespec.training.draft_head_train", raising=False)
     monkeypatch.setitem(sys.modules, "torch", None)  # a runtime install: import torch fails
     before = listing(bundle)
     assert distill_main([str(bundle), "--train-minutes", "0.05"]) == 2

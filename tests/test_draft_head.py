@@ -17,12 +17,12 @@ from edgespec.decoding import SamplingParams, probabilities  # noqa: E402
 from edgespec.decoding.head_drafter import draft_index  # noqa: E402
 from edgespec.decoding.speculative import SpeculativeDecoder  # noqa: E402
 from edgespec.errors import ConfigError  # noqa: E402
-from edgespec.exporters.distill import DistillConfig, distill_bundle  # noqa: E402
-from edgespec.exporters.draft_head import build_onnx, reference  # noqa: E402
-from edgespec.exporters.draft_head_data import collect, head_matrix  # noqa: E402
-from edgespec.exporters.draft_head_train import TorchHead, train_head  # noqa: E402
-from edgespec.runtimes.onnxruntime import OnnxRuntime  # noqa: E402
-from edgespec.runtimes.onnxruntime_split import OnnxFeatureHead, open_shared_pair  # noqa: E402
+from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime  # noqa: E402
+from edgespec.runtimes.onnxruntime.split import OnnxFeatureHead, open_shared_pair  # noqa: E402
+from edgespec.training.distill import DistillConfig, distill_bundle  # noqa: E402
+from edgespec.training.draft_head import build_onnx, reference  # noqa: E402
+from edgespec.training.draft_head_data import collect, head_matrix  # noqa: E402
+from edgespec.training.draft_head_train import TorchHead, train_head  # noqa: E402
 from tests.test_sampling_engine import MIN_EXPECTED, N_RUNS, P_MIN, chi_square_p  # noqa: E402
 from tests.tiny import PROMPTS  # noqa: E402
 from tests.zoo import AGREEING  # noqa: E402
@@ -123,7 +123,7 @@ def test_the_exported_head_computes_what_torch_does(tmp_path):
     np.testing.assert_allclose(ort(hidden, tokens), want, rtol=1e-4, atol=1e-4)
     assert ort.hidden_size == h
     pytest.importorskip("openvino")
-    from edgespec.runtimes.openvino_split import OpenVinoFeatureHead
+    from edgespec.runtimes.openvino.split import OpenVinoFeatureHead
 
     ov = OpenVinoFeatureHead(tmp_path / "head.onnx")
     np.testing.assert_allclose(ov(hidden, tokens), want, rtol=1e-4, atol=1e-4)
@@ -182,7 +182,7 @@ def test_head_drafter_needs_a_trained_head(zoo):
 
 
 def test_the_engine_opens_a_bundles_head_for_the_head_drafter(distilled):
-    from edgespec.api import load
+    from edgespec.engine.engine import load
 
     for backend in ("onnxruntime",):  # the tiny bundle holds ONNX only
         with load(distilled, backend=backend, draft_body="shared", drafter="head", k=3, policy="fixed") as e:

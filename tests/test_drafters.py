@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from edgespec.api import resolve_drafting
 from edgespec.decoding import (
     DRAFTERS,
     POLICIES,
@@ -22,6 +21,7 @@ from edgespec.decoding import (
     probabilities,
 )
 from edgespec.decoding.drafters import GUESSES, ModelDrafter, NgramIndex, overlapping_copy
+from edgespec.engine.engine import resolve_drafting
 from edgespec.errors import ConfigError
 from tests.toy import ToyRuntime, naive_greedy
 

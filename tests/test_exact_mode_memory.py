@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-import edgespec.exact_mode as exact_mode
+import edgespec.engine.exact_mode as exact_mode
 from edgespec.runtimes import BACKENDS
 
 

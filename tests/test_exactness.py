@@ -7,8 +7,8 @@ import logging
 import numpy as np
 import pytest
 
-from edgespec.api import load
 from edgespec.decoding import SamplingParams, SpeculativeDecoder
+from edgespec.engine.engine import load
 from edgespec.errors import ConfigError
 from edgespec.runtimes import exactness
 from edgespec.runtimes.exactness import Exactness, probe, probe_cached
@@ -184,7 +184,7 @@ def test_widths_are_checked():
 # -- the engine: probed at load, refused under require_exact -----------------------------------
 
 def _wide_forwards_round_off(monkeypatch):
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     forward = OnnxRuntime.forward
 
@@ -266,7 +266,7 @@ def test_onnx_attention_multiplies_at_least_two_rows_and_stays_right(zoo, tmp_pa
     decode then rounds like each row of a verify. Numerics stay transformers' (rep = 1 included)."""
     from edgespec.bundle import load_bundle
     from edgespec.exporters.export import ExportConfig, export_bundle
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
     from tests.test_export_onnx import hf_logits
 
     if name == "mha":
@@ -288,7 +288,7 @@ def test_onnx_attention_multiplies_at_least_two_rows_and_stays_right(zoo, tmp_pa
 
 def test_onnx_padded_rows_compute_the_same_model_up_to_capacity(zoo):
     from edgespec.bundle import load_bundle
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     b = load_bundle(zoo.bundle("qwen2", None))
     path = b.file(b.manifest.target.formats["onnx"].file)
@@ -308,7 +308,7 @@ def test_the_engine_switches_onnxruntime_to_padded_rows_where_one_row_rounds_apa
     """A CPU whose one-row forwards round unlike wider ones (made here by perturbing wider unpadded
     forwards, as MatMulNBits with int8 activations does by whole logits): the engine reopens the
     target with padded rows, where the probe decides again, and greedy output stays plain's."""
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     forward = OnnxRuntime.forward
 

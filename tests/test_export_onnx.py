@@ -10,13 +10,13 @@ import numpy as np
 import onnx
 import pytest
 
-from edgespec.api import load
 from edgespec.bundle import MANIFEST, SCHEMA_VERSION, load_bundle
 from edgespec.decoding import SamplingParams
+from edgespec.engine.engine import load
 from edgespec.errors import BundleError, ConfigError
 from edgespec.exporters.export import ExportConfig, export_bundle
 from edgespec.models.families import GEMMA_CHAT_TEMPLATE
-from edgespec.runtimes.onnxruntime import OnnxRuntime
+from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 from tests.tiny import CHATML, LONG_PROMPT, PROMPTS, VOCAB
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES, OTHER_SEED, VARIANTS
 

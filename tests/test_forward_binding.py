@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgespec.runtimes import ort_kv
-from edgespec.runtimes.ort_kv import FixedBufferKV, RawBinding, plan_kv
+from edgespec.runtimes.onnxruntime import kv as ort_kv
+from edgespec.runtimes.onnxruntime.kv import FixedBufferKV, RawBinding, plan_kv
 from tests.test_ort_kv import PositionSession, graph
 from tests.tiny import VOCAB
 
@@ -54,7 +54,7 @@ def test_a_forward_binds_again_only_what_moved():
 
 def _tiny_append_graph(zoo, tmp_path):
     onnx = pytest.importorskip("onnx")
-    from edgespec.exporters.onnx_graph import GraphOptions, build_decoder
+    from edgespec.exporters.onnx.graph import GraphOptions, build_decoder
     from edgespec.exporters.spec import spec_from_hf
 
     model = zoo.hf_model("gemma3")
@@ -67,7 +67,7 @@ def _tiny_append_graph(zoo, tmp_path):
 @pytest.mark.parametrize("pad_rows", [False, True], ids=["default", "padded"])
 def test_the_c_binding_and_the_public_wrapper_compute_the_same_bits(zoo, tmp_path, monkeypatch, pad_rows):
     pytest.importorskip("onnxruntime")
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     path = _tiny_append_graph(zoo, tmp_path)
     fast = OnnxRuntime(path, kv_capacity=64, pad_rows=pad_rows)

@@ -22,7 +22,7 @@ gguf = pytest.importorskip("gguf")
 from edgespec.bundle import load_bundle  # noqa: E402
 from edgespec.errors import ExportError  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle  # noqa: E402
-from edgespec.exporters.gguf_source import read_gguf  # noqa: E402
+from edgespec.exporters.gguf.source import read_gguf  # noqa: E402
 from tests.tiny import LLAMA3_ROPE, WORDS  # noqa: E402
 
 N_IDS = 300  # positions compared; the far one is past 250
@@ -157,11 +157,11 @@ def edgespec_run(src, fmt: str, out, ids: list[int], n_greedy: int) -> tuple[np.
     bundle = export_bundle(ExportConfig(output=out, target=src, draft=None, formats=(fmt,)))
     path = bundle / load_bundle(bundle).manifest.target.formats[fmt].file
     if fmt == "openvino":
-        from edgespec.runtimes.openvino import OpenVinoRuntime
+        from edgespec.runtimes.openvino.runtime import OpenVinoRuntime
 
         rt = OpenVinoRuntime(path, precision="f32")
     else:
-        from edgespec.runtimes.onnxruntime import OnnxRuntime
+        from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
         rt = OnnxRuntime(path)
     with rt:
@@ -262,8 +262,8 @@ def test_sentencepiece_tokenizer_gives_llama_cpp_ids(tmp_path, space_prefix):
     without `tokenizer.ggml.add_space_prefix` (what llama.cpp's converter writes for Llama 2 and
     Mistral) gets llama.cpp's default for SentencePiece: a space prefix."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="the reference is llama-cpp-python's tokenizer")
-    from edgespec.exporters.gguf_source import open_gguf
-    from edgespec.exporters.gguf_tokenizer import GGUFTokenizer
+    from edgespec.exporters.gguf.source import open_gguf
+    from edgespec.exporters.gguf.tokenizer import GGUFTokenizer
 
     src = tmp_path / "spm.gguf"
     write_spm_gguf(src, **SPM_SHAPES["llama2"], layers=1, space_prefix=space_prefix)

@@ -19,10 +19,10 @@ pytest.importorskip("gguf")
 from edgespec.bundle import MANIFEST, load_bundle  # noqa: E402
 from edgespec.cli import main  # noqa: E402
 from edgespec.cli.export import default_output  # noqa: E402
-from edgespec.exporters import gguf_bundles  # noqa: E402
+from edgespec.exporters.gguf import bundles as gguf_bundles  # noqa: E402
 from edgespec.models.catalog import cache_dir, default_bundle_path, gguf_bundles_dir  # noqa: E402
 
-LOGGER = "edgespec.exporters.gguf_bundles"
+LOGGER = "edgespec.exporters.gguf.bundles"
 PROMPT = "the cat and"
 
 

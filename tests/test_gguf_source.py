@@ -15,10 +15,10 @@ gguf = pytest.importorskip("gguf")
 
 from edgespec.bundle import load_bundle  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle  # noqa: E402
-from edgespec.exporters.gguf_source import open_gguf, read_gguf  # noqa: E402
-from edgespec.exporters.gguf_tokenizer import GGUFTokenizer, spm_merges  # noqa: E402
-from edgespec.exporters.gguf_transcode import BlockWeight  # noqa: E402
-from edgespec.exporters.onnx_graph import GraphOptions, build_decoder  # noqa: E402
+from edgespec.exporters.gguf.source import open_gguf, read_gguf  # noqa: E402
+from edgespec.exporters.gguf.tokenizer import GGUFTokenizer, spm_merges  # noqa: E402
+from edgespec.exporters.gguf.transcode import BlockWeight  # noqa: E402
+from edgespec.exporters.onnx.graph import GraphOptions, build_decoder  # noqa: E402
 from tests.tiny import LONG_PROMPT, PROMPTS  # noqa: E402
 
 TEXTS = (*PROMPTS, "hello  world\n\tcat", "<start_of_turn>user\nhi<end_of_turn>", "unknown ünïcode 😀", "")
@@ -91,7 +91,7 @@ def test_quantized_gguf_exports_its_own_blocks(zoo, tmp_path):
     computing in fp32 (accuracy level 0) gives the logits of the fp32 graph of gguf-py's dequantized
     weights; the exported one (level 4, int8 activations as llama.cpp computes) their argmax."""
     pytest.importorskip("onnxruntime")
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     src = _gguf(zoo, "gemma3", "int8")
     model = read_gguf(src)
@@ -170,7 +170,7 @@ def test_gguf_self_draft_is_the_target_body_under_a_trimmed_head(zoo, tmp_path):
     (no torch model): the manifest calls it a self-draft, and its logits are the target's at the
     kept ids (the same blocks under the embedding's own rows)."""
     pytest.importorskip("onnxruntime")
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     src = _gguf(zoo, "gemma3", "int8")
     out = export_bundle(ExportConfig(output=tmp_path / "b", target=src, draft_vocab=64))
@@ -197,7 +197,7 @@ def test_default_gguf_matches_the_transformers_path(tmp_path):
     from edgespec.exporters.sources import load_source, load_with_transformers
     from edgespec.exporters.spec import spec_from_hf
     from edgespec.models.catalog import preset_source
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     strings = [*TEXTS, "multiple   internal    spaces", "tabs\tand\nnewlines\n\n\nthree", "日本語のテキストです。",
                "emoji 😀🎉👍🏽 mixed", "def f(x):\n    return x ** 2", "<bos>literal", "<unused0> reserved", " ", "\n",

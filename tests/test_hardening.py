@@ -115,7 +115,7 @@ def test_inside_bundle_allows_subfolders(bundle):
 
 def test_llamacpp_refuses_an_embedding_file_named_outside_the_bundle(tmp_path):
     pytest.importorskip("llama_cpp")
-    from edgespec.runtimes.llamacpp import EMBD_KEYS, LlamaCppRuntime
+    from edgespec.runtimes.llamacpp.runtime import EMBD_KEYS, LlamaCppRuntime
 
     # the GGUF's metadata names the draft's embedding file: a hostile file names ../../secret
     fake = SimpleNamespace(_meta=lambda key: "../../secret.gguf" if key == EMBD_KEYS["file"] else None, _n_embd=8)
@@ -322,7 +322,7 @@ def test_unwritable_cache_folder_is_one_line(source, tmp_path):
 
 
 def test_unwritable_compile_cache_turns_caching_off(tmp_path, monkeypatch, caplog):
-    from edgespec.runtimes.compile_cache import compile_cache_dir
+    from edgespec.runtimes.openvino.compile_cache import compile_cache_dir
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -335,7 +335,7 @@ def test_unwritable_compile_cache_turns_caching_off(tmp_path, monkeypatch, caplo
 
 def test_compile_cache_eviction_waits_for_the_cross_process_lock(tmp_path, monkeypatch, caplog):
     pytest.importorskip("filelock")
-    from edgespec.runtimes import compile_cache
+    from edgespec.runtimes.openvino import compile_cache
 
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("EDGESPEC_COMPILE_CACHE_MB", "1")
@@ -396,7 +396,7 @@ def test_invalid_utf8_in_argv_is_one_line(zoo):
 
 @pytest.fixture(scope="module")
 def engine(zoo):
-    from edgespec.api import load
+    from edgespec.engine.engine import load
 
     with load(zoo.bundle("llama"), max_context=64) as e:
         yield e
@@ -431,7 +431,7 @@ def test_prompt_longer_than_the_context(engine):
 
 @pytest.mark.parametrize("budget", ["nan", "inf", "9" * 400 + "GB", "1.5 parsecs", "-1GB", float("nan"), [1]])
 def test_bad_budgets_are_memory_budget_errors(zoo, budget):
-    from edgespec.api import load
+    from edgespec.engine.engine import load
 
     with pytest.raises(MemoryBudgetError) as info:
         load(zoo.bundle("llama"), memory_budget=budget)
@@ -441,7 +441,7 @@ def test_bad_budgets_are_memory_budget_errors(zoo, budget):
 # -- item 9: backends ---------------------------------------------------------------------------
 
 def test_openvino_reasons_survive():
-    from edgespec.runtimes.openvino import ov_reason
+    from edgespec.runtimes.openvino.runtime import ov_reason
 
     e = RuntimeError("Exception from src/inference/src/cpp/core.cpp:97:\n"
                      "Exception from src/frontends/ir/src/ir_deserializer.cpp:1022:\n"
@@ -451,7 +451,7 @@ def test_openvino_reasons_survive():
 
 def test_openvino_has_a_context_limit(zoo):
     pytest.importorskip("openvino")
-    from edgespec.runtimes.openvino import DEFAULT_KV_CAPACITY, OpenVinoRuntime
+    from edgespec.runtimes.openvino.runtime import DEFAULT_KV_CAPACITY, OpenVinoRuntime
 
     b = load_bundle(zoo.bundle("llama", None, formats=("openvino",)))
     path = b.file(b.manifest.target.formats["openvino"].file)
@@ -471,7 +471,7 @@ def test_openvino_has_a_context_limit(zoo):
 
 def test_llamacpp_context_full_is_a_context_full_error(zoo):
     pytest.importorskip("llama_cpp")
-    from edgespec.runtimes.llamacpp import LlamaCppRuntime
+    from edgespec.runtimes.llamacpp.runtime import LlamaCppRuntime
 
     b = load_bundle(zoo.bundle("llama", None, formats=("gguf",)))
     rt = LlamaCppRuntime(b.file(b.manifest.target.formats["gguf"].file), threads=1, kv_capacity=8)
@@ -484,8 +484,8 @@ def test_llamacpp_context_full_is_a_context_full_error(zoo):
 def test_a_failed_load_closes_what_it_opened(zoo, monkeypatch):
     """Engine construction failing after the runtimes opened (here: building the decoder) leaves
     none of them open (issue 27, item 10)."""
-    import edgespec.api as api
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    import edgespec.engine.engine as api
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     closed: list[OnnxRuntime] = []
     close = OnnxRuntime.close

@@ -23,8 +23,8 @@ import httpx  # noqa: E402
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from edgespec.api import load  # noqa: E402
 from edgespec.bundle import MANIFEST  # noqa: E402
+from edgespec.engine.engine import load  # noqa: E402
 from edgespec.errors import ConfigError  # noqa: E402
 from edgespec.server import ServerConfig, create_app  # noqa: E402
 from edgespec.server.guard import RequestGuard  # noqa: E402

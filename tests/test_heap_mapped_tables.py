@@ -12,8 +12,8 @@ onnx = pytest.importorskip("onnx")
 
 from onnx import TensorProto, helper  # noqa: E402
 
-from edgespec.runtimes import onnx_graphs  # noqa: E402
-from edgespec.runtimes.onnx_graphs import MappedTables  # noqa: E402
+from edgespec.runtimes.onnxruntime import graphs as onnx_graphs  # noqa: E402
+from edgespec.runtimes.onnxruntime.graphs import MappedTables  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"),
                                 reason="resident pages are read from /proc (Linux)")

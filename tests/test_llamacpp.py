@@ -16,11 +16,11 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'edgespec[llamacpp]')")
 pytest.importorskip("gguf")
 
-from edgespec.api import load  # noqa: E402
 from edgespec.bundle import load_bundle  # noqa: E402
+from edgespec.engine.engine import load  # noqa: E402
 from edgespec.errors import BackendError, ContextFullError  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle  # noqa: E402
-from edgespec.runtimes.llamacpp import LlamaCppRuntime, _chunks, available_devices  # noqa: E402
+from edgespec.runtimes.llamacpp.runtime import LlamaCppRuntime, _chunks, available_devices  # noqa: E402
 from tests.test_export_onnx import N_NEW, decode, hf_logits, plain_references, verify_matches_decodes  # noqa: E402
 from tests.tiny import LONG_PROMPT, VOCAB  # noqa: E402
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
@@ -98,7 +98,7 @@ def assert_verify_equals_one_token_decodes(rt: LlamaCppRuntime, ids: list[int], 
 
 
 def test_batch_variance_is_reported_and_warned_once(monkeypatch, caplog):
-    import edgespec.runtimes.llamacpp as lc
+    import edgespec.runtimes.llamacpp.runtime as lc
     from edgespec.decoding import speculative
 
     monkeypatch.setattr(lc, "system_info", lambda: "CPU : AVX2 = 1 | LLAMAFILE = 1 | REPACK = 1 |")

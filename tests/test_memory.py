@@ -12,8 +12,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from edgespec.api import load
 from edgespec.decoding import SamplingParams
+from edgespec.engine.engine import load
 from edgespec.errors import ContextFullError, MemoryBudgetError
 from edgespec.memory import (
     ModelMemory,
@@ -27,7 +27,7 @@ from edgespec.memory import (
     plan_memory,
     workspace_bytes,
 )
-from edgespec.runtimes.onnxruntime import OnnxRuntime
+from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 from tests.tiny import LONG_PROMPT, PROMPTS
 from tests.zoo import AGREEING, DISAGREEING
 

@@ -62,14 +62,14 @@ def bundle(zoo):
 
 
 def open_pair(bundle, **kw):
-    from edgespec.runtimes.onnxruntime_split import open_shared_pair
+    from edgespec.runtimes.onnxruntime.split import open_shared_pair
 
     m = load_bundle(bundle).manifest
     return open_shared_pair(bundle / m.target.formats["onnx"].file, bundle / m.draft.formats["onnx"].file, **kw)
 
 
 def test_engine_budget_opens_measures_and_plans_the_pair(bundle):
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     b = load_bundle(bundle)
     own = EngineBudget(2**30, b, "onnx", "onnx", OnnxRuntime.kv_dtypes, 4, 8, True)

@@ -1,4 +1,4 @@
-"""The decoder graph with onnxruntime's fused kernels (exporters/onnx_fused.py, GraphOptions.fused_ops):
+"""The decoder graph with onnxruntime's fused kernels (exporters/onnx/fused.py, GraphOptions.fused_ops):
 the same logits as the plain graph through a prefill, verifies and decodes on every family, fewer
 kernels, and one MatMulNBits over concatenated GGUF blocks that computes what the separate ones did."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from edgespec.exporters.gguf_transcode import BlockWeight
-from edgespec.exporters.onnx_fused import concat_rows
-from edgespec.exporters.onnx_graph import GraphOptions, build_decoder
+from edgespec.exporters.gguf.transcode import BlockWeight
+from edgespec.exporters.onnx.fused import concat_rows
+from edgespec.exporters.onnx.graph import GraphOptions, build_decoder
 
 onnx = pytest.importorskip("onnx")
 
@@ -21,7 +21,7 @@ def _ops(model) -> Counter:
 
 def _decode_logits(path, ids: list[int]) -> list[np.ndarray]:
     """Logits of a prefill, a 3-row verify, a rollback and one-token decodes after it."""
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     with OnnxRuntime(path, kv_capacity=64) as rt:
         out = [rt.forward(ids[:8], n_logits=8), rt.forward(ids[8:11], n_logits=3)]
@@ -82,7 +82,7 @@ def _block(rng, n: int, bits: int, zp: str, mins: bool, k: int = 64, block: int 
     [(4, "none", False), (4, "none", False)],
 ])
 def test_concatenated_blocks_dequantize_to_the_stacked_weights(kinds):
-    from edgespec.exporters.onnx_blocks import kernel_form
+    from edgespec.exporters.onnx.blocks import kernel_form
 
     rng = np.random.default_rng(len(kinds))
     ws = [_block(rng, 8 * (i + 1), *kind) for i, kind in enumerate(kinds)]
@@ -105,7 +105,7 @@ def test_a_gguf_graph_multiplies_qkv_and_gate_up_once_each_and_keeps_its_logits(
     pytest.importorskip("onnxruntime")
     pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
     from edgespec.bundle import load_bundle
-    from edgespec.exporters.gguf_source import read_gguf
+    from edgespec.exporters.gguf.source import read_gguf
 
     bundle = zoo.bundle("gemma3", None, formats=("gguf",), target_precision="int8")
     model = read_gguf(bundle / load_bundle(bundle).manifest.target.formats["gguf"].file)
@@ -156,7 +156,7 @@ def test_attention_scores_round_alike_beside_any_number_of_keys(threads):
     ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper
 
-    from edgespec.exporters.onnx_graph import _G, OPSET, _scores
+    from edgespec.exporters.onnx.graph import _G, OPSET, _scores
 
     g = _G()
     out = _scores(g, "q", "k", 256)

@@ -1,4 +1,4 @@
-"""ONNX files read and cut at the wire level (runtimes/onnx_wire.py), without the `onnx` package:
+"""ONNX files read and cut at the wire level (runtimes/onnxruntime/wire.py), without the `onnx` package:
 the body and head models are byte for byte what `onnx`'s own helpers build from the same file
 (fp32, tied, GGUF-transcoded, old present-layout bundles with inline weights, a graph without the
 recorded hidden size), inline tensors read as numpy_helper reads them, a broken file is a one-line
@@ -21,8 +21,8 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 from edgespec.bundle import load_bundle  # noqa: E402
 from edgespec.errors import BackendError  # noqa: E402
-from edgespec.runtimes import onnx_graphs  # noqa: E402
-from edgespec.runtimes.onnx_wire import parse_model, read_model, tensor_array  # noqa: E402
+from edgespec.runtimes.onnxruntime import graphs as onnx_graphs  # noqa: E402
+from edgespec.runtimes.onnxruntime.wire import parse_model, read_model, tensor_array  # noqa: E402
 from tests.zoo import DISAGREEING  # noqa: E402
 
 # ---- the reference: the same cut made with onnx's helpers (what the runtime did before) ------
@@ -92,8 +92,8 @@ def test_cuts_of_a_transcoded_gguf_and_of_the_old_layout_with_inline_weights(zoo
     """GGUF blocks in MatMulNBits and a Gather on blocks; the growing-KV graph saved whole."""
     pytest.importorskip("gguf")
     pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
-    from edgespec.exporters.gguf_source import read_gguf
-    from edgespec.exporters.onnx_graph import GraphOptions, build_decoder
+    from edgespec.exporters.gguf.source import read_gguf
+    from edgespec.exporters.onnx.graph import GraphOptions, build_decoder
 
     src = zoo.bundle("gemma3-tied", None, formats=("gguf",), target_precision="int8")
     model = read_gguf(src / load_bundle(src).manifest.target.formats["gguf"].file)
@@ -221,7 +221,7 @@ def test_the_fused_graph_with_a_direct_head_gives_the_files_logits(zoo, name):
     for bit, as a session of the file as written."""
     import onnxruntime as ort
 
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     path = _target(zoo.bundle(name, DISAGREEING))
     model = onnx_graphs.fused_model(path)

@@ -1,4 +1,4 @@
-"""A draft on the target's body on onnxruntime (runtimes/onnxruntime_split.py), on tiny models:
+"""A draft on the target's body on onnxruntime (runtimes/onnxruntime/split.py), on tiny models:
 the split graph computes the fused graph's logits bit for bit (fp32 and GGUF-transcoded
 MatMulNBits bundles, append and present KV layouts, padded rows), the draft's head on the
 target's body gives the separate draft's logits where their bodies are the same blocks, the
@@ -13,16 +13,16 @@ import pytest
 
 pytest.importorskip("onnxruntime")
 
-from edgespec.api import load  # noqa: E402
 from edgespec.bundle import load_bundle  # noqa: E402
+from edgespec.engine.engine import load  # noqa: E402
 from edgespec.runtimes import BACKENDS  # noqa: E402
 from edgespec.runtimes.exactness import probe  # noqa: E402
-from edgespec.runtimes.onnxruntime import OnnxRuntime  # noqa: E402
-from edgespec.runtimes.onnxruntime_split import open_shared_pair  # noqa: E402
+from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime  # noqa: E402
+from edgespec.runtimes.onnxruntime.split import open_shared_pair  # noqa: E402
 from tests.test_export_onnx import decode  # noqa: E402
 from tests.zoo import DISAGREEING  # noqa: E402
 
-SPLIT = "edgespec.runtimes.onnxruntime_split:open_shared_pair"
+SPLIT = "edgespec.runtimes.onnxruntime.split:open_shared_pair"
 
 
 def files(path):
@@ -126,8 +126,8 @@ def test_an_old_present_layout_graph_splits_too(lean_gguf, tmp_path, pad_rows):
     kept from a verify is not what the fused graph recomputes alone; the probe finds that.)"""
     import onnx
 
-    from edgespec.exporters.gguf_source import read_gguf
-    from edgespec.exporters.onnx_graph import GraphOptions, build_decoder
+    from edgespec.exporters.gguf.source import read_gguf
+    from edgespec.exporters.onnx.graph import GraphOptions, build_decoder
 
     model = read_gguf(lean_gguf)
     path = tmp_path / "old" / "model.onnx"
@@ -179,7 +179,7 @@ def test_mapped_tables_leave_the_fused_graph_as_it_was(zoo, lean, bundle):
     session that loaded every weight itself."""
     import onnxruntime as ort
 
-    from edgespec.runtimes.onnx_graphs import gathered_tables, load_proto
+    from edgespec.runtimes.onnxruntime.graphs import gathered_tables, load_proto
 
     target = files(zoo.bundle("gemma3-tied", DISAGREEING) if bundle == "fp32" else lean)[0]
     with OnnxRuntime(target) as rt:

@@ -13,13 +13,13 @@ import pytest
 
 pytest.importorskip("openvino", reason="the OpenVINO backend needs openvino (pip install 'edgespec[openvino]')")
 
-from benchmarks.ov_state_kv import StatefulKV  # noqa: E402
-from edgespec.api import load  # noqa: E402
 from edgespec.bundle import MANIFEST, load_bundle  # noqa: E402
+from edgespec.engine.engine import load  # noqa: E402
 from edgespec.errors import BackendError, ConfigError, ContextFullError  # noqa: E402
 from edgespec.runtimes import installed_backends  # noqa: E402
-from edgespec.runtimes.openvino import OpenVinoRuntime, available_devices, read_ir  # noqa: E402
-from edgespec.runtimes.openvino_graph import cut_head, repacked_bytes  # noqa: E402
+from edgespec.runtimes.openvino.graph import cut_head, repacked_bytes  # noqa: E402
+from edgespec.runtimes.openvino.runtime import OpenVinoRuntime, available_devices, read_ir  # noqa: E402
+from tests.ov_state_kv import StatefulKV  # noqa: E402
 from tests.test_export_onnx import N_NEW, decode, hf_greedy, hf_logits, verify_matches_decodes  # noqa: E402
 from tests.tiny import LONG_PROMPT, PROMPTS, VOCAB  # noqa: E402
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
@@ -265,7 +265,7 @@ def test_the_shared_body_runs_wide_forwards_on_a_second_copy(zoo):
     """The shared body keeps one-token forwards and wider ones on two compiled copies (a width
     change re-prepares the CPU plugin's graph) and counts the copy's repacked weights; static
     shapes and the state holder have one width or one request, so they ignore `wide`."""
-    from edgespec.runtimes.openvino_split import open_shared_pair
+    from edgespec.runtimes.openvino.split import open_shared_pair
 
     path = ov_bundle(zoo, "llama")
     m = load_bundle(path).manifest
@@ -465,7 +465,7 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
     # the int4 draft IR, where the CPU plugin quantizes activations on the fly: in the mode the
     # probe picks on this CPU, a verify is bit for bit one-token decodes; where that is the
     # one-row mode, without the key padding, or the query padding, it is not (not vacuous)
-    import edgespec.runtimes.ov_kv as ov_kv
+    import edgespec.runtimes.openvino.kv as ov_kv
 
     draft_ir = out / load_bundle(out).manifest.draft.formats["openvino"].file
     ids = [int(t) for t in np.random.default_rng(0).integers(1000, 200000, 760)]
@@ -484,7 +484,7 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
         unpadded.close()
     # the same int4 IR split at its hidden state (a draft on the target's body): body + head give
     # the fused IR's bits, prefill, one-token decodes and verifies alike
-    from edgespec.runtimes.openvino_split import OpenVinoHead
+    from edgespec.runtimes.openvino.split import OpenVinoHead
     from edgespec.runtimes.shared_body import shared_pair
 
     fused, (split, _) = OpenVinoRuntime(draft_ir), shared_pair(OpenVinoRuntime(draft_ir, output="hidden"),

@@ -14,11 +14,11 @@ from gguf.quants import dequantize  # noqa: E402
 
 from edgespec.bundle import load_bundle  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle  # noqa: E402
-from edgespec.exporters.gguf_source import open_gguf, read_gguf  # noqa: E402
-from edgespec.exporters.gguf_tokenizer import GGUFTokenizer  # noqa: E402
-from edgespec.exporters.gguf_transcode import transcode  # noqa: E402
-from edgespec.exporters.onnx_graph import GraphOptions, build_decoder  # noqa: E402
-from edgespec.exporters.openvino_export import convert_graph, source_weights  # noqa: E402
+from edgespec.exporters.gguf.source import open_gguf, read_gguf  # noqa: E402
+from edgespec.exporters.gguf.tokenizer import GGUFTokenizer  # noqa: E402
+from edgespec.exporters.gguf.transcode import transcode  # noqa: E402
+from edgespec.exporters.onnx.graph import GraphOptions, build_decoder  # noqa: E402
+from edgespec.exporters.openvino.export import convert_graph, source_weights  # noqa: E402
 from tests.test_transcode import AFFINE, EXACT, block_tolerance, raw_blocks  # noqa: E402
 from tests.tiny import LONG_PROMPT  # noqa: E402
 
@@ -34,7 +34,7 @@ MATRICES = {  # GGUF name -> (rows, row length)
     "blk.0.ffn_up.weight": (FFN, HIDDEN),
     "blk.0.ffn_down.weight": (HIDDEN, FFN),
 }
-# the name each matrix's codes carry in the graph (onnx_graph's initializer names)
+# the name each matrix's codes carry in the graph (onnx/graph's initializer names)
 GRAPH_NAMES = {"model.embed_tokens.weight": "token_embd.weight", **{
     f"model.layers.0.{k}": f"blk.0.{v}.weight" for k, v in (
         ("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output"),
@@ -186,8 +186,8 @@ def test_gguf_bundle_on_openvino_is_the_gguf_model(zoo, tmp_path):
     edgespec's OpenVINO runtime (int8 activations, as llama.cpp and onnxruntime's level 4 compute)
     picks the transcoded onnxruntime bundle's argmax."""
     pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
-    from edgespec.runtimes.openvino import OpenVinoRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
+    from edgespec.runtimes.openvino.runtime import OpenVinoRuntime
 
     b = zoo.bundle("gemma3", None, formats=("gguf",), target_precision="int8")
     src = b / load_bundle(b).manifest.target.formats["gguf"].file
@@ -230,9 +230,9 @@ def test_gguf_bundle_speculative_on_openvino_equals_plain_and_onnxruntime(zoo, t
     greedy, and every token of it is onnxruntime's argmax on the transcoded bundle, or within its
     int8-activation rounding of it (the bound test_gguf_bundle_on_openvino_is_the_gguf_model uses)."""
     pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
-    from edgespec.api import load
     from edgespec.decoding import SamplingParams
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.engine.engine import load
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     b = zoo.bundle("gemma3", None, formats=("gguf",), target_precision="int8")
     src = b / load_bundle(b).manifest.target.formats["gguf"].file

@@ -1,4 +1,4 @@
-"""OpenVINO runtime modes: the KV holder each runtime plans (ov_kv.plan_kv, no model needed),
+"""OpenVINO runtime modes: the KV holder each runtime plans (openvino/kv.plan_kv, no model needed),
 and the padded-rows mode the engine switches to where one-row forwards round apart."""
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import pytest
 
 pytest.importorskip("openvino", reason="the OpenVINO backend needs openvino (pip install 'edgespec[openvino]')")
 
-from benchmarks.ov_state_kv import StatefulKV  # noqa: E402
-from edgespec.api import load  # noqa: E402
 from edgespec.bundle import load_bundle  # noqa: E402
+from edgespec.engine.engine import load  # noqa: E402
 from edgespec.errors import BackendError  # noqa: E402
-from edgespec.runtimes.openvino import OpenVinoRuntime  # noqa: E402
+from edgespec.runtimes.openvino.runtime import OpenVinoRuntime  # noqa: E402
+from tests.ov_state_kv import StatefulKV  # noqa: E402
 from tests.test_export_onnx import decode  # noqa: E402
 from tests.test_openvino import ov_bundle, ov_target  # noqa: E402
 from tests.tiny import PROMPTS, VOCAB  # noqa: E402
@@ -20,7 +20,13 @@ from tests.tiny import PROMPTS, VOCAB  # noqa: E402
 
 def test_the_kv_holder_is_planned_from_the_device_and_the_options():
     """plan_kv is pure: no model is needed to see which holder a runtime would build."""
-    from edgespec.runtimes.ov_kv import DEFAULT_KV_CAPACITY, DEFAULT_STATIC_CAPACITY, DynamicBufferKV, StaticKV, plan_kv
+    from edgespec.runtimes.openvino.kv import (
+        DEFAULT_KV_CAPACITY,
+        DEFAULT_STATIC_CAPACITY,
+        DynamicBufferKV,
+        StaticKV,
+        plan_kv,
+    )
 
     plan = plan_kv("CPU", "f32", pad_rows=True, wide=True)
     assert (plan.kind, plan.capacity, plan.width, plan.pad_rows, plan.wide, plan.quantize) == \

@@ -1,4 +1,4 @@
-"""The onnxruntime runtime's KV holders (runtimes/ort_kv.py): `plan_kv` picks one from a graph's
+"""The onnxruntime runtime's KV holders (runtimes/onnxruntime/kv.py): `plan_kv` picks one from a graph's
 inputs and outputs without a model; the fixed buffers write each forward's new rows right after
 the held prefix (a fake session that records positions, no onnxruntime); on a tiny model the old
 growing layout and the fixed buffers compute the same logits through rollbacks."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgespec.errors import BackendError, ContextFullError
-from edgespec.runtimes.ort_kv import DEFAULT_KV_CAPACITY, FixedBufferKV, GrowingKV, KVLayout, plan_kv
+from edgespec.runtimes.onnxruntime.kv import DEFAULT_KV_CAPACITY, FixedBufferKV, GrowingKV, KVLayout, plan_kv
 
 
 def graph(layers: int, kvh: int, hd: int, append: bool) -> tuple[list, list]:
@@ -141,9 +141,9 @@ def test_a_wider_verify_grows_the_logits_buffer_once_and_a_probe_leaves_the_cach
 def test_the_growing_layout_computes_the_fixed_buffers_logits_through_rollbacks(zoo, tmp_path):
     pytest.importorskip("onnxruntime")
     onnx = pytest.importorskip("onnx")
-    from edgespec.exporters.onnx_graph import GraphOptions, build_decoder
+    from edgespec.exporters.onnx.graph import GraphOptions, build_decoder
     from edgespec.exporters.spec import spec_from_hf
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     model = zoo.hf_model("llama")
     spec, weights = spec_from_hf(model), {k: v.detach().numpy() for k, v in model.state_dict().items()}

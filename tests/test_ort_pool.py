@@ -1,4 +1,4 @@
-"""onnxruntime's process-wide thread pool (runtimes/ort_pool.py), on a tiny model.
+"""onnxruntime's process-wide thread pool (runtimes/onnxruntime/pool.py), on a tiny model.
 
 The pool is made once per process and never goes, so every check runs in a fresh interpreter:
 the library alone leaves onnxruntime's pools as they are; after `share_threads()` the sessions
@@ -24,8 +24,8 @@ _SHARED = textwrap.dedent("""
     import numpy as np
     import onnxruntime as ort
     import edgespec
-    from edgespec.runtimes.ort_pool import pool_state
-    from edgespec.runtimes.onnxruntime_split import open_shared_pair
+    from edgespec.runtimes.onnxruntime.pool import pool_state
+    from edgespec.runtimes.onnxruntime.split import open_shared_pair
 
     bundle, target, draft = sys.argv[1:4]
     ids = [(7 * i) % 50 + 3 for i in range(40)]
@@ -59,7 +59,7 @@ _LIBRARY = textwrap.dedent("""
     import json, sys
     import onnxruntime as ort
     import edgespec
-    from edgespec.runtimes.ort_pool import pool_state
+    from edgespec.runtimes.onnxruntime.pool import pool_state
 
     with edgespec.load(sys.argv[1], backend="onnxruntime", draft_body="shared", threads=2) as e:
         text = e.generate("the cat", max_tokens=8)
@@ -71,7 +71,7 @@ _COMMAND = textwrap.dedent("""
     import io, json, sys
     from contextlib import redirect_stdout
     from edgespec.cli import main, run
-    from edgespec.runtimes.ort_pool import pool_state
+    from edgespec.runtimes.onnxruntime.pool import pool_state
 
     with redirect_stdout(io.StringIO()):
         main(["--version"])

@@ -4,9 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edgespec.choices import DRAFT_BODIES
 from edgespec.cli.chat import k_over_time
-from edgespec.config import DRAFT_BODY_CHOICES, DRAFTER_CHOICES, POLICY_CHOICES
 from edgespec.decoding import DEFAULT_POLICY, DRAFTERS, POLICIES, CostAwareK, FixedK, HeuristicK, make_policy
 from edgespec.decoding.policy import (
     best_k,
@@ -19,6 +17,8 @@ from edgespec.decoding.policy import (
     isotonic,
     verify_table,
 )
+from edgespec.engine.choices import DRAFT_BODIES
+from edgespec.engine.config import DRAFT_BODY_CHOICES, DRAFTER_CHOICES, POLICY_CHOICES
 from edgespec.errors import ConfigError
 
 TARGET_MS = 30.0

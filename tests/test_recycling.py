@@ -228,7 +228,7 @@ def decode(decoder, ids: list[int], n: int) -> tuple[list[int], int, int]:
 def test_recycling_on_a_tiny_bundle_equals_plain_decoding(zoo, backend):
     if backend == "openvino":
         pytest.importorskip("openvino")
-    from edgespec.api import load
+    from edgespec.engine.engine import load
     from tests.tiny import PROMPTS
 
     path = zoo.bundle("gemma3", None, formats=("onnx", "openvino"))

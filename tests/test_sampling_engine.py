@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from edgespec.api import load
 from edgespec.bundle import load_bundle
 from edgespec.decoding import SamplingParams, probabilities
-from edgespec.runtimes.onnxruntime import OnnxRuntime
+from edgespec.engine.engine import load
+from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 from tests.tiny import PROMPTS
 from tests.zoo import OTHER_SEED
 

@@ -25,7 +25,7 @@ import httpx  # noqa: E402
 import openai  # noqa: E402
 import uvicorn  # noqa: E402
 
-from edgespec.api import load  # noqa: E402
+from edgespec.engine.engine import load  # noqa: E402
 from edgespec.server import ServerConfig, create_app  # noqa: E402
 from tests.tiny import LONG_PROMPT, PROMPTS  # noqa: E402
 from tests.zoo import DISAGREEING  # noqa: E402

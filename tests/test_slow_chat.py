@@ -40,7 +40,7 @@ def cache_env() -> dict[str, str]:
     reuse = os.environ.get(REUSE_CACHE)
     if reuse:
         return {**os.environ, "EDGESPEC_CACHE": reuse}
-    from edgespec.api import default_bundle
+    from edgespec.engine.engine import default_bundle
 
     default_bundle()
     return dict(os.environ)

@@ -45,7 +45,7 @@ def _llamacpp_greedy(prompt_ids: list[int], n: int) -> list[int] | None:
     try:
         from edgespec.errors import BackendError
         from edgespec.models.catalog import preset_source
-        from edgespec.runtimes.llamacpp import LlamaCppRuntime
+        from edgespec.runtimes.llamacpp.runtime import LlamaCppRuntime
 
         rt = LlamaCppRuntime(preset_source())
     except (ImportError, BackendError):

@@ -47,16 +47,16 @@ def bundle(request):
         pytest.skip(f"{request.param} is not installed")
     if request.param == "onnxruntime":
         request.getfixturevalue("default_cache")
-        from edgespec.api import default_bundle
+        from edgespec.engine.engine import default_bundle
 
         return request.param, default_bundle()
     return request.param, request.getfixturevalue("exported")
 
 
 def test_speculative_greedy_equals_plain_on_every_backend(bundle, prompts):
-    from edgespec.api import load
     from edgespec.bench.suites import encode_prompt
     from edgespec.decoding import SamplingParams
+    from edgespec.engine.engine import load
 
     backend, path = bundle
     with load(path, backend=backend, use_draft=False) as plain, load(path, backend=backend) as spec:
@@ -84,14 +84,14 @@ def test_speculative_greedy_equals_plain_on_every_backend(bundle, prompts):
 
 
 # the same check in a process whose onnxruntime sessions share the process-wide thread pool, as
-# the `edgespec` command runs them (runtimes/ort_pool.py)
+# the `edgespec` command runs them (runtimes/onnxruntime/pool.py)
 _ON_THE_POOL = """
 import json
 import edgespec
-from edgespec.api import default_bundle, load
+from edgespec.engine.engine import default_bundle, load
 from edgespec.bench.suites import encode_prompt, load_prompts
 from edgespec.decoding import SamplingParams
-from edgespec.runtimes.ort_pool import pool_state
+from edgespec.runtimes.onnxruntime.pool import pool_state
 
 edgespec.share_threads()
 path = default_bundle()

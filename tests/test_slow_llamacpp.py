@@ -45,7 +45,7 @@ def test_llamacpp_vocab_agrees_with_bundle_tokenizer(bundle):
     import llama_cpp
 
     from edgespec.bundle import load_bundle
-    from edgespec.runtimes.llamacpp import _lib
+    from edgespec.runtimes.llamacpp.runtime import _lib
     from edgespec.tokenizer import Tokenizer
 
     lib = _lib()
@@ -91,7 +91,7 @@ def test_default_gguf_speculative_equals_plain(bundle):
 
 def test_default_gguf_verify_pass_is_bit_identical_to_one_token_decodes(bundle):
     from edgespec.bundle import load_bundle
-    from edgespec.runtimes.llamacpp import LlamaCppRuntime
+    from edgespec.runtimes.llamacpp.runtime import LlamaCppRuntime
     from edgespec.tokenizer import Tokenizer
     from tests.test_llamacpp import assert_verify_equals_one_token_decodes
 

@@ -8,7 +8,7 @@ import pytest
 tokenizers = pytest.importorskip("tokenizers")
 
 from edgespec.bundle import TokenizerInfo  # noqa: E402
-from edgespec.exporters.gguf_tokenizer import compact_merges, spm_merges  # noqa: E402
+from edgespec.exporters.gguf.tokenizer import compact_merges, spm_merges  # noqa: E402
 from edgespec.tokenizer import Tokenizer  # noqa: E402
 
 # pieces JSON must escape or that look like the array's own punctuation: quotes, backslashes,

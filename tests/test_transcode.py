@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 
 from edgespec.errors import ExportError  # noqa: E402
-from edgespec.exporters.gguf_transcode import TRANSCODABLE, BlockWeight, fold_mins, transcode  # noqa: E402
+from edgespec.exporters.gguf.transcode import TRANSCODABLE, BlockWeight, fold_mins, transcode  # noqa: E402
 
 N, K = 12, 512  # two K-quant super-blocks per row
 # integer zero points (and 8-bit mins kept apart): the same float32 products as gguf-py's
@@ -138,7 +138,7 @@ def _run_graph(w: BlockWeight, ids: np.ndarray | None = None) -> np.ndarray:
     ort = pytest.importorskip("onnxruntime")
     from onnx import TensorProto, helper
 
-    from edgespec.exporters.onnx_graph import _G
+    from edgespec.exporters.onnx.graph import _G
 
     n, k = w.shape
     g = _G()

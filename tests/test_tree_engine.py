@@ -120,7 +120,7 @@ def test_the_cost_policy_drafts_trees_only_where_rows_are_cheap():
 def test_a_tree_forwards_path_rows_are_the_bits_of_plain_decoding(zoo, name):
     pytest.importorskip("onnxruntime")
     from edgespec.bundle import load_bundle
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     b = load_bundle(zoo.bundle(name, None, tree=True))
     rng = np.random.default_rng(3)
@@ -148,7 +148,7 @@ def test_a_tree_forwards_path_rows_are_the_bits_of_plain_decoding(zoo, name):
 
 def test_recycled_trees_on_a_tiny_tree_bundle_equal_plain_decoding(zoo):
     pytest.importorskip("onnxruntime")
-    from edgespec.api import load
+    from edgespec.engine.engine import load
     from tests.tiny import PROMPTS as TEXTS
 
     with load(zoo.bundle("gemma3", None, tree=True), drafter="recycle", k=3) as engine:
@@ -181,7 +181,7 @@ def test_tree_export_needs_the_onnx_format(tmp_path):
 
 def test_the_probe_checks_tree_rows_and_the_engine_drafts_trees_only_then(zoo):
     pytest.importorskip("onnxruntime")
-    from edgespec.api import load
+    from edgespec.engine.engine import load
     from edgespec.runtimes.exactness import probe
 
     with load(zoo.bundle("gemma3", None, tree=True), drafter="recycle") as engine:
@@ -197,7 +197,7 @@ def test_the_probe_checks_tree_rows_and_the_engine_drafts_trees_only_then(zoo):
 def test_a_tree_bundle_with_a_draft_model_decodes_as_plain(zoo):
     """The draft model drafts chains, recycling may draft trees, on the same target: plain's output."""
     pytest.importorskip("onnxruntime")
-    from edgespec.api import load
+    from edgespec.engine.engine import load
     from tests.tiny import PROMPTS as TEXTS
 
     with load(zoo.bundle("gemma3", "int8", tree=True), drafter="both-recycle", k=3) as engine:

@@ -1,4 +1,4 @@
-"""The tuner (edgespec/tuning.py): the choice is a pure function of fake measurements; which
+"""The tuner (edgespec/engine/tuning.py): the choice is a pure function of fake measurements; which
 configurations are candidates comes from fake manifests; how a step is measured is checked on toy
 runtimes that record their forwards; one integration test measures tiny real models on
 onnxruntime and OpenVINO (the chosen configuration is a measured one, cached, and remeasured
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from edgespec.assembly import Tuned, decoder_limits, plan_engine
-from edgespec.config import EngineConfig
-from edgespec.tuning import (
+from edgespec.engine.assembly import Tuned, decoder_limits, plan_engine
+from edgespec.engine.config import EngineConfig
+from edgespec.engine.tuning import (
     ACCEPTANCES,
     Measurement,
     candidates,
@@ -236,7 +236,7 @@ def test_a_draft_on_its_own_body_drafts_one_token_at_a_time_and_the_caches_end_e
 
 def test_the_engine_opens_a_measured_configuration_caches_it_and_retune_measures_again(zoo, monkeypatch, tmp_path):
     pytest.importorskip("openvino", reason="the integration test measures onnxruntime and OpenVINO")
-    from edgespec.api import load
+    from edgespec.engine.engine import load
     from tests.test_openvino import ov_bundle
 
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))

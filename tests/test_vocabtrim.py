@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from edgespec.api import load
 from edgespec.decoding import SamplingParams, probabilities
+from edgespec.engine.engine import load
 from edgespec.errors import ConfigError
 from edgespec.exporters.draft_shape import select_layers
 from edgespec.exporters.export import ExportConfig, export_bundle
@@ -163,9 +163,9 @@ def test_layer_cut_graph_matches_transformers_without_those_layers(tmp_path, fam
     import torch
     from transformers import AutoModelForCausalLM
 
-    from edgespec.exporters.onnx_graph import GraphOptions, build_decoder
+    from edgespec.exporters.onnx.graph import GraphOptions, build_decoder
     from edgespec.exporters.spec import spec_from_hf
-    from edgespec.runtimes.onnxruntime import OnnxRuntime
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     model = AutoModelForCausalLM.from_pretrained(make_model(family, tmp_path / "src", layers=4)).eval()
     spec = spec_from_hf(model)

@@ -106,7 +106,7 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
                    "memory_budget": memory_budget,
                    "draft_body": ("shared" if getattr(engine, "shared_body", False)
                                   else "own" if engine.draft else None),
-                   # every engine option as given (edgespec.config.EngineConfig), whole
+                   # every engine option as given (edgespec.engine.config.EngineConfig), whole
                    "engine": asdict(engine.config)},
         "memory": memory,
         **extra,

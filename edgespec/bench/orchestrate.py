@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from ..config import EngineConfig
+from ..engine.config import EngineConfig
 from ..errors import ConfigError
-from ..runtimes.ort_pool import pool_state
+from ..runtimes.onnxruntime.pool import pool_state
 from .measure import BenchConfig
 
 __all__ = ["BenchRequest", "check_request", "run_benchmark", "save_results"]
@@ -115,7 +115,7 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
     shows the running table (live.py). Outputs are checked first (check_request), not written."""
     import psutil
 
-    from .. import api
+    from ..engine import engine as api
     from .document import build_document
     from .live import LiveTable
     from .machine import machine_info
@@ -156,7 +156,7 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
                 backend={"name": engine.backend, "device": c.device, "draft_backend": engine.draft_backend,
                          "draft_device": c.draft_device or (c.device if engine.draft_backend else None),
                          "threads": c.threads,
-                         # whether onnxruntime's sessions shared the process-wide pool (runtimes/ort_pool.py)
+                         # whether onnxruntime's sessions shared the process-wide pool (runtimes/onnxruntime/pool.py)
                          "onnxruntime_pool": pool_state()},
                 memory={"rss_before_load": rss_before, "rss_after_load": rss_after, "engine": engine.memory()},
                 memory_budget=c.memory_budget, started=started, duration_s=time.perf_counter() - t0,

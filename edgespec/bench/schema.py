@@ -18,7 +18,7 @@ Version 2 (`"kind": "edgespec-bench"`), one run on one device:
                 worst_diff, probe_ms, cached
     verify_costs  the target's c(B), or null: one_token_ms, ms {B: ms}, c {B: B-token forward over a
                 one-token forward}, prefix, repeats (bench/costs.py)
-    tuning      how the engine's configuration was chosen here (edgespec/tuning.py), or null: choice
+    tuning      how the engine's configuration was chosen here (edgespec/engine/tuning.py), or null: choice
                 {backend, draft_body, verify_width}, tune_ms, candidates [{backend, draft_body, free,
                 one_token_ms, draft_ms, verify_ms {B: ms}, exact_width, measure_ms, cached, score}]
     peer        when llama.cpp was measured: name, library, version, gguf (file name), origin, threads, n_ctx

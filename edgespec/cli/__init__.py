@@ -58,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> int:
     """The `edgespec` command itself (console script, `python -m edgespec`): it owns its process,
-    so edgespec's onnxruntime sessions share one thread pool there (runtimes/ort_pool.py: plain
+    so edgespec's onnxruntime sessions share one thread pool there (runtimes/onnxruntime/pool.py: plain
     decoding ~1.1x faster). `main` alone, as tests and other programs call it, leaves the pools be."""
-    from ..runtimes.ort_pool import share_threads
+    from ..runtimes.onnxruntime.pool import share_threads
 
     share_threads()
     return main()

@@ -1,5 +1,5 @@
 """Flags and error handling shared by the verbs. The engine flags are generated from
-edgespec.config's EngineConfig fields; importing this module loads no decoding code."""
+edgespec.engine.config's EngineConfig fields; importing this module loads no decoding code."""
 from __future__ import annotations
 
 import argparse
@@ -15,8 +15,8 @@ __all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "sampling_
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine flags, one per EngineConfig field (edgespec.config.OPTIONS), plus -v."""
-    from ..config import OPTIONS, EngineConfig
+    """The engine flags, one per EngineConfig field (edgespec.engine.config.OPTIONS), plus -v."""
+    from ..engine.config import OPTIONS, EngineConfig
 
     g = p.add_argument_group("engine")
     defaults = EngineConfig()
@@ -36,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace, **verb_defaults):
     """The EngineConfig of the parsed engine flags (validated here, before any model loads);
     `verb_defaults` fill the flags left unset (None), e.g. bench's require_exact=True."""
-    from ..config import OPTIONS, EngineConfig
+    from ..engine.config import OPTIONS, EngineConfig
 
     given = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}
     for name, value in verb_defaults.items():
@@ -86,7 +86,7 @@ def validate_sampling(args: argparse.Namespace) -> None:
 
 def open_engine(args: argparse.Namespace, **verb_defaults):
     """Load `args.bundle` with the engine flags (see engine_config_from_args)."""
-    from ..api import load
+    from ..engine.engine import load
 
     return load(args.bundle, engine_config_from_args(args, **verb_defaults))
 

@@ -11,7 +11,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..exporters.distill import DEFAULT_GEN_TOKENS, DEFAULT_TRAIN_MINUTES
+    from ..training.distill import DEFAULT_GEN_TOKENS, DEFAULT_TRAIN_MINUTES
 
     p = argparse.ArgumentParser(prog="edgespec distill",
                                 description="Train a light draft head for a bundle on its own target and add it "
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    from ..exporters.distill import DistillConfig, distill_bundle
+    from ..training.distill import DistillConfig, distill_bundle
 
     entry = distill_bundle(DistillConfig(args.bundle, train_minutes=args.train_minutes, calibration=args.calibration,
                                          gen_tokens=args.gen_tokens, threads=args.threads))

@@ -56,7 +56,7 @@ def _bundle(path: str) -> list[str]:
 def _tuning(path: str, retune: bool) -> tuple[list[str], bool]:
     """The configuration a default load picks on this machine and the figures it chose by
     (tuning.py: measured at the first load, then read from the cache); and whether it measured."""
-    from ..api import load
+    from ..engine.engine import load
     from ..errors import EdgespecError
 
     try:
@@ -74,8 +74,8 @@ def _tuning(path: str, retune: bool) -> tuple[list[str], bool]:
 def _exactness(path: str, retune: bool) -> list[str]:
     """Each installed backend's exactness verdict for the bundle on this machine (probed on the
     first load, then read from the cache)."""
-    from ..api import load
     from ..bundle import load_bundle
+    from ..engine.engine import load
     from ..errors import EdgespecError
     from ..runtimes import BACKENDS, installed_backends
 
@@ -111,7 +111,7 @@ def main(argv: list[str]) -> int:
     print("backends:")
     print("\n".join(_backends()))
     if args.bundle:
-        from ..exporters.gguf_bundles import resolve_bundle
+        from ..exporters.gguf.bundles import resolve_bundle
 
         args.bundle = str(resolve_bundle(args.bundle))
         print("\n".join(_bundle(args.bundle)))

@@ -137,14 +137,14 @@ def main(argv: list[str]) -> int:
                        client_timeout_s=args.client_timeout, template_timeout_s=args.template_timeout)
     sock = _listen(args.host, args.port)
     try:
-        from ..api import load
+        from ..engine.engine import load
 
         with _closing(load(args.bundle, engine_cfg), cfg.shutdown_timeout_s) as engine:
             cfg = dataclasses.replace(cfg, model_id=args.model_name or engine.bundle.path.name)
             app = create_app(engine, cfg)
             m = engine.bundle.manifest
             if m.base_model:
-                from ..session import chat_format_for
+                from ..engine.session import chat_format_for
 
                 print(f"note: a base model without a chat template; /v1/chat/completions chats through "
                       f"{chat_format_for(m, engine.tokenizer).describe()}", file=sys.stderr)

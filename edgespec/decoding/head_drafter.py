@@ -1,4 +1,4 @@
-"""The `head` drafter: a bundle's trained draft head (exporters/draft_head.py) on the target's
+"""The `head` drafter: a bundle's trained draft head (training/draft_head.py) on the target's
 hidden rows, so a drafted token costs the head and the VocabTrim head, never a body forward.
 
 Each step reads the target's final hidden row of the position before the last committed token
@@ -50,7 +50,7 @@ def draft_distribution(logits: np.ndarray, params: SamplingParams, id_map: np.nd
 
 class HeadDrafter(Drafter):
     """Drafts with the trained head the draft runtime holds (a draft on the target's body opened
-    with the bundle's head: runtimes/onnxruntime_split.py, openvino_split.py)."""
+    with the bundle's head: runtimes/onnxruntime/split.py, openvino/split.py)."""
 
     source = "head"
 

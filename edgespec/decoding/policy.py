@@ -33,7 +33,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_POLICY = "cost"  # see benchmarks/bench_policies.py: the only policy never slower than plain here
+DEFAULT_POLICY = "cost"  # see dev/bench_policies.py: the only policy never slower than plain here
 DEFAULT_MIN_JOINT = 0.3  # confidence stop: end a draft once P(all accepted) looks below this
 
 

@@ -1,4 +1,4 @@
-"""Draft trees for Token Recycling's tree verification (issue 23): shape, drafting, acceptance.
+"""Draft trees for Token Recycling's tree verification: shape, drafting, acceptance.
 
 A chain stakes a whole verify on one guess per position; the successor table already holds the
 target's other top-k guesses, so a tree tries several at the first positions for the same one

@@ -15,8 +15,8 @@ from ..bundle import MANIFEST, SCHEMA_VERSION, Artifact, Manifest, ModelEntry, s
 from ..errors import ConfigError, ExportError
 from ..models.catalog import DEFAULT_PRESET, preset_source
 from .draft_shape import DraftShape, shape_draft
-from .onnx_graph import GraphOptions, build_decoder
-from .quantize import SCHEMES, quantize_model
+from .onnx.graph import GraphOptions, build_decoder
+from .onnx.quantize import SCHEMES, quantize_model
 from .sources import Source, check_source, load_source
 from .spec import ModelSpec, spec_from_hf
 from .tokenizer_export import export_tokenizer
@@ -34,7 +34,7 @@ class ModelJob:
     role: str  # "target" or "draft": the artifact goes in bundle_dir / role
     spec: ModelSpec
     # name -> float32 numpy array, transformers' state-dict names; with precision "source" the
-    # GGUF's own blocks (gguf_transcode.BlockWeight) for the quantized tensors
+    # GGUF's own blocks (gguf/transcode.BlockWeight) for the quantized tensors
     weights: dict
     precision: str | None  # fp32 | fp16 | int8 | int4 | source (None: as the source, fp32 if it must convert)
     opts: GraphOptions  # layers kept, VocabTrim rows kept (vocab_keep), tied or untied head
@@ -45,8 +45,8 @@ class ModelJob:
 # format -> "module:function(job, bar) -> Artifact", imported only when that format is asked for
 FORMAT_WRITERS: dict[str, str] = {
     "onnx": "edgespec.exporters.export:write_onnx",
-    "gguf": "edgespec.exporters.gguf_export:write_gguf",
-    "openvino": "edgespec.exporters.openvino_export:write_openvino",
+    "gguf": "edgespec.exporters.gguf.export:write_gguf",
+    "openvino": "edgespec.exporters.openvino.export:write_openvino",
 }
 FORMATS = tuple(FORMAT_WRITERS)
 # format -> (import name, pip extra) its writer needs, checked before any work
@@ -81,9 +81,9 @@ class ExportConfig:
     draft_layers: tuple[int, ...] | int | None = None  # layer-cut draft: a count or explicit indices
     calibration: Path | None = None  # extra calibration prompts for VocabTrim (and a trained draft head)
     force: bool = False
-    draft_head: str | None = None  # "trained": add a trained draft head (exporters/distill.py)
+    draft_head: str | None = None  # "trained": add a trained draft head (training/distill.py)
     train_minutes: float | None = None  # its training budget (None: distill's default)
-    # the target's ONNX graph takes draft trees (exporters/onnx_tree.py): one forward verifies a tree
+    # the target's ONNX graph takes draft trees (exporters/onnx/tree.py): one forward verifies a tree
     tree: bool = False
 
     def __post_init__(self) -> None:
@@ -129,12 +129,12 @@ class ExportConfig:
         if "onnx" not in self.formats:
             raise ConfigError("--draft-head trained is trained on the ONNX target: add --format onnx")
         if self.train_minutes is not None:
-            from .distill import DistillConfig
+            from ..training.distill import DistillConfig
 
             DistillConfig(self.output, train_minutes=self.train_minutes)  # the same check as `edgespec distill`
 
 
-# Measured on Gemma 3 270M (benchmarks/sweep_vocabtrim.py): K = 16k keeps the full head's
+# Measured on Gemma 3 270M (dev/sweep_vocabtrim.py): K = 16k keeps the full head's
 # acceptance (92.6%) and cuts the int8 draft's cost per token by ~28%.
 AUTO_DRAFT_VOCAB = 16384
 
@@ -211,7 +211,7 @@ def write_onnx(job: ModelJob, bar) -> Artifact:
         _save(model, path)
         return Artifact(file=str(path.relative_to(job.bundle_dir)), precision=precision, quantization=quant)
     job = replace(job, precision=job.precision or "fp32")
-    # "append" KV: the runtime keeps fixed preallocated cache buffers (edgespec/memory, issue 6)
+    # "append" KV: the runtime keeps fixed preallocated cache buffers (edgespec/memory)
     opts = replace(job.opts, weight_dtype="fp16" if job.precision == "fp16" else "fp32", kv_layout="append")
     model = build_decoder(job.spec, job.weights, opts)
     quant = None
@@ -255,7 +255,7 @@ def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx
         return None
 
     def make():
-        from ..runtimes.onnxruntime import OnnxRuntime
+        from ..runtimes.onnxruntime.runtime import OnnxRuntime
 
         path = target_onnx
         if path is None:
@@ -307,7 +307,7 @@ def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: Model
 
 
 def _train_draft_head(cfg: ExportConfig, tmp: Path, bar) -> None:
-    from .distill import DEFAULT_TRAIN_MINUTES, DistillConfig, distill_bundle
+    from ..training.distill import DEFAULT_TRAIN_MINUTES, DistillConfig, distill_bundle
 
     bar.set_postfix_str("training the draft head")
     minutes = cfg.train_minutes if cfg.train_minutes is not None else DEFAULT_TRAIN_MINUTES

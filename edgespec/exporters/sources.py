@@ -22,8 +22,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 class Source:
     """A loaded model and tokenizer plus where they came from."""
 
-    model: Any  # transformers PreTrainedModel, or gguf_source.GGUFModel for a GGUF read by gguf-py
-    tokenizer: Any  # transformers PreTrainedTokenizerBase, or gguf_tokenizer.GGUFTokenizer
+    model: Any  # transformers PreTrainedModel, or gguf/source.GGUFModel for a GGUF read by gguf-py
+    tokenizer: Any  # transformers PreTrainedTokenizerBase, or gguf/tokenizer.GGUFTokenizer
     kind: str  # "hf" or "gguf"
     path: Path
     sha256: str
@@ -71,8 +71,8 @@ def load_source(path: str | os.PathLike) -> Source:
 
 
 def _load_gguf(path: Path) -> Source:
-    from .gguf_source import open_gguf, read_gguf
-    from .gguf_tokenizer import GGUFTokenizer
+    from .gguf.source import open_gguf, read_gguf
+    from .gguf.tokenizer import GGUFTokenizer
 
     reader = open_gguf(path)
     model = read_gguf(path, reader)

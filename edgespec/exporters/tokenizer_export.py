@@ -8,7 +8,7 @@ from pathlib import Path
 from ..bundle import TokenizerInfo
 from ..errors import ExportError
 from ..models.families import Family
-from .gguf_tokenizer import compact_merges
+from .gguf.tokenizer import compact_merges
 
 __all__ = ["export_tokenizer"]
 

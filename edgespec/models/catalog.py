@@ -44,7 +44,7 @@ def cache_dir() -> Path:
 # should be rebuilt (it still loads): the default bundle and those built for a GGUF run directly
 # carry it in their folder names. 2 = the fused onnxruntime decoder graph and the compact
 # tokenizer.json; 3 = attention scores summed from 128-deep products, so that a verify rounds like
-# plain decoding at every context length (onnx_graph._scores).
+# plain decoding at every context length (onnx/graph._scores).
 BUNDLE_REVISION = 3
 
 

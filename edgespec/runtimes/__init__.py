@@ -1,6 +1,9 @@
 """Backends behind one interface; looked up by name and imported only when used.
 
-Each backend module defines its Runtime class and `available_devices() -> list[str]`.
+A backend is one folder plus one row of BACKENDS: `runtimes/<name>/runtime.py` defines its Runtime
+class and `available_devices() -> list[str]`, and where it can run a draft on the target's body, a
+module of the same folder (`split.py`) defines `open_shared_pair`. What backends share (the Runtime
+contract, the exactness probe, lazily mapped tables, the shared-body pair) stays in `runtimes/`.
 """
 from __future__ import annotations
 
@@ -19,14 +22,14 @@ __all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "backend_info",
 
 @dataclass(frozen=True)
 class BackendInfo:
-    name: str
+    name: str  # also its folder, runtimes/<name>/
     bundle_format: str  # which artifact of a bundle this backend runs
-    module: str
-    cls: str
+    cls: str  # its Runtime class, in runtimes/<name>/runtime.py
     extra: str  # pip extra that installs it
     package: str  # the import name of the library it wraps (checked without importing it)
     # "module:function" opening (target, draft) runtimes on one body, the draft reading it through
-    # its own head (runtimes/shared_body.py); None: the backend cannot
+    # its own head (runtimes/shared_body.py), the module named within the backend's folder (or in
+    # full); None: the backend cannot
     shared_body: str | None = None
     # runtime options of slower modes that are exact where the default is not (a verify rounding
     # unlike one-token forwards), in the order the engine tries them when its probe asks
@@ -40,6 +43,18 @@ class BackendInfo:
     # it drives devices besides the CPU (GPU, NPU, AUTO): naming such a device picks it
     accelerators: bool = False
 
+    @property
+    def module(self) -> str:
+        """The module holding the Runtime class and `available_devices`."""
+        return f"{__name__}.{self.name}.runtime"
+
+    def shared_body_opener(self):
+        """The function opening a (target, draft) pair on one body; None where there is none."""
+        if self.shared_body is None:
+            return None
+        module, fn = self.shared_body.split(":")
+        return getattr(importlib.import_module(module if "." in module else f"{__name__}.{self.name}.{module}"), fn)
+
     def static_options(self, static: bool, width: int) -> dict:
         """Runtime options for the static-shape mode (none where the backend has no such mode)."""
         return {"static": static, "width": width} if self.static_shapes else {}
@@ -47,21 +62,17 @@ class BackendInfo:
 
 # order = preference when a bundle holds several formats and no backend is named
 BACKENDS: dict[str, BackendInfo] = {
-    "onnxruntime": BackendInfo("onnxruntime", "onnx", "edgespec.runtimes.onnxruntime", "OnnxRuntime", "onnx",
-                               "onnxruntime",
-                               "edgespec.runtimes.onnxruntime_split:open_shared_pair",
+    "onnxruntime": BackendInfo("onnxruntime", "onnx", "OnnxRuntime", "onnx", "onnxruntime", "split:open_shared_pair",
                                # a one-row MatMulNBits with int8 activations rounds unlike a taller
                                # one (whole logits apart on Gemma 3 270M): no forward of one row
                                exact_modes=({"pad_rows": True},),
                                # its threads spin-wait between runs by default, which starves the other model
                                alternating={"spin": False}),
-    "openvino": BackendInfo("openvino", "openvino", "edgespec.runtimes.openvino", "OpenVinoRuntime", "openvino",
-                            "openvino", "edgespec.runtimes.openvino_split:open_shared_pair",
+    "openvino": BackendInfo("openvino", "openvino", "OpenVinoRuntime", "openvino", "openvino", "split:open_shared_pair",
                             # CPUs whose one-row FullyConnected rounds unlike a taller one (AVX2 with
                             # int8/int4 weights): no forward computes fewer than two rows
                             exact_modes=({"pad_rows": True},), static_shapes=True, accelerators=True),
-    "llamacpp": BackendInfo("llamacpp", "gguf", "edgespec.runtimes.llamacpp", "LlamaCppRuntime", "llamacpp",
-                            "llama_cpp"),
+    "llamacpp": BackendInfo("llamacpp", "gguf", "LlamaCppRuntime", "llamacpp", "llama_cpp"),
 }
 
 
@@ -116,10 +127,10 @@ def open_shared_pair(backend: str, target_path: Path, draft_path: Path, **kwargs
     """(target, draft) runtimes sharing the target's body: the draft artifact gives only its head.
     kwargs: threads, device, kv_capacity, and the backend's own (openvino: wide)."""
     info = backend_info(backend)
-    if info.shared_body is None:
+    opener = info.shared_body_opener()
+    if opener is None:
         raise ConfigError(f"backend {backend} cannot run a draft on the target's body; use --draft-body own")
-    module, fn = info.shared_body.split(":")
-    return getattr(importlib.import_module(module), fn)(target_path, draft_path, **kwargs)
+    return opener(target_path, draft_path, **kwargs)
 
 
 def backend_version(backend: str) -> str:

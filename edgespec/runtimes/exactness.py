@@ -3,7 +3,7 @@
 Speculative greedy output equals plain greedy output only if a W-token forward (a verify of W-1
 drafts) gives every row the same bits as W one-token forwards (plain decoding). That is a
 property of the kernels, and kernels differ with the CPU's ISA: on an AVX-512 Xeon OpenVINO's
-padded mode is row-exact at every width, on an AVX2-only EPYC its int8/int4 matmuls are not at
+padded mode is row-exact at every width, on an AVX2-only CPU its int8/int4 matmuls are not at
 any width, and llama.cpp's quantized matmuls switch kernels at 8 rows or more. So the engine
 probes the runtime it opened, on the real model, and verifies only at widths the probe found
 exact.

@@ -13,7 +13,7 @@ So a verify after k model drafts runs the body on the one position the draft has
 the draft's own body (its weights and KV cache) is never loaded.
 
 Exactness is unchanged: a row's hidden state depends only on the tokens up to it (the body's
-forwards are row-exact: runtimes/openvino.py), and the head's rows do not depend on how many
+forwards are row-exact: runtimes/openvino/runtime.py), and the head's rows do not depend on how many
 rows share its call, so target logits are the same bits however the rows were batched.
 
 Each runtime keeps its own prefix (`n_past`), as the decoder expects; the body holds one
@@ -56,7 +56,7 @@ class Head(Protocol):
 
 
 class FeatureHead(Protocol):
-    """A trained draft head (exporters/draft_head.py): (hidden rows (R, H), their next tokens as
+    """A trained draft head (training/draft_head.py): (hidden rows (R, H), their next tokens as
     draft-vocabulary indices (R,)) -> the next positions' features (R, H), which the draft's own
     (VocabTrim) head turns into logits and which feed the head again to draft further."""
 

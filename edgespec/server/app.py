@@ -31,8 +31,8 @@ from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelL
 from .worker import GenerationWorker, Job, QueueFull
 
 if TYPE_CHECKING:
-    from ..api import Engine
-    from ..session import ReplyShaper
+    from ..engine.engine import Engine
+    from ..engine.session import ReplyShaper
 
 __all__ = ["ServerConfig", "create_app", "begin_shutdown"]
 

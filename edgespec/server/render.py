@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import BackendError, ConfigError
 
 if TYPE_CHECKING:
-    from ..session import ChatPrompt
+    from ..engine.session import ChatPrompt
 
 __all__ = ["ChatRenderer", "RenderTimeout", "RendererStopped"]
 
@@ -92,7 +92,7 @@ class ChatRenderer:
     async def prompt(self, messages: list[dict[str, str]], stop: list[str]) -> ChatPrompt:
         """The conversation's tokens and stop strings in the bundle's chat format. ConfigError:
         the template refused the messages (raise_exception); RenderTimeout: past the limit."""
-        from ..session import ChatPrompt
+        from ..engine.session import ChatPrompt
 
         if self._lock is None:
             self._lock = asyncio.Lock()
@@ -165,8 +165,8 @@ class ChatRenderer:
 def _serve(stdin, stdout) -> None:
     """The child: read requests, write answers, until stdin closes."""
     from ..bundle import load_bundle
+    from ..engine.session import chat_format_for
     from ..errors import EdgespecError
-    from ..session import chat_format_for
     from ..tokenizer import Tokenizer
 
     bundle = load_bundle(json.loads(stdin.readline())["bundle"])

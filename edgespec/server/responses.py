@@ -10,8 +10,8 @@ from fastapi.sse import format_sse_event
 from .errors import error_body
 
 if TYPE_CHECKING:
-    from ..api import Response
     from ..decoding import GenerationStats
+    from ..engine.engine import Response
 
 __all__ = ["usage", "finish_reason", "chat_completion", "chat_chunk", "completion", "completion_chunk",
            "sse", "sse_done", "sse_error", "collect"]

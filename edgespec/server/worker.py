@@ -16,9 +16,9 @@ from ..decoding import GenerationStats
 from ..errors import EdgespecError
 
 if TYPE_CHECKING:
-    from ..api import Engine, Response
     from ..decoding import SamplingParams
-    from ..session import ReplyShaper
+    from ..engine.engine import Engine, Response
+    from ..engine.session import ReplyShaper
 
 __all__ = ["Job", "GenerationWorker", "QueueFull"]
 

@@ -1,0 +1,223 @@
+"""Multi-turn chat on an Engine: the conversation's tokens are kept, so each turn only
+prefills what is new (the decoder reuses the cached common prefix).
+
+The chat format (models/chat_formats.py) decides how messages become tokens: the bundle's
+chat template for an instruction-tuned model, a plain-text transcript for a base model. The
+server renders its requests through the same `chat_format_for` / `ChatFormat.prompt`."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..decoding import GenerationStats, SamplingParams, check_max_tokens
+from ..errors import ConfigError, ContextFullError
+from ..models.chat_formats import TEMPLATE, TRANSCRIPTS, Transcript, pick_chat_format
+
+if TYPE_CHECKING:
+    import threading
+
+    from ..bundle import Manifest
+    from ..tokenizer import Tokenizer
+    from .engine import Engine, Response
+
+__all__ = ["ChatSession", "ChatFormat", "ChatPrompt", "ReplyShaper", "chat_format_for"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What one chat turn feeds the engine: the tokens and the strings that end the reply.
+
+    A transcript reply is also shaped as it streams (ReplyShaper: its opening whitespace dropped,
+    ended at a blank line after some text where the format says so): see `shaper()`."""
+
+    tokens: list[int]
+    stop: tuple[str, ...]
+    transcript: bool = False
+    blank_line_ends: bool = False
+
+    def shaper(self) -> ReplyShaper | None:
+        return ReplyShaper(self.blank_line_ends) if self.transcript else None
+
+
+@dataclass
+class ReplyShaper:
+    """Shapes a transcript reply as it streams: drops the whitespace that opens it (the space
+    after "Answer:", the blank line before a code block), holds back trailing whitespace, and
+    where the format says so ends the reply at its first blank line after some text. A plain
+    stop string cannot say "after some text": a reply opening with a blank line would end empty."""
+
+    blank_line_ends: bool
+    _held: str = ""
+    _started: bool = False
+
+    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """The text to emit now, and whether the reply ends here (a blank line)."""
+        s, self._held = self._held + text, ""
+        if not self._started:
+            s = s.lstrip()
+            self._started = bool(s)
+        if self.blank_line_ends and "\n\n" in s:
+            return s[:s.index("\n\n")].rstrip(), True
+        if final:
+            return s.rstrip(), False
+        keep = len(s.rstrip())  # trailing whitespace: a blank line forming, or the reply's end
+        self._held = s[keep:]
+        return s[:keep], False
+
+    def shape(self, r: Response) -> Response:
+        """`r` with its text shaped; finish_reason "stop" where the reply ends here."""
+        text, ended = self.push(r.text, final=r.finish_reason is not None)
+        return dataclasses.replace(r, text=text, finish_reason="stop" if ended else r.finish_reason)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A resolved chat format: the bundle's template (transcript None) or a transcript."""
+
+    name: str
+    transcript: Transcript | None = None
+
+    @property
+    def stop(self) -> tuple[str, ...]:
+        # a template's end-of-turn token is among the tokenizer's stop ids already
+        return self.transcript.stop if self.transcript else ()
+
+    def encode(self, tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
+        if self.transcript is None:
+            return tokenizer.encode_chat(list(messages))
+        return tokenizer.encode(self.transcript.render(messages))  # with BOS, as a plain prompt
+
+    def prompt(self, tokenizer: Tokenizer, messages: Sequence[dict], stop: Sequence[str] = (),
+               shaped: bool = False) -> ChatPrompt:
+        """Tokens for `messages` and the format's stop strings after the caller's `stop`.
+        A caller that shapes the reply (`shaped`: ChatSession, the server; ReplyShaper) ends it at
+        a blank line after some text. A caller that only has stop strings gets the plain stop
+        string "\n\n" instead: the transcript's worked examples start a reply on the marker's
+        line (all 18 of docs/chat-formats.md's questions did), so it rarely ends a reply before
+        its text, but a reply that opens with a blank line would end empty."""
+        t = self.transcript
+        blank = t is not None and t.blank_line_ends
+        plain_stop = ("\n\n",) if blank and not shaped else ()
+        return ChatPrompt(self.encode(tokenizer, messages), tuple(stop) + self.stop + plain_stop,
+                          transcript=t is not None, blank_line_ends=blank)
+
+    def describe(self) -> str:
+        """One phrase for notes: what the model is shown."""
+        if self.transcript is None:
+            return "its chat template"
+        t = self.transcript
+        return (f"the plain-text '{t.name}' transcript ('{t.user} ...' / '{t.assistant} ...'; a reply ends at the "
+                f"next speaker{' or a blank line' if t.blank_line_ends else ''})")
+
+
+def chat_format_for(manifest: Manifest, tokenizer: Tokenizer, requested: str | None = None) -> ChatFormat:
+    """The chat format of a bundle: `requested` ("auto", "template" or a transcript name; None is
+    "auto") checked against what the bundle has. "auto" uses a model's own template, and for a
+    base model its family's transcript (or the default transcript): see pick_chat_format."""
+    from ..models.families import FAMILIES
+
+    family = FAMILIES.get(manifest.model_type)
+    name = pick_chat_format(requested, has_template=tokenizer.has_chat_template,
+                            template_is_models_own=manifest.tokenizer.chat_template_source == "model",
+                            family_transcript=family.chat_transcript if family else None)
+    return ChatFormat(name, None if name == TEMPLATE else TRANSCRIPTS[name])
+
+
+class ChatSession:
+    """Messages plus the token sequence the engine's caches hold for them."""
+
+    def __init__(self, engine: Engine, system: str | None = None, chat_format: str | None = None) -> None:
+        self.format = chat_format_for(engine.bundle.manifest, engine.tokenizer, chat_format)
+        self.engine = engine
+        self.system = system
+        self.messages: list[dict[str, str]] = []
+        self.tokens: list[int] = []  # what the last turn left in the caches
+        self.turn_stats: list[GenerationStats] = []
+        self.notices: list[str] = []  # one line per time old turns were dropped to fit the context
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (keeps the system prompt)."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.tokens = []
+        self.turn_stats = []
+
+    def send(self, message: str, *, max_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
+             top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop: Sequence[str] = (),
+             stop_event: threading.Event | None = None, wait: bool | float = False) -> Iterator[Response]:
+        """Add a user message and stream the reply. The reply is recorded in the history
+        even when the stream is stopped early (a Stop button setting `stop_event`, leaving the
+        loop, Ctrl-C); a turn refused before its first token (BusyError) leaves no trace.
+        stop, stop_event, wait: as in Engine.stream; the chat format's stop strings are added.
+        Greedy by default (reproducible); CLI chat samples with models.chat_formats.CHAT_SAMPLING."""
+        if not message.strip():
+            raise ConfigError("empty message")
+        check_max_tokens(max_tokens)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
+        return self._turn(message, params, max_tokens, tuple(stop) + self.format.stop, stop_event, wait)
+
+    def _turn(self, message: str, params: SamplingParams, max_tokens: int, stop: tuple[str, ...],
+              stop_event, wait) -> Iterator[Response]:
+        self.messages.append({"role": "user", "content": message})
+        reply, stats = [], GenerationStats()
+        tokens = None
+        try:
+            # may drop the oldest turns; a message too long for the context raises ContextFullError
+            tokens = self._fit_context(max_tokens)
+            t = self.format.transcript
+            shaper = ReplyShaper(t.blank_line_ends) if t is not None else None
+            stream = self.engine.stream_ids(tokens, params, max_tokens, stop, stats=stats,
+                                            stop_event=stop_event, wait=wait)
+            try:
+                for r in stream:
+                    if shaper is not None:
+                        r = shaper.shape(r)
+                    reply.append(r.text)
+                    yield r
+                    if r.finish_reason is not None:
+                        break
+            finally:
+                stream.close()  # ended by the shaper, or by the consumer: the engine rewinds its caches
+        finally:
+            if stats.steps:  # answered, fully or in part: keep what was said
+                self.messages.append({"role": "assistant", "content": "".join(reply)})
+                self.turn_stats.append(stats)
+            else:  # refused, failed or stopped before the first token: the turn did not happen
+                self.messages.pop()
+            if tokens is not None and stats.steps:
+                self.tokens = tokens
+
+    def _fit_context(self, max_tokens: int) -> list[int]:
+        """Tokens of the conversation, dropping its oldest turns (never the system prompt) while
+        it leaves less than a reply's room in the context; says so once per drop."""
+        def encode(messages: list[dict]) -> list[int]:
+            return self.format.encode(self.engine.tokenizer, messages)
+
+        tokens = encode(self.messages)
+        limit = getattr(self.engine, "context_limit", None)
+        if limit is None:
+            return tokens
+        room = max(1, min(max_tokens, limit // 4))  # the reply may still end early with "length"
+        first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+        kept = list(self.messages)
+        dropped = 0
+        while len(tokens) + room > limit and len(kept) - first > 1:
+            n = 2 if len(kept) - first > 2 and kept[first + 1]["role"] == "assistant" else 1
+            del kept[first:first + n]
+            dropped += 1
+            tokens = encode(kept)
+        if len(tokens) + room > limit:
+            raise ContextFullError(f"the message is too long: {len(tokens)} tokens, and the context holds "
+                                   f"{limit} including {room} for the reply")
+        if dropped:
+            self.messages = kept
+            note = (f"context full ({limit} tokens): dropped the {dropped} oldest turn{'s' * (dropped > 1)}"
+                    f"{', kept the system prompt' if first else ''}")
+            self.notices.append(note)
+            logger.info(note)
+        return tokens

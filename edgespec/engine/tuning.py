@@ -1,0 +1,412 @@
+"""The engine's fastest exact configuration on this machine, chosen by measurement.
+
+Which backend and draft body decode fastest is a property of the machine's kernels, not of the
+bundle: on one machine llama.cpp may have the cheapest one-token forward and the dearest wide
+one, onnxruntime's int4 the opposite (BENCHMARKS.md). So, where a load leaves a choice open (no
+--backend, --draft-body auto) and more than one configuration can run the bundle, each candidate is
+opened as the engine would open it (its exact mode settled by the exactness probe), and a few
+forwards measure what a speculative step costs on it:
+
+- `one_token_ms`: a plain step, one token through the target;
+- `draft_ms`: one drafted token (the draft's own body, or the target's body and the draft's head);
+- `verify_ms[B]`: the target's verify of B tokens after B-1 drafts (on a shared body the drafts'
+  rows are computed already, so it runs the body on one row and the head on B),
+
+for verify widths B within the probe's exact widths only. A step drafting k tokens then costs
+`k * draft_ms + verify_ms[k+1]` and commits `(1 - a^(k+1)) / (1 - a)` tokens on average when each
+draft is accepted with probability a (decoding/policy.py). The acceptance depends on the text
+more than on the configuration, so rather than a short measured run on one prompt, candidates are
+ranked by their best expected tokens/s averaged over ACCEPTANCES: the cost policy's prior 0.5 to
+the 0.9 a self-draft reaches on input-grounded prompts. The width limit is the best verify width
+at the highest acceptance: wider than that a verify does not pay even when nearly every draft is
+accepted (a draft-length policy still adapts below it).
+
+Each candidate's figures are cached per machine, backend build, model files and plan (next to the
+exactness verdicts, in edgespec's cache), so only the first load pays; `retune` measures again.
+The choice itself is a pure function of the figures (`choose`), tested on fake ones.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from statistics import mean, median
+
+import numpy as np
+
+from ..decoding.policy import expected_tokens, isotonic
+from ..errors import ConfigError, EdgespecError
+from ..runtimes import BACKENDS, backend_version
+from .assembly import Tuned, plan_engine
+from .config import EngineConfig
+
+__all__ = ["ACCEPTANCES", "DRAFT_LENGTHS", "Measurement", "Tuning", "candidates", "choose", "contenders",
+           "measure_engine", "merged", "skip_reason", "tune", "verify_costs", "WIDTHS"]
+
+logger = logging.getLogger(__name__)
+
+TUNE_VERSION = 2  # bump when the measurement changes: cached figures are then measured again
+ACCEPTANCES = (0.5, 0.7, 0.9)  # the cost policy's prior .. a self-draft on grounded prompts (BENCHMARKS.md)
+DRAFT_LENGTHS = (0, 1, 2, 4, 8, 16)  # k measured (verify width k+1), within the exact widths
+WIDTHS = (1, 2, 4, 8)  # the bench's c(B) widths
+WIDTHS_SHOWN = tuple(k + 1 for k in DRAFT_LENGTHS[1:])
+PREFIX = 64  # positions already cached: a verify never starts from an empty cache
+REPEATS = 5
+# drafters whose every token costs a forward; each other one also drafts for free (prompt lookup,
+# Token Recycling), and its tails may run wide verifies
+COSTED_ONLY = ("model", "head")
+MARGIN = 0.05  # a candidate listed later must be this much faster to be chosen
+CLOSE = 0.15  # the two best this close: both are measured once more, in the other order
+TUNE_PREFIX, TUNE_REPEATS = 32, 3  # the tuner's: a few forwards per width, seconds per candidate
+
+
+# ---------------------------------------------------------------- measuring one configuration
+
+
+def verify_costs(rt, widths: Sequence[int] = WIDTHS, prefix: int = PREFIX, repeats: int = REPEATS, *,
+                 draft=None, stat: Callable[[list[float]], float] = median) -> dict | None:
+    """c(B) of the runtime `rt`: {"one_token_ms", "ms": {B: ms}, "c": {B: cost over one token},
+    "prefix", "repeats"}, or None where it cannot be measured (static shapes, no trim). With a
+    `draft` runtime, each B-token verify follows B-1 drafted tokens fed to the draft (so a draft on
+    the target's body has computed their rows, as in a real step), and "draft_ms", one drafted
+    token, is measured too. Widths run interleaved; fresh ids every repeat (a shared body would
+    reuse rows of ids it has seen); `stat` (median) of the repeats. Leaves the caches empty."""
+    caps = rt.capabilities
+    if not caps.can_trim or caps.static_shapes:
+        return None  # static shapes pad every forward to one width: no curve to measure
+    widths = sorted({1, *widths})
+    top = max(widths)
+    for cap in (rt.kv_capacity, getattr(draft, "kv_capacity", None)):
+        if cap is not None:
+            prefix = min(prefix, cap - top - 1)
+    if prefix < 1:
+        return None
+    rng = np.random.default_rng(0)
+    vocab = min(rt.vocab_size, draft.vocab_size) if draft is not None else rt.vocab_size
+    low = min(16, max(vocab - 1, 0))  # the first ids are often special tokens
+    models = [m for m in (rt, draft) if m is not None]
+    # only a draft on the target's body changes what the verify computes (rows it has run already)
+    feed = draft is not None and getattr(draft, "shared", None) is not None and draft.shared is getattr(rt, "shared", 0)
+    samples: dict[int, list[float]] = {b: [] for b in widths}
+    drafted: list[float] = []
+    try:
+        ids = [int(t) for t in rng.integers(low, vocab, size=prefix)]
+        for m in models:
+            m.reset()
+            m.forward(ids, n_logits=1)
+        for rep in range(repeats + 1):  # the first pass warms every width up (allocations) and is dropped
+            for b in widths:
+                new = [int(t) for t in rng.integers(low, vocab, size=b)]
+                if feed and b > 1:  # the b-1 drafts fed to the draft on the target's body, untimed here
+                    draft.forward(new[:b - 1], n_logits=1)
+                t0 = time.perf_counter()
+                rt.forward(new, n_logits=b)  # a verify needs every row's logits
+                dt = time.perf_counter() - t0
+                for m in models:
+                    m.trim(prefix)
+                if rep:
+                    samples[b].append(dt)
+                if draft is not None and b == 1:  # one drafted token, on ids the target has not seen
+                    t0 = time.perf_counter()
+                    draft.forward([int(rng.integers(low, vocab))], n_logits=1)
+                    if rep:
+                        drafted.append(time.perf_counter() - t0)
+                    for m in models:
+                        m.trim(prefix)
+    except EdgespecError as e:
+        logger.warning("c(B) not measured: %s", e)
+        return None
+    finally:
+        for m in models:
+            m.reset()
+    ms = {b: 1e3 * stat(s) for b, s in samples.items()}
+    out = {"one_token_ms": round(ms[1], 3), "ms": {str(b): round(v, 3) for b, v in ms.items()},
+           "c": {str(b): round(v / ms[1], 3) for b, v in ms.items() if b != 1}, "prefix": prefix, "repeats": repeats}
+    if drafted:
+        out["draft_ms"] = round(1e3 * stat(drafted), 3)
+    return out
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a speculative step costs with one candidate configuration on this machine."""
+
+    backend: str
+    draft_body: str | None  # "shared", "own", None: no draft model
+    free: bool  # the drafter has a source that drafts for free too (prompt lookup, Token Recycling)
+    one_token_ms: float  # a plain step
+    draft_ms: float  # one token drafted by the draft model (0.0: no draft model)
+    verify_ms: dict[int, float]  # verify width B (exact here) -> a verify of B tokens after B-1 drafts
+    exact_width: int  # the widest exact verify (the probe's; 1: none)
+    measure_ms: float  # what measuring took when it ran
+    cached: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.backend + (f", draft body {self.draft_body}" if self.draft_body else "")
+
+    @property
+    def draft_costs(self) -> tuple[float, ...]:
+        """ms per drafted token of each source the drafter draws on: the draft model's, and 0.0
+        for a free one (none: plain decoding)."""
+        return (self.draft_ms,) * (self.draft_body is not None) + (0.0,) * self.free
+
+    @property
+    def curve(self) -> dict[int, float]:
+        """Forward width -> ms: 1 (a plain step) and the verify widths, made non-decreasing in
+        width (isotonic fit): a wider forward does not cost less, whatever a noisy sample says."""
+        widths = [1, *sorted(self.verify_ms)]
+        return dict(zip(widths, isotonic([self.one_token_ms, *(self.verify_ms[b] for b in widths[1:])])))
+
+    def step_ms(self, k: int, draft_ms: float, curve: dict[int, float] | None = None) -> float:
+        """A step drafting k tokens at `draft_ms` each, then their verify (k = 0: a plain step)."""
+        return k * draft_ms + (curve or self.curve)[k + 1]
+
+    def best(self, alpha: float, draft_ms: float) -> tuple[int, float]:
+        """(k, expected tokens/s) of the best draft length of a source drafting at `draft_ms` per
+        token with acceptance `alpha`, among the measured (exact) widths."""
+        curve = self.curve
+        rates = {b - 1: 1e3 * expected_tokens(alpha, b - 1) / self.step_ms(b - 1, draft_ms, curve) for b in curve}
+        k = max(rates, key=lambda n: (rates[n], -n))
+        return k, rates[k]
+
+    def score(self) -> float:
+        """Expected tokens/s: each source's best draft length's, averaged over ACCEPTANCES and
+        the sources (as if each drafted half the steps); plain decoding's without a source."""
+        costs = self.draft_costs
+        if not costs:
+            return 1e3 / self.curve[1]
+        return mean(self.best(a, d)[1] for a in ACCEPTANCES for d in costs)
+
+    def width(self) -> int:
+        """The widest verify worth running: the best of any source at the highest acceptance (at
+        least 2, so that drafting stays possible where a policy finds it pays)."""
+        return max([2, *(self.best(ACCEPTANCES[-1], d)[0] + 1 for d in self.draft_costs)])
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["verify_ms"] = {str(b): ms for b, ms in self.verify_ms.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Measurement:
+        return cls(str(d["backend"]), d["draft_body"], bool(d["free"]), float(d["one_token_ms"]), float(d["draft_ms"]),
+                   {int(b): float(ms) for b, ms in d["verify_ms"].items()}, int(d["exact_width"]),
+                   float(d["measure_ms"]), bool(d.get("cached", False)))
+
+
+def measure_engine(engine, prefix: int = TUNE_PREFIX, repeats: int = TUNE_REPEATS) -> Measurement | None:
+    """The step costs of an open engine (its target, its draft model where it drafts with one)
+    at the verify widths its exactness probe found exact; None where they cannot be measured."""
+    t0 = time.perf_counter()
+    probe = engine.exactness
+    exact = probe.exact_width if probe is not None and engine.drafter_name is not None else 1
+    top = min(exact, engine.target.capabilities.max_batch_tokens or exact)
+    widths = [k + 1 for k in DRAFT_LENGTHS if k + 1 <= top]
+    draft = engine.draft if engine.plan.wants_draft_model else None
+    # the fastest of the repeats: a busy neighbour only ever adds time
+    costs = verify_costs(engine.target, widths, prefix, repeats, draft=draft, stat=min)
+    if costs is None:
+        return None
+    ms = {int(b): v for b, v in costs["ms"].items()}
+    body = None if draft is None else "shared" if engine.shared_body else "own"
+    free = engine.drafter_name not in (None, *COSTED_ONLY)
+    return Measurement(engine.backend, body, free, ms[1], costs.get("draft_ms", 0.0),
+                       {b: v for b, v in ms.items() if b > 1}, exact, round((time.perf_counter() - t0) * 1e3, 1))
+
+
+# ---------------------------------------------------------------- the choice (pure)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """The measured candidates and the one chosen."""
+
+    choice: Tuned
+    candidates: tuple[Measurement, ...]
+    tune_ms: float  # measuring in this process (0: every figure came from the cache)
+
+    def describe(self) -> list[str]:
+        """Lines for `edgespec info`: the choice, then each candidate's figures."""
+        c = self.choice
+        fresh = [m for m in self.candidates if not m.cached]
+        how = (f"measured now: {self.tune_ms / 1e3:.1f} s, of which {sum(m.measure_ms for m in fresh) / 1e3:.1f} s "
+               "measuring, the rest opening and the exactness probe" if fresh else "cached")
+        lines = [f"chosen: {c.backend}" + (f", draft body {c.draft_body}" if c.draft_body else "")
+                 + f", verify width <= {c.verify_width} [{how}]",
+                 "  candidate                        plain ms  draft ms  c(B) " + " ".join(
+                     f"{b:>5}" for b in WIDTHS_SHOWN) + "  exact  width  tok/s"]
+        for m in sorted(self.candidates, key=lambda m: -m.score()):
+            curve = m.curve
+            cb = " ".join(f"{curve[b] / curve[1]:5.2f}" if b in curve else "    -" for b in WIDTHS_SHOWN)
+            lines.append(f"  {m.name:<32} {curve[1]:8.1f} {m.draft_ms:9.1f}       {cb}  {m.exact_width:5}  "
+                         f"{m.width():5}  {m.score():5.1f}{' (cached)' if m.cached else ''}")
+        mixed = any(len(m.draft_costs) > 1 for m in self.candidates)
+        lines.append(f"  (tok/s expected, averaged over acceptances {', '.join(map(str, ACCEPTANCES))}"
+                     f"{' and the draft model and free sources' if mixed else ''}; c(B): a non-decreasing fit "
+                     "of the fastest of the repeats; width: the widest verify kept)")
+        return lines
+
+    def to_dict(self) -> dict:
+        return {"choice": asdict(self.choice), "tune_ms": self.tune_ms,
+                "candidates": [{**m.to_dict(), "score": round(m.score(), 2)} for m in self.candidates]}
+
+
+def choose(measured: Sequence[Measurement]) -> Tuned:
+    """The first listed candidate (the registry's preference) whose expected tokens/s is within
+    MARGIN of the best, with its width limit (Measurement.width): a difference a busy neighbour
+    can make does not switch backends."""
+    if not measured:
+        raise ValueError("nothing measured to choose from")
+    top = max(m.score() for m in measured)
+    best = next(m for m in measured if m.score() * (1 + MARGIN) >= top)
+    return Tuned(best.backend, best.draft_body, best.width())
+
+
+def contenders(measured: Sequence[Measurement]) -> list[int]:
+    """Indices of the two best candidates where they are within CLOSE of each other (a second
+    measurement then decides), else []."""
+    if len(measured) < 2:
+        return []
+    a, b = sorted(range(len(measured)), key=lambda i: -measured[i].score())[:2]
+    return sorted((a, b)) if measured[b].score() * (1 + CLOSE) >= measured[a].score() else []
+
+
+def merged(a: Measurement, b: Measurement) -> Measurement:
+    """Two measurements of one configuration as one: the fastest figure of each."""
+    widths = set(a.verify_ms) & set(b.verify_ms)
+    return replace(a, one_token_ms=min(a.one_token_ms, b.one_token_ms), draft_ms=min(a.draft_ms, b.draft_ms),
+                   verify_ms={w: min(a.verify_ms[w], b.verify_ms[w]) for w in sorted(widths)},
+                   measure_ms=a.measure_ms + b.measure_ms)
+
+
+# ---------------------------------------------------------------- candidates, cache, orchestration
+
+
+def skip_reason(config: EngineConfig) -> str | None:
+    """Why a load under `config` is not tuned (None: it may be)."""
+    if not config.tune:
+        return "tuning is off (tune=False)"
+    if config.static:
+        return "static shapes have one verify width"
+    if config.memory_budget is not None:
+        return "a memory budget plans the runtimes it opens"
+    if (config.device or "CPU").upper() != "CPU":
+        return "the tuner measures CPU configurations"
+    return None
+
+
+def candidates(manifest, config: EngineConfig, installed: list[str]) -> list[tuple[str, str | None]]:
+    """(backend, draft body) pairs that can open the bundle under `config`, what it fixes kept:
+    an explicit backend or draft body is the only one tried. Draft body None: no draft model.
+    Left to choose, a backend's draft runs on the target's body where it can: a body of its own
+    holds the model twice (+130 MiB on the default bundle; the draft's share of memory is meant
+    to stay within 10%), so "own" is a candidate only where "shared" cannot open (llama.cpp)."""
+    backends = [config.backend] if config.backend else [
+        n for n in installed if BACKENDS[n].bundle_format in manifest.target.formats]
+    bodies = [config.draft_body] if config.draft_body != "auto" else ["shared", "own"]
+    out: list[tuple[str, str | None]] = []
+    for backend in backends:
+        for body in bodies:
+            try:
+                plan = plan_engine(manifest, config.replace(backend=backend, draft_body=body, tune=False), installed)
+            except ConfigError:
+                continue  # this backend or body cannot open the bundle under the config
+            pair = (backend, None if plan.draft is None else "shared" if plan.shared_body else "own")
+            if pair not in out:
+                out.append(pair)
+            if config.draft_body == "auto":
+                break
+    return out
+
+
+def _cache_path(bundle, plan) -> Path:
+    from ..models.catalog import cache_dir
+    from ..runtimes.exactness import machine_fingerprint
+
+    files = [bundle.file(p.file) for p in (plan.target, plan.draft) if p is not None]
+    key = {"tune": TUNE_VERSION, "machine": machine_fingerprint(),
+           "versions": sorted({backend_version(p.backend) for p in (plan.target, plan.draft) if p is not None}),
+           "files": [f"{f.resolve()}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files],
+           "plan": plan.describe()}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return cache_dir() / "tuning" / f"{digest}.json"
+
+
+def _read(path: Path) -> Measurement | None:
+    try:
+        return Measurement.from_dict({**json.loads(path.read_text()), "cached": True})
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # not measured here yet (or an unreadable entry)
+
+
+def _write(path: Path, m: Measurement) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(m.to_dict(), indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # an unwritable cache costs a measurement per load, nothing else
+        logger.warning("cannot cache the tuning figures in %s: %s", path.parent, e)
+
+
+def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callable[[EngineConfig], object]
+         ) -> Tuning | None:
+    """Measure each candidate configuration of `bundle` under `config` (or read its figures from
+    the cache) and choose; None where there is nothing to choose (one candidate) or the load is
+    not tuned (skip_reason). `open_engine(config)` opens an engine (api.Engine on the bundle)."""
+    why = skip_reason(config)
+    if why is not None:
+        logger.debug("not tuning: %s", why)
+        return None
+    pairs = candidates(bundle.manifest, config, installed)
+    if len(pairs) < 2:
+        return None
+    plans = []
+    for backend, body in pairs:
+        cfg = config.replace(backend=backend, draft_body=body or config.draft_body, tune=False)
+        path = _cache_path(bundle, plan_engine(bundle.manifest, cfg, installed))
+        plans.append((cfg, path, None if config.retune else _read(path)))
+    missing = sum(m is None for *_, m in plans)
+    if missing:
+        logger.warning("tuning: measuring %d configurations of this bundle on this machine (once, then cached; "
+                       "--no-tune skips it)", missing)
+    spent = 0.0
+
+    def measure(cfg: EngineConfig) -> Measurement | None:
+        nonlocal spent
+        t0 = time.perf_counter()
+        try:
+            with open_engine(cfg) as engine:
+                return measure_engine(engine)
+        except EdgespecError as e:  # a candidate that fails to open is no candidate
+            logger.warning("tuning: %s (draft body %s) cannot open: %s", cfg.backend, cfg.draft_body, e)
+            return None
+        finally:
+            spent += time.perf_counter() - t0  # opening (the exactness probe, first time) and measuring
+
+    found = [(cfg, path, m if m is not None else measure(cfg)) for cfg, path, m in plans]
+    found = [(cfg, path, m) for cfg, path, m in found if m is not None]
+    if not found:
+        return None
+    close = contenders([m for *_, m in found])
+    for i in reversed(close) if all(not found[i][2].cached for i in close) else ():
+        # measured minutes apart, the two best may have met different neighbours: once more, in
+        # the other order, keeping each one's fastest figures
+        again = measure(found[i][0])
+        if again is not None:
+            found[i] = (*found[i][:2], merged(found[i][2], again))
+    for _, path, m in found:
+        if not m.cached:
+            _write(path, m)
+            logger.info("tuning: %s: plain %.1f ms, draft %.1f ms, %.1f tok/s expected", m.name, m.one_token_ms,
+                        m.draft_ms, m.score())
+    measured = [m for *_, m in found]
+    tuning = Tuning(choose(measured), tuple(measured), round(spent * 1e3, 1))
+    logger.info("tuning chose %s (%s)", tuning.choice, "cached" if not tuning.tune_ms else f"{tuning.tune_ms:.0f} ms")
+    return tuning

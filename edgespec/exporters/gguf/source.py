@@ -1,0 +1,279 @@
+"""Read a GGUF source without torch or transformers: weights, config and tokenizer from gguf-py.
+
+Weights keep their GGUF blocks (gguf/transcode.BlockWeight) under transformers' state-dict names,
+so the ONNX writer can emit them as MatMulNBits as they are; `dequantized()` gives float32
+arrays (gguf-py's own dequantizer) for formats and precisions that re-encode.
+
+The config becomes a ModelSpec from the `<arch>.*` metadata keys, with the facts llama.cpp itself
+hard-codes per architecture (activation, Gemma 3's sliding-window pattern) in `_ARCHS`. RoPE tables
+are computed as llama.cpp rotates: the linear scale factor and Llama 3's `rope_freqs.weight` divisors
+applied, any other `<arch>.rope.*` key refused by name. The tokenizer becomes a `tokenizers`
+tokenizer.json (gguf/tokenizer.py).
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+from ...errors import ExportError
+from ...models.families import family_for
+from ..spec import ModelSpec
+from .transcode import BlockWeight, quant_type_name, transcode
+
+__all__ = ["GGUFModel", "open_gguf", "read_gguf", "ArchFacts", "ARCHS"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ArchFacts:
+    """What a GGUF's metadata leaves to llama.cpp's code for one architecture."""
+
+    model_type: str  # transformers' model_type (what spec_from_hf would report)
+    activation: str
+    swa_period: int | None = None  # every Nth layer is full attention, the rest sliding (Gemma 3: 6)
+    swa_base: float | None = None  # rope base of sliding layers when the file does not say
+    unpermute_qk: bool = False  # llama.cpp reordered q/k rows for its interleaved RoPE
+
+
+ARCHS: dict[str, ArchFacts] = {
+    "gemma3": ArchFacts("gemma3_text", "gelu_tanh", swa_period=6, swa_base=10000.0),
+    "llama": ArchFacts("llama", "silu", unpermute_qk=True),
+    "qwen2": ArchFacts("qwen2", "silu"),
+    "qwen3": ArchFacts("qwen3", "silu"),
+}
+
+# GGUF tensor name (after "blk.N.") -> transformers name (after "model.layers.N."); "ffn_norm" is the
+# pre-MLP norm, which transformers calls post_attention_layernorm unless the family has sandwich norms
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF file read into edgespec's terms."""
+
+    spec: ModelSpec
+    config: SimpleNamespace  # max_position_embeddings, intermediate_size (what gguf/export reads)
+    tensors: dict[str, BlockWeight | np.ndarray]  # transformers names, the file's own blocks
+    block_types: dict[str, int] = field(default_factory=dict)  # GGUF type -> tensor count
+    file_type: str = "unknown"  # llama.cpp's name, e.g. Q4_K_M
+    precision: str | None = None  # edgespec's name when it has one (int4 for Q4_K_M)
+
+    @property
+    def generation_config(self) -> SimpleNamespace:  # what tokenizer_export reads off a model
+        return SimpleNamespace(eos_token_id=self.config.eos_token_id)
+
+    def dequantized(self) -> dict[str, np.ndarray]:
+        """float32 weights under the same names (gguf-py's dequantizer for quantized ones)."""
+        return {k: v.dequantize() if isinstance(v, BlockWeight) else v for k, v in self.tensors.items()}
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    value = f.contents()
+    return value
+
+
+def _require(reader, key: str):
+    value = _field(reader, key)
+    if value is None:
+        raise ExportError(f"the GGUF has no '{key}' metadata; cannot read its configuration")
+    return value
+
+
+def _inv_freq(base: float, dim: int) -> np.ndarray:
+    # as transformers computes it: float32 arange / dim, float32 power
+    exp = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    return (np.float32(1.0) / (np.float32(base) ** exp)).astype(np.float32)
+
+
+def _layer_types(reader, arch: str, facts: ArchFacts, n_layers: int) -> tuple[str, ...]:
+    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: True = sliding (what edgespec's GGUF writer stores)
+        return tuple("sliding_attention" if p else "full_attention" for p in pattern)
+    period = int(pattern) if pattern is not None else facts.swa_period
+    if period and _field(reader, f"{arch}.attention.sliding_window") is not None:
+        return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers))
+    return ("full_attention",) * n_layers
+
+
+# `<arch>.rope.*` keys this reader turns into the RoPE tables; any other one is refused by name, so no
+# scaling the file asks for is dropped silently
+_ROPE_KEYS = ("dimension_count", "freq_base", "freq_base_swa", "scaling.type", "scaling.factor", "scale_linear",
+              "scaling.original_context_length", "scaling.finetuned", "scaling.attn_factor")
+
+
+def _rope_scale(reader, arch: str) -> float:
+    """llama.cpp's linear frequency scale factor (1.0: none); any other scaling is refused by key."""
+    for key in reader.fields:
+        if key.startswith(f"{arch}.rope.") and key[len(arch) + 6:] not in _ROPE_KEYS:
+            raise ExportError(f"the GGUF's RoPE key '{key}' is not supported")
+    kind = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
+    # llama.cpp divides the frequencies by the factor whatever the type, reading the older
+    # `rope.scale_linear` when `rope.scaling.factor` is absent or 0
+    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 0.0) or 0.0)
+    factor = factor or float(_field(reader, f"{arch}.rope.scale_linear", 1.0) or 1.0)
+    # yarn at factor 1 ramps between two equal tables with no magnitude change: the plain table
+    if kind not in ("none", "linear") and not (kind == "yarn" and factor == 1.0):
+        raise ExportError(f"the GGUF's '{arch}.rope.scaling.type' = '{kind}' is not supported (none, linear)")
+    attn = float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0)
+    if attn != 1.0:  # llama.cpp multiplies cos/sin by it; no source edgespec reads sets it
+        raise ExportError(f"the GGUF's '{arch}.rope.scaling.attn_factor' = {attn} is not supported")
+    return factor
+
+
+def _rope(reader, arch: str, facts: ArchFacts, head_dim: int, layer_types, freqs: np.ndarray | None) -> dict:
+    """inv_freq per layer type as llama.cpp rotates: base^(-2i/d), divided by the linear scale factor
+    and by `rope_freqs` (Llama 3's per-dimension divisors, ggml_rope_ext's freq_factors)."""
+    dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if dim != head_dim:
+        raise ExportError(f"the GGUF's '{arch}.rope.dimension_count' = {dim} (partial rotary over {head_dim} "
+                          "head dims) is not supported")
+    base = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    factor = _rope_scale(reader, arch)
+    if freqs is not None and freqs.shape != (dim // 2,):
+        raise ExportError(f"the GGUF's rope_freqs.weight has shape {freqs.shape}; expected ({dim // 2},)")
+    tables = {}
+    if "full_attention" in layer_types:
+        inv = _inv_freq(base, dim) / np.float32(factor)
+        if freqs is not None:  # in float64, rounded once: the table llama.cpp's theta / freq_factor gives
+            inv = (inv.astype(np.float64) / freqs.astype(np.float64)).astype(np.float32)
+        tables["full_attention"] = (inv, 1.0)
+    if "sliding_attention" in layer_types:
+        if freqs is not None:
+            raise ExportError("rope_freqs.weight on a model with sliding-window layers is not supported")
+        swa = float(_field(reader, f"{arch}.rope.freq_base_swa", facts.swa_base or base))
+        tables["sliding_attention"] = (_inv_freq(swa, dim), 1.0)
+    return tables
+
+
+def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool,
+          freqs: np.ndarray | None) -> tuple[ModelSpec, SimpleNamespace]:
+    hidden = int(_require(reader, f"{arch}.embedding_length"))
+    n_layers = int(_require(reader, f"{arch}.block_count"))
+    n_heads = int(_require(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads))
+    layer_types = _layer_types(reader, arch, facts, n_layers)
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    softcap = _field(reader, f"{arch}.final_logit_softcapping")
+    if _field(reader, f"{arch}.attn_logit_softcapping"):
+        raise ExportError("attention logit soft-capping (Gemma 2) is not supported")
+    spec = ModelSpec(
+        model_type=facts.model_type,
+        family=family_for(facts.model_type),
+        hidden_size=hidden,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        rms_eps=float(_require(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        activation=facts.activation,
+        # llama.cpp scales queries by 1/sqrt(head_dim) for every architecture read here
+        query_scale=float(head_dim ** -0.5),
+        layer_types=layer_types,
+        sliding_window=int(window) if window is not None and "sliding_attention" in layer_types else None,
+        rope=_rope(reader, arch, facts, head_dim, layer_types, freqs),
+        final_logit_softcap=float(softcap) if softcap else None,
+        tie_embeddings=tied,
+    )
+    config = SimpleNamespace(
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
+        intermediate_size=int(_require(reader, f"{arch}.feed_forward_length")),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        # what gguf/export writes back as freq_base beside rope_freqs when it re-encodes this model
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+    )
+    return spec, config
+
+
+def _hf_name(gguf_name: str, sandwich: bool) -> str | None:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, idx, part = base.split(".", 2)
+        if part == "ffn_norm":
+            part_hf = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+        else:
+            part_hf = _LAYER_NAMES.get(part)
+        return f"model.layers.{idx}.{part_hf}.{suffix}" if part_hf else None
+    top = _TOP_NAMES.get(base)
+    return f"{top}.{suffix}" if top else None
+
+
+def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (gguf/export._permute) on a (rows, K) weight."""
+    perm = np.arange(n_rows).reshape(n_head, 2, n_rows // n_head // 2).swapaxes(1, 2).reshape(-1)
+    return np.argsort(perm)
+
+
+def open_gguf(path: Path):
+    """A gguf.GGUFReader on `path` (open it once: it parses every metadata string)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:
+        raise ExportError("reading a GGUF needs gguf-py: pip install 'edgespec[onnx]'") from e
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # gguf-py raises ValueError/struct errors on a damaged file
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"cannot read {path.name}: {msg}") from e
+
+
+def read_gguf(path: Path, reader=None) -> GGUFModel:
+    """Read `path`'s config and weights; every unsupported feature is a one-line ExportError."""
+    reader = reader or open_gguf(path)
+    arch = str(_field(reader, "general.architecture", ""))
+    if arch not in ARCHS:
+        raise ExportError(f"GGUF architecture '{arch}' is not supported (supported: {', '.join(sorted(ARCHS))})")
+    facts = ARCHS[arch]
+    family = family_for(facts.model_type)
+    tensors: dict[str, BlockWeight | np.ndarray] = {}
+    types: Counter = Counter()
+    freqs = None
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight" and family.gguf_rope_freqs:
+            freqs = np.asarray(transcode(t.data, t.tensor_type, (int(t.n_elements),), t.name), dtype=np.float32)
+            continue
+        name = _hf_name(t.name, family.sandwich_norm)
+        if name is None:
+            raise ExportError(f"GGUF tensor {t.name} has no counterpart in edgespec's {arch} graph")
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne0 (the row length) first
+        w = transcode(t.data, t.tensor_type, shape, t.name)
+        types[quant_type_name(t.tensor_type)] += 1
+        if isinstance(w, np.ndarray) and name.endswith("norm.weight") and family.norm_offset:
+            # llama.cpp stores Gemma's (1 + w), transformers w; in float64 the graph's w + 1 gives the
+            # GGUF's float32 value back exactly (float32 arithmetic would round some of them)
+            w = w.astype(np.float64) - family.norm_offset
+        tensors[name] = w
+    if "model.embed_tokens.weight" not in tensors:
+        raise ExportError(f"{path.name} has no token embedding (token_embd.weight)")
+    vocab = tensors["model.embed_tokens.weight"].shape[0]
+    tied = "lm_head.weight" not in tensors
+    spec, config = _spec(reader, arch, facts, vocab, tied, freqs)
+    if facts.unpermute_qk:
+        for i in range(spec.n_layers):
+            for proj, heads in (("q_proj", spec.n_heads), ("k_proj", spec.n_kv_heads)):
+                key = f"model.layers.{i}.self_attn.{proj}.weight"
+                w = tensors[key]
+                order = _unpermute_rows(w.shape[0], heads)
+                tensors[key] = w.rows(order) if isinstance(w, BlockWeight) else w[order]
+    from .export import precision_of_gguf
+
+    have, ftype = precision_of_gguf(path, reader)
+    return GGUFModel(spec=spec, config=config, tensors=tensors, block_types=dict(types), file_type=ftype,
+                     precision=have or ftype.lower())

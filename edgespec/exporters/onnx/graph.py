@@ -1,0 +1,475 @@
+"""Write a decoder-only transformer as an ONNX graph, straight from its weights.
+
+Why not optimum's exporter: only transformers >= 5.23 reads the default GGUF (and its
+tokenizer) correctly, while optimum-onnx pins transformers < 4.58. Building the graph
+from the weights that transformers loaded keeps one transformers version, gives us the
+KV layout the runtime wants (past/present per layer, logits only for the last
+`n_logits` positions), and stores a tied embedding once (Gather and Gemm share it).
+
+Graph I/O (batch 1):
+  input_ids (1, S) int64, n_logits (1,) int64, past_key_<i>/past_value_<i> (1, kvh, P, hd)
+  → logits (1, n_logits, V), present_key_<i>/present_value_<i> (1, kvh, P+S, hd)
+
+With GraphOptions(kv_layout="append") (what `edgespec export` writes) the cache is
+sequence-major and the graph returns only the new positions:
+  past_key_<i>/past_value_<i> (1, P, kvh, hd) → new_key_<i>/new_value_<i> (1, S, kvh, hd)
+so a runtime can keep one preallocated (capacity, kvh, hd) buffer per tensor, bind its
+prefix as the past and write the new rows straight after it (no growth, no copies).
+
+With GraphOptions(kv_layout="buffer") (what the OpenVINO export writes; every size is a shape, no
+size is a value, so the graph can be reshaped to fixed sizes for an NPU):
+  input_ids (1, S), position_ids (1, S), attention_mask (1, P+S) int64, logits_index (N,) int64,
+  past_key_<i>/past_value_<i> (1, kvh, P, hd) — a KV buffer whose slot j holds position j
+  → logits (1, N, V), new_key_<i>/new_value_<i> (1, kvh, S, hd) — only the new rows
+The caller owns the buffer: it writes the new rows at their positions and rolls back by
+masking slots out (attention_mask 0) instead of reallocating.
+
+GraphOptions(fused_ops) writes onnxruntime's fused kernels (onnx/fused.py; on for the append layout,
+off for the buffer layout OpenVINO reads): the same I/O, ~40% of the kernels per forward.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from ..gguf.transcode import BlockWeight
+from ..spec import ModelSpec
+from .blocks import BlockOps
+from .fused import fast_gelu, fused_add_rms_norm, fused_rms_norm, linear_group, rotary
+from .masks import buffer_positions_and_masks, positions_and_masks
+from .tree import tree_attention, tree_context, tree_input_infos
+
+__all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
+
+logger = logging.getLogger(__name__)
+OPSET = 21
+SCORE_DEPTH = 128  # deepest attention-score product onnxruntime sums the same way at every key count (_scores)
+KV_LAYOUTS = ("present", "append", "buffer")
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    layers: tuple[int, ...] | None = None  # keep only these decoder layers (layer-cut drafts)
+    vocab_keep: np.ndarray | None = None  # target ids of a trimmed LM head (VocabTrim)
+    tie_head: bool = True  # reuse the embedding for the head when the model ties them
+    weight_dtype: str = "fp32"  # "fp16" stores weights in half precision, computes in fp32
+    # "present": past/present (1, kvh, T, hd), the cache grows by concatenation;
+    # "append": sequence-major past (1, P, kvh, hd) in, only the new rows out (see _append_kv);
+    # "buffer": the static-shape layout described above (OpenVINO)
+    kv_layout: str = "present"
+    # MatMulNBits' accuracy_level for BlockWeight (GGUF-transcoded) weights: 0 computes in fp32,
+    # 4 lets the CPU kernels quantize activations to int8 per block (faster, not bit-faithful)
+    nbits_accuracy: int = 0
+    # keep 4-bit float zero points (Q4_K, Q4_1) as MatMulNBits inputs: OpenVINO's compressed weights
+    # take them as they are; onnxruntime's CPU kernels run them 20x slower (onnx/blocks.kernel_form)
+    nbits_float_zero_points: bool = False
+    # onnxruntime's fused kernels (onnx/fused.py: com.microsoft ops OpenVINO does not read);
+    # None: on for the "append" layout, the one only onnxruntime runs
+    fused_ops: bool | None = None
+    # tree verification (onnx/tree.py): tree_path/tree_depth inputs, attention summed in blocks at
+    # absolute positions so a tree's rows round as a chain's; onnxruntime's fused append graph only
+    tree: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.fused and (self.kv_layout == "buffer" or self.nbits_float_zero_points):
+            raise ValueError("fused_ops are onnxruntime's kernels; the buffer layout and float zero points are "
+                             "OpenVINO's graph: give fused_ops=False")
+
+    @property
+    def fused(self) -> bool:
+        return self.kv_layout == "append" if self.fused_ops is None else self.fused_ops
+
+
+class _G(BlockOps):
+    """Tiny node/initializer accumulator with unique names."""
+
+    def __init__(self, weight_dtype: str = "fp32") -> None:
+        self.half = weight_dtype == "fp16"
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._n = 0
+        self.nbits_accuracy = 0
+        self.float_zero_points = False
+        self.fused = False
+        self._blocks: dict[str, tuple[str, ...]] = {}  # BlockWeight initializers, shared by name
+
+    def name(self, hint: str) -> str:
+        self._n += 1
+        return f"{hint}_{self._n}"
+
+    def op(self, op_type: str, inputs: Sequence[str], hint: str | None = None, n_out: int = 1, out: str | None = None,
+           **attrs):
+        outs = [out] if out else [self.name(hint or op_type) for _ in range(n_out)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), outs, name=self.name("n"), **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def const(self, value, hint: str = "c", dtype=None) -> str:
+        arr = np.asarray(value, dtype=dtype)
+        name = self.name(hint)
+        self.inits.append(numpy_helper.from_array(arr, name))
+        return name
+
+    def weight(self, arr: np.ndarray, name: str) -> str:
+        if not self.half:
+            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float32), name))
+            return name
+        # fp16 halves the file; onnxruntime's CPU kernels are fp32, so cast once at load
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float16), name + ".fp16"))
+        return self.op("Cast", [name + ".fp16"], hint=name, to=TensorProto.FLOAT)
+
+
+def _rms_norm(g: _G, x: str, w: np.ndarray, name: str, eps: float, offset: float) -> str:
+    """x / sqrt(mean(x^2) + eps) * (offset + w), over the last axis. Written as the pattern that
+    onnxruntime's SimplifiedLayerNormFusion and OpenVINO's RMSFusion turn into one kernel (Pow,
+    ReduceMean, Add, Sqrt, Div, Mul): six kernel launches per norm less, ~110 norms per Gemma 3
+    forward."""
+    sq = g.op("Pow", [x, g.const(2.0, dtype=np.float32)])
+    mean = g.op("ReduceMean", [sq, g.const([-1], dtype=np.int64)], keepdims=1)
+    root = g.op("Sqrt", [g.op("Add", [mean, g.const(eps, dtype=np.float32)])])
+    return g.op("Mul", [g.op("Div", [x, root]), g.weight(w + offset, name)])
+
+
+def _norm(g: _G, spec: ModelSpec, x: str, w: np.ndarray, name: str, fused: bool, scale: float = 1.0) -> str:
+    """RMSNorm of x, times `scale` (folded into the fused kernel's weight)."""
+    if fused:
+        return fused_rms_norm(g, x, w, name, spec.rms_eps, spec.family.norm_offset, scale)
+    y = _rms_norm(g, x, w, name, spec.rms_eps, spec.family.norm_offset)
+    return y if scale == 1.0 else g.op("Mul", [y, g.const(scale, dtype=np.float32)])
+
+
+def _add_norm(g: _G, spec: ModelSpec, x: str, y: str | None, w: np.ndarray, name: str, fused: bool):
+    """(RMSNorm(x + y), x + y): the residual add and the norm that reads it (y None: no add)."""
+    if y is None:
+        return _norm(g, spec, x, w, name, fused), x
+    if fused:
+        return fused_add_rms_norm(g, x, y, w, name, spec.rms_eps, spec.family.norm_offset)
+    total = g.op("Add", [x, y])
+    return _rms_norm(g, total, w, name, spec.rms_eps, spec.family.norm_offset), total
+
+
+def _linears(g: _G, x: str, w, names: Sequence[str], p: str, fused_name: str | None) -> list[str]:
+    """x @ w.T for each weight `p + name + ".weight"` (and bias): one fused MatMulNBits and a Split
+    under `fused_name` when they share a block format and have no bias, else one product each."""
+    ws = [w[p + n + ".weight"] for n in names]
+    biases = [w.get(p + n + ".bias") for n in names]
+    if fused_name and all(b is None for b in biases):
+        outs = linear_group(g, x, ws, p + fused_name)
+        if outs is not None:
+            return list(outs)
+    return [_linear(g, x, wt, p + n.split(".")[-1], b) for wt, n, b in zip(ws, names, biases)]
+
+
+def _activation(g: _G, x: str, kind: str, fused: bool = False) -> str:
+    if fused and kind == "gelu_tanh":
+        return fast_gelu(g, x)
+    if kind == "silu":
+        return g.op("Mul", [x, g.op("Sigmoid", [x])])
+    # ONNX's Gelu (opset 20): one op for OpenVINO; onnxruntime 1.32 expands it into eight kernels
+    # (the fused graph has FastGelu)
+    return g.op("Gelu", [x], approximate="tanh" if kind == "gelu_tanh" else "none")
+
+
+def _linear(g: _G, x: str, w: np.ndarray, name: str, bias: np.ndarray | None = None) -> str:
+    """x @ w.T (+ b); weights stored (in, out) so MatMul-based quantizers recognise them."""
+    if isinstance(w, BlockWeight):
+        y = g.matmul_nbits(x, w, name)
+    else:
+        y = g.op("MatMul", [x, g.weight(w.T, name)])
+    return g.op("Add", [y, g.weight(bias, name + ".bias")]) if bias is not None else y
+
+
+def _rope(g: _G, x: str, cos: str, sin: str, half: int) -> str:
+    """x * cos + rotate_half(x) * sin, x: (1, heads, S, hd)."""
+    x1, x2 = g.op("Split", [x, g.const([half, half], dtype=np.int64)], n_out=2, axis=-1)
+    rot = g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
+    return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rot, sin])])
+
+
+def _split_fused(w: dict[str, np.ndarray], spec: ModelSpec, i: int) -> None:
+    """Phi-3 stores qkv and gate/up as one matrix each: split them into the Llama names."""
+    p = f"model.layers.{i}."
+    qkv = w.pop(p + "self_attn.qkv_proj.weight", None)
+    if qkv is not None:
+        q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+        w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"], w[p + "self_attn.v_proj.weight"] = (
+            qkv[:q], qkv[q : q + kv], qkv[q + kv :])
+    gu = w.pop(p + "mlp.gate_up_proj.weight", None)
+    if gu is not None:
+        half = gu.shape[0] // 2
+        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = gu[:half], gu[half:]
+
+
+def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[str, str], ctx: dict,
+               kv_names: tuple[str, str] | None = None):
+    """Self-attention of layer `li` over its cache `past`; returns (output, present_k, present_v).
+    `kv_names`: the graph outputs the append layout's new rows are written to (the fused graph:
+    v's rows leave as the projection gives them, never transposed)."""
+    hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
+    fused = ctx["fused"]
+    q, k, v = _linears(g, h, w, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], p,
+                       "qkv_proj" if fused else None)
+    q = g.op("Reshape", [q, g.const([1, -1, H, hd], dtype=np.int64)])  # (1, S, H, hd)
+    k = g.op("Reshape", [k, g.const([1, -1, KVH, hd], dtype=np.int64)])
+    v = g.op("Reshape", [v, g.const([1, -1, KVH, hd], dtype=np.int64)], out=kv_names[1] if kv_names else None)
+    scaled = fused and p + "self_attn.q_norm.weight" in w  # the query scale folded into q_norm's weight
+    if p + "self_attn.q_norm.weight" in w:  # per-head q/k norm (Gemma 3, Qwen 3)
+        q = _norm(g, spec, q, w[p + "self_attn.q_norm.weight"], p + "q_norm", fused,
+                  spec.query_scale if scaled else 1.0)
+        k = _norm(g, spec, k, w[p + "self_attn.k_norm.weight"], p + "k_norm", fused)
+    q = g.op("Transpose", [q], perm=[0, 2, 1, 3])  # (1, H, S, hd)
+    k = g.op("Transpose", [k], perm=[0, 2, 1, 3])
+    v = v if kv_names else g.op("Transpose", [v], perm=[0, 2, 1, 3])
+    lt = spec.layer_types[li]
+    cos, sin = ctx["rope"][lt]
+    if fused:
+        q, k = (rotary(g, t, ctx["rope_positions"], cos, sin) for t in (q, k))
+    else:
+        q, k = _rope(g, q, cos, sin, hd // 2), _rope(g, k, cos, sin, hd // 2)
+    if ctx["append"]:
+        present_k, present_v, out_k, out_v = _append_kv(g, past, k, v, KVH, kv_names)
+    else:
+        present_k = out_k = g.op("Concat", [past[0], k], axis=2)  # (1, KVH, T, hd)
+        present_v = out_v = g.op("Concat", [past[1], v], axis=2)
+    rep = H // KVH
+    if "score_index" in ctx:  # the tree graph (onnx/tree.py)
+        out = tree_attention(g, spec, q, present_k, present_v, ctx["row_mask"][lt], ctx,
+                             lambda rows, keys: _scores(g, rows, keys, hd), scaled)
+        return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
+    if ctx["append"]:
+        mask = ctx["row_mask"][lt] if fused else ctx["mask"][lt]
+        return _attention_rows(g, spec, w, p, q, present_k, present_v, mask, fused, scaled), out_k, out_v
+    # Group query heads under their KV head so MatMul broadcasts instead of copying K/V.
+    q5 = g.op("Reshape", [q, g.const([1, KVH, rep, -1, hd], dtype=np.int64)])  # (1, KVH, rep, S, hd)
+    k5 = g.op("Unsqueeze", [present_k, g.const([2], dtype=np.int64)])  # (1, KVH, 1, T, hd)
+    v5 = g.op("Unsqueeze", [present_v, g.const([2], dtype=np.int64)])
+    q5 = g.op("Mul", [q5, g.const(spec.query_scale, dtype=np.float32)])
+    scores = g.op("MatMul", [q5, g.op("Transpose", [k5], perm=[0, 1, 2, 4, 3])])  # (1, KVH, rep, S, T)
+    scores = g.op("Add", [scores, ctx["mask"][lt]])
+    probs = g.op("Softmax", [scores], axis=-1)
+    out = g.op("MatMul", [probs, v5])  # (1, KVH, rep, S, hd)
+    out = g.op("Reshape", [out, g.const([1, H, -1, hd], dtype=np.int64)])
+    out = g.op("Transpose", [out], perm=[0, 2, 1, 3])
+    out = g.op("Reshape", [out, g.const([1, -1, H * hd], dtype=np.int64)])
+    return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
+
+
+def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, mask: str,
+                    row_mask: bool = False, scaled: bool = False) -> str:
+    """Attention whose score and value MatMuls never see a single query row (onnxruntime's path).
+
+    onnxruntime multiplies a one-row left matrix with another kernel than a taller one (on AVX2
+    and AVX-512 alike: 1e-7 apart), so one-token decodes would round unlike a verify of several
+    tokens. Here each KV head's query heads are stacked as the rows of one MatMul (rep * S rows),
+    and a model with one query head per KV head (rep = 1) stacks its queries twice, so a
+    one-token forward multiplies two rows, as a verify's taller matrix does row by row.
+    q (1, H, S, hd) (already times the query scale if `scaled`); k, v (1, KVH, T, hd) -> (1, S, H * hd),
+    then o_proj. `row_mask`: `mask` is already one row per score row (1, 1, R, T), tiled once per
+    forward, so the scores need no reshape around the mask in every layer."""
+    hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
+    rep = H // KVH
+    copies = 2 if rep == 1 else 1
+    if not scaled:
+        q = g.op("Mul", [q, g.const(spec.query_scale, dtype=np.float32)])
+    if copies == 2:
+        q = g.op("Concat", [q, q], axis=2)  # (1, H, 2S, hd)
+    rows = g.op("Reshape", [q, g.const([1, KVH, -1, hd], dtype=np.int64)])  # (1, KVH, rep*copies*S, hd)
+    scores = _scores(g, rows, k, hd)  # (1, KVH, R, T)
+    if row_mask:
+        probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
+    else:
+        T = g.op("Shape", [k], start=2, end=3)
+        # (1, KVH, rep*copies, S, T): the mask broadcasts over each head's rows
+        scores = g.op("Reshape", [scores, g.op("Concat", [g.const([1, KVH, rep * copies, -1], dtype=np.int64), T],
+                                               axis=0)])
+        probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
+        probs = g.op("Reshape", [probs, g.op("Concat", [g.const([1, KVH, -1], dtype=np.int64), T], axis=0)])
+    out = g.op("MatMul", [probs, v])  # (1, KVH, R, hd)
+    out = g.op("Reshape", [out, g.const([1, KVH * rep, copies, -1, hd], dtype=np.int64)])  # (1, H, copies, S, hd)
+    if copies == 2:
+        out = g.op("Gather", [out, g.const(0, dtype=np.int64)], axis=2)  # the first copy: (1, H, S, hd)
+    else:
+        out = g.op("Reshape", [out, g.const([1, H, -1, hd], dtype=np.int64)])
+    out = g.op("Transpose", [out], perm=[0, 2, 1, 3])
+    out = g.op("Reshape", [out, g.const([1, -1, H * hd], dtype=np.int64)])
+    return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj")
+
+
+def _scores(g: _G, rows: str, k: str, hd: int) -> str:
+    """rows (1, KVH, R, hd) @ k (1, KVH, T, hd) transposed: (1, KVH, R, T), as products of depth
+    at most SCORE_DEPTH added up.
+
+    onnxruntime's SGEMM (MLAS) sums a product deeper than 128 in one pass or in 128-deep pieces
+    depending on how many output columns each of its threads takes, which follows T. A score row
+    computed beside T keys and beside T + 1 (a verify's later, masked keys) then rounds apart at a
+    few T (which ones depends on the head size and the thread count), and a greedy verify
+    there can pick another token than plain decoding. A product of depth 128 or less is always
+    one pass, at every T and thread count measured (1-8), so deeper heads are summed in slices."""
+    if hd <= SCORE_DEPTH:
+        return g.op("MatMul", [rows, g.op("Transpose", [k], perm=[0, 1, 3, 2])])
+    depths = [min(SCORE_DEPTH, hd - i) for i in range(0, hd, SCORE_DEPTH)]
+    sizes, n = g.const(depths, dtype=np.int64), len(depths)
+    qs, ks = g.op("Split", [rows, sizes], n_out=n, axis=3), g.op("Split", [k, sizes], n_out=n, axis=3)
+    out = None
+    for q_part, k_part in zip(qs, ks):
+        part = g.op("MatMul", [q_part, g.op("Transpose", [k_part], perm=[0, 1, 3, 2])])
+        out = part if out is None else g.op("Add", [out, part])
+    return out
+
+
+def _to_heads_major(g: _G, x: str, kvh: int) -> str:
+    """(1, T, kvh, hd) -> (1, kvh, T, hd); a free Reshape when there is one KV head."""
+    if kvh == 1:
+        return g.op("Reshape", [x, g.const([1, 1, -1, 0], dtype=np.int64)])
+    return g.op("Transpose", [x], perm=[0, 2, 1, 3])
+
+
+def _append_kv(g: _G, past: tuple[str, str], k: str, v: str, kvh: int, names: tuple[str, str] | None = None):
+    """Sequence-major cache: attend over past + new, output only the new rows (1, S, kvh, hd).
+    k, v: (1, kvh, S, hd); with `names` (the graph's outputs, written without an Identity kernel
+    each) v is already the new rows, named names[1].
+
+    Returns (present_k, present_v) in the (1, kvh, T, hd) layout attention uses, and the outputs."""
+    new_k = g.op("Transpose", [k], perm=[0, 2, 1, 3], out=names[0] if names else None)  # (1, S, kvh, hd)
+    new_v = v if names else g.op("Transpose", [v], perm=[0, 2, 1, 3])
+    present_k = _to_heads_major(g, g.op("Concat", [past[0], new_k], axis=1), kvh)
+    present_v = _to_heads_major(g, g.op("Concat", [past[1], new_v], axis=1), kvh)
+    return present_k, present_v, new_k, new_v
+
+
+def build_decoder(
+    spec: ModelSpec,
+    weights: dict[str, np.ndarray],
+    options: GraphOptions = GraphOptions(),
+    progress: Callable[[int], None] | None = None,
+) -> onnx.ModelProto:
+    """Return the ONNX model for `spec` with `weights` (HF names, float32 numpy)."""
+    w = dict(weights)
+    layers = options.layers if options.layers is not None else tuple(range(spec.n_layers))
+    g = _G(options.weight_dtype)
+    g.nbits_accuracy = options.nbits_accuracy
+    g.float_zero_points = options.nbits_float_zero_points
+    g.fused = options.fused
+    fam = spec.family
+    ids, n_logits = "input_ids", "n_logits"
+    inputs = [
+        helper.make_tensor_value_info(ids, TensorProto.INT64, [1, "S"]),
+        helper.make_tensor_value_info(n_logits, TensorProto.INT64, [1]),
+    ]
+    buffer = options.kv_layout == "buffer"
+    if buffer:
+        inputs[1:] = [helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "S"]),
+                      helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "T"]),
+                      helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["N"])]
+    n_vocab = len(options.vocab_keep) if options.vocab_keep is not None else spec.vocab_size
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "N", n_vocab])]
+    past = []
+    append = options.kv_layout == "append"
+    kv_shape = [1, "P", spec.n_kv_heads, spec.head_dim] if append else [1, spec.n_kv_heads, "P", spec.head_dim]
+    for j in range(len(layers)):
+        pk, pv = f"past_key_{j}", f"past_value_{j}"
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (pk, pv)]
+        past.append((pk, pv))
+    fused = options.fused
+    if options.tree:  # checked here: writers set the layout on options built without it
+        if not (append and fused):
+            raise ValueError("tree verification is written for onnxruntime's fused append graph")
+        inputs += tree_input_infos()
+    ctx = (buffer_positions_and_masks(g, spec, past[0][0]) if buffer
+           else tree_context(g, spec, past[0][0], ids) if options.tree
+           else positions_and_masks(g, spec, past[0][0], ids, seq_axis=1 if append else 2, fused=fused))
+    ctx["append"], ctx["fused"] = append, fused
+    out_names, out_shape = (("new", [1, "S", spec.n_kv_heads, spec.head_dim]) if append
+                            else ("new", [1, spec.n_kv_heads, "S", spec.head_dim]) if buffer
+                            else ("present", [1, spec.n_kv_heads, "T", spec.head_dim]))
+
+    embed = w["model.embed_tokens.weight"]
+    if isinstance(embed, BlockWeight):
+        emb_name = None
+        x = g.gather_blocks(embed, "model.embed_tokens.weight", ids)  # (1, S, hidden)
+    else:
+        emb_name = g.weight(embed, "model.embed_tokens.weight")
+        x = g.op("Gather", [emb_name, ids], axis=0)  # (1, S, hidden)
+    if fam.embed_scale:
+        x = g.op("Mul", [x, g.const(np.float32(spec.hidden_size**0.5), dtype=np.float32)])
+
+    residual = None  # the last residual branch, added by the next norm (one fused kernel)
+    for j, li in enumerate(layers):
+        _split_fused(w, spec, li)
+        p = f"model.layers.{li}."
+        h, x = _add_norm(g, spec, x, residual, w[p + "input_layernorm.weight"], p + "input_layernorm", fused)
+        kv_names = (f"{out_names}_key_{j}", f"{out_names}_value_{j}")
+        attn, pk, pv = _attention(g, spec, w, p, h, li, past[j], ctx, kv_names if fused and append else None)
+        if buffer:  # only the new rows leave the graph: the caller's buffer holds the rest
+            pk, pv = (g.op("Slice", [t, g.op("Neg", [g.op("Shape", [ids], start=1, end=2)]),
+                                     g.const([np.iinfo(np.int64).max], dtype=np.int64), g.const([2], dtype=np.int64)])
+                      for t in (pk, pv))
+        if (pk, pv) != kv_names:
+            g.nodes += [helper.make_node("Identity", [t], [n]) for t, n in zip((pk, pv), kv_names)]
+        outputs += [helper.make_tensor_value_info(f"{out_names}_{n}_{j}", TensorProto.FLOAT, out_shape)
+                    for n in ("key", "value")]
+
+        def norm(x: str, name: str, p: str = p) -> str:  # used within this layer only
+            return _norm(g, spec, x, w[p + name + ".weight"], p + name, fused)
+
+        if fam.sandwich_norm:
+            attn = norm(attn, "post_attention_layernorm")
+        ff_norm = "pre_feedforward_layernorm" if fam.sandwich_norm else "post_attention_layernorm"
+        h, x = _add_norm(g, spec, x, attn, w[p + ff_norm + ".weight"], p + ff_norm, fused)
+        gate, up = _linears(g, h, w, ["mlp.gate_proj", "mlp.up_proj"], p, "gate_up_proj" if fused else None)
+        gate = _activation(g, gate, spec.activation, fused)
+        residual = _linear(g, g.op("Mul", [gate, up]), w[p + "mlp.down_proj.weight"], p + "down_proj")
+        if fam.sandwich_norm:
+            residual = norm(residual, "post_feedforward_layernorm")
+        if progress:
+            progress(1)
+
+    x, _ = _add_norm(g, spec, x, residual, w["model.norm.weight"], "model.norm", fused)
+    # Only the last n_logits positions reach the head: prefill of a long prompt stays cheap.
+    if buffer:  # a shape, not a value, picks how many rows reach the head
+        x = g.op("Gather", [x, "logits_index"], axis=1)
+    else:
+        start = g.op("Neg", [n_logits])
+        x = g.op("Slice", [x, start, g.const([np.iinfo(np.int64).max], dtype=np.int64), g.const([1], dtype=np.int64)])
+    x2 = g.op("Reshape", [x, g.const([-1, spec.hidden_size], dtype=np.int64)])  # (N, hidden)
+    head_w = w.get("lm_head.weight")
+    tied = head_w is None or spec.tie_embeddings
+    keep = options.vocab_keep
+    if tied and options.tie_head and keep is None:
+        if isinstance(embed, BlockWeight):  # the same blocks as the embedding's Gather
+            logits = g.matmul_nbits(x2, embed, "model.embed_tokens.weight")
+        else:
+            logits = g.op("Gemm", [x2, emb_name], transB=1)  # shares the embedding initializer
+    else:
+        hw = embed if tied else head_w
+        if keep is not None:
+            hw = hw.rows(keep) if isinstance(hw, BlockWeight) else hw[np.asarray(keep)]
+        logits = _linear(g, x2, hw, "lm_head.weight")
+    if spec.final_logit_softcap:
+        cap = g.const(spec.final_logit_softcap, dtype=np.float32)
+        logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
+    g.nodes.append(helper.make_node("Unsqueeze", [logits, g.const([0], dtype=np.int64)], ["logits"]))
+
+    graph = helper.make_graph(g.nodes, "edgespec_decoder", inputs, outputs, initializer=g.inits)
+    opsets = [helper.make_opsetid("", OPSET)]
+    if any(n.domain == "com.microsoft" for n in g.nodes):
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="edgespec")
+    model.ir_version = 10
+    helper.set_model_props(model, _shape_metadata(spec, w, layers, n_vocab, options))
+    return model
+
+
+def _shape_metadata(spec: ModelSpec, w, layers, n_vocab: int, options: GraphOptions) -> dict[str, str]:
+    """Sizes a runtime needs to estimate its scratch memory without reading the weights."""
+    gate = w.get(f"model.layers.{layers[0]}.mlp.gate_proj.weight") if layers else None
+    return {"edgespec.kv_layout": options.kv_layout, "edgespec.hidden_size": str(spec.hidden_size),
+            "edgespec.n_heads": str(spec.n_heads), "edgespec.n_layers": str(len(layers)),
+            "edgespec.intermediate_size": str(gate.shape[0] if gate is not None else 4 * spec.hidden_size),
+            "edgespec.vocab": str(n_vocab), "edgespec.tree": str(int(options.tree))}

@@ -1,0 +1,386 @@
+"""The KV holders of the onnxruntime runtime: one class per KV layout of an edgespec decoder graph.
+
+The exporter (exporters/onnx/graph.py) has written two layouts; a holder binds a graph's past and
+new KV for a forward and runs it (`forward`), rolls back (`trim`, `reset`) and says what it holds
+(`memory`), as mlx-lm's models/cache.py gives each cache kind a class:
+
+- `FixedBufferKV` (the "append" layout, every current export): the graph takes the past
+  sequence-major, (1, P, kv_heads, head_dim), and returns only the new rows. One preallocated
+  (capacity, kv_heads, head_dim) array per layer for K and one for V; a forward binds the filled
+  prefix as the past and the rows right after it as the output (IOBinding on raw pointers), so the
+  cache never grows, is never copied, and a rollback just lowers n_past. Logits go into a reused
+  buffer too: a step allocates nothing per candidate. The binds go through `RawBinding`, and only
+  those that changed since the last forward are made again. `pad_rows` computes every forward one row
+  wider (its last token again) and drops that row, the exact mode where a one-row kernel rounds
+  unlike a taller one; the padding row's K/V lands one slot past the sequence. A graph exported
+  with `--tree` also takes `tree_path`/`tree_depth` (exporters/onnx/tree.py): a chain's are bound
+  from one preallocated range, a tree forward's (`TreeRows`) for that forward only, and
+  `keep_rows` moves the accepted path's K/V rows behind the prefix.
+- `GrowingKV` (the "present" layout of early bundles, kept so they still load): the cache is the
+  list of `present_*` OrtValues the last run returned, bound back as the next past; it grows by
+  reallocation every step and a rollback copies the kept prefix. It is also the naive baseline
+  benchmarks/bench_memory.py compares against.
+
+`plan_kv` picks the holder and its settings once, from the graph's inputs and outputs and the
+options, without a session: a pure function.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ...errors import BackendError, ContextFullError
+from ..heap import lazy_zeros
+
+__all__ = ["DEFAULT_KV_CAPACITY", "F32", "I64", "FixedBufferKV", "GrowingKV", "KVHolder", "KVLayout", "KVPlan",
+           "RawBinding", "TreeRows", "graph_io", "kv_kind", "plan_kv"]
+
+# positions preallocated when no capacity is planned; numpy's zeroed buffers are committed
+# page by page as they fill, so an unused tail costs address space, not memory
+DEFAULT_KV_CAPACITY = 4096
+_LOGIT_ROWS = 17  # logits buffer rows kept ready: verify width for drafts up to 16 tokens
+_INPUTS = ["input_ids", "n_logits", "past_key_0"]  # the first inputs of every edgespec decoder graph
+F32, I64 = 1, 7  # ONNX element types (TensorProto.FLOAT, INT64): what both bind paths take as they are
+
+
+class RawBinding:
+    """An IOBinding of raw CPU buffers, and the run that reads it.
+
+    onnxruntime's Python IOBinding builds an OrtDevice and converts a numpy dtype at every bind
+    (a one-token forward binds two buffers per layer and K/V, so that cost adds up), and
+    its `run_with_iobinding` asks the session about graph capture each run. Where the wrapped C
+    objects are reachable (`IOBinding._iobinding`, `InferenceSession._sess`), this binds on them
+    with one CPU device made here and ONNX element types (a fraction of the cost) and runs the C session;
+    elsewhere (another onnxruntime, a test's fake session) it uses the public wrapper, same calls.
+
+    `bind_input(name, device, element_type, shape, ptr)` and `bind_output(...)` take `device` as
+    given (`self.device`), so a hot loop calls them without an extra Python frame."""
+
+    def __init__(self, sess, *, public: bool = False) -> None:
+        """public: use the public wrapper even where the C objects are reachable (tests of both paths)."""
+        binding = sess.io_binding()
+        c_binding, c_sess, device = (None, None, None) if public else _c_objects(sess, binding)
+        self.fast = c_binding is not None
+        if self.fast:
+            self.device, self.bind_input, self.bind_output = device, c_binding.bind_input, c_binding.bind_output
+            self._sess, self._arg = c_sess, c_binding
+        else:
+            self.device = "cpu"
+            self.bind_input = lambda name, dev, et, shape, ptr: binding.bind_input(name, dev, 0, et, shape, ptr)
+            self.bind_output = lambda name, dev, et, shape, ptr: binding.bind_output(name, dev, 0, et, shape, ptr)
+            self._sess, self._arg = sess, binding
+        self._binding = binding  # the public object owns the C one: kept alive with it
+
+    def run(self) -> None:
+        """Run the session on what is bound."""
+        if self.fast:
+            self._sess.run_with_iobinding(self._arg, None)
+        else:
+            self._sess.run_with_iobinding(self._arg)
+
+
+def _c_objects(sess, binding) -> tuple[object, object, object]:
+    """(C IOBinding, C session, C CPU device) behind onnxruntime's Python objects, or Nones where
+    this onnxruntime does not have them."""
+    c_binding, c_sess = getattr(binding, "_iobinding", None), getattr(sess, "_sess", None)
+    if c_binding is None or c_sess is None or not hasattr(c_sess, "run_with_iobinding"):
+        return None, None, None
+    try:
+        from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
+
+        device = OrtDevice.make("cpu", 0)._get_c_device()
+    except (ImportError, AttributeError, TypeError):
+        return None, None, None
+    return c_binding, c_sess, device
+
+
+@dataclass(frozen=True)
+class TreeRows:
+    """A tree forward's extra inputs (exporters/onnx/tree.py): `path` (S, D) int64, row s's path
+    from the forward's first row to itself, padded with s; `depth` (S,) int64."""
+
+    path: np.ndarray
+    depth: np.ndarray
+
+    @classmethod
+    def from_parents(cls, parents: Sequence[int]) -> TreeRows:
+        """parents[i]: the row before row i on its path (-1: the first row, which every path starts at)."""
+        depth = np.zeros(len(parents), dtype=np.int64)
+        for i, par in enumerate(parents):
+            if (i == 0) != (par < 0) or par >= i:
+                raise ValueError(f"row {i}'s parent {par} must be an earlier row (-1 for row 0 only)")
+            depth[i] = depth[par] + 1 if i else 0
+        path = np.repeat(np.arange(len(parents), dtype=np.int64)[:, None], int(depth.max()) + 1, axis=1)
+        for i in range(len(parents)):
+            node = i
+            for d in range(int(depth[i]), -1, -1):
+                path[i, d], node = node, parents[node]
+        return cls(path, depth)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The cache a graph reads: `n_layers` K and V tensors of `kv_heads` x `head_dim` per position, f32."""
+
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.kv_heads * self.head_dim * 4
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """How a runtime holds its cache, settled at construction (plan_kv)."""
+
+    kind: type[KVHolder]
+    layout: KVLayout
+    capacity: int | None  # most positions held (a forward past it: ContextFullError); None: no limit
+    pad: int  # rows added to every forward (pad_rows), 0 or 1
+    tree: bool = False  # the graph takes tree_path/tree_depth (exporters/onnx/tree.py)
+
+
+class KVHolder(abc.ABC):
+    """One way of holding a graph's KV cache; it binds the session's KV inputs and outputs and runs it."""
+
+    fixed: ClassVar[bool] = False  # buffers preallocated for the capacity (Capabilities.fixed_kv)
+    pads: ClassVar[bool] = False  # can compute a forward one row wider and drop that row (pad_rows)
+    # where the past input's shape (1, ?, ?, head_dim) names the KV heads
+    heads_axis: ClassVar[int]
+    default_capacity: ClassVar[int | None] = None
+
+    def __init__(self, plan: KVPlan, sess, ort, output: str, width: int) -> None:
+        """sess: the onnxruntime session; output: the first output's name (logits or hidden), whose
+        rows are `width` wide."""
+        self.plan, self._sess, self._ort, self._output, self._width = plan, sess, ort, output, width
+        self._n = 0
+        self.reset()
+
+    @property
+    def n_past(self) -> int:
+        return self._n
+
+    def forward(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
+        """Append `token_ids` (n_logits <= their count); the last `n_logits` rows of the output.
+        `tree`: the rows form a draft tree (the tree graph only); keep_rows then keeps one path."""
+        cap = self.plan.capacity
+        if cap is not None and self._n + len(token_ids) > cap:
+            raise ContextFullError(f"the context is full: {self._n} + {len(token_ids)} positions exceed "
+                                   f"the KV capacity of {cap}")
+        return self._run(token_ids, n_logits, tree)
+
+    @abc.abstractmethod
+    def _run(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
+        """Bind, run the session, keep the new positions (room checked)."""
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        """After a tree forward that began at position `start`: hold the positions before it and
+        then the new rows `rows` (indices into that forward's rows, increasing: a root-to-node path)."""
+        raise BackendError("this KV layout verifies chains only")
+
+    def trim(self, n_past: int) -> None:
+        """Hold only the first `n_past` positions."""
+        if n_past >= self._n:
+            return
+        if n_past <= 0:
+            self.reset()
+            return
+        self._keep(n_past)
+
+    def _keep(self, n_past: int) -> None:
+        """Hold the first `n_past` positions (0 < n_past < n_past now)."""
+        self._n = n_past
+
+    def reset(self) -> None:
+        self._n = 0
+
+    def probe(self, n_new: int, n_ctx: int) -> bool:
+        """Runtime.probe_scratch: False where the holder cannot stand a prefix in for a context."""
+        return False
+
+    def buffers(self) -> list[np.ndarray]:
+        """The preallocated K/V arrays (none for a growing cache)."""
+        return []
+
+    @abc.abstractmethod
+    def memory(self) -> dict[str, int]:
+        """Bytes held now: `kv` and what else the holder allocates."""
+
+    def close(self) -> None:
+        self._sess = None
+
+
+class FixedBufferKV(KVHolder):
+    """Sequence-major buffers preallocated for the capacity, written in place through IOBinding."""
+
+    fixed = pads = True
+    heads_axis = 2  # past: (1, P, kvh, hd)
+    default_capacity = DEFAULT_KV_CAPACITY
+
+    def __init__(self, plan: KVPlan, sess, ort, output: str, width: int) -> None:
+        super().__init__(plan, sess, ort, output, width)
+        lay, rows = plan.layout, plan.capacity + plan.pad
+        # the padding row's K/V lands one slot past the sequence: room for it at capacity. Pages
+        # are committed as they are written: RSS follows the context actually used (lazy_zeros)
+        self._kv = [lazy_zeros((rows, lay.kv_heads, lay.head_dim)) for _ in range(2 * lay.n_layers)]
+        self._kv_bytes = sum(a.nbytes for a in self._kv)  # memory() runs with every streamed Response
+        self.logits = np.zeros((_LOGIT_ROWS, width), dtype=np.float32)
+        self._ids = np.zeros((1, rows), dtype=np.int64)
+        self._arange = np.arange(rows, dtype=np.int64)  # a chain's tree_path and tree_depth (tree graph)
+        self._tree: TreeRows | None = None  # the arrays a tree forward bound, alive while bound
+        self._n_logits = np.zeros(1, dtype=np.int64)
+        self._binding = RawBinding(sess)
+        # (past input, new output, buffer base address) per K/V buffer: the base never moves
+        self._slots = [(f"past_{kind}_{i // 2}", f"new_{kind}_{i // 2}", buf.ctypes.data)
+                       for i, (kind, buf) in enumerate(zip(("key", "value") * lay.n_layers, self._kv))]
+        b = self._binding
+        b.bind_input("n_logits", b.device, I64, [1], self._n_logits.ctypes.data)  # its address never moves
+        self._bound: tuple[int, int, int] = (-1, -1, 0)  # (ids width, logits rows, logits address) bound
+
+    def _run(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
+        p, real, pad, lay = self._n, len(token_ids), self.plan.pad, self.plan.layout
+        if tree is not None and (pad or not self.plan.tree):
+            raise BackendError("tree verification needs the tree graph (edgespec export --tree) without pad_rows")
+        # with padding, the graph also returns the padding row's logits (it returns the last rows)
+        s, rows = real + pad, n_logits + pad
+        if rows > len(self.logits):  # a wider verify than planned: grow once, keep it
+            self.logits = np.zeros((rows, self._width), dtype=np.float32)
+        b = self._binding
+        ids = self._ids[0, :s]
+        ids[:real] = token_ids
+        ids[real:] = token_ids[-1]
+        self._n_logits[0] = rows
+        # bind again only what moved: the ids' width and the logits' rows change with the step's
+        # shape, the K/V past and new rows with every forward (P grows)
+        bound = (s, rows, self.logits.ctypes.data)
+        if bound != self._bound:
+            if bound[0] != self._bound[0]:
+                b.bind_input("input_ids", b.device, I64, [1, s], self._ids.ctypes.data)
+                if self.plan.tree:  # a chain: one path 0..s-1 for every row, depth = row
+                    b.bind_input("tree_path", b.device, I64, [1, s], self._arange.ctypes.data)
+                    b.bind_input("tree_depth", b.device, I64, [s], self._arange.ctypes.data)
+            b.bind_output(self._output, b.device, F32, [1, rows, self._width], bound[2])
+            self._bound = bound
+        if tree is not None:  # bound for this forward only: the next one binds its chain again
+            self._tree = tree
+            b.bind_input("tree_path", b.device, I64, list(tree.path.shape), tree.path.ctypes.data)
+            b.bind_input("tree_depth", b.device, I64, [s], tree.depth.ctypes.data)
+            self._bound = (-1, -1, 0)
+        bind_in, bind_out, dev = b.bind_input, b.bind_output, b.device
+        kvh, hd = lay.kv_heads, lay.head_dim
+        past, new, row = [1, p, kvh, hd], [1, s, kvh, hd], kvh * hd * 4
+        for past_name, new_name, base in self._slots:
+            bind_in(past_name, dev, F32, past, base)
+            bind_out(new_name, dev, F32, new, base + p * row)
+        b.run()
+        self._n = p + real
+        return self.logits[:n_logits]
+
+    def keep_rows(self, start: int, rows: Sequence[int]) -> None:
+        if not self.plan.tree:
+            return super().keep_rows(start, rows)  # raises: a chain graph has no tree rows
+        idx = np.asarray(rows, dtype=np.int64)
+        if start < 0 or start + (int(idx.max()) + 1 if idx.size else 0) > self._n or (np.diff(idx) <= 0).any():
+            raise ValueError(f"rows {list(rows)} are not increasing rows of the forward at {start} (n_past {self._n})")
+        for buf in self._kv:  # the path's K/V rows moved down behind the prefix: a few rows each
+            buf[start:start + idx.size] = buf[start + idx]
+        self._n = start + idx.size
+
+    def probe(self, n_new: int, n_ctx: int) -> bool:
+        if n_new < 1 or n_ctx > self.plan.capacity:
+            return False
+        # the buffers' prefix stands in for a cached context: its contents do not matter here
+        self._n = max(0, n_ctx - n_new)
+        try:
+            self._run([0] * min(n_new, n_ctx), 1)
+        finally:
+            self.reset()
+        return True
+
+    def buffers(self) -> list[np.ndarray]:
+        return list(self._kv)
+
+    def memory(self) -> dict[str, int]:
+        return {"kv": self._kv_bytes, "kv_used": self.plan.layout.bytes_per_token * self._n,
+                "logits": self.logits.nbytes}
+
+    def close(self) -> None:
+        self._binding = None
+        self._kv, self._kv_bytes = [], 0
+        super().close()
+
+
+class GrowingKV(KVHolder):
+    """The `present_*` OrtValues of the last run, bound back as the next past."""
+
+    heads_axis = 1  # past: (1, kvh, P, hd)
+
+    def _run(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
+        if tree is not None:
+            raise BackendError("this KV layout verifies chains only")
+        binding = self._sess.io_binding()
+        binding.bind_cpu_input("input_ids", np.asarray([token_ids], dtype=np.int64))
+        binding.bind_cpu_input("n_logits", np.asarray([n_logits], dtype=np.int64))
+        for j in range(self.plan.layout.n_layers):
+            binding.bind_ortvalue_input(f"past_key_{j}", self._past[2 * j])
+            binding.bind_ortvalue_input(f"past_value_{j}", self._past[2 * j + 1])
+        binding.bind_output(self._output)
+        for j in range(self.plan.layout.n_layers):
+            binding.bind_output(f"present_key_{j}")
+            binding.bind_output(f"present_value_{j}")
+        self._sess.run_with_iobinding(binding)
+        outs = binding.get_outputs()
+        self._past = list(outs[1:])
+        self._n += len(token_ids)
+        return outs[0].numpy()[0]  # (n_logits, V)
+
+    def _keep(self, n_past: int) -> None:
+        OrtValue = self._ort.OrtValue
+        # copy: with one KV head the slice is contiguous, and a view would outlive the buffer it
+        # points into once the OrtValue that owns it is dropped (garbage after a second trim)
+        self._past = [OrtValue.ortvalue_from_numpy(v.numpy()[:, :, :n_past].copy()) for v in self._past]
+        super()._keep(n_past)
+
+    def reset(self) -> None:
+        lay = self.plan.layout
+        empty = np.zeros((1, lay.kv_heads, 0, lay.head_dim), dtype=np.float32)
+        self._past = [self._ort.OrtValue.ortvalue_from_numpy(empty) for _ in range(2 * lay.n_layers)]
+        super().reset()
+
+    def memory(self) -> dict[str, int]:
+        return {"kv": self.plan.layout.bytes_per_token * self._n}
+
+    def close(self) -> None:
+        self._past = []
+        super().close()
+
+
+def kv_kind(outputs: Sequence[str]) -> type[KVHolder]:
+    """The holder of a graph with these output names: only the append layout returns `new_*` rows."""
+    return FixedBufferKV if "new_key_0" in outputs else GrowingKV
+
+
+def graph_io(sess) -> tuple[list[tuple[str, list]], list[str]]:
+    """(inputs as (name, shape), output names) of an onnxruntime session: what plan_kv reads."""
+    return [(i.name, list(i.shape)) for i in sess.get_inputs()], [o.name for o in sess.get_outputs()]
+
+
+def plan_kv(inputs: Sequence[tuple[str, Sequence]], outputs: Sequence[str], *, capacity: int | None = None,
+            pad_rows: bool = False, name: str = "the model") -> KVPlan:
+    """The holder and its settings for a graph with these inputs ((name, shape), in order) and
+    output names: the layout's holder (kv_kind), the KV shape read from `past_key_0`, `capacity`
+    (or the holder's default), and pad_rows where the holder can pad."""
+    names = [n for n, _ in inputs]
+    if names[:3] != _INPUTS:
+        raise BackendError(f"{name} is not an edgespec decoder graph (inputs: {', '.join(names[:4])})")
+    kind = kv_kind(outputs)
+    past = inputs[2][1]  # fixed: (1, P, kvh, hd); growing: (1, kvh, P, hd)
+    layout = KVLayout(sum(1 for n in names if n.startswith("past_key_")), int(past[kind.heads_axis]), int(past[3]))
+    return KVPlan(kind, layout, int(capacity or kind.default_capacity) if kind.fixed else capacity,
+                  int(pad_rows and kind.pads), tree="tree_path" in names and kind.fixed)

@@ -1,0 +1,297 @@
+"""The KV holders of the OpenVINO runtime: one class per way of holding the cache.
+
+Every edgespec OpenVINO IR has the buffer KV layout (exporters/onnx/graph.py, kv_layout="buffer"):
+it takes the past KV, position ids and an attention mask, and returns logits plus only the new KV
+rows. A holder decides how the IR is rewritten before it is compiled (`prepare`), what a forward
+of n tokens is fed (`feed`), what it keeps of the outputs (`commit`, `rows`), how it rolls back
+(`trim`) and what it holds (`nbytes`), as mlx-lm's models/cache.py gives each cache kind a class:
+
+- `DynamicBufferKV` (the default): one numpy array per layer and K/V (slot j = position j) that
+  grows by doubling; a forward is fed the held prefix and the new rows are written back after it;
+  rollback lowers the length. It is the exact fast mode: every attention's keys are padded to
+  whole blocks and its queries by one row (openvino/graph.pad_keys, pad_queries), so the CPU
+  plugin's dynamic int8 quantization of activations stays on and a k-token verify still rounds
+  bit for bit like k one-token decodes. `pad_rows` feeds every forward one row more (the exact
+  mode where one-row kernels round unlike taller ones).
+- `StaticKV` (NPUs need it; runs anywhere): the IR is reshaped to a fixed capacity C and width W;
+  every forward feeds W tokens (padded), the whole buffer, and a mask admitting the held positions
+  and the real new tokens: rollback is the mask.
+
+`plan_kv` picks the holder and its settings once, from the device and the options; another
+holder class (a benchmark's: OpenVINO's own state) can be passed as `kv`.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ...errors import BackendError, ContextFullError
+from ..heap import lazy_zeros
+from .graph import pad_keys, pad_queries
+
+__all__ = ["DEFAULT_KV_CAPACITY", "DEFAULT_STATIC_CAPACITY", "DynamicBufferKV", "Feed", "KV_KINDS", "KVHolder",
+           "KVLayout", "KVPlan", "StaticKV", "dynamic_inputs", "plan_kv"]
+
+DEFAULT_STATIC_CAPACITY = 1024  # positions a static-shape model holds unless kv_capacity says otherwise
+# the dynamic mode's limit unless kv_capacity says otherwise, as onnxruntime's and llama.cpp's:
+# without one a 6000-token prompt ran (and took 6 GiB) where the other backends refuse it
+DEFAULT_KV_CAPACITY = 4096
+_FIRST_CAPACITY = 256  # the dynamic buffer's first size; it doubles as the sequence grows
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The cache an IR reads: `n_layers` K and V tensors of (1, kv_heads, positions, head_dim), f32."""
+
+    n_layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model) -> KVLayout:
+        past = model.input("past_key_0").get_partial_shape()  # (1, kvh, P, hd)
+        n_layers = sum(1 for p in model.inputs for n in p.get_names() if n.startswith("past_key_"))
+        return cls(n_layers, past[1].get_length(), past[3].get_length())
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.kv_heads * self.head_dim * 4
+
+    def shape(self, positions: int) -> tuple[int, int, int, int]:
+        return (1, self.kv_heads, positions, self.head_dim)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """How a runtime holds its cache, settled at construction (plan_kv)."""
+
+    kind: type[KVHolder]
+    capacity: int  # most positions held; a forward past it is a ContextFullError
+    width: int | None  # tokens every forward computes (static shapes), else None
+    pad_rows: bool  # every forward one row wider, that row dropped (never one row)
+    wide: bool  # forwards of more than one token run on a second compiled copy
+    quantize: bool  # the CPU plugin may quantize activations to int8 on the fly
+
+
+# an input of a forward: an array, or (buffer, shape): a prefix of a buffer kept across forwards
+Feed = np.ndarray | tuple[np.ndarray, tuple[int, ...]]
+
+
+class KVHolder(abc.ABC):
+    """One way of holding an IR's KV cache; the runtime feeds and reads the compiled model."""
+
+    name: ClassVar[str]
+    static: ClassVar[bool] = False  # shapes fixed at load (capacity and width)
+    # attention keys and queries padded (openvino/graph.py): exact under dynamic int8 activations
+    padded: ClassVar[bool] = False
+    # any width and the cache outside the plugin: forwards may pad rows or run on a second copy
+    dynamic: ClassVar[bool] = False
+    new_rows: ClassVar[bool] = True  # it reads the IR's new_* outputs after each forward
+    # the plugin may quantize activations (None: where that is exact, or the precision rounds anyway)
+    quantize: ClassVar[bool | None] = None
+
+    def __init__(self, layout: KVLayout, plan: KVPlan, request) -> None:
+        self.layout, self.plan, self._n = layout, plan, 0
+
+    @classmethod  # noqa: B027 - a holder that feeds the IR as exported rewrites nothing
+    def prepare(cls, model, layout: KVLayout, plan: KVPlan) -> None:
+        """Rewrite `model` in place, before it is compiled, into what this holder feeds."""
+
+    @property
+    def n_past(self) -> int:
+        return self._n
+
+    def reserve(self, total: int) -> None:
+        """Room for `total` positions, or ContextFullError with the cache unchanged."""
+        if total > self.plan.capacity:
+            raise ContextFullError(f"the context is full: the KV cache holds at most {self.plan.capacity} "
+                                   f"positions (kv_capacity); this sequence needs {total}")
+
+    @abc.abstractmethod
+    def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, Feed]:
+        """The inputs of a forward appending `token_ids` (room reserved first): an array, or
+        (buffer, shape), the first prod(shape) elements of a C-contiguous buffer the holder keeps
+        (the runtime then wraps the buffer once and only reshapes it per forward)."""
+
+    def commit(self, new: list[tuple[np.ndarray, np.ndarray]], n_new: int) -> None:
+        """After a forward of `n_new` tokens: keep them; `new` holds each layer's (K, V) output rows."""
+        self._n += n_new
+
+    def abort(self, n_past: int) -> None:  # noqa: B027 - a buffer is written only after success
+        """After a forward failed: hold the first `n_past` positions, as before it."""
+
+    def rows(self, logits: np.ndarray, n_new: int, n_logits: int) -> np.ndarray:
+        """The last `n_logits` new positions' rows of a forward's logits (a view)."""
+        return logits[:n_logits]
+
+    def trim(self, n_past: int) -> None:
+        """Hold only the first `n_past` positions (n_past <= self.n_past)."""
+        self._n = n_past
+
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes the cache holds now."""
+
+    def close(self) -> None:  # noqa: B027 - optional: only holders of arrays free them
+        """Let go of the cache."""
+
+
+def dynamic_inputs(token_ids: Sequence[int], n_past: int, n_logits: int, rows: int) -> dict[str, np.ndarray]:
+    """A dynamic-shape forward's token inputs: `token_ids` after `n_past` positions, of which the
+    first `rows` are kept (the rest is padding), logits for the last `n_logits` kept rows."""
+    S = len(token_ids)
+    return {"input_ids": np.asarray([token_ids], dtype=np.int64),
+            "position_ids": np.arange(n_past, n_past + S, dtype=np.int64)[None],
+            "attention_mask": np.ones((1, n_past + S), dtype=np.int64),
+            # a padded forward's head takes two rows where one is asked: its one-row kernel rounds apart too
+            "logits_index": np.arange(rows - n_logits, rows + (S > rows and n_logits == 1), dtype=np.int64)}
+
+
+class _Buffers(KVHolder):
+    """K and V arrays per layer, slot j = position j: stale rows past n_past are never read."""
+
+    def __init__(self, layout: KVLayout, plan: KVPlan, request) -> None:
+        super().__init__(layout, plan, request)
+        self._buf = self._alloc(self._first_size(), [])
+
+    def _first_size(self) -> int:
+        return self.plan.capacity
+
+    def _alloc(self, capacity: int, old: list[np.ndarray]) -> list[np.ndarray]:
+        # committed as written: memory follows the context actually used (lazy_zeros)
+        buf = [lazy_zeros(self.layout.shape(capacity)) for _ in range(2 * self.layout.n_layers)]
+        for new, prev in zip(buf, old):
+            new[:, :, :self._n] = prev[:, :, :self._n]
+        self._nbytes = sum(b.nbytes for b in buf)  # nbytes() runs with every streamed Response
+        return buf
+
+    def commit(self, new: list[tuple[np.ndarray, np.ndarray]], n_new: int) -> None:
+        n = self._n
+        for j, (k, v) in enumerate(new):
+            self._buf[2 * j][:, :, n:n + n_new] = k[:, :, :n_new]
+            self._buf[2 * j + 1][:, :, n:n + n_new] = v[:, :, :n_new]
+        super().commit(new, n_new)
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def close(self) -> None:
+        self._buf, self._nbytes = [], 0
+
+
+class DynamicBufferKV(_Buffers):
+    """Grows by doubling up to the capacity; a forward is fed the held prefix."""
+
+    name = "buffer"
+    padded = dynamic = True
+
+    @classmethod
+    def prepare(cls, model, layout: KVLayout, plan: KVPlan) -> None:
+        # only a buffer can leave padded keys out of the cache (OpenVINO's state would keep them)
+        pad_keys(model)
+        pad_queries(model)
+
+    def _first_size(self) -> int:
+        return min(self.plan.capacity, _FIRST_CAPACITY)
+
+    def reserve(self, total: int) -> None:
+        super().reserve(total)
+        size = self._buf[0].shape[2]
+        if total > size:
+            self._buf = self._alloc(min(max(total, 2 * size), self.plan.capacity), self._buf)
+
+    def __init__(self, layout: KVLayout, plan: KVPlan, request) -> None:
+        super().__init__(layout, plan, request)
+        # the token inputs' buffers, kept: a forward writes its prefix (pad_rows: one row more)
+        room = plan.capacity + 2
+        self._ids, self._pos = np.zeros((1, room), dtype=np.int64), np.zeros((1, room), dtype=np.int64)
+        self._mask, self._index = np.ones((1, room), dtype=np.int64), np.zeros(room, dtype=np.int64)
+
+    def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, Feed]:
+        S, n = len(token_ids), self._n
+        self.reserve(n + S)
+        # pad_rows: the last token once more at the next position, its outputs dropped, so no
+        # forward multiplies one row: on CPUs whose one-row FullyConnected kernel rounds unlike
+        # the taller one (AVX2 with int8/int4 weights), a decode then rounds like a verify's rows
+        fed = S + self.plan.pad_rows
+        self._ids[0, :S] = token_ids
+        self._ids[0, S:fed] = token_ids[-1]
+        self._pos[0, :fed] = np.arange(n, n + fed)
+        # as dynamic_inputs: a padded forward's head takes two rows where one is asked
+        index = np.arange(S - n_logits, S + (fed > S and n_logits == 1))
+        self._index[:len(index)] = index
+        feed: dict[str, Feed] = {"input_ids": (self._ids, (1, fed)), "position_ids": (self._pos, (1, fed)),
+                                 "attention_mask": (self._mask, (1, n + fed)),
+                                 "logits_index": (self._index, (len(index),))}
+        shape = self.layout.shape(n)
+        for j in range(self.layout.n_layers):
+            k, v = self._buf[2 * j], self._buf[2 * j + 1]
+            if self.layout.kv_heads == 1:  # the prefix is the buffer's first n rows: fed in place
+                feed[f"past_key_{j}"], feed[f"past_value_{j}"] = (k, shape), (v, shape)
+            else:  # one prefix per head: copied together
+                feed[f"past_key_{j}"] = np.ascontiguousarray(k[:, :, :n])
+                feed[f"past_value_{j}"] = np.ascontiguousarray(v[:, :, :n])
+        return feed
+
+
+class StaticKV(_Buffers):
+    """Allocated once for the capacity; every forward feeds the whole buffer and `width` tokens."""
+
+    name = "buffer"
+    static = True
+
+    @classmethod
+    def prepare(cls, model, layout: KVLayout, plan: KVPlan) -> None:
+        W, C = plan.width, plan.capacity
+        shapes = {"input_ids": [1, W], "position_ids": [1, W], "attention_mask": [1, C + W], "logits_index": [W]}
+        shapes.update({f"past_{kind}_{j}": list(layout.shape(C)) for j in range(layout.n_layers)
+                       for kind in ("key", "value")})
+        model.reshape(shapes)
+
+    def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, Feed]:
+        S, n, W, C = len(token_ids), self._n, self.plan.width, self.plan.capacity
+        self.reserve(n + S)
+        if S > W:
+            raise BackendError(f"OpenVINO static shapes take at most {W} tokens per forward, got {S}")
+        ids = np.zeros((1, W), dtype=np.int64)
+        ids[0, :S] = token_ids
+        mask = np.zeros((1, C + W), dtype=np.int64)
+        mask[0, :n] = 1  # rollback lives here: slots past n_past are simply not attended
+        mask[0, C:C + S] = 1
+        feed = {"input_ids": ids, "position_ids": np.arange(n, n + W, dtype=np.int64)[None],
+                "attention_mask": mask, "logits_index": np.arange(W, dtype=np.int64)}
+        for j in range(self.layout.n_layers):  # the whole buffers, the same every forward: bound once
+            k, v = self._buf[2 * j], self._buf[2 * j + 1]
+            feed[f"past_key_{j}"], feed[f"past_value_{j}"] = (k, k.shape), (v, v.shape)
+        return feed
+
+    def rows(self, logits: np.ndarray, n_new: int, n_logits: int) -> np.ndarray:
+        return logits[n_new - n_logits:n_new]  # one row per slot of the width: the real tokens' last
+
+
+# the holders a runtime takes by name (kv="buffer"); static shapes pick StaticKV
+KV_KINDS: dict[str, type[KVHolder]] = {"buffer": DynamicBufferKV}
+
+
+def plan_kv(device: str, precision: str, *, static: bool = False, kv: str | type[KVHolder] | None = None,
+            width: int | None = None, capacity: int | None = None, pad_rows: bool = False,
+            wide: bool = False) -> KVPlan:
+    """The holder and its settings for a model compiled for `device` in `precision`: static shapes
+    where asked or on an NPU (which compiles nothing else); `kv` a name in KV_KINDS or a holder
+    class; pad_rows and wide only where the holder has dynamic shapes (and wide on the CPU, whose
+    plugin re-prepares its graph per width)."""
+    static = static or device.startswith("NPU")
+    kind = KV_KINDS.get(kv or "buffer") if isinstance(kv, str) or kv is None else kv
+    if static and kind is DynamicBufferKV:
+        kind = StaticKV
+    if kind is None or not (isinstance(kind, type) and issubclass(kind, KVHolder)) or static != kind.static:
+        raise BackendError(f"OpenVINO: kv must be one of {', '.join(KV_KINDS)} ('buffer' with static shapes) "
+                           f"or a KVHolder class, got {getattr(kv, '__name__', kv)!r}")
+    quantize = kind.quantize if kind.quantize is not None else kind.padded or precision != "f32"
+    return KVPlan(kind, capacity or (DEFAULT_STATIC_CAPACITY if static else DEFAULT_KV_CAPACITY),
+                  max(int(width or 1), 1) if static else None, pad_rows and kind.dynamic,
+                  wide and kind.dynamic and device.startswith("CPU"), quantize)
