@@ -270,8 +270,9 @@ def inside_bundle(root: Path, rel: str, where: str = "file") -> Path:
         path.resolve().relative_to(root.resolve())
     except ValueError:
         raise BundleError(f"bundle {root}: {where} {rel!r} points outside the bundle folder") from None
-    except OSError as e:  # a symlink loop
-        raise BundleError(f"bundle {root}: cannot resolve {where} {rel!r}: {e.strerror or e}") from None
+    except (OSError, RuntimeError) as e:  # a symlink loop (Python before 3.13 raises RuntimeError)
+        raise BundleError(f"bundle {root}: cannot resolve {where} {rel!r}: "
+                          f"{getattr(e, 'strerror', None) or e}") from None
     return path
 
 
@@ -390,7 +391,10 @@ def staged_bundle_dir(out: Path, force: bool = False) -> Iterator[Path]:
     A crash or error leaves no half-written bundle at `out`, and the old bundle stays until the
     new one is complete: the replace moves it aside, moves the new one in, and moves it back if
     that fails. Leftovers of runs killed outright are swept by the next export (sweep_stale)."""
-    out = out.expanduser().resolve()
+    try:
+        out = out.expanduser().resolve()
+    except RuntimeError as e:  # a symlink loop (Python before 3.13)
+        raise BundleError(f"cannot write the bundle at {out}: {e}") from None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         sweep_stale(out)

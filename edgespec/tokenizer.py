@@ -1,4 +1,8 @@
-"""Runtime tokenizer: HF `tokenizers` + a sandboxed Jinja chat template, no transformers/torch."""
+"""Runtime tokenizer: HF `tokenizers` + a sandboxed Jinja chat template, no transformers/torch.
+
+The chat template is the bundle's code: it is rendered in a child process with a time and a
+memory limit (models/templates.py), so a template that never ends or fills the memory is a
+one-line error instead of a hung chat or a killed process."""
 from __future__ import annotations
 
 import functools
@@ -9,40 +13,56 @@ from pathlib import Path
 
 from .bundle import TokenizerInfo
 from .errors import BundleError, ConfigError
+from .models.templates import TEMPLATE_TIMEOUT_S, InProcessRenderer, TemplateRenderer
 
 __all__ = ["Tokenizer", "IncrementalDecoder"]
 
 logger = logging.getLogger(__name__)
 
 
-def _raise(msg: str):
-    raise ConfigError(f"chat template: {msg}")
+def _rust_error(e: BaseException) -> bool:
+    # a panic in the Rust binding is a pyo3 PanicException, a BaseException: it must not pass
+    # as a KeyboardInterrupt or SystemExit would
+    return isinstance(e, Exception) or type(e).__name__ == "PanicException"
 
 
 class Tokenizer:
-    """Encode/decode text and render chat messages the way the model was trained."""
+    """Encode/decode text and render chat messages the way the model was trained.
 
-    def __init__(self, path: Path, info: TokenizerInfo) -> None:
+    template_timeout_s: the time limit of one chat template render, in a child process (None:
+    rendered in this process with no bound, for a caller that is itself a bounded child)."""
+
+    def __init__(self, path: Path, info: TokenizerInfo, *,
+                 template_timeout_s: float | None = TEMPLATE_TIMEOUT_S) -> None:
         from tokenizers import Tokenizer as _HFTokenizer
 
         try:
             self._tok = _HFTokenizer.from_file(str(path))
-        except Exception as e:  # the Rust binding raises a bare Exception on bad JSON
-            raise BundleError(f"cannot read tokenizer {path.name}: {e}") from None
+        except BaseException as e:  # the Rust binding raises a bare Exception on bad JSON
+            if not _rust_error(e):
+                raise
+            raise BundleError(f"cannot read tokenizer {path.name}: {_first_line(e)}") from None
+        _check_vocabulary(self._tok, info, path.name)
         self.info = info
         self.stop_ids = frozenset(info.stop_token_ids)
+        if template_timeout_s is not None and not template_timeout_s > 0:
+            raise ConfigError(f"the chat template time limit must be > 0 s, got {template_timeout_s!r}")
+        self.template_timeout_s = template_timeout_s
 
     @functools.cached_property
-    def _template(self):
-        """The chat template, compiled on first use: jinja2 and a compiled template hold ~6 MiB
-        that a completion, a benchmark or a base model's transcript chat never needs."""
-        if not self.info.chat_template:
-            return None
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    def _renderer(self) -> TemplateRenderer | InProcessRenderer:
+        """Made on the first chat render: a completion, a benchmark or a base model's transcript
+        chat never starts the child (nor imports jinja2)."""
+        if self.template_timeout_s is None:
+            return InProcessRenderer()
+        return TemplateRenderer(self.template_timeout_s)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        return env.from_string(self.info.chat_template)
+    def close(self) -> None:
+        """End the chat template's child process, if one was started (it also ends when the
+        tokenizer is collected, or at exit)."""
+        renderer = self.__dict__.pop("_renderer", None)
+        if renderer is not None:
+            renderer.close()
 
     @property
     def has_chat_template(self) -> bool:
@@ -52,7 +72,12 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except BaseException as e:  # a tokenizer.json the Rust side cannot apply ("Unk token not found")
+            if not _rust_error(e):
+                raise
+            raise BundleError(f"the bundle's tokenizer cannot encode this text: {_first_line(e)}") from None
         if add_special_tokens and self.info.add_bos and self.info.bos_token_id is not None:
             ids = [self.info.bos_token_id] + ids
         return ids
@@ -61,15 +86,38 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        if self._template is None:
+        """The chat template's text for `messages`, within the time and memory limit
+        (models/templates.py: ChatTemplateError, TemplateLimitError, ConfigError, one line each)."""
+        if not self.info.chat_template:
             raise ConfigError("this model has no chat template; use `edgespec generate` for plain completion")
         bos = self.token(self.info.bos_token_id) if self.info.bos_token_id is not None else ""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos or "", eos_token="")
+        context = {"messages": messages, "add_generation_prompt": add_generation_prompt, "bos_token": bos or "",
+                   "eos_token": ""}
+        return self._renderer.render(self.info.chat_template, context)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # the template writes BOS itself, as transformers' apply_chat_template does
         return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def _check_vocabulary(tok, info: TokenizerInfo, name: str) -> None:
+    """A tokenizer.json that loads but cannot tokenize (an empty vocabulary encodes every text to
+    no tokens) or that lacks the manifest's special tokens is a broken bundle, refused here
+    rather than as an empty prompt or an index error deep in a backend."""
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size < 1:
+        raise BundleError(f"the bundle's {name} has an empty vocabulary; export the bundle again")
+    named = [("bos_token_id", info.bos_token_id)] if info.bos_token_id is not None else []
+    named += [("stop_token_ids", i) for i in info.stop_token_ids]
+    for field_name, i in named:
+        if tok.id_to_token(i) is None:
+            raise BundleError(f"the bundle's {name} has no token {i} (tokenizer.{field_name} in the manifest; "
+                              f"its vocabulary holds {size}); export the bundle again")
 
 
 @dataclass

@@ -24,7 +24,28 @@ def slow_tier_enabled(config: pytest.Config) -> bool:
     return bool(config.getoption(SLOW_OPTION)) or os.environ.get(SLOW_ENV, "") not in ("", "0")
 
 
+# The toy tier (`python -m pytest -m toy`, seconds): the tests of the modules below that build no
+# model: the numpy toy runtime (tests/toy.py), fakes and pure functions only, for everyday edits of
+# the decoding, the plan and the tuner's choice. A test asking for the model zoo is left out.
+TOY_MODULES = ("test_decoding", "test_drafters", "test_policy", "test_tree", "test_recycling", "test_exactness",
+               "test_assembly", "test_tuning", "test_memory")
+MODEL_FIXTURES = {"zoo", "tiny_bundle", "default_bundle"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "toy: builds no model (the toy runtime, fakes); `-m toy` runs these alone")
+
+
+def _is_toy(item: pytest.Item) -> bool:
+    module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
+    return (module in TOY_MODULES and not MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))
+            and item.get_closest_marker("slow") is None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_toy(item):
+            item.add_marker(pytest.mark.toy)
     if slow_tier_enabled(config):
         return
     # A skip, not a deselect: `-ra` lists what was left out and why, so nobody mistakes it for a pass.

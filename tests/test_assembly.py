@@ -195,7 +195,7 @@ def test_variants_share_the_runtimes_and_limits(zoo):
         ngram = e.variant(drafter="ngram", k=2)
         for d in (plain, fixed, ngram, e.decoder):
             assert d.target is e.target and d.context_limit == e.context_limit == 96
-            assert d.verify_width == e.decoder.verify_width
+            assert d.limits.verify_width == e.decoder.limits.verify_width
         assert plain.drafter is None and fixed.policy.k == 3 and fixed.draft is e.draft and ngram.draft is None
         assert ngram.policy.next_k() == 2
         desc = e.describe()
@@ -225,28 +225,28 @@ def test_an_injected_clock_times_the_generation(zoo):
 
 
 def test_decoder_limits_take_the_tightest_bound():
+    from edgespec.decoding.limits import DecoderLimits
     from edgespec.engine.assembly import decoder_limits
 
-    assert decoder_limits(None, [None, None], None, None, False) == {
-        "context_limit": None, "max_draft": None, "verify_width": None, "draft_width": None, "trees": True,
-        "max_batch": None}
+    assert decoder_limits(None, [None, None], None, None, False) == DecoderLimits(
+        context_limit=None, max_draft=None, verify_width=None, draft_width=None, trees=True, max_batch=None)
     # draft trees unless the probe found a tree forward's rows off plain decoding's
-    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=True), False)["trees"]
-    assert not decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=False), False)["trees"]
-    exact = SimpleNamespace(exact_width=5)
+    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=True), False).trees
+    assert not decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=False), False).trees
+    exact = SimpleNamespace(exact_width=5, trees=None)
     lim = decoder_limits(512, [4096, None], None, exact, True)
-    assert lim["context_limit"] == 512 and lim["verify_width"] == lim["draft_width"] == 5
-    assert decoder_limits(None, [], None, exact, False)["draft_width"] is None
-    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=1), True)["verify_width"] is None
+    assert lim.context_limit == 512 and lim.verify_width == lim.draft_width == 5
+    assert decoder_limits(None, [], None, exact, False).draft_width is None
+    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=1, trees=None), True).verify_width is None
     plan = SimpleNamespace(kv_capacity=300, max_draft=3, prefill_chunk=32)
     lim = decoder_limits(1000, [400], plan, None, False)
-    assert lim["context_limit"] == 300 and lim["max_draft"] == 3 and lim["max_batch"] == 32
+    assert lim.context_limit == 300 and lim.max_draft == 3 and lim.max_batch == 32
     assert decoder_limits(None, [], SimpleNamespace(kv_capacity=9, max_draft=40, prefill_chunk=8), None,
-                          False)["max_batch"] == 41  # a verify of every draft still fits one forward
+                          False).max_batch == 41  # a verify of every draft still fits one forward
     # without a plan, prompts go in the config's chunks, never narrower than the widest verify
-    assert decoder_limits(None, [], None, None, False, prefill_chunk=128)["max_batch"] == 128
-    assert decoder_limits(None, [], None, None, False, prefill_chunk=8)["max_batch"] == MAX_PROBE_WIDTH
-    assert decoder_limits(None, [], plan, None, False, prefill_chunk=128)["max_batch"] == 32  # the plan's
+    assert decoder_limits(None, [], None, None, False, prefill_chunk=128).max_batch == 128
+    assert decoder_limits(None, [], None, None, False, prefill_chunk=8).max_batch == MAX_PROBE_WIDTH
+    assert decoder_limits(None, [], plan, None, False, prefill_chunk=128).max_batch == 32  # the plan's
 
 
 def test_a_policy_gets_the_free_width_when_built_and_the_decoder_leaves_it():

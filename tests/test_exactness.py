@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from edgespec.decoding import SamplingParams, SpeculativeDecoder
+from edgespec.decoding.limits import DecoderLimits
 from edgespec.engine.engine import load
 from edgespec.errors import ConfigError
 from edgespec.runtimes import exactness
@@ -160,7 +161,7 @@ def test_verifies_stay_within_the_exact_widths_and_output_equals_plain():
     assert _greedy(SpeculativeDecoder(loose, ToyRuntime(vocab=40), drafter="model"), prompt, 40) != plain
     capped = WideRounding(vocab=40, from_width=4, delta=50.0)
     draft = ToyRuntime(vocab=40)
-    dec = SpeculativeDecoder(capped, draft, drafter="model", verify_width=3)
+    dec = SpeculativeDecoder(capped, draft, drafter="model", limits=DecoderLimits(verify_width=3))
     assert _greedy(dec, prompt, 40) == plain
     verifies = capped.widths[1:]  # after the prefill
     assert max(verifies) == 3  # the default k=4 would verify 5 at a time
@@ -178,7 +179,15 @@ def test_a_draft_on_the_target_body_keeps_its_lookahead_within_the_width():
 
 def test_widths_are_checked():
     with pytest.raises(ConfigError, match="verify_width"):
-        SpeculativeDecoder(ToyRuntime(), ToyRuntime(), verify_width=0)
+        DecoderLimits(verify_width=0)
+    for name, least in (("context_limit", 2), ("max_draft", 0), ("draft_width", 1), ("max_batch", 2)):
+        with pytest.raises(ConfigError, match=f"{name} must be an integer >= {least}"):
+            DecoderLimits(**{name: least - 1})
+        with pytest.raises(ConfigError, match=name):
+            DecoderLimits(**{name: True})  # a bool is no width
+        assert getattr(DecoderLimits(**{name: least}), name) == least
+    with pytest.raises(ConfigError, match="limits must be a DecoderLimits"):
+        SpeculativeDecoder(ToyRuntime(), ToyRuntime(), limits={"verify_width": 3})
 
 
 # -- the engine: probed at load, refused under require_exact -----------------------------------
@@ -199,7 +208,7 @@ def test_the_engine_probes_the_target_and_caps_its_verifies(zoo):
     with load(zoo.bundle("llama", AGREEING), k=3, policy="cost", drafter="model") as e:
         verdict = e.exactness
         assert verdict is not None and verdict.max_width == 13  # 4k+1: adaptive drafts plus lookup tails
-        assert e.decoder.verify_width == (verdict.exact_width if verdict.exact_width >= 2 else None)
+        assert e.decoder.limits.verify_width == (verdict.exact_width if verdict.exact_width >= 2 else None)
     with load(zoo.bundle("llama", AGREEING), k=3, policy="cost", drafter="model") as e:
         assert e.exactness.cached and e.exactness.exact == verdict.exact
     with load(zoo.bundle("llama", AGREEING), k=3, policy="fixed", drafter="model") as e:
@@ -218,7 +227,7 @@ def test_no_exact_width_means_no_drafting_under_require_exact(zoo, monkeypatch, 
     assert "drafting is off (require_exact)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING), load(bundle, k=3, drafter="model") as e:
-        assert e.exactness.cached and e.drafter_name == "model" and e.decoder.verify_width is None
+        assert e.exactness.cached and e.drafter_name == "model" and e.decoder.limits.verify_width is None
         e.generate(PROMPTS[0], max_tokens=12)
         assert e.last_stats.drafted > 0  # drafting still runs, with a warning
     assert "may differ from plain decoding" in caplog.text

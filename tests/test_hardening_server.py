@@ -60,7 +60,7 @@ def post(url: str, path: str, body, headers=AUTH, **kw) -> httpx.Response:
     return httpx.post(url + path, json=body, headers=headers, timeout=30, **kw)
 
 
-# -- item 10: the key first, with spaces forgiven ------------------------------------------
+# -- item 10: the key first; the configured key stripped, the header matched exactly -----------
 
 def test_the_key_is_checked_before_the_body_is_parsed(server):
     url, _ = server
@@ -68,18 +68,55 @@ def test_the_key_is_checked_before_the_body_is_parsed(server):
         assert_openai_error(post(url, "/v1/completions", body, headers={}), 401, code="invalid_api_key")
 
 
-def test_a_key_with_spaces_around_it_still_matches(engine):
-    cfg = ServerConfig(api_key="  secret-1 \n")
+def test_a_configured_key_is_stripped_but_the_header_must_match_exactly(engine):
+    cfg = ServerConfig(api_key="  secret-1 \n")  # as read from a file or an environment variable
     assert cfg.api_key == "secret-1"
     with running(create_app(engine, cfg)) as url:
-        ok = post(url, "/v1/completions", {"prompt": "the cat", "max_tokens": 2},
-                  headers={"Authorization": "Bearer   secret-1"})
+        body = {"prompt": "the cat", "max_tokens": 2}
+        ok = post(url, "/v1/completions", body, headers={"Authorization": "Bearer secret-1"})
         assert ok.status_code == 200, ok.text
+        for auth in ("Bearer  secret-1", "Bearer   secret-1", "Bearer\tsecret-1", "Bearer secret-1x", "Bearersecret-1"):
+            assert_openai_error(post(url, "/v1/completions", body, headers={"Authorization": auth}), 401,
+                                code="invalid_api_key")
+
+
+def _guard_status(auth: bytes, key: str = "secret-1") -> int:
+    """The status RequestGuard answers for an Authorization header, given byte for byte (an
+    HTTP parser may trim the spaces around a header before the app sees it; the guard must not
+    rely on that)."""
+    sent: list[dict] = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    guard = RequestGuard(app, api_key=key, max_body=100, client_timeout_s=5.0)
+    scope = {"type": "http", "method": "GET", "path": "/v1/models", "headers": [(b"authorization", auth)]}
+    asyncio.run(guard(scope, receive, send))
+    return sent[0]["status"]
+
+
+@pytest.mark.parametrize("auth, status", [
+    (b"Bearer secret-1", 200), (b"bearer secret-1", 200), (b"BEARER secret-1", 200),  # the scheme's case is free
+    (b"Bearer secret-1 ", 401), (b"Bearer secret-1\n", 401), (b"Bearer secret-1\r\n", 401),
+    (b"Bearer  secret-1", 401), (b" Bearer secret-1", 401), (b"Bearer\tsecret-1", 401),
+    (b"Bearer secret-", 401), (b"Bearer secret-12", 401), (b"Bearer ", 401), (b"", 401), (b"secret-1", 401),
+])
+def test_the_key_is_the_exact_token_after_bearer(auth, status):
+    assert _guard_status(auth) == status
 
 
 @pytest.mark.parametrize("kw, needle", [
     (dict(api_key="two words"), "without spaces"), (dict(api_key=" \t"), "must not be empty"),
-    (dict(max_request_bytes=0), "--max-request-bytes"), (dict(max_tokens=600, max_tokens_cap=512), "must not exceed"),
+    (dict(max_request_bytes=0), "max_request_bytes"), (dict(max_request_bytes="lots"), "--max-request-size"),
+    (dict(max_tokens=600, max_tokens_cap=512), "must not exceed"), (dict(max_tokens=0), "--max-tokens"),
+    (dict(port=70000), "--port"), (dict(max_queue=True), "--max-queue"), (dict(host=""), "--host"),
     (dict(template_timeout_s=0), "template_timeout_s"), (dict(client_timeout_s=float("nan")), "client_timeout_s"),
 ])
 def test_bad_server_settings_are_config_errors(kw, needle):
@@ -100,6 +137,25 @@ def test_a_body_over_the_cap_is_a_413(server):
 
     r = httpx.post(url + "/v1/completions", content=chunks(), headers=AUTH, timeout=30)
     assert_openai_error(r, 413, code="request_too_large")
+
+
+def test_server_settings_are_stored_parsed():
+    assert ServerConfig().max_tokens == 512 and ServerConfig().max_request_bytes == 1 << 20
+    assert ServerConfig(max_tokens_cap=100).max_tokens == 100  # the chat default stays within the cap
+    assert ServerConfig(max_tokens=7, max_tokens_cap=100).max_tokens == 7
+    assert ServerConfig(max_request_bytes="4KiB").max_request_bytes == 4096
+
+
+def test_replies_without_max_tokens_get_the_endpoints_default_within_the_cap(server, engine):
+    url, _ = server  # --max-tokens and --max-tokens-cap are CAP here, below OpenAI's 16 for completions
+    chat = post(url, "/v1/chat/completions", {"messages": MESSAGES, "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    reference = engine.generate(engine.tokenizer.encode_chat(MESSAGES), max_tokens=CAP, wait=True)
+    assert chat.json()["choices"][0]["message"]["content"] == reference
+    text = post(url, "/v1/completions", {"prompt": "the cat", "temperature": 0})
+    assert text.status_code == 200, text.text
+    assert text.json()["choices"][0]["text"] == engine.generate("the cat", max_tokens=CAP, wait=True)
+    assert text.json()["usage"]["completion_tokens"] == engine.last_stats.new_tokens <= CAP
 
 
 def test_max_tokens_over_the_cap_is_a_400(server):

@@ -108,7 +108,7 @@ def test_batch_variance_is_reported_and_warned_once(monkeypatch, caplog):
     assert lc.batch_variance(extra_bufts=False) is None
     monkeypatch.setattr(speculative, "_warned", set())
     target = type("T", (), {"capabilities": lc.Capabilities("llamacpp", batch_variance=reason)})()
-    drafter = type("D", (), {"runtimes": ()})()
+    drafter = type("D", (), {"runtimes": (), "trees": False})()  # a Drafter declares both
     with caplog.at_level("WARNING", logger="edgespec.decoding.speculative"):
         speculative._check_target(target, drafter, None)
         speculative._check_target(target, drafter, None)

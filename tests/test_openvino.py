@@ -159,7 +159,7 @@ def test_the_exact_mode_verifies_bit_for_bit_like_one_token_decodes(zoo, role, w
     # no exact mode on this CPU: the engine finds the same and verifies no wider than is exact
     with load(path, backend="openvino", drafter="ngram", require_exact=True) as engine:
         assert not engine.exactness.fully_exact
-        assert engine.decoder.verify_width == (engine.exactness.exact_width if engine.drafter_name else None)
+        assert engine.decoder.limits.verify_width == (engine.exactness.exact_width if engine.drafter_name else None)
 
 
 # -- greedy identity: every mode CI can run ----------------------------------------------

@@ -397,3 +397,15 @@ def test_k_over_time_is_run_length_encoded():
     assert k_over_time(ks, src) == "0×3 2 4L×3 0"
     long = k_over_time([i % 2 for i in range(100)], ["model"] * 100, max_runs=5)
     assert long == "0 1 0 1 0 ... (+95 runs)"
+
+
+def test_a_source_is_one_typed_value_with_one_string_form():
+    from edgespec.decoding.drafters import lookup_source
+    from edgespec.decoding.sources import Source
+
+    assert Source("ngram", 3).key == lookup_source(3) == "ngram:3" and Source("model").key == "model"
+    assert Source.parse("ngram:3") == Source("ngram", 3) and Source.parse("model") == Source("model")
+    assert Source.parse("recycle:tree") == Source("recycle") and family("recycle:tree") == "recycle"
+    for bad in ({"kind": "ngram:3"}, {"kind": ""}, {"kind": "ngram", "n": -1}, {"kind": "ngram", "n": True}):
+        with pytest.raises(ConfigError):
+            Source(**bad)

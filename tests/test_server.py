@@ -293,7 +293,8 @@ def test_chat_on_a_model_without_a_template_uses_a_transcript(zoo):
 
 def test_the_api_key_is_enforced(keyed, engine):
     body = {"prompt": "the cat", "max_tokens": 4, "temperature": 0}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY}):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic " + KEY},
+                    {"Authorization": f"Bearer  {KEY}"}, {"Authorization": f"Bearer {KEY}x"}):
         assert_openai_error(httpx.post(keyed + "/v1/completions", json=body, headers=headers), 401,
                             code="invalid_api_key")
         assert_openai_error(httpx.get(keyed + "/v1/models", headers=headers), 401)
@@ -455,6 +456,31 @@ def test_edgespec_serve_end_to_end(zoo):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_flags_come_from_the_server_config(monkeypatch):
+    from edgespec.cli.serve import build_parser, server_config_from_args
+    from edgespec.server.config import API_KEY_ENV, OPTIONS
+
+    parser = build_parser()
+    by_dest = {a.dest: a for a in parser._actions}
+    for name, opt in OPTIONS.items():
+        assert by_dest[name].option_strings == list(opt.flags) and by_dest[name].help == opt.full_help()
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    argv = ["--model-name", "m", "--host", "0.0.0.0", "--port", "0", "--api-key", "k", "--max-queue", "3",
+            "--max-tokens", "5", "--max-tokens-cap", "9", "--max-request-size", "4KiB", "--client-timeout", "2.5",
+            "--template-timeout", "1"]
+    by_flag = {f: a.dest for a in parser._actions for f in a.option_strings}
+    assert {by_flag[f] for f in argv[::2]} == set(OPTIONS)  # every server flag, given once
+    assert server_config_from_args(parser.parse_args(argv)) == ServerConfig(
+        model_id="m", host="0.0.0.0", port=0, api_key="k", max_queue=3, max_tokens=5, max_tokens_cap=9,
+        max_request_bytes=4096, client_timeout_s=2.5, template_timeout_s=1.0)
+    # flags not given: the config's own defaults; the key from the environment unless the flag gives one
+    assert server_config_from_args(parser.parse_args([])) == ServerConfig()
+    assert server_config_from_args(parser.parse_args(["--max-tokens-cap", "100"])).max_tokens == 100
+    monkeypatch.setenv(API_KEY_ENV, "from-env\n")
+    assert server_config_from_args(parser.parse_args([])).api_key == "from-env"
+    assert server_config_from_args(parser.parse_args(["--api-key", "flag"])).api_key == "flag"
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -156,10 +156,10 @@ def test_the_tuned_choice_fills_only_what_the_config_leaves_open():
     assert (p.backend, p.shared_body, p.verify_limit) == ("onnxruntime", True, None)
     assert plan_engine(m, EngineConfig(), ALL).verify_limit is None
     # the decoder keeps to the narrower of the exact widths and the tuner's limit
-    probe = SimpleNamespace(exact_width=9)
-    assert decoder_limits(None, [], None, probe, True, 5)["verify_width"] == 5
-    assert decoder_limits(None, [], None, probe, True, 17)["draft_width"] == 9
-    assert decoder_limits(None, [], None, probe, False)["verify_width"] == 9
+    probe = SimpleNamespace(exact_width=9, trees=None)
+    assert decoder_limits(None, [], None, probe, True, 5).verify_width == 5
+    assert decoder_limits(None, [], None, probe, True, 17).draft_width == 9
+    assert decoder_limits(None, [], None, probe, False).verify_width == 9
 
 
 def test_tune_is_a_switch_on_the_command_line_and_off_where_the_environment_says(monkeypatch):
@@ -249,7 +249,7 @@ def test_the_engine_opens_a_measured_configuration_caches_it_and_retune_measures
         assert (t.choice.backend, t.choice.draft_body) in names
         assert (e.backend, e.shared_body) == (t.choice.backend, False)
         assert not any(m.cached for m in t.candidates) and t.tune_ms > 0
-        assert e.limits["verify_width"] <= min(t.choice.verify_width, e.exactness.exact_width)
+        assert e.limits.verify_width <= min(t.choice.verify_width, e.exactness.exact_width)
         assert e.describe()["tuning"]["choice"]["backend"] == e.backend
         text = e.generate("the cat", max_tokens=12)
     with load(bundle, tune=True, draft_body="own") as again:

@@ -46,9 +46,9 @@ def bundle_summary(engine) -> dict:
     """The manifest in short: what model and draft were measured (no local paths)."""
     from ..runtimes import BACKENDS
 
-    m = engine.bundle.manifest
-    fmt = BACKENDS[engine.backend].bundle_format
-    dfmt = BACKENDS[engine.draft_backend].bundle_format if engine.draft_backend else None
+    m, opened = engine.bundle.manifest, engine.opened
+    fmt = BACKENDS[opened.backend].bundle_format
+    dfmt = BACKENDS[opened.draft_backend].bundle_format if opened.draft_backend else None
     return {"name": engine.bundle.path.name, "model_type": m.model_type, "family": m.family,
             "base_model": m.base_model, "chat_format": prompt_format(engine.tokenizer),
             "target": _entry(m.target, fmt), "draft": _entry(m.draft, dfmt)}
@@ -61,10 +61,10 @@ def _prompts_name(spec: str) -> str:
     return spec
 
 
-def exactness_summary(engine) -> dict | None:
-    """The engine's exactness probe (which verify widths are bit-exact on this machine), when the
-    engine ran one: {"summary": its one-line description, **its figures}."""
-    probe = getattr(engine, "exactness", None)
+def exactness_summary(opened) -> dict | None:
+    """The exactness probe of what an engine opened (engine.opened: which verify widths are
+    bit-exact on this machine), when it ran one: {"summary": its one-line description, **its figures}."""
+    probe = opened.exactness
     if probe is None:
         return None
     return {"summary": probe.describe(), **_jsonable(probe.to_dict())}
@@ -72,7 +72,7 @@ def exactness_summary(engine) -> dict | None:
 
 def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_spec: str, configs: list[str],
                    backend: dict, memory: dict, machine: dict | None = None, label: str | None = None,
-                   memory_budget: str | None = None, started: datetime | None = None,
+                   memory_budget: int | None = None, started: datetime | None = None,
                    duration_s: float = 0.0, prompts: list | None = None, peer: dict | None = None,
                    verify_costs: dict | None = None) -> dict:
     """The run's JSON document (schema.py). `peer`: what the llama.cpp peer ran (peer.py's
@@ -80,20 +80,20 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
     machine = machine or machine_info()
     ran = {(r.cls, r.prompt) for r in runs}
     skipped = [f"{p.cls}/{p.id}" for p in prompts or [] if (p.cls, p.id) not in ran]
-    plan = getattr(engine, "memory_plan", None)
-    if plan is not None:
-        memory = {**memory, "plan": _jsonable(plan)}
+    opened = engine.opened  # what the engine runs (engine/opened.py)
+    if opened.memory_plan is not None:
+        memory = {**memory, "plan": _jsonable(opened.memory_plan)}
     summary = summarise(runs, configs, greedy=cfg.sampling.greedy)
     started = started or datetime.now(timezone.utc)
-    tuning = getattr(engine, "tuning", None)
-    extra = {"exactness": exactness_summary(engine), "verify_costs": verify_costs,
+    tuning = opened.tuning
+    extra = {"exactness": exactness_summary(opened), "verify_costs": verify_costs,
              "tuning": None if tuning is None else _jsonable(tuning.to_dict())}
     if peer is not None:
         extra["peer"] = peer
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": KIND,
-        "label": label or run_label(machine, engine.backend),
+        "label": label or run_label(machine, opened.backend),
         "created": started.isoformat(timespec="seconds"),
         "duration_s": round(duration_s, 2),
         "machine": machine,
@@ -102,10 +102,8 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
         "bundle": bundle_summary(engine),
         "config": {"prompts": _prompts_name(prompts_spec), **asdict(cfg), "k_sweep": list(cfg.k_sweep),
                    "sampling": "greedy" if cfg.sampling.greedy else asdict(cfg.sampling),
-                   "drafter": engine.drafter_name, "policy": engine.policy_name, "k": engine.k,
-                   "memory_budget": memory_budget,
-                   "draft_body": ("shared" if getattr(engine, "shared_body", False)
-                                  else "own" if engine.draft else None),
+                   "drafter": opened.drafter, "policy": opened.policy, "k": opened.k,
+                   "memory_budget": memory_budget, "draft_body": opened.draft_body,
                    # every engine option as given (edgespec.engine.config.EngineConfig), whole
                    "engine": asdict(engine.config)},
         "memory": memory,

@@ -11,7 +11,7 @@ Version 2 (`"kind": "edgespec-bench"`), one run on one device:
                 vocab_size, source}, draft (same, plus vocab_info) or null
     config      prompts, repeat, max_tokens, warmup, stop_at_eos, sampling ("greedy", or {temperature, top_p,
                 top_k, min_p, seed}), drafter, policy, k, k_sweep,
-                memory_budget, draft_body ("shared": the draft on the target's body, "own", or null)
+                memory_budget (bytes, or null), draft_body ("shared": the draft on the target's body, "own", or null)
     memory      rss_before_load, rss_after_load, engine {target|draft: {weights, kv, ...}} (bytes),
                 plan (the engine's memory plan under --memory-budget, when it has one)
     exactness   the engine's exactness probe, or null: summary (one line), exact widths, max_width,

@@ -10,6 +10,7 @@ import sys
 
 from ..errors import ConfigError, EdgespecError
 from ..models.chat_formats import CHAT_FORMAT_CHOICES, CHAT_SAMPLING, TRANSCRIPTS
+from ..models.templates import ChatTemplateError
 from .common import (
     add_engine_args,
     add_sampling_args,
@@ -163,6 +164,8 @@ def repl(engine, args: argparse.Namespace, interactive: bool, out=sys.stdout) ->
         else:
             try:
                 _reply(session, line, sampling, out)
+            except ChatTemplateError:  # invalid or unsafe whatever is said: no turn can succeed, exit 2
+                raise
             except EdgespecError as e:  # report and keep the conversation
                 print(f"edgespec: error: {e}", file=sys.stderr)
 

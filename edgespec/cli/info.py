@@ -61,14 +61,16 @@ def _tuning(path: str, retune: bool) -> tuple[list[str], bool]:
 
     try:
         with load(path, retune=retune) as engine:
-            tuning, d = engine.tuning, engine.describe()
+            opened = engine.opened  # what the engine runs, deviations from its plan included
     except EdgespecError as e:
         return [f"tuning: cannot open the bundle: {e}"], False
-    opened = f"{d['target']['backend']}" + (f", draft body {d['draft_body']}" if d["draft_body"] else "")
+    what = opened.backend + (f", draft body {opened.draft_body}" if opened.draft_body else "")
+    notes = [f"  not as planned: {d.what} {d.planned} -> {d.opened}: {d.reason}" for d in opened.deviations]
+    tuning = opened.tuning
     if tuning is None:
-        return [f"configuration: {opened} (one candidate here, or tuning is off: nothing measured)"], False
-    return ["configuration (the fastest exact one measured on this machine):", *("  " + ln for ln in tuning.describe())
-            ], any(not m.cached for m in tuning.candidates)
+        return [f"configuration: {what} (one candidate here, or tuning is off: nothing measured)", *notes], False
+    return ["configuration (the fastest exact one measured on this machine):", *("  " + ln for ln in tuning.describe()),
+            *notes], any(not m.cached for m in tuning.candidates)
 
 
 def _exactness(path: str, retune: bool) -> list[str]:
@@ -86,7 +88,7 @@ def _exactness(path: str, retune: bool) -> list[str]:
             continue
         try:
             with load(path, backend=name, retune=retune) as engine:
-                v = engine.exactness
+                v = engine.opened.exactness
         except EdgespecError as e:
             lines.append(f"  {name:<12} cannot open: {e}")
             continue

@@ -21,8 +21,7 @@ logger = logging.getLogger(__name__)
 def batch_limit(rt: Runtime, max_batch: int | None = None) -> int | None:
     """Most tokens one forward of `rt` runs (None: no limit): what its capabilities accept, and at
     most `max_batch`, a limit of the engine's own (a memory plan's prefill chunk)."""
-    caps = getattr(rt, "capabilities", None)
-    limits = [n for n in (getattr(caps, "max_batch_tokens", None), max_batch) if n is not None]
+    limits = [n for n in (rt.capabilities.max_batch_tokens, max_batch) if n is not None]
     return min(limits) if limits else None
 
 

@@ -39,6 +39,7 @@ class Drafter(abc.ABC):
     """Proposes up to `limit` target ids continuing `tokens`, asking `policy` how many."""
 
     runtimes: tuple[Runtime, ...] = ()  # runtimes whose caches this drafter owns
+    trees: bool = False  # it may propose draft trees (the target must verify them: Capabilities.trees)
 
     @abc.abstractmethod
     def propose(self, tokens: list[int], limit: int, policy: DraftPolicy, params: SamplingParams,

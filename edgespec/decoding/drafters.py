@@ -43,6 +43,7 @@ from edgespec.decoding.head_drafter import HeadDrafter, draft_distribution, draf
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.recycling import RecyclingDrafter
 from edgespec.decoding.sampling import top_probability
+from edgespec.decoding.sources import lookup_source
 from edgespec.decoding.token_dist import TokenDist, point_mass
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Runtime
@@ -64,8 +65,8 @@ GUESSES = 3
 
 def check_draft_model(draft: Runtime, target_vocab: int, id_map: np.ndarray | None) -> None:
     """Reject a draft runtime / id_map the decoder cannot use, naming the fix."""
-    caps = getattr(draft, "capabilities", None)
-    if caps is not None and not caps.can_trim:
+    caps = draft.capabilities
+    if not caps.can_trim:
         raise ConfigError(f"speculative decoding rolls back rejected drafts, but the draft backend "
                           f"{caps.backend!r} cannot trim its KV cache; run without a draft")
     if id_map is None:
@@ -215,11 +216,6 @@ def overlapping_copy(tokens: list[int], start: int, n: int) -> list[int]:
         j = start + i
         out.append(tokens[j] if j < len(tokens) else out[j - len(tokens)])
     return out
-
-
-def lookup_source(n: int) -> str:
-    """The policy key of a lookup match of n tokens: matches of each length earn their own alpha."""
-    return f"ngram:{n}"
 
 
 class NgramDrafter(Drafter):

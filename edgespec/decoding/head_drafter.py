@@ -58,7 +58,7 @@ class HeadDrafter(Drafter):
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.features = getattr(draft, "feature_head", None)
         if not hasattr(draft, "hidden_rows"):  # llama.cpp, or a draft with a body of its own
-            backend = getattr(getattr(draft, "capabilities", None), "backend", "this")
+            backend = draft.capabilities.backend
             raise ConfigError(f"the trained draft head runs on the target's body, which the {backend} draft is not "
                               "(llama.cpp has no such head); open the bundle on onnxruntime or openvino with the "
                               "draft on the target's body, or use drafter 'model'")

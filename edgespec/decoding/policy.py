@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from edgespec.decoding.sources import family
 from edgespec.errors import ConfigError
 
 __all__ = [
@@ -79,11 +80,6 @@ def best_tail(head_alpha: float, head_k: int, head_ms_per_token: float, tail_alp
     rates = [(head + reach * (expected_tokens(tail_alpha, t) - 1.0)) / (cost + verify_ms[head_k + t])
              for t in range(len(verify_ms) - head_k)]
     return max(range(len(rates)), key=lambda t: (rates[t], -t))
-
-
-def family(source: str) -> str:
-    """The drafter family of a policy key: "ngram:3" -> "ngram"."""
-    return source.split(":", 1)[0]
 
 
 def verify_table(measured: dict[int, float], max_width: int, slope: float) -> list[float]:

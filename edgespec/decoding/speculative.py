@@ -22,6 +22,7 @@ from edgespec.decoding.acceptance import accept_greedy, accept_point_masses, acc
 from edgespec.decoding.cache import TrackedCache, batch_limit, common_prefix
 from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.drafters import build_drafter
+from edgespec.decoding.limits import UNLIMITED, DecoderLimits
 from edgespec.decoding.policy import DraftPolicy, FixedK
 from edgespec.decoding.sampling import LazyDists, SamplingParams
 from edgespec.decoding.tree import DraftTree, accept_tree_greedy, accept_tree_point_masses
@@ -77,16 +78,16 @@ def _check_target(target: Runtime, drafter: Drafter | None, policy: DraftPolicy 
         return
     if any(rt is target for rt in drafter.runtimes):
         raise ConfigError("draft and target must be separate runtimes (each owns its own KV cache)")
-    caps = getattr(target, "capabilities", None)
-    if caps is not None and not caps.can_trim:
+    caps = target.capabilities
+    if not caps.can_trim:
         raise ConfigError(f"speculative decoding rolls back rejected drafts, but the target backend "
                           f"{caps.backend!r} cannot trim its KV cache; run without drafting")
-    if getattr(drafter, "trees", False) and not getattr(caps, "trees", False):
-        raise ConfigError(f"this drafter drafts trees, but the target ({caps.backend if caps else 'this runtime'}) "
+    if drafter.trees and not caps.trees:
+        raise ConfigError(f"this drafter drafts trees, but the target ({caps.backend}) "
                           "verifies chains only; export the bundle with --tree for onnxruntime")
     if batch_limit(target, max_batch) == 1:
         raise ConfigError("the target backend takes one token per forward, so it cannot verify drafts")
-    variance = caps.batch_variance if caps is not None else None
+    variance = caps.batch_variance
     if variance and variance not in _warned:  # once per process: a chat builds decoders often
         _warned.add(variance)
         logger.warning("greedy output with drafting may differ from plain decoding on near-ties: %s", variance)
@@ -109,36 +110,22 @@ class SpeculativeDecoder:
         id_map: np.ndarray | None = None,
         policy: DraftPolicy | None = None,
         drafter: str | Drafter | None = None,
-        context_limit: int | None = None,
-        max_draft: int | None = None,
-        verify_width: int | None = None,
-        draft_width: int | None = None,
-        max_batch: int | None = None,
-        trees: bool = True,
+        limits: DecoderLimits = UNLIMITED,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        """context_limit: most positions a sequence may reach; max_draft: most drafts per step (both
-        set by a memory plan, edgespec.memory). verify_width: the widest verify forward, drafts
-        included (the widths the exactness probe found bit-identical to one-token forwards,
-        runtimes/exactness.py); draft_width: the widest forward a model drafter may run, its
-        lookahead guesses included (the same bound when the draft runs on the target's body, whose
-        rows the verify reuses). max_batch: most tokens per forward of either model, below what
-        the runtimes accept (a memory plan's prefill chunk). trees: a recycling drafter may draft
-        trees where the target verifies them (Capabilities.trees; the engine passes False where
-        the exactness probe found tree rows off). clock: seconds, read around each phase
-        (the drafters and the cost policy learn from it; a replay passes a virtual one)."""
+        """limits: what the decoder is bounded by (DecoderLimits, validated when it was built: the
+        context, drafts per step, the exact verify widths, prefill chunks, whether trees may be
+        drafted). clock: seconds, read around each phase (the drafters and the cost policy learn
+        from it; a replay passes a virtual one)."""
         if draft is not None and draft is target:
             raise ConfigError("draft and target must be separate runtimes (each owns its own KV cache)")
-        for name, value, least in (("context_limit", context_limit, 2), ("max_draft", max_draft, 0),
-                                   ("verify_width", verify_width, 1), ("draft_width", draft_width, 1),
-                                   ("max_batch", max_batch, 2)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-                raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
+        if not isinstance(limits, DecoderLimits):
+            raise ConfigError(f"limits must be a DecoderLimits, got {type(limits).__name__}")
         id_map = None if id_map is None else np.asarray(id_map, dtype=np.int64)
-        trees = trees and bool(getattr(getattr(target, "capabilities", None), "trees", False))
-        self.drafter = build_drafter(drafter, target.vocab_size, draft, id_map, max_width=draft_width,
-                                     max_batch=max_batch, clock=clock, trees=trees)
-        _check_target(target, self.drafter, policy, max_batch)
+        trees = limits.trees and target.capabilities.trees
+        self.drafter = build_drafter(drafter, target.vocab_size, draft, id_map, max_width=limits.draft_width,
+                                     max_batch=limits.max_batch, clock=clock, trees=trees)
+        _check_target(target, self.drafter, policy, limits.max_batch)
         self.target, self.draft, self.id_map = target, draft, id_map
         self.policy = policy if policy is not None else FixedK(DEFAULT_K if self.drafter is not None else 0)
         # Acceptance and step costs differ between greedy and sampled decoding (and between
@@ -146,13 +133,17 @@ class SpeculativeDecoder:
         # as given. `policy` itself serves greedy decoding.
         self._fresh_policy = copy.deepcopy(self.policy)
         self._policies: OrderedDict[tuple, DraftPolicy] = OrderedDict({sampling_regime(SamplingParams()): self.policy})
-        self._target = TrackedCache(target, max_batch)
+        self._target = TrackedCache(target, limits.max_batch)
         self.clock = clock
-        self.max_batch = max_batch
-        self.context_limit = context_limit
-        self.max_draft = max_draft
-        self.verify_width = verify_width
-        self.draft_width = draft_width
+        self.limits = limits
+
+    @property
+    def context_limit(self) -> int | None:
+        return self.limits.context_limit
+
+    @property
+    def max_batch(self) -> int | None:
+        return self.limits.max_batch
 
     def stream(
         self,
@@ -237,12 +228,13 @@ class SpeculativeDecoder:
         limit = budget - 1  # verify always adds one token of its own
         if (cap := self._target.limit) is not None:
             limit = min(limit, cap - 1)
-        if self.max_draft is not None:
-            limit = min(limit, self.max_draft)
-        if self.verify_width is not None:  # wider verifies would round unlike plain decoding here
-            limit = min(limit, self.verify_width - 1)
-        if self.context_limit is not None:  # the verify writes len(tokens) + drafts positions
-            limit = min(limit, self.context_limit - len(tokens))
+        lim = self.limits
+        if lim.max_draft is not None:
+            limit = min(limit, lim.max_draft)
+        if lim.verify_width is not None:  # wider verifies would round unlike plain decoding here
+            limit = min(limit, lim.verify_width - 1)
+        if lim.context_limit is not None:  # the verify writes len(tokens) + drafts positions
+            limit = min(limit, lim.context_limit - len(tokens))
         if self.drafter is None or limit <= 0:
             return Draft([])
         return self.drafter.propose(tokens, limit, policy, params, rng)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from edgespec.decoding.sources import family
 from edgespec.decoding.speculative import StepResult
 
 __all__ = ["GenerationStats"]
@@ -69,7 +70,7 @@ class GenerationStats:
         out: dict[str, list[int]] = {}
         for drafted, source, accepted in zip(self.k_history, self.source_history, self.accepted_history):
             if drafted:
-                slot = out.setdefault(f"{source.split(':', 1)[0] if source else 'none'}:{drafted}", [0, 0])
+                slot = out.setdefault(f"{family(source) if source else 'none'}:{drafted}", [0, 0])
                 slot[0] += 1
                 slot[1] += accepted
         return out

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..decoding import DEFAULT_K, DRAFTERS
+from ..decoding.limits import DecoderLimits
 from ..errors import ConfigError
 from ..runtimes import BACKENDS, pick_backend
 from .choices import STATIC_DRAFT_WIDTH, backend_for_device, resolve_drafting, shared_body_blocker
 from .config import EngineConfig
+
+if TYPE_CHECKING:
+    from .tuning import Tuning
 
 __all__ = ["ModelPlan", "EnginePlan", "Tuned", "plan_engine", "MAX_PROBE_WIDTH", "probe_width", "decoder_limits"]
 
@@ -58,7 +62,7 @@ class EnginePlan:
     drafter: str | None  # a name from DRAFTERS, None: plain decoding
     policy: str
     k: int
-    shared_body: bool
+    draft_body: str | None  # "shared" (the target's body), "own", None: no draft model
     draft_body_reason: str  # why the draft's body is the target's, its own, or absent
     budgeted: bool  # a memory budget plans capacities when the models open
     switchable: bool  # the target may reopen in one of its backend's exact modes (exact_mode.py)
@@ -66,10 +70,16 @@ class EnginePlan:
     max_k: int  # the longest draft a policy may ask for (adaptive policies go up to 2k)
     verify_limit: int | None = None  # the tuner's widest verify (None: the exact widths alone decide)
     tuned: bool = False  # the tuner chose what the config left open
+    tuning: Tuning | None = None  # what the tuner measured (its candidates' figures), where it ran
 
     @property
     def backend(self) -> str:
         return self.target.backend
+
+    @property
+    def shared_body(self) -> bool:
+        """The draft runs on the target's body (its artifact gives only the head)."""
+        return self.draft_body == "shared"
 
     @property
     def wants_draft_model(self) -> bool:
@@ -83,7 +93,7 @@ class EnginePlan:
 
         return {"target": model(self.target), "draft": model(self.draft), "drafter": self.drafter,
                 "policy": self.policy, "k": self.k,
-                "draft_body": ("shared" if self.shared_body else "own" if self.draft else None),
+                "draft_body": self.draft_body,
                 "draft_body_reason": self.draft_body_reason, "budgeted": self.budgeted,
                 "max_context": self.max_context, "verify_limit": self.verify_limit, "tuned": self.tuned}
 
@@ -101,25 +111,26 @@ def probe_width(drafter: str | None, policy: str, k: int, max_batch: int | None)
 
 def decoder_limits(max_context: int | None, kv_capacities: list[int | None], memory_plan, exactness,
                    shared_body: bool, verify_limit: int | None = None,
-                   prefill_chunk: int | None = None) -> dict[str, int | None]:
-    """What every decoder on an engine's runtimes is built with (SpeculativeDecoder's limits):
-    the context the caches and the config allow, a memory plan's draft length and prefill chunk
-    (without a plan, `prefill_chunk`), and the verify widths the exactness probe found exact,
-    within the tuner's `verify_limit` (a draft on the target's body keeps to them too). None: no limit."""
+                   prefill_chunk: int | None = None) -> DecoderLimits:
+    """What every decoder on an engine's runtimes is built with: the context the caches and the
+    config allow, a memory plan's draft length and prefill chunk (without a plan, `prefill_chunk`),
+    and the verify widths the exactness probe found exact, within the tuner's `verify_limit` (a
+    draft on the target's body keeps to them too). None: no limit."""
     mp = memory_plan
     caps = [n for n in kv_capacities if n] + ([max_context] if max_context is not None else [])
     caps += [mp.kv_capacity] if mp is not None else []
     exact = exactness.exact_width if exactness is not None and exactness.exact_width >= 2 else None
     if verify_limit is not None:
         exact = verify_limit if exact is None else min(exact, verify_limit)
-    return {"context_limit": min(caps) if caps else None, "max_draft": mp.max_draft if mp is not None else None,
-            "verify_width": exact, "draft_width": exact if shared_body else None,
-            # draft trees where the target verifies them and the probe did not find their rows off
-            "trees": getattr(exactness, "trees", None) is not False,
-            # prompts prefill in the chunks the memory plan sized the scratch memory for, else in
-            # `prefill_chunk`s; a verify forward is never split
-            "max_batch": (max(mp.prefill_chunk, mp.max_draft + 1, 2) if mp is not None
-                          else None if prefill_chunk is None else max(prefill_chunk, MAX_PROBE_WIDTH))}
+    return DecoderLimits(
+        context_limit=min(caps) if caps else None, max_draft=mp.max_draft if mp is not None else None,
+        verify_width=exact, draft_width=exact if shared_body else None,
+        # draft trees where the target verifies them and the probe did not find their rows off
+        trees=exactness is None or exactness.trees is not False,
+        # prompts prefill in the chunks the memory plan sized the scratch memory for, else in
+        # `prefill_chunk`s; a verify forward is never split
+        max_batch=(max(mp.prefill_chunk, mp.max_draft + 1, 2) if mp is not None
+                   else None if prefill_chunk is None else max(prefill_chunk, MAX_PROBE_WIDTH)))
 
 
 def _frozen(options: dict) -> MappingProxyType:
@@ -149,7 +160,7 @@ def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tun
     budgeted = c.memory_budget is not None
     common = {"threads": c.threads, "device": c.device,
               **({"kv_capacity": c.max_context} if c.max_context is not None and not budgeted else {})}
-    shared, reason = False, "no draft model"
+    shared, reason = False, "no draft model"  # the draft's body is decided here, and only here
     if wants_draft:
         reason = "--draft-body own" if body == c.draft_body else "own body: measured fastest here"
         if body != "own":
@@ -175,7 +186,8 @@ def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tun
         draft = _own_draft(m, c, backend, fmt, common, installed)
     # a budget plans the target as opened, and static shapes have one width: neither switches
     switchable = not budgeted and not c.static and bool(info.exact_modes)
-    return EnginePlan(c, target, draft, drafter, policy, k, shared, reason, budgeted, switchable, c.max_context,
+    draft_body = "shared" if shared else "own" if draft is not None else None
+    return EnginePlan(c, target, draft, drafter, policy, k, draft_body, reason, budgeted, switchable, c.max_context,
                       k if policy == "fixed" else 2 * k, tuned.verify_width if tuned and c.k is None else None,
                       tuned is not None)
 

@@ -8,8 +8,8 @@ from ..decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, make_policy
 from ..errors import ConfigError
 from ..runtimes import BACKENDS, installed_backends
 
-__all__ = ["DRAFT_BODIES", "QUANTIZED", "STATIC_DRAFT_WIDTH", "backend_for_device", "resolve_drafting",
-           "shared_body_blocker"]
+__all__ = ["DRAFT_BODIES", "QUANTIZED", "STATIC_DRAFT_WIDTH", "backend_for_device", "check_drafting",
+           "resolve_drafting", "shared_body_blocker"]
 
 
 def resolve_drafting(drafter: str, policy: str | None, k: int | None, *, has_draft: bool,
@@ -18,20 +18,26 @@ def resolve_drafting(drafter: str, policy: str | None, k: int | None, *, has_dra
 
     drafter "auto" drafts with prompt lookup and the draft model when the bundle has one, with
     prompt lookup alone otherwise, and not at all under use_draft=False (--no-draft). A k given
-    without a policy asks for exactly that draft length, so it selects the fixed policy.
+    without a policy asks for exactly that draft length, so it selects the fixed policy. The
+    names and k are EngineConfig's, checked once when it was built (check_drafting).
     """
     policy = policy or ("fixed" if k is not None else DEFAULT_POLICY)
     k = DEFAULT_K if k is None else k
-    make_policy(policy, k)  # checks the name and k, even when nothing will be drafted
-    choices = ("auto", "none", *DRAFTERS)
-    if drafter not in choices:
-        raise ConfigError(f"unknown drafter {drafter!r}; choose one of: {', '.join(choices)}")
     if drafter == "auto":
         drafter = "none" if not use_draft else "both" if has_draft else "ngram"
     elif drafter != "none" and DRAFTERS[drafter].needs_model and not (has_draft and use_draft):
         why = "--no-draft was given" if has_draft else "the bundle has no draft model"
         raise ConfigError(f"drafter {drafter!r} needs the draft model, but {why}; use drafter 'ngram'")
     return (None if drafter == "none" or k == 0 else drafter), policy, k
+
+
+def check_drafting(drafter: str, policy: str | None, k: int | None) -> None:
+    """Check the drafter's and the policy's names and k (an unknown name fails even when nothing
+    will be drafted); EngineConfig calls it once, and nothing downstream checks them again."""
+    choices = ("auto", "none", *DRAFTERS)
+    if drafter not in choices:
+        raise ConfigError(f"unknown drafter {drafter!r}; choose one of: {', '.join(choices)}")
+    make_policy(policy or ("fixed" if k is not None else DEFAULT_POLICY), DEFAULT_K if k is None else k)
 
 
 # where the draft model's body comes from: the target's (one body, the draft adds only its head),

@@ -18,7 +18,7 @@ from typing import Any
 from ..decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, POLICIES
 from ..errors import ConfigError
 from ..runtimes import BACKENDS, backend_info
-from .choices import DRAFT_BODIES, resolve_drafting
+from .choices import DRAFT_BODIES, check_drafting
 
 __all__ = ["EngineConfig", "Option", "OPTIONS", "DRAFTER_CHOICES", "POLICY_CHOICES", "DRAFT_BODY_CHOICES",
            "DEFAULT_PREFILL_CHUNK", "engine_config"]
@@ -64,7 +64,7 @@ class EngineConfig:
     Recycling, no draft model), "lookup-recycle", "both", "both-recycle" or "none";
     policy: a draft-length policy from edgespec.decoding.POLICIES; k: the draft length (adaptive
     policies range up to 2k). See `resolve_drafting` for the defaults.
-    memory_budget: bytes, or a size such as "1.5GB" or "900MiB", for the whole process: the KV
+    memory_budget: bytes, or a size such as "1.5GB" or "900MiB" (kept in bytes), for the whole process: the KV
     capacity, draft length and whether the draft model loads are planned to fit it
     (edgespec.memory); below what plain decoding needs, a MemoryBudgetError names the bound.
     max_context: most tokens (prompt + reply) a sequence may hold (default: the backend's, 4096
@@ -125,7 +125,7 @@ class EngineConfig:
         help="OpenVINO: fixed KV capacity and verify width k+1, as NPUs need (NPU turns it on)"))
     threads: int | None = field(default=None, metadata=_opt(
         "--threads", type=int, help="CPU threads per model (default: backend's choice)"))
-    memory_budget: str | int | None = field(default=None, metadata=_opt(
+    memory_budget: int | str | None = field(default=None, metadata=_opt(
         "--memory-budget", metavar="SIZE",
         help="memory for the whole process, e.g. 1.5GB or 900MiB: sizes the KV cache and draft length, drops "
              "the draft model if it does not fit (see `edgespec plan`)"))
@@ -159,9 +159,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"{name} must be a device name such as CPU or GPU, got {value!r}")
-        # the drafting rules check the drafter, and the policy registry the policy's name and k (an
-        # unknown name fails even when nothing will be drafted)
-        resolve_drafting(self.drafter, self.policy, self.k, has_draft=True, use_draft=True)
+        check_drafting(self.drafter, self.policy, self.k)
         if self.draft_body not in DRAFT_BODIES:
             raise ConfigError(f"draft_body must be one of {', '.join(DRAFT_BODIES)}, got {self.draft_body!r}")
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
@@ -175,19 +173,16 @@ class EngineConfig:
         if self.memory_budget is not None:
             from ..memory.budget import parse_bytes
 
-            parse_bytes(self.memory_budget)
+            # kept in bytes once parsed: "1.5GB" and 1500000000 are the same config
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
         for name in ("use_draft", "static", "require_exact", "tune", "retune"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def budget_bytes(self) -> int | None:
-        """The memory budget in bytes (None: no budget)."""
-        if self.memory_budget is None:
-            return None
-        from ..memory.budget import parse_bytes
-
-        return parse_bytes(self.memory_budget)
+        """The memory budget in bytes (None: no budget); the field holds bytes once built."""
+        return self.memory_budget
 
     def replace(self, **overrides) -> EngineConfig:
         """A copy with `overrides`, validated again; an unknown name is a ConfigError."""

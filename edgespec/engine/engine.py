@@ -12,7 +12,7 @@ leaves the iterator, or when the engine is closed; the caches are rewound in eve
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import threading
 import time
@@ -21,7 +21,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from ..bundle import Bundle, load_bundle
@@ -34,18 +33,18 @@ from ..decoding import (
     check_max_tokens,
     make_policy,
 )
-from ..decoding.cache import batch_limit
+from ..decoding.limits import DecoderLimits
 from ..errors import BusyError, ConfigError, ContextFullError, EngineClosedError
-from ..runtimes import BACKENDS, exact_mode_memory, installed_backends, open_runtime, open_shared_pair
+from ..runtimes import installed_backends
 from ..tokenizer import IncrementalDecoder, Tokenizer
-from .assembly import EnginePlan, decoder_limits, plan_engine, probe_width
+from .assembly import EnginePlan, plan_engine
 from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
 from .config import EngineConfig, engine_config
-from .exact_mode import inexact_drafting, settle_exact_mode
+from .opening import open_plan
 from .tuning import tune
 
-__all__ = ["load", "Engine", "EngineConfig", "Response", "GenerationStats", "DRAFT_BODIES", "default_bundle",
-           "resolve_drafting", "shared_body_blocker"]
+__all__ = ["load", "resolve", "Engine", "EngineConfig", "Response", "GenerationStats", "DRAFT_BODIES",
+           "default_bundle", "resolve_drafting", "shared_body_blocker"]
 
 logger = logging.getLogger(__name__)
 
@@ -106,14 +105,20 @@ class Engine:
     """A loaded bundle: target (and draft) runtimes, tokenizer, and the speculative decoder.
 
     Engine(bundle, config) opens what `assembly.plan_engine` decides for `config` (keyword
-    overrides of it are accepted too, as `load` takes them), where the config leaves a choice
-    open, with what the tuner measured fastest on this machine (tuning.py; `engine.tuning`).
-    `clock` (seconds) is what the decoder, its drafters and the generation statistics read; a
-    replay passes a virtual one."""
+    overrides of it are accepted too, as `load` takes them); Engine(bundle, plan=plan) opens a
+    plan resolved already, such as `resolve`'s, which `load` passes: where the config leaves a
+    choice open, it holds what the tuner measured fastest on this machine (tuning.py). The plan
+    is executed once (opening.py); `engine.opened` records what was opened, deviations from the
+    plan and their reasons included, and nothing changes it afterwards. `clock` (seconds) is what
+    the decoder, its drafters and the generation statistics read; a replay passes a virtual one."""
 
-    def __init__(self, bundle: Bundle, config: EngineConfig | None = None, *,
+    def __init__(self, bundle: Bundle, config: EngineConfig | None = None, *, plan: EnginePlan | None = None,
                  clock: Callable[[], float] = time.perf_counter, **overrides) -> None:
-        self.config = engine_config(config, **overrides)
+        if plan is None:
+            plan = plan_engine(bundle.manifest, engine_config(config, **overrides), installed_backends())
+        elif config is not None or overrides:
+            raise ConfigError("give Engine a config (and overrides) or a plan, not both")
+        self.config, self.plan, self.bundle = plan.config, plan, bundle
         self._clock = clock
         self._stack = ExitStack()  # every runtime opened, closed with the engine
         self._lock = threading.Lock()  # one generation at a time
@@ -123,120 +128,66 @@ class Engine:
         self._closed = False
         self.last_stats = GenerationStats()
         try:
-            installed = installed_backends()
-            # the fastest exact configuration measured here, where the config leaves one open (None: nothing to tune)
-            self.tuning = tune(bundle, self.config, installed, functools.partial(Engine, bundle, clock=clock))
+            m = bundle.manifest
+            self.tokenizer = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
+            self._stack.callback(self.tokenizer.close)  # its chat-template render child, if one started
             # under retune the tuner has just probed every candidate: the chosen one reads its verdict
-            self._retune = self.config.retune and self.tuning is None
-            self._open(bundle, plan_engine(bundle.manifest, self.config, installed,
-                                           self.tuning.choice if self.tuning else None))
+            opened = open_plan(bundle, plan, self._stack, retune=self.config.retune and plan.tuning is None)
+            self.target, self.draft, self.opened = opened.target, opened.draft, opened.opened
+            self.decoder = self.variant()
         except BaseException:  # a later step failed: what was opened must not outlive the error
             self._stack.close()
             raise
 
-    def _open(self, bundle: Bundle, plan: EnginePlan) -> None:
-        """Execute `plan`: open the target (and draft), plan memory under a budget, settle the
-        target's exact mode, build the decoder. Everything opened is entered into `self._stack`."""
-        m = bundle.manifest
-        self.plan, self.bundle, self.backend = plan, bundle, plan.backend
-        self.drafter_name, self.policy_name, self.k = plan.drafter, plan.policy, plan.k
-        self.shared_body = plan.shared_body  # the draft reads the target's body through its own head
-        self.draft = self.draft_backend = None
-        self.exactness = None  # the probe's verdict: which verify widths round like plain decoding here
-        self.tokenizer = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
-        budget = self._budget(bundle, plan)  # None: no budget
-        files = [bundle.file(plan.target.file)] + ([bundle.file(plan.draft.file)] if plan.shared_body else [])
-        reopen, mode, remembered, remember = self._open_models(bundle, plan, budget, files)
-        self.memory_plan = budget.finish({"target": self.target, "draft": self.draft}) if budget else None
-        if self.memory_plan is not None and self.draft is not None and not self.memory_plan.use_draft:
-            self._drop_draft()  # measured, it does not fit after all
-        # a plain engine probes only to settle its target's mode where no engine has here yet
-        if self.drafter_name is not None or (plan.switchable and remembered is None):
-            self._settle(plan, files, reopen if plan.switchable else None, mode, remember)
-        kv = [rt.kv_capacity for rt in (self.target, self.draft) if rt is not None]
-        self.limits = MappingProxyType(decoder_limits(self.config.max_context, kv, self.memory_plan, self.exactness,
-                                                      self.shared_body, plan.verify_limit, self.config.prefill_chunk))
-        # most tokens a sequence may hold (prompt + reply); None: no fixed limit
-        self.context_limit: int | None = self.limits["context_limit"]
-        self.decoder = self.variant()
+    # -- what was opened: read-only views of `opened` ------------------------------------
+    @property
+    def backend(self) -> str:
+        return self.opened.backend
 
-    def _open_models(self, bundle: Bundle, plan: EnginePlan, budget, files: list[Path]):
-        """Open the target (with a draft on its body) in the mode settled on here last time, and a
-        draft on its own body; (reopen, mode, remembered, remember) for settling the mode."""
-        c, backend = self.config, plan.backend
-        # The target's mode (runtimes/exactness.py): the one settled on here last time, opened
-        # straight away. Plain and speculative engines share it, so that their greedy outputs are
-        # the same model's (an exact mode such as padded rows rounds unlike the default).
-        ctx_kw = {"kv_capacity": c.max_context} if c.max_context is not None and budget is None else {}
-        modes = BACKENDS[backend].exact_modes if not c.static else ()  # static shapes have one width
-        recall, remember = exact_mode_memory(backend, files[:1], {"threads": c.threads, "device": c.device, **ctx_kw}
-                                             ) if modes else (lambda: None, None)
-        remembered = None if self._retune else recall()
-        mode = remembered or {}
-        if remembered is None and budget is not None and modes:
-            # a budget plans the runtimes it opens and cannot switch them afterwards: where no mode
-            # is settled here yet, open the backend's first exact mode (the probe still checks it)
-            mode = modes[0]
-        options = {**plan.target.options, **mode}
-        if plan.shared_body:
-            # a trained draft head (edgespec distill) runs on the same body, opened for the drafter 'head' only
-            head = bundle.manifest.draft_head if self.drafter_name == "head" else None
-            extra = {} if head is None else {"draft_head": bundle.file(head.file)}
-            reopen = functools.partial(open_shared_pair, backend, files[0], files[-1], **options, **extra)
-            pair = budget.open_pair(reopen) if budget else reopen()
-            self.target = self._stack.enter_context(pair[0])
-            self.draft = self._stack.enter_context(pair[1])
-            self.draft_backend = backend
-        else:
-            reopen = functools.partial(open_runtime, backend, files[0], **options)
-            self.target = self._stack.enter_context(budget.open_target(reopen) if budget else reopen())
-        if plan.wants_draft_model and budget is not None and not budget.load_draft:
-            self.drafter_name = None  # the draft model does not fit; finish() says so once
-            if plan.shared_body:  # its head was opened with the body: let it go
-                self._drop_draft()
-        if self.drafter_name is not None and plan.draft is not None and not plan.shared_body:
-            open_draft = functools.partial(open_runtime, plan.draft.backend, bundle.file(plan.draft.file),
-                                           **plan.draft.options)
-            self.draft = self._stack.enter_context(budget.open_draft(open_draft) if budget else open_draft())
-            self.draft_backend = plan.draft.backend
-        return reopen, mode, remembered, remember
+    @property
+    def draft_backend(self) -> str | None:
+        return self.opened.draft_backend
 
-    def _settle(self, plan: EnginePlan, files: list[Path], reopen, mode: dict, remember) -> None:
-        """Probe exactness and keep the target's exact mode (exact_mode.py); where no verify width
-        is exact, drafting goes under require_exact."""
-        mp = self.memory_plan
-        widest = probe_width(self.drafter_name, self.policy_name, self.k,
-                             batch_limit(self.target, decoder_limits(None, [], mp, None, False)["max_batch"]))
-        settled = settle_exact_mode(plan.backend, self.target, self.draft if plan.shared_body else None, files,
-                                    widest, threads=self.config.threads, retune=self._retune, mode=mode,
-                                    stack=self._stack, reopen=reopen, remember=remember)
-        self.target, self.exactness = settled.target, settled.verdict
-        if plan.shared_body:
-            self.draft = settled.shared_draft
-        if (settled.verdict.exact_width < 2 and self.drafter_name is not None
-                and not inexact_drafting(plan.backend, settled.verdict, self.config.require_exact)):
-            self._drop_draft()
+    @property
+    def drafter_name(self) -> str | None:
+        """The drafter decoding uses (None: plain decoding); the plan's unless opening deviated."""
+        return self.opened.drafter
 
-    def _drop_draft(self) -> None:
-        """Decode without the draft model from here on (it does not fit, or drafting is refused)."""
-        if self.draft is not None:
-            self.draft.close()
-            self.draft = self.draft_backend = None
-        self.drafter_name = None
+    @property
+    def policy_name(self) -> str:
+        return self.opened.policy
 
-    def _budget(self, bundle: Bundle, plan: EnginePlan):
-        """The budgeted-load helper (edgespec.memory), or None when no budget is given."""
-        if not plan.budgeted:
-            return None
-        from ..memory.loading import EngineBudget
-        from ..runtimes import runtime_class
+    @property
+    def k(self) -> int:
+        return self.opened.k
 
-        m, fmt = bundle.manifest, plan.target.format
-        dfmt = fmt if m.draft is not None and fmt in m.draft.formats else None
-        k = plan.k if plan.drafter is not None else 0
-        return EngineBudget(self.config.budget_bytes, bundle, fmt, dfmt, runtime_class(plan.backend).kv_dtypes, k,
-                            plan.max_k if k else 0, plan.wants_draft_model, self.config.max_context,
-                            shared_body=plan.shared_body)
+    @property
+    def shared_body(self) -> bool:
+        """The plan puts the draft on the target's body (the draft reads it through its own head)."""
+        return self.plan.shared_body
+
+    @property
+    def exactness(self):
+        """The probe's verdict: which verify widths round like plain decoding here (None: not probed)."""
+        return self.opened.exactness
+
+    @property
+    def memory_plan(self):
+        return self.opened.memory_plan
+
+    @property
+    def limits(self) -> DecoderLimits:
+        return self.opened.limits
+
+    @property
+    def context_limit(self) -> int | None:
+        """Most tokens a sequence may hold (prompt + reply); None: no fixed limit."""
+        return self.opened.context_limit
+
+    @property
+    def tuning(self):
+        """What the tuner measured and chose (tuning.Tuning), None where it did not run."""
+        return self.plan.tuning
 
     # -- seams for tools: decoder variants on the same runtimes, a description for reports ------
     def variant(self, *, plain: bool = False, drafter: str | None = None, policy: str | DraftPolicy | None = None,
@@ -253,7 +204,7 @@ class Engine:
         clock = clock or self._clock
         name = None if plain else (drafter or self.drafter_name)
         if name is None:
-            return SpeculativeDecoder(self.target, **self.limits, clock=clock)
+            return SpeculativeDecoder(self.target, limits=self.limits, clock=clock)
         needs_model = name in DRAFTERS and DRAFTERS[name].needs_model  # an unknown name: the decoder says so
         if needs_model and self.draft is None:
             raise ConfigError(f"drafter {name!r} needs the draft model, which this engine has not loaded")
@@ -262,31 +213,17 @@ class Engine:
             policy = make_policy(policy or ("fixed" if k is not None else self.policy_name), self.k if k is None else k,
                                  free_width=max(1, self.target.capabilities.free_batch_tokens))
         draft = self.draft if needs_model else None
-        limits = {**self.limits, "trees": self.limits["trees"] and trees is not False}
+        limits = self.limits if trees is not False else self.limits.replace(trees=False)
         return SpeculativeDecoder(self.target, draft, id_map=self.bundle.id_map() if draft is not None else None,
-                                  drafter=name, policy=policy, **limits, clock=clock)
+                                  drafter=name, policy=policy, limits=limits, clock=clock)
 
     def describe(self) -> dict[str, Any]:
         """What this engine runs, as plain values for reports: backends, formats and precisions
-        per model, the draft's body, drafting, limits, the exactness verdict and the config."""
-        def model(role: str, backend: str | None) -> dict | None:
-            entry = getattr(self.bundle.manifest, role)
-            if backend is None or entry is None:
-                return None
-            fmt = BACKENDS[backend].bundle_format
-            art = entry.formats.get(fmt)
-            return {"backend": backend, "format": fmt, "precision": art.precision if art else None,
-                    "quantization": art.quantization if art else None}
-
-        probe = self.exactness
-        return {"bundle": self.bundle.path.name, "target": model("target", self.backend),
-                "draft": model("draft", self.draft_backend),
-                "draft_body": "shared" if self.shared_body and self.draft else "own" if self.draft else None,
-                "drafter": self.drafter_name, "policy": self.policy_name, "k": self.k,
-                "limits": dict(self.limits),
-                "exactness": None if probe is None else {"summary": probe.describe(), **probe.to_dict()},
-                "tuning": None if self.tuning is None else self.tuning.to_dict(),
-                "config": self.config.to_dict()}
+        per model, the draft's body, drafting, limits, the exactness verdict, deviations from the
+        plan, the tuning and the config (all read from `opened`)."""
+        tuning = self.plan.tuning
+        return {"bundle": self.bundle.path.name, **self.opened.to_dict(self.bundle.manifest),
+                "tuning": None if tuning is None else tuning.to_dict(), "config": self.config.to_dict()}
 
     # -- layered API: step (ids) → stream (Response) → generate (text) -----------------
     def stream_ids(self, tokens: list[int], params: SamplingParams, max_tokens: int,
@@ -480,6 +417,19 @@ def _with_config_fields(fn):
     return fn
 
 
+def resolve(bundle: Bundle, config: EngineConfig | None = None, *, installed: list[str] | None = None,
+            clock: Callable[[], float] = time.perf_counter, **overrides) -> EnginePlan:
+    """The plan `load` opens: `config` (with overrides) on `bundle` where `installed` backends are
+    (default: looked up), with what the tuner measured fastest here where the config leaves a
+    choice open. Tuning opens each candidate's own plan as an Engine, one at a time, and closes
+    it: this runs before the engine that is kept exists."""
+    cfg = engine_config(config, **overrides)
+    installed = installed_backends() if installed is None else installed
+    tuning = tune(bundle, cfg, installed, lambda plan: Engine(bundle, plan=plan, clock=clock))
+    plan = plan_engine(bundle.manifest, cfg, installed, tuning.choice if tuning else None)
+    return plan if tuning is None else dataclasses.replace(plan, tuning=tuning)
+
+
 @_with_config_fields
 def load(bundle: str | Path | None = None, config: EngineConfig | None = None, **overrides) -> Engine:
     """Open a bundle (default: the embedded Gemma 3 270M bundle, built on first use). `bundle`
@@ -496,5 +446,6 @@ def load(bundle: str | Path | None = None, config: EngineConfig | None = None, *
         from ..exporters.gguf.bundles import resolve_bundle
 
         path = resolve_bundle(bundle)
-    return Engine(load_bundle(path), cfg)
+    b = load_bundle(path)
+    return Engine(b, plan=resolve(b, cfg))
 

@@ -199,7 +199,7 @@ class ChatSession:
             return self.format.encode(self.engine.tokenizer, messages)
 
         tokens = encode(self.messages)
-        limit = getattr(self.engine, "context_limit", None)
+        limit = self.engine.opened.context_limit
         if limit is None:
             return tokens
         room = max(1, min(max_tokens, limit // 4))  # the reply may still end early with "length"

@@ -42,10 +42,11 @@ import numpy as np
 from ..decoding.policy import expected_tokens, isotonic
 from ..errors import ConfigError, EdgespecError
 from ..runtimes import BACKENDS, backend_version
-from .assembly import Tuned, plan_engine
+from .assembly import EnginePlan, Tuned, plan_engine
 from .config import EngineConfig
 
-__all__ = ["ACCEPTANCES", "DRAFT_LENGTHS", "Measurement", "Tuning", "candidates", "choose", "contenders",
+__all__ = ["ACCEPTANCES", "DRAFT_LENGTHS", "Measurement", "Tuning", "candidate_plans", "candidates", "choose",
+           "contenders",
            "measure_engine", "merged", "skip_reason", "tune", "verify_costs", "WIDTHS"]
 
 logger = logging.getLogger(__name__)
@@ -208,13 +209,13 @@ def measure_engine(engine, prefix: int = TUNE_PREFIX, repeats: int = TUNE_REPEAT
     exact = probe.exact_width if probe is not None and engine.drafter_name is not None else 1
     top = min(exact, engine.target.capabilities.max_batch_tokens or exact)
     widths = [k + 1 for k in DRAFT_LENGTHS if k + 1 <= top]
-    draft = engine.draft if engine.plan.wants_draft_model else None
+    draft = engine.draft if engine.opened.draft_body is not None else None
     # the fastest of the repeats: a busy neighbour only ever adds time
     costs = verify_costs(engine.target, widths, prefix, repeats, draft=draft, stat=min)
     if costs is None:
         return None
     ms = {int(b): v for b, v in costs["ms"].items()}
-    body = None if draft is None else "shared" if engine.shared_body else "own"
+    body = None if draft is None else engine.opened.draft_body
     free = engine.drafter_name not in (None, *COSTED_ONLY)
     return Measurement(engine.backend, body, free, ms[1], costs.get("draft_ms", 0.0),
                        {b: v for b, v in ms.items() if b > 1}, exact, round((time.perf_counter() - t0) * 1e3, 1))
@@ -307,19 +308,22 @@ def candidates(manifest, config: EngineConfig, installed: list[str]) -> list[tup
     Left to choose, a backend's draft runs on the target's body where it can: a body of its own
     holds the model twice (+130 MiB on the default bundle; the draft's share of memory is meant
     to stay within 10%), so "own" is a candidate only where "shared" cannot open (llama.cpp)."""
+    return list(candidate_plans(manifest, config, installed))
+
+
+def candidate_plans(manifest, config: EngineConfig, installed: list[str]) -> dict[tuple[str, str | None], EnginePlan]:
+    """candidates(), each with the plan that opens it (untuned): planned once per candidate."""
     backends = [config.backend] if config.backend else [
         n for n in installed if BACKENDS[n].bundle_format in manifest.target.formats]
     bodies = [config.draft_body] if config.draft_body != "auto" else ["shared", "own"]
-    out: list[tuple[str, str | None]] = []
+    out: dict[tuple[str, str | None], EnginePlan] = {}
     for backend in backends:
         for body in bodies:
             try:
                 plan = plan_engine(manifest, config.replace(backend=backend, draft_body=body, tune=False), installed)
             except ConfigError:
                 continue  # this backend or body cannot open the bundle under the config
-            pair = (backend, None if plan.draft is None else "shared" if plan.shared_body else "own")
-            if pair not in out:
-                out.append(pair)
+            out.setdefault((backend, plan.draft_body), plan)
             if config.draft_body == "auto":
                 break
     return out
@@ -355,43 +359,43 @@ def _write(path: Path, m: Measurement) -> None:
         logger.warning("cannot cache the tuning figures in %s: %s", path.parent, e)
 
 
-def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callable[[EngineConfig], object]
+def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callable[[EnginePlan], object]
          ) -> Tuning | None:
     """Measure each candidate configuration of `bundle` under `config` (or read its figures from
     the cache) and choose; None where there is nothing to choose (one candidate) or the load is
-    not tuned (skip_reason). `open_engine(config)` opens an engine (api.Engine on the bundle)."""
+    not tuned (skip_reason). `open_engine(plan)` opens an engine on the bundle executing `plan`
+    (engine.resolve passes Engine); each is closed before the next opens."""
     why = skip_reason(config)
     if why is not None:
         logger.debug("not tuning: %s", why)
         return None
-    pairs = candidates(bundle.manifest, config, installed)
-    if len(pairs) < 2:
+    cands = candidate_plans(bundle.manifest, config, installed)
+    if len(cands) < 2:
         return None
     plans = []
-    for backend, body in pairs:
-        cfg = config.replace(backend=backend, draft_body=body or config.draft_body, tune=False)
-        path = _cache_path(bundle, plan_engine(bundle.manifest, cfg, installed))
-        plans.append((cfg, path, None if config.retune else _read(path)))
+    for plan in cands.values():
+        path = _cache_path(bundle, plan)
+        plans.append((plan, path, None if config.retune else _read(path)))
     missing = sum(m is None for *_, m in plans)
     if missing:
         logger.warning("tuning: measuring %d configurations of this bundle on this machine (once, then cached; "
                        "--no-tune skips it)", missing)
     spent = 0.0
 
-    def measure(cfg: EngineConfig) -> Measurement | None:
+    def measure(plan: EnginePlan) -> Measurement | None:
         nonlocal spent
         t0 = time.perf_counter()
         try:
-            with open_engine(cfg) as engine:
+            with open_engine(plan) as engine:
                 return measure_engine(engine)
         except EdgespecError as e:  # a candidate that fails to open is no candidate
-            logger.warning("tuning: %s (draft body %s) cannot open: %s", cfg.backend, cfg.draft_body, e)
+            logger.warning("tuning: %s (draft body %s) cannot open: %s", plan.backend, plan.draft_body, e)
             return None
         finally:
             spent += time.perf_counter() - t0  # opening (the exactness probe, first time) and measuring
 
-    found = [(cfg, path, m if m is not None else measure(cfg)) for cfg, path, m in plans]
-    found = [(cfg, path, m) for cfg, path, m in found if m is not None]
+    found = [(plan, path, m if m is not None else measure(plan)) for plan, path, m in plans]
+    found = [(plan, path, m) for plan, path, m in found if m is not None]
     if not found:
         return None
     close = contenders([m for *_, m in found])

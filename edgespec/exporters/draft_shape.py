@@ -9,11 +9,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
+from ..models.templates import TemplateRenderer
 from .vocabtrim import (
     always_kept_ids,
     builtin_prompts,
     calibrate,
     calibrate_runtime,
+    chat_text,
     choose_vocab,
     coverage,
     read_prompt_file,
@@ -62,8 +64,8 @@ def shape_draft(source, spec, chat_template: str | None, *, vocab: int | None,
     template_ids = ()
     if chat_template:
         demo = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        text = source.tokenizer.apply_chat_template(demo, chat_template=chat_template, tokenize=False,
-                                                    add_generation_prompt=True)
+        with TemplateRenderer() as renderer:  # the source's template code: bounded in time and memory
+            text = chat_text(renderer, source.tokenizer, demo, chat_template)
         template_ids = source.tokenizer(text, add_special_tokens=False).input_ids
     always = always_kept_ids(source.tokenizer, spec.family, template_ids)
     always = {i for i in always if i < spec.vocab_size}

@@ -90,6 +90,9 @@ def load_with_transformers(path: str | os.PathLike) -> Source:
     except ImportError as e:
         raise ExportError("exporting needs the export extra: pip install 'edgespec[export]'") from e
     if kind == "gguf":
+        from .gguf.reader import check_layout
+
+        check_layout(path)  # before transformers' GGUF reader trusts its counts
         folder, extra = path.parent, {"gguf_file": path.name}
         files = [path]
     else:

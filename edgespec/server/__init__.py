@@ -1,6 +1,19 @@
-"""OpenAI-compatible HTTP server for one engine (`edgespec serve`); needs the `serve` extra."""
+"""OpenAI-compatible HTTP server for one engine (`edgespec serve`); needs the `serve` extra.
+
+`ServerConfig` imports without it (the CLI builds its flags from it); `create_app` and
+`begin_shutdown` load FastAPI when first used."""
 from __future__ import annotations
 
-from .app import ServerConfig, begin_shutdown, create_app
+from typing import Any
+
+from .config import ServerConfig
 
 __all__ = ["ServerConfig", "begin_shutdown", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("create_app", "begin_shutdown"):
+        from . import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,6 +28,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_BEARER = b"bearer "
 
 
 class ClientStalled(Exception):
@@ -76,8 +77,10 @@ class RequestGuard:
         if self.api_key is None or not scope["path"].startswith(self.protected):
             return
         auth = _header(scope, b"authorization")
-        scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+        # the scheme is case-insensitive (RFC 9110); the token is the exact rest after one space:
+        # a key with a trailing space or newline, or a doubled space, is another key
+        scheme, token = auth[:len(_BEARER)], auth[len(_BEARER):]
+        if scheme.lower() != _BEARER or not hmac.compare_digest(token, self.api_key):
             raise _Refused(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
                            "invalid_api_key", {"WWW-Authenticate": "Bearer"})
 

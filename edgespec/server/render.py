@@ -171,7 +171,8 @@ def _serve(stdin, stdout) -> None:
 
     bundle = load_bundle(json.loads(stdin.readline())["bundle"])
     m = bundle.manifest
-    tok = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer)
+    # this process is the server's bounded render child already: render in it, not in a child of its own
+    tok = Tokenizer(bundle.file(m.tokenizer.file), m.tokenizer, template_timeout_s=None)
     fmt = chat_format_for(m, tok)
     stdout.write(json.dumps({"ready": True}) + "\n")
     stdout.flush()

@@ -1,22 +1,70 @@
-"""OpenAI response bodies and their server-sent-event stream, built from edgespec Responses."""
+"""OpenAI response bodies and their server-sent-event stream, built from edgespec Responses.
+
+Chat and completions differ only in data (a ReplyShape: object names, how text sits in a
+choice, chat's opening role chunk), so one event generator serves both."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi.sse import format_sse_event
 
 from .errors import error_body
+from .schemas import new_id, now
 
 if TYPE_CHECKING:
     from ..decoding import GenerationStats
     from ..engine.engine import Response
 
-__all__ = ["usage", "finish_reason", "chat_completion", "chat_chunk", "completion", "completion_chunk",
-           "sse", "sse_done", "sse_error", "collect"]
+__all__ = ["ReplyShape", "CHAT", "COMPLETION", "Envelope", "usage", "finish_reason", "reply", "chunk", "usage_chunk",
+           "events", "sse", "sse_done", "sse_error", "collect"]
 
 DONE = b"data: [DONE]\n\n"
+
+
+def _chat_message(text: str) -> dict[str, Any]:
+    return {"message": {"role": "assistant", "content": text}}
+
+
+def _chat_delta(text: str) -> dict[str, Any]:
+    # the closing chunk carries an empty delta, as OpenAI's does
+    return {"delta": {"content": text} if text else {}}
+
+
+def _text(text: str) -> dict[str, Any]:
+    return {"text": text}
+
+
+@dataclass(frozen=True)
+class ReplyShape:
+    """How one endpoint's replies look: all that tells a chat reply from a completion."""
+
+    id_prefix: str  # "chatcmpl-..." / "cmpl-..."
+    whole_object: str  # the "object" of a whole reply
+    chunk_object: str  # the "object" of a streamed chunk
+    whole: Callable[[str], dict[str, Any]]  # a whole reply's text -> its choice's fields
+    piece: Callable[[str], dict[str, Any]]  # a streamed piece of text -> its chunk's choice fields
+    opening: dict[str, Any] | None = None  # choice fields of a chunk sent before any text (chat's role)
+
+
+CHAT = ReplyShape("chatcmpl", "chat.completion", "chat.completion.chunk", _chat_message, _chat_delta,
+                  opening={"delta": {"role": "assistant", "content": ""}})
+COMPLETION = ReplyShape("cmpl", "text_completion", "text_completion", _text, _text)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What every response and chunk of one reply shares."""
+
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def new(cls, shape: ReplyShape, model: str) -> Envelope:
+        return cls(new_id(shape.id_prefix), model, now())
 
 
 def usage(st: GenerationStats) -> dict[str, int]:
@@ -29,39 +77,49 @@ def finish_reason(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def _body(obj: str, id_: str, model: str, created: int, choice: dict[str, Any] | None,
-          st: GenerationStats | None) -> dict[str, Any]:
+def _body(obj: str, env: Envelope, choice: dict[str, Any] | None, st: GenerationStats | None) -> dict[str, Any]:
     """The envelope every response and chunk shares; `choice` None: an empty choices list."""
-    body: dict[str, Any] = {"id": id_, "object": obj, "created": created, "model": model,
+    body: dict[str, Any] = {"id": env.id, "object": obj, "created": env.created, "model": env.model,
                             "choices": [] if choice is None else [{"index": 0, **choice}]}
     if st is not None:
         body["usage"] = usage(st)
     return body
 
 
-def chat_completion(id_: str, model: str, created: int, text: str, reason: str | None,
-                    st: GenerationStats) -> dict[str, Any]:
-    return _body("chat.completion", id_, model, created,
-                 {"message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason(reason)}, st)
+def reply(shape: ReplyShape, env: Envelope, text: str, reason: str | None, st: GenerationStats) -> dict[str, Any]:
+    """A whole (non-streamed) reply."""
+    return _body(shape.whole_object, env,
+                 {**shape.whole(text), "logprobs": None, "finish_reason": finish_reason(reason)}, st)
 
 
-def chat_chunk(id_: str, model: str, created: int, delta: dict[str, Any], reason: str | None = None,
-               st: GenerationStats | None = None, choices: bool = True) -> dict[str, Any]:
-    choice = {"delta": delta, "logprobs": None, "finish_reason": reason} if choices else None
-    return _body("chat.completion.chunk", id_, model, created, choice, st)
+def chunk(shape: ReplyShape, env: Envelope, fields: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
+    """One streamed chunk with one choice of `fields`."""
+    return _body(shape.chunk_object, env, {**fields, "logprobs": None, "finish_reason": reason}, None)
 
 
-def completion(id_: str, model: str, created: int, text: str, reason: str | None,
-               st: GenerationStats) -> dict[str, Any]:
-    return _body("text_completion", id_, model, created,
-                 {"text": text, "logprobs": None, "finish_reason": finish_reason(reason)}, st)
+def usage_chunk(shape: ReplyShape, env: Envelope, st: GenerationStats) -> dict[str, Any]:
+    """The chunk after the last, with no choices, that `stream_options.include_usage` asks for."""
+    return _body(shape.chunk_object, env, None, st)
 
 
-def completion_chunk(id_: str, model: str, created: int, text: str, reason: str | None = None,
-                     st: GenerationStats | None = None, choices: bool = True) -> dict[str, Any]:
-    choice = {"text": text, "logprobs": None, "finish_reason": reason} if choices else None
-    return _body("text_completion", id_, model, created, choice, st)
+async def events(responses: AsyncIterator[Response], shape: ReplyShape, env: Envelope,
+                 include_usage: bool) -> AsyncIterator[bytes]:
+    """A generation's Responses as server-sent events, for either endpoint."""
+    if shape.opening is not None:  # sent at once: the client sees its request was taken
+        yield sse(chunk(shape, env, shape.opening))
+    reason, st = None, None
+    try:
+        async for r in responses:
+            if r.text:
+                yield sse(chunk(shape, env, shape.piece(r.text)))
+            reason, st = r.finish_reason or reason, r.stats
+    except Exception as e:  # the status line is sent: the error travels as an event
+        yield sse_error(e)
+        return
+    yield sse(chunk(shape, env, shape.piece(""), finish_reason(reason)))
+    if include_usage and st is not None:
+        yield sse(usage_chunk(shape, env, st))
+    yield sse_done()
 
 
 def sse(body: dict[str, Any]) -> bytes:

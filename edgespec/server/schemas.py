@@ -15,8 +15,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 __all__ = [
     "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "Usage",
-    "ModelCard", "ModelList", "unsupported_features", "new_id", "now",
+    "ModelCard", "ModelList", "unsupported_features", "new_id", "now", "COMPLETION_MAX_TOKENS",
 ]
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default reply length for /v1/completions
 
 
 def new_id(prefix: str) -> str:
@@ -108,6 +110,10 @@ class _Sampling(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def asked_tokens(self) -> int | None:
+        """The reply length the client asked for; None: the endpoint's default."""
+        return self.max_tokens
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -117,8 +123,9 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     top_logprobs: int | None = None
 
-    def token_limit(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+    def asked_tokens(self) -> int | None:
+        # max_completion_tokens is OpenAI's newer name; it wins where a client sends both
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages for the chat template ("developer" is OpenAI's newer name for "system")."""
@@ -130,9 +137,6 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-
-    def token_limit(self) -> int | None:
-        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's default for completions
 
 
 def unsupported_features(req: _Sampling) -> list[tuple[str, str]]:

@@ -50,6 +50,27 @@ class DistillConfig:
             raise ConfigError(f"--gen-tokens must be an integer >= 0, got {self.gen_tokens}")
         if not self.builtin and self.calibration is None:
             raise ConfigError("no calibration prompts: give a calibration file or keep the built-in prompts")
+        if self.threads is not None:
+            object.__setattr__(self, "threads", _bounded_threads(self.threads))
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def _bounded_threads(threads) -> int:
+    """--threads checked (an integer >= 1) and capped by the CPUs this process may use: more
+    threads than cores only contend for them, and a huge count would make every pool spawn them."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"--threads must be an integer >= 1, got {threads!r}")
+    usable = _usable_cpus()
+    if threads > usable:
+        logger.warning("--threads %d is more than the %d CPUs this process may use; using %d", threads, usable,
+                       usable)
+        return usable
+    return threads
 
 
 def _quiet(progress: bool | None) -> bool | None:

@@ -132,12 +132,12 @@ def _check_gguf(path: Path) -> None:
 def _check_architecture(path: Path) -> None:
     """Refuse a damaged GGUF or one of an architecture edgespec cannot run before the build is
     announced, so that this bad input is one line on stderr, not a progress line and an error."""
-    from .source import ARCHS, open_gguf
+    from .reader import field, open_gguf
+    from .source import ARCHS
 
-    field = open_gguf(path).fields.get("general.architecture")
-    arch = str(field.contents()) if field is not None else ""
+    arch = str(field(open_gguf(path), "general.architecture", ""))
     if arch not in ARCHS:
-        raise ExportError(f"{path.name}: GGUF architecture '{arch}' is not supported "
+        raise ExportError(f"{path.name}: GGUF architecture {arch[:40]!r} is not supported "
                           f"(supported: {', '.join(sorted(ARCHS))})")
 
 

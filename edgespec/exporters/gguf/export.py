@@ -44,12 +44,16 @@ _NORM_SUFFIXES = ("norm.weight",)
 def precision_of_gguf(path: Path, reader=None) -> tuple[str | None, str]:
     """(edgespec precision or None, llama.cpp file type name) of a GGUF file (or its open reader:
     opening one parses every metadata string, ~1 s per 10k vocabulary entries)."""
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
 
-    field = (reader or GGUFReader(str(path))).fields.get("general.file_type")
-    if field is None:
+    from .reader import field as _field
+    from .reader import open_gguf
+
+    ftype = _field(reader or open_gguf(path), "general.file_type")
+    if ftype is None:
         return None, "unknown"
-    ftype = int(field.contents())
+    if isinstance(ftype, bool) or not isinstance(ftype, int):
+        raise ExportError(f"the GGUF's 'general.file_type' must be an integer, got {str(ftype)[:40]!r}")
     name = LlamaFileType(ftype).name.replace("MOSTLY_", "").replace("ALL_", "") if ftype in set(
         t.value for t in LlamaFileType) else str(ftype)
     return next((p for p, (_, v) in LLAMA_FTYPES.items() if v == ftype), None), name
@@ -211,9 +215,11 @@ def _tokenizer(w, job, trimmed: bool, n_vocab: int) -> None:
 
 
 def _copy_gguf_tokenizer(w, path: Path) -> bool:
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
 
-    fields = {k: f for k, f in GGUFReader(str(path)).fields.items() if k.startswith("tokenizer.")}
+    from .reader import open_gguf
+
+    fields = {k: f for k, f in open_gguf(path).fields.items() if k.startswith("tokenizer.")}
     if "tokenizer.ggml.model" not in fields:
         return False
     for key, f in fields.items():

@@ -115,6 +115,6 @@ def pre_tokenizer(name: str) -> PreTokenizer:
     """The pre-tokenizer llama.cpp applies for `tokenizer.ggml.pre = name`; ExportError if unknown."""
     kind = _NAMES.get(name)
     if kind is None:
-        raise ExportError(f"the GGUF's BPE pre-tokenizer '{name}' is not supported; supported: "
+        raise ExportError(f"the GGUF's BPE pre-tokenizer {name[:40]!r} is not supported; supported: "
                           f"{', '.join(supported_names())}")
     return PRE_TOKENIZERS[kind]

@@ -13,6 +13,8 @@ tokenizer.json (gguf/tokenizer.py).
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +25,11 @@ import numpy as np
 from ...errors import ExportError
 from ...models.families import family_for
 from ..spec import ModelSpec
+from .reader import check_layout, open_gguf
+from .reader import field as _field
 from .transcode import BlockWeight, quant_type_name, transcode
 
-__all__ = ["GGUFModel", "open_gguf", "read_gguf", "ArchFacts", "ARCHS"]
+__all__ = ["GGUFModel", "check_layout", "open_gguf", "read_gguf", "ArchFacts", "ARCHS"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +84,6 @@ class GGUFModel:
         return {k: v.dequantize() if isinstance(v, BlockWeight) else v for k, v in self.tensors.items()}
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
 
 
 def _require(reader, key: str):
@@ -95,6 +93,53 @@ def _require(reader, key: str):
     return value
 
 
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _size(reader, key: str, default=None) -> int:
+    """A count or size from the metadata: an integer >= 1 (a zero head count divides by zero, a
+    per-layer array or a string is no count), else a one-line ExportError naming the key."""
+    value = _field(reader, key, default)
+    if value is None:
+        raise ExportError(f"the GGUF has no '{key}' metadata; cannot read its configuration")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ExportError(f"the GGUF's '{key}' must be an integer >= 1, got {_show(value)}")
+    return int(value)
+
+
+def _number(reader, key: str, default=None, *, positive: bool = False) -> float:
+    """A finite real number from the metadata (> 0 where `positive`), else a one-line ExportError."""
+    value = _field(reader, key, default)
+    if value is None:
+        raise ExportError(f"the GGUF has no '{key}' metadata; cannot read its configuration")
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (positive and value <= 0):
+        raise ExportError(f"the GGUF's '{key}' must be a finite number{' > 0' if positive else ''}, got {_show(value)}")
+    return float(value)
+
+
+def _heads(reader, arch: str) -> tuple[int, int, int, int]:
+    """(hidden, heads, kv heads, head dim), each >= 1, the heads divisible by the kv heads and the
+    head dim even (RoPE rotates pairs): what the attention graph divides by."""
+    hidden = _size(reader, f"{arch}.embedding_length")
+    n_heads = _size(reader, f"{arch}.attention.head_count")
+    n_kv = _size(reader, f"{arch}.attention.head_count_kv", n_heads)
+    if n_heads % n_kv:
+        raise ExportError(f"the GGUF's '{arch}.attention.head_count' ({n_heads}) is not a multiple of "
+                          f"'{arch}.attention.head_count_kv' ({n_kv})")
+    if _field(reader, f"{arch}.attention.key_length") is None and hidden % n_heads:
+        raise ExportError(f"the GGUF's '{arch}.embedding_length' ({hidden}) is not a multiple of "
+                          f"'{arch}.attention.head_count' ({n_heads}), and it has no '{arch}.attention.key_length'")
+    head_dim = _size(reader, f"{arch}.attention.key_length", hidden // n_heads)
+    value_dim = _size(reader, f"{arch}.attention.value_length", head_dim)
+    if value_dim != head_dim or head_dim % 2:
+        raise ExportError(f"the GGUF's attention head size (key {head_dim}, value {value_dim}) is not supported: "
+                          "keys and values of one even size")
+    return hidden, n_heads, n_kv, head_dim
+
+
 def _inv_freq(base: float, dim: int) -> np.ndarray:
     # as transformers computes it: float32 arange / dim, float32 power
     exp = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
@@ -102,9 +147,14 @@ def _inv_freq(base: float, dim: int) -> np.ndarray:
 
 
 def _layer_types(reader, arch: str, facts: ArchFacts, n_layers: int) -> tuple[str, ...]:
-    pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = _field(reader, key)
     if isinstance(pattern, list):  # per layer: True = sliding (what edgespec's GGUF writer stores)
+        if len(pattern) != n_layers:
+            raise ExportError(f"the GGUF's '{key}' has {len(pattern)} entries for {n_layers} layers")
         return tuple("sliding_attention" if p else "full_attention" for p in pattern)
+    if pattern is not None and (isinstance(pattern, bool) or not isinstance(pattern, numbers.Integral) or pattern < 0):
+        raise ExportError(f"the GGUF's '{key}' must be an integer >= 0 or a list per layer, got {_show(pattern)}")
     period = int(pattern) if pattern is not None else facts.swa_period
     if period and _field(reader, f"{arch}.attention.sliding_window") is not None:
         return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers))
@@ -122,15 +172,17 @@ def _rope_scale(reader, arch: str) -> float:
     for key in reader.fields:
         if key.startswith(f"{arch}.rope.") and key[len(arch) + 6:] not in _ROPE_KEYS:
             raise ExportError(f"the GGUF's RoPE key '{key}' is not supported")
-    kind = str(_field(reader, f"{arch}.rope.scaling.type", "none"))
+    kind = str(_field(reader, f"{arch}.rope.scaling.type", "none"))[:40]
     # llama.cpp divides the frequencies by the factor whatever the type, reading the older
     # `rope.scale_linear` when `rope.scaling.factor` is absent or 0
-    factor = float(_field(reader, f"{arch}.rope.scaling.factor", 0.0) or 0.0)
-    factor = factor or float(_field(reader, f"{arch}.rope.scale_linear", 1.0) or 1.0)
+    factor = _number(reader, f"{arch}.rope.scaling.factor", 0.0)
+    factor = factor or _number(reader, f"{arch}.rope.scale_linear", 1.0) or 1.0
+    if factor < 0:
+        raise ExportError(f"the GGUF's RoPE scaling factor must be > 0, got {factor}")
     # yarn at factor 1 ramps between two equal tables with no magnitude change: the plain table
     if kind not in ("none", "linear") and not (kind == "yarn" and factor == 1.0):
         raise ExportError(f"the GGUF's '{arch}.rope.scaling.type' = '{kind}' is not supported (none, linear)")
-    attn = float(_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0)
+    attn = _number(reader, f"{arch}.rope.scaling.attn_factor", 1.0) or 1.0
     if attn != 1.0:  # llama.cpp multiplies cos/sin by it; no source edgespec reads sets it
         raise ExportError(f"the GGUF's '{arch}.rope.scaling.attn_factor' = {attn} is not supported")
     return factor
@@ -139,11 +191,11 @@ def _rope_scale(reader, arch: str) -> float:
 def _rope(reader, arch: str, facts: ArchFacts, head_dim: int, layer_types, freqs: np.ndarray | None) -> dict:
     """inv_freq per layer type as llama.cpp rotates: base^(-2i/d), divided by the linear scale factor
     and by `rope_freqs` (Llama 3's per-dimension divisors, ggml_rope_ext's freq_factors)."""
-    dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    dim = _size(reader, f"{arch}.rope.dimension_count", head_dim)
     if dim != head_dim:
         raise ExportError(f"the GGUF's '{arch}.rope.dimension_count' = {dim} (partial rotary over {head_dim} "
                           "head dims) is not supported")
-    base = float(_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    base = _number(reader, f"{arch}.rope.freq_base", 10000.0, positive=True)
     factor = _rope_scale(reader, arch)
     if freqs is not None and freqs.shape != (dim // 2,):
         raise ExportError(f"the GGUF's rope_freqs.weight has shape {freqs.shape}; expected ({dim // 2},)")
@@ -156,21 +208,22 @@ def _rope(reader, arch: str, facts: ArchFacts, head_dim: int, layer_types, freqs
     if "sliding_attention" in layer_types:
         if freqs is not None:
             raise ExportError("rope_freqs.weight on a model with sliding-window layers is not supported")
-        swa = float(_field(reader, f"{arch}.rope.freq_base_swa", facts.swa_base or base))
+        swa = _number(reader, f"{arch}.rope.freq_base_swa", facts.swa_base or base, positive=True)
         tables["sliding_attention"] = (_inv_freq(swa, dim), 1.0)
     return tables
 
 
 def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool,
           freqs: np.ndarray | None) -> tuple[ModelSpec, SimpleNamespace]:
-    hidden = int(_require(reader, f"{arch}.embedding_length"))
-    n_layers = int(_require(reader, f"{arch}.block_count"))
-    n_heads = int(_require(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_heads))
-    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_heads))
+    hidden, n_heads, n_kv, head_dim = _heads(reader, arch)
+    n_layers = _size(reader, f"{arch}.block_count")
     layer_types = _layer_types(reader, arch, facts, n_layers)
     window = _field(reader, f"{arch}.attention.sliding_window")
+    if window is not None:
+        window = _size(reader, f"{arch}.attention.sliding_window")
     softcap = _field(reader, f"{arch}.final_logit_softcapping")
+    if softcap is not None:
+        softcap = _number(reader, f"{arch}.final_logit_softcapping")
     if _field(reader, f"{arch}.attn_logit_softcapping"):
         raise ExportError("attention logit soft-capping (Gemma 2) is not supported")
     spec = ModelSpec(
@@ -182,7 +235,7 @@ def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool,
         n_kv_heads=n_kv,
         head_dim=head_dim,
         vocab_size=vocab,
-        rms_eps=float(_require(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        rms_eps=_number(reader, f"{arch}.attention.layer_norm_rms_epsilon", positive=True),
         activation=facts.activation,
         # llama.cpp scales queries by 1/sqrt(head_dim) for every architecture read here
         query_scale=float(head_dim ** -0.5),
@@ -193,19 +246,21 @@ def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool,
         tie_embeddings=tied,
     )
     config = SimpleNamespace(
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
-        intermediate_size=int(_require(reader, f"{arch}.feed_forward_length")),
+        max_position_embeddings=_size(reader, f"{arch}.context_length", 4096),
+        intermediate_size=_size(reader, f"{arch}.feed_forward_length"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         # what gguf/export writes back as freq_base beside rope_freqs when it re-encodes this model
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_theta=_number(reader, f"{arch}.rope.freq_base", 10000.0, positive=True),
     )
     return spec, config
 
 
 def _hf_name(gguf_name: str, sandwich: bool) -> str | None:
     base, _, suffix = gguf_name.rpartition(".")
-    if base.startswith("blk."):
+    if base.startswith("blk.") and base.count(".") >= 2:
         _, idx, part = base.split(".", 2)
+        if not (idx.isascii() and idx.isdigit()):
+            return None
         if part == "ffn_norm":
             part_hf = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
         else:
@@ -221,17 +276,26 @@ def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
     return np.argsort(perm)
 
 
-def open_gguf(path: Path):
-    """A gguf.GGUFReader on `path` (open it once: it parses every metadata string)."""
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:
-        raise ExportError("reading a GGUF needs gguf-py: pip install 'edgespec[onnx]'") from e
-    try:
-        return GGUFReader(str(path))
-    except Exception as e:  # gguf-py raises ValueError/struct errors on a damaged file
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExportError(f"cannot read {path.name}: {msg}") from e
+def _check_tensors(spec: ModelSpec, tensors: dict) -> None:
+    """The attention weights every layer must have, in the shapes the metadata's head counts
+    give, and no layer past block_count: a one-line ExportError instead of a reshape error."""
+    hidden, q_rows, kv_rows = spec.hidden_size, spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    want = {"q_proj": (q_rows, hidden), "k_proj": (kv_rows, hidden), "v_proj": (kv_rows, hidden),
+            "o_proj": (hidden, q_rows)}
+    for name in tensors:
+        if name.startswith("model.layers.") and int(name.split(".")[2]) >= spec.n_layers:
+            raise ExportError(f"GGUF tensor {name} is past the {spec.n_layers} layers its block_count says")
+    embed = tensors["model.embed_tokens.weight"].shape
+    if len(embed) != 2 or embed[1] != hidden:
+        raise ExportError(f"the GGUF's token embedding has shape {tuple(embed)}; its embedding_length is {hidden}")
+    for i in range(spec.n_layers):
+        for proj, shape in want.items():
+            key = f"model.layers.{i}.self_attn.{proj}.weight"
+            if key not in tensors:
+                raise ExportError(f"the GGUF has no {proj} weight for layer {i}")
+            if tuple(tensors[key].shape) != shape:
+                raise ExportError(f"layer {i}'s {proj} weight has shape {tuple(tensors[key].shape)}, but the "
+                                  f"metadata's head counts give {shape}")
 
 
 def read_gguf(path: Path, reader=None) -> GGUFModel:
@@ -239,7 +303,7 @@ def read_gguf(path: Path, reader=None) -> GGUFModel:
     reader = reader or open_gguf(path)
     arch = str(_field(reader, "general.architecture", ""))
     if arch not in ARCHS:
-        raise ExportError(f"GGUF architecture '{arch}' is not supported (supported: {', '.join(sorted(ARCHS))})")
+        raise ExportError(f"GGUF architecture {arch[:40]!r} is not supported (supported: {', '.join(sorted(ARCHS))})")
     facts = ARCHS[arch]
     family = family_for(facts.model_type)
     tensors: dict[str, BlockWeight | np.ndarray] = {}
@@ -265,6 +329,7 @@ def read_gguf(path: Path, reader=None) -> GGUFModel:
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     tied = "lm_head.weight" not in tensors
     spec, config = _spec(reader, arch, facts, vocab, tied, freqs)
+    _check_tensors(spec, tensors)
     if facts.unpermute_qk:
         for i in range(spec.n_layers):
             for proj, heads in (("q_proj", spec.n_heads), ("k_proj", spec.n_kv_heads)):

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 from ...errors import ExportError
 from .pretokenizers import pre_tokenizer
+from .reader import field
 
 __all__ = ["GGUFTokenizer", "build_tokenizer", "compact_merges", "default_add_bos", "spm_merges"]
 
@@ -68,16 +69,50 @@ def compact_merges(text: str) -> str:
     return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+_field = field
+
+
+def _bad(key: str, want: str, value) -> ExportError:
+    text = repr(value)
+    return ExportError(f"the GGUF's '{key}' must be {want}, got {text if len(text) <= 40 else text[:37] + '...'}")
+
+
+def _string(reader, key: str, default=None) -> str | None:
+    value = _field(reader, key, default)
+    if value is not None and not isinstance(value, str):
+        raise _bad(key, "a string", value)
+    return value
+
+
+def _list(reader, key: str, kind: type, n: int | None) -> list | None:
+    """The array `key` of `kind` items (numbers for float), `n` long where given; None if absent."""
+    value = _field(reader, key)
+    if value is None:
+        return None
+    ok = kind is float and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value) \
+        if isinstance(value, list) else False
+    ok = ok or (isinstance(value, list) and kind is not float and all(
+        isinstance(v, kind) and not isinstance(v, bool) for v in value))
+    name = {str: "strings", int: "integers", float: "numbers"}[kind]
+    if not ok or (n is not None and len(value) != n):
+        raise _bad(key, f"a list of {n if n is not None else 'some'} {name}", value)
+    return value
+
+
+def _token_id(reader, key: str, n_tokens: int) -> int | None:
+    value = _field(reader, key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n_tokens:
+        raise _bad(key, f"a token id below {n_tokens}", value)
+    return value
 
 
 def default_add_bos(reader) -> bool:
     """Whether llama.cpp puts BOS first when the GGUF has no `tokenizer.ggml.add_bos_token`: always
     for SentencePiece, for BPE only with some pre-tokenizers (Llama 3, Tekken)."""
     if _field(reader, "tokenizer.ggml.model") == "gpt2":
-        return pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default")).add_bos
+        return pre_tokenizer(_string(reader, "tokenizer.ggml.pre", "default")).add_bos
     return True
 
 
@@ -91,10 +126,10 @@ def _spm(reader, tokens: list[str]):
     if _field(reader, "general.architecture", "") in _MERGE_BY_POSITION:
         scores = [-float(i) for i in range(len(tokens))]
     else:
-        scores = _field(reader, "tokenizer.ggml.scores")
+        scores = _list(reader, "tokenizer.ggml.scores", float, len(tokens))
         if scores is None:
             raise ExportError("the GGUF's SentencePiece tokenizer has no scores")
-    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    unk_id = _token_id(reader, "tokenizer.ggml.unknown_token_id", len(tokens))
     unk = tokens[unk_id] if unk_id is not None else None
     vocab = {t: i for i, t in enumerate(tokens)}
     # no text reaches the model with a space left (all become "▁"): merges of pieces holding one
@@ -123,8 +158,8 @@ def _byte_level_bpe(reader, tokens: list[str]):
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
-    pre = pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
-    merges = [p for p in map(_merge_pair, _field(reader, "tokenizer.ggml.merges") or []) if p is not None]
+    pre = pre_tokenizer(_string(reader, "tokenizer.ggml.pre", "default"))
+    merges = [p for p in map(_merge_pair, _list(reader, "tokenizer.ggml.merges", str, None) or []) if p is not None]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(BPE(vocab, merges, unk_token=None, fuse_unk=False, byte_fallback=False,
                         ignore_merges=pre.ignore_merges))
@@ -140,17 +175,19 @@ def build_tokenizer(reader):
     tokenizing as llama.cpp does with special tokens parsed."""
     from tokenizers import AddedToken
 
-    kind = _field(reader, "tokenizer.ggml.model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    kind = _string(reader, "tokenizer.ggml.model")
+    tokens = _list(reader, "tokenizer.ggml.tokens", str, None)
     if kind is None or tokens is None:
         raise ExportError("the GGUF carries no tokenizer (tokenizer.ggml.model / tokens)")
-    types = _field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if not tokens:
+        raise ExportError("the GGUF's tokenizer has an empty vocabulary (tokenizer.ggml.tokens)")
+    types = _list(reader, "tokenizer.ggml.token_type", int, len(tokens)) or [_NORMAL] * len(tokens)
     if kind == "llama":
         tok = _spm(reader, tokens)
     elif kind == "gpt2":
         tok = _byte_level_bpe(reader, tokens)
     else:
-        raise ExportError(f"the GGUF's tokenizer model '{kind}' is not supported (llama, gpt2)")
+        raise ExportError(f"the GGUF's tokenizer model {kind[:40]!r} is not supported (llama, gpt2)")
     tok.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
                             for i, t in enumerate(types) if t == _CONTROL])
     # user-defined pieces are matched whole in the raw text, as llama.cpp does: Gemma's runs of
@@ -172,17 +209,16 @@ class GGUFTokenizer:
     def __init__(self, reader) -> None:
         self._tok, types, tokens = build_tokenizer(reader)
         self._tokens = list(tokens)
-        ids = {k: _field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos", "padding", "unknown")}
-        self.bos_token_id = None if ids["bos"] is None else int(ids["bos"])
-        self.eos_token_id = None if ids["eos"] is None else int(ids["eos"])
-        self.pad_token_id = None if ids["padding"] is None else int(ids["padding"])
-        self.unk_token_id = None if ids["unknown"] is None else int(ids["unknown"])
+        ids = {k: _token_id(reader, f"tokenizer.ggml.{k}_token_id", len(tokens))
+               for k in ("bos", "eos", "padding", "unknown")}
+        self.bos_token_id, self.eos_token_id = ids["bos"], ids["eos"]
+        self.pad_token_id, self.unk_token_id = ids["padding"], ids["unknown"]
         self.add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", default_add_bos(reader)))
         if _field(reader, "tokenizer.ggml.add_eos_token", False):
             # llama.cpp would end every prompt with EOS; a prompt to continue must not end there
             logger.warning("the GGUF asks for EOS after each text (tokenizer.ggml.add_eos_token); edgespec "
                            "does not add it to prompts")
-        self.chat_template = _field(reader, "tokenizer.chat_template")
+        self.chat_template = _string(reader, "tokenizer.chat_template")
         added = set(self._tok.get_added_tokens_decoder())
         self.added_tokens_decoder = {i: _Added(self._tokens[i], t == _CONTROL)
                                      for i, t in enumerate(types) if i in added}
@@ -209,17 +245,25 @@ class GGUFTokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def bos_token(self) -> str:
+        return self._tokens[self.bos_token_id] if self.bos_token_id is not None else ""
+
+    @property
+    def eos_token(self) -> str:
+        return self._tokens[self.eos_token_id] if self.eos_token_id is not None else ""
+
     def apply_chat_template(self, messages: list[dict], *, chat_template: str | None = None, tokenize: bool = False,
-                            add_generation_prompt: bool = True) -> str:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+                            add_generation_prompt: bool = True) -> str | list[int]:
+        """As transformers' method, rendered with a time and memory limit (models/templates.py)."""
+        from ...models.templates import TemplateRenderer
+        from ..vocabtrim import chat_text
 
         template = chat_template or self.chat_template
         if not template:
             raise ExportError("the GGUF has no chat template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        tok = lambda i: self._tokens[i] if i is not None else ""  # noqa: E731
-        text = env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                bos_token=tok(self.bos_token_id), eos_token=tok(self.eos_token_id))
+        with TemplateRenderer() as renderer:
+            text = chat_text(renderer, self, messages, template, add_generation_prompt=add_generation_prompt)
         return self(text, add_special_tokens=False).input_ids if tokenize else text
 
     def save_pretrained(self, folder) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import BackendError, BundleError, ContextFullError
+from ...models.gguf_layout import GGUFLayoutError, check_gguf_layout
 from ..base import Capabilities, Runtime
 
 __all__ = ["LlamaCppRuntime", "available_devices", "load_library", "system_info", "use_extra_buffer_types",
@@ -140,6 +141,12 @@ class _EmbeddingTable:
             raise BackendError("a VocabTrim GGUF draft needs the gguf package: pip install 'edgespec[llamacpp]'") from e
         if not path.is_file():
             raise BackendError(f"the draft's input embedding {path.name} is missing; export the bundle again")
+        try:
+            # bounds every count in the header by the file's size first: gguf-py would loop over a
+            # hostile file's claimed 2^40 entries before failing
+            check_gguf_layout(path)
+        except GGUFLayoutError as e:
+            raise BackendError(f"cannot read {path.name}: {e}") from None
         try:
             reader = GGUFReader(str(path))
         except Exception as e:  # gguf raises ValueError/struct errors on a bad file

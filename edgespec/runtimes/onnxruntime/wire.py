@@ -16,16 +16,17 @@ packed or not, and any field order, as protobuf does.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 import numpy as np
 
 from ...errors import BackendError
 
-__all__ = ["FLOAT", "OnnxModel", "Tensor", "Node", "Value", "identity_node", "model_bytes", "parse_model",
-           "read_model", "rewired", "tensor_array", "tensor_value_info"]
+__all__ = ["FLOAT", "check_external_data", "OnnxModel", "Tensor", "Node", "Value", "identity_node", "model_bytes",
+           "parse_model", "read_model", "rewired", "tensor_array", "tensor_value_info"]
 
 # onnx.proto field numbers
 _MODEL_IR, _MODEL_PRODUCER, _MODEL_GRAPH, _MODEL_OPSET, _MODEL_META = 1, 2, 7, 8, 14
@@ -243,11 +244,52 @@ def parse_model(data: bytes | memoryview, name: str = "model") -> OnnxModel:
 
 
 def read_model(path: str | os.PathLike) -> OnnxModel:
-    """The model in an .onnx file, without its external data (~140 KB for Gemma 3 270M)."""
+    """The model in an .onnx file, without its external data (~140 KB for Gemma 3 270M), whose
+    external data files are checked (check_external_data) before anything opens them."""
     path = Path(path)
     if not path.is_file():
         raise BackendError(f"ONNX model not found: {path}")
-    return parse_model(path.read_bytes(), path.name)
+    model = parse_model(path.read_bytes(), path.name)
+    check_external_data(model, path.parent)
+    return model
+
+
+def _outside(location: str) -> bool:
+    parts = re.split(r"[\\/]", location)
+    return (not location.strip() or "\0" in location or location.startswith(("/", "\\"))
+            or PureWindowsPath(location).drive != "" or ".." in parts)
+
+
+def check_external_data(model: OnnxModel, folder: Path) -> None:
+    """Each initializer stored outside the model file names a file inside `folder` (the model's
+    own, symlinks resolved) and lies within that file: a bundle must not make onnxruntime read
+    /etc/passwd or anything else outside it, and a truncated `.onnx.data` must be a one-line
+    error, not a read past the end of a memory map. Checked before onnxruntime opens them."""
+    root, sizes = folder.resolve(), {}
+    for t in model.initializers:
+        if t.external is None:
+            continue
+        loc = t.external.get("location", "")
+        where = f"{model.origin or 'model'}: initializer {t.name!r} names its data at {loc[:80]!r}"
+        if _outside(loc):
+            raise BackendError(f"{where}, outside the model's folder")
+        if loc not in sizes:
+            try:
+                real = (folder / loc).resolve(strict=True)
+                real.relative_to(root)
+                sizes[loc] = real.stat().st_size
+            except ValueError:
+                raise BackendError(f"{where}, which links outside the model's folder") from None
+            except (OSError, RuntimeError) as e:  # missing, or a symlink loop
+                raise BackendError(f"{where}, which cannot be opened: {getattr(e, 'strerror', None) or e}") from None
+        try:
+            offset = int(t.external.get("offset", 0))
+            length = int(t.external.get("length", 0))
+        except ValueError:
+            raise BackendError(f"{where} with an offset or length that is not a byte count") from None
+        if offset < 0 or length < 0 or offset + length > sizes[loc]:
+            raise BackendError(f"{where}, bytes {offset}..{offset + length}, but the file holds {sizes[loc]} "
+                               "(truncated? export the bundle again)")
 
 
 def tensor_array(t: Tensor) -> np.ndarray:

@@ -82,6 +82,10 @@ def read_ir(path: Path, device: str | None):
     OpenVINO sees here."""
     if not path.is_file():
         raise BackendError(f"OpenVINO model not found: {path}")
+    if path.suffix == ".onnx":  # a draft head: its external data must stay inside its folder
+        from ..onnxruntime.wire import read_model  # plain-Python ONNX reading; no onnxruntime import
+
+        read_model(path)
     core = import_ov().Core()
     device = check_device(device or "CPU", list(core.available_devices))
     try:

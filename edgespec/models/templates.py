@@ -1,0 +1,371 @@
+"""Chat templates rendered with a time and a memory bound, in a child process that can be killed.
+
+A chat template is Jinja code that comes with a bundle or a GGUF. jinja2's sandbox refuses
+attribute escapes, but not work: two nested `range(99999)` loops run for hours, and a template
+that builds a huge string takes the machine's memory (or aborts the process that renders it). A
+Python thread cannot be stopped, so the template runs in a child process,
+`python -m edgespec.models.templates`, under an address-space limit; the caller waits for its
+answer with a time limit and kills the child (starting a new one on the next render) when it
+passes. The child is started on the first render and kept: its start costs a Python start and
+jinja2's import, a render afterwards a pipe round trip.
+
+The protocol is one JSON object per line: the child first writes `{"ready": true}`; then each
+`{"template": ..., "context": {...}}` is answered by `{"text": ...}` or
+`{"kind": ..., "error": ...}` (kinds: "invalid", "unsafe", "raised", "limit", "failed").
+
+Errors: a template that does not compile or that the sandbox refuses is broken whatever the
+messages (ChatTemplateError, a BundleError: "the bundle's chat template is invalid/unsafe: ...");
+one that ran out of time or memory, or failed on these messages, is a TemplateLimitError or a
+ConfigError naming the template. Every message is one line.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import weakref
+from pathlib import Path
+from typing import Any
+
+from ..errors import BackendError, BundleError, ConfigError
+
+__all__ = ["ChatTemplateError", "TemplateLimitError", "TemplateRenderer", "InProcessRenderer", "limit_memory",
+           "TEMPLATE_TIMEOUT_S", "CHILD_MEMORY", "OUTPUT_LIMIT"]
+
+logger = logging.getLogger(__name__)
+
+TEMPLATE_TIMEOUT_S = 5.0  # a chat prompt renders in milliseconds; the server's --template-timeout default
+# address space of the child: Python and jinja2 take well under 100 MB; the rest is for the prompt
+CHILD_MEMORY = 2 << 30
+OUTPUT_LIMIT = 32 << 20  # characters of one rendered prompt: far past any context, well under the memory cap
+STARTUP_TIMEOUT_S = 60.0  # for the child to start Python and import jinja2 on a busy machine
+_LINE_LIMIT = 8 * OUTPUT_LIMIT  # one answer line: the text JSON-escaped (at most 6 bytes a character)
+_CACHED_TEMPLATES = 8  # compiled templates the child keeps (one per bundle or GGUF in use)
+
+
+class ChatTemplateError(BundleError):
+    """The chat template is broken whatever the messages: Jinja syntax, or an operation the
+    sandbox refuses."""
+
+
+class TemplateLimitError(ConfigError):
+    """The chat template did not render within the time or memory limit."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _raise(msg: Any):
+    # a template's own refusal ("Conversation roles must alternate"): the messages are wrong
+    raise ConfigError(f"chat template: {_one_line(msg)}")
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, separators=None,
+            sort_keys: bool = False) -> str:
+    # as transformers' chat templates see it (HF templates call tojson with these keywords)
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    import datetime
+
+    return datetime.datetime.now().strftime(str(fmt))
+
+
+def _generation_tag():
+    """`{% generation %}...{% endgeneration %}`, which transformers' templates use to mark the
+    assistant's tokens: rendered as its body (nothing here asks for the mask)."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
+def _environment():
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    # the extensions and globals transformers' apply_chat_template gives a template
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, _generation_tag()])
+    env.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
+    env.filters["tojson"] = _tojson
+    return env
+
+
+class _Refusal(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _compile(env, source: str, origin: str, cache: dict):
+    from jinja2 import TemplateSyntaxError
+
+    if source in cache:
+        return cache[source]
+    try:
+        template = env.from_string(source)
+    except TemplateSyntaxError as e:
+        line = f" (line {e.lineno})" if e.lineno else ""
+        raise _Refusal("invalid", f"{origin} chat template is invalid: {_one_line(e.message or e)}{line}") from None
+    except (RecursionError, MemoryError) as e:  # nesting deeper than the parser's recursion
+        raise _Refusal("invalid", f"{origin} chat template is invalid: {type(e).__name__} while compiling it") from None
+    if len(cache) >= _CACHED_TEMPLATES:
+        cache.pop(next(iter(cache)))
+    cache[source] = template
+    return template
+
+
+def _render(env, source: str, context: dict, origin: str, cache: dict) -> str:
+    """The text of `source` rendered with `context`, or a _Refusal naming what went wrong."""
+    from jinja2.exceptions import SecurityError
+
+    template = _compile(env, source, origin, cache)
+    try:
+        parts, size = [], 0
+        for part in template.generate(**context):  # bounded as it grows, not after
+            size += len(part)
+            if size > OUTPUT_LIMIT:
+                raise _Refusal("limit", f"{origin} chat template wrote more than {OUTPUT_LIMIT >> 20} M characters")
+            parts.append(part)
+        return "".join(parts)
+    except _Refusal:
+        raise
+    except SecurityError as e:
+        raise _Refusal("unsafe", f"{origin} chat template is unsafe: {_one_line(e)}") from None
+    except ConfigError as e:  # raise_exception
+        raise _Refusal("raised", str(e)) from None
+    except MemoryError:
+        raise _Refusal("limit", f"{origin} chat template needs more than {CHILD_MEMORY >> 30} GiB of memory "
+                                "to render") from None
+    except RecursionError:
+        raise _Refusal("limit", f"{origin} chat template recurses too deeply") from None
+    except Exception as e:  # noqa: BLE001 -- template code may raise anything; the caller gets one line
+        raise _Refusal("failed", f"{origin} chat template failed on these messages: "
+                                 f"{type(e).__name__}: {_one_line(e)}") from None
+
+
+def _error(kind: str, message: str) -> Exception:
+    if kind in ("invalid", "unsafe"):
+        return ChatTemplateError(message)
+    if kind == "limit":
+        return TemplateLimitError(message)
+    return ConfigError(message)
+
+
+class InProcessRenderer:
+    """Renders here, with no time or memory bound: for a process that is itself a bounded child
+    (the server's renderer). Errors as TemplateRenderer.render."""
+
+    def __init__(self) -> None:
+        self._env = None
+        self._cache: dict = {}
+
+    def render(self, source: str, context: dict, origin: str = "the bundle's") -> str:
+        if self._env is None:
+            self._env = _environment()
+        try:
+            return _render(self._env, source, context, origin, self._cache)
+        except _Refusal as e:
+            raise _error(e.kind, str(e)) from None
+
+    def close(self) -> None:
+        self._cache.clear()
+
+
+def limit_memory(nbytes: int) -> None:
+    """Cap this process's address space (where the OS has the limit): a template that builds a
+    huge string then fails with MemoryError instead of taking the machine's memory. For child
+    processes only: it applies to everything the process does afterwards."""
+    if sys.platform == "win32":
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = nbytes if hard == resource.RLIM_INFINITY else min(nbytes, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a child: at the end of its input it exits; one that does not (it is rendering) is killed."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class TemplateRenderer:
+    """Renders chat templates in a child process, one at a time, each within `timeout_s`.
+    Thread-safe; the child is started on the first render and ended by close() (or when the
+    renderer is collected, or at exit)."""
+
+    def __init__(self, timeout_s: float = TEMPLATE_TIMEOUT_S, memory_bytes: int = CHILD_MEMORY) -> None:
+        if not timeout_s > 0:
+            raise ConfigError(f"the chat template time limit must be > 0 s, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.memory_bytes = int(memory_bytes)
+        self.restarts = 0  # children killed for passing the time limit
+        self._proc: subprocess.Popen | None = None
+        self._finalizer: weakref.finalize | None = None
+        self._lock = threading.Lock()
+
+    def render(self, source: str, context: dict, origin: str = "the bundle's") -> str:
+        """`source` rendered with `context` (JSON values: messages, add_generation_prompt, the
+        special tokens). ChatTemplateError: invalid or unsafe; TemplateLimitError: past the time or
+        memory limit; ConfigError: the template refused or failed on these messages."""
+        try:
+            request = json.dumps({"template": source, "context": context, "origin": origin}, ensure_ascii=True)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"chat messages must be JSON values (strings, numbers, lists, objects): {e}") from None
+        with self._lock:
+            answer = self._ask(request + "\n", origin)
+        if "text" in answer:
+            return answer["text"]
+        raise _error(answer.get("kind", "failed"), str(answer.get("error", "no answer")))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._finalizer is not None:
+                self._finalizer()  # runs _stop once
+            self._proc = self._finalizer = None
+
+    def __enter__(self) -> TemplateRenderer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _start(self) -> subprocess.Popen:
+        env = dict(os.environ)
+        # the child imports this package from where the parent did, whatever its working folder
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        try:
+            proc = subprocess.Popen([sys.executable, "-m", __name__, str(self.memory_bytes)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+        except OSError as e:
+            raise BackendError(f"cannot start the chat template renderer: {e.strerror or e}") from None
+        self._finalizer = weakref.finalize(self, _stop, proc)
+        ready, expired = _read_line(proc, STARTUP_TIMEOUT_S)
+        if expired or _parse(ready) != {"ready": True}:
+            self._finalizer()
+            why = f"not ready within {STARTUP_TIMEOUT_S:g} s" if expired else f"exit status {proc.poll()}"
+            raise BackendError(f"the chat template renderer did not start ({why})")
+        return proc
+
+    def _ask(self, request: str, origin: str) -> dict:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = self._start()
+        proc = self._proc
+        try:
+            line, expired = _read_line(proc, self.timeout_s, request.encode())
+        except BaseException:  # Ctrl-C while it renders: its late answer must not reach the next render
+            self._finalizer()
+            self._proc = self._finalizer = None
+            raise
+        answer = _parse(line) if not expired else None
+        if isinstance(answer, dict):
+            return answer
+        self._finalizer()  # killed by the timer, crashed, or answered garbage: the next render starts anew
+        self._proc = self._finalizer = None
+        if expired:
+            self.restarts += 1
+            return {"kind": "limit", "error": f"{origin} chat template did not render within {self.timeout_s:g} s"}
+        return {"kind": "limit", "error": f"{origin} chat template stopped its renderer (exit status "
+                                          f"{proc.poll()}; memory limit {self.memory_bytes >> 20} MiB)"}
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float, request: bytes = b"") -> tuple[bytes, bool]:
+    """(one line the child wrote after `request`, whether the time limit killed it first). A timer
+    kills the child at the limit, which ends a blocked write or read: portable, unlike select()
+    on a pipe."""
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        with contextlib.suppress(OSError):
+            proc.kill()
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    try:
+        if request:
+            proc.stdin.write(request)
+            proc.stdin.flush()
+        line = proc.stdout.readline(_LINE_LIMIT)
+    except (OSError, ValueError):
+        line = b""
+    finally:
+        timer.cancel()
+    return line, expired.is_set()
+
+
+def _parse(line: bytes) -> Any:
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def _watch_parent() -> None:
+    """End this child when its parent is gone (killed outright while a render ran): otherwise a
+    template that never ends would keep a core busy with no one waiting for it."""
+    import time
+
+    parent = os.getppid()
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _serve(stdin, stdout) -> None:
+    """The child: answer render requests until stdin closes."""
+    env, cache = _environment(), {}
+    stdout.write(json.dumps({"ready": True}) + "\n")
+    stdout.flush()
+    for line in stdin:
+        try:
+            request = json.loads(line)
+            origin = str(request.get("origin", "the bundle's"))
+            answer = {"text": _render(env, request["template"], request["context"], origin, cache)}
+        except _Refusal as e:
+            answer = {"kind": e.kind, "error": str(e)}
+        except MemoryError:
+            answer = {"kind": "limit", "error": "the chat template renderer ran out of memory"}
+        except (ValueError, KeyError, TypeError) as e:
+            answer = {"kind": "failed", "error": f"malformed render request: {type(e).__name__}"}
+        stdout.write(json.dumps(answer, ensure_ascii=True) + "\n")
+        stdout.flush()
+
+
+if __name__ == "__main__":
+    import signal
+
+    # Ctrl-C in the terminal reaches the whole process group: the parent reports it, the child
+    # must not print a traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    limit_memory(int(sys.argv[1]) if len(sys.argv) > 1 else CHILD_MEMORY)
+    threading.Thread(target=_watch_parent, daemon=True, name="edgespec-template-parent").start()
+    _serve(sys.stdin, sys.stdout)
