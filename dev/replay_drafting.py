@@ -5,7 +5,7 @@ acceptances are real), but the clock that the decoder and the cost policy read a
 a cost model of those forwards: a body forward of r tokens costs a + b*r ms, a head call on r rows
 c + d*r. The model is measured on this machine first (medians of interleaved timings), then every
 variant runs against the same clock, so a 3% difference between variants is the drafting's, not a
-busy neighbour's. Wall-clock speed stays `benchmarks/bench_openvino.py`'s job.
+busy neighbour's. Wall-clock speed stays `dev/bench_openvino.py`'s job.
 
 `--noise SEED` puts a modelled busy neighbour back, reproducibly: every forward is slowed by a
 bursty factor (a slowly wandering one, up to ~1.5x for seconds at a time, and 3% of forwards

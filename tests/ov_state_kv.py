@@ -1,6 +1,7 @@
 """OpenVINO's own state as the KV holder: the previous exact mode, a baseline the OpenVINO tests
-hold the runtime's holders against and benchmarks/bench_openvino.py still compares the default
-with (`OpenVinoRuntime(ir, kv=StatefulKV)`). It is not part of the package.
+hold the runtime's holders against. It is not part of the package: a test registers it under
+"state" for its own run (`register(monkeypatch)`, then `OpenVinoRuntime(ir, kv="state")`), so the
+runtime's `kv` takes only names of holders the package has.
 
 The IR is made stateful at load (the past inputs become OpenVINO variables, as optimum-intel's
 stateful export does) and the plugin appends in place; a rollback writes the kept prefix back into
@@ -15,10 +16,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from edgespec.runtimes.openvino.graph import make_stateful
-from edgespec.runtimes.openvino.kv import KVHolder, KVLayout, KVPlan, dynamic_inputs
+from edgespec.runtimes.openvino.kv import KV_KINDS, KVHolder, KVLayout, KVPlan, dynamic_inputs
 from edgespec.runtimes.openvino.runtime import import_ov
 
-__all__ = ["StatefulKV"]
+__all__ = ["StatefulKV", "register"]
 
 
 class StatefulKV(KVHolder):
@@ -63,3 +64,9 @@ class StatefulKV(KVHolder):
 
     def close(self) -> None:
         self._req = None
+
+
+def register(monkeypatch, holder: type[KVHolder] = StatefulKV) -> str:
+    """Make `holder` a KV holder the OpenVINO runtime opens by its name, for this test only; the name."""
+    monkeypatch.setitem(KV_KINDS, holder.name, holder)
+    return holder.name

@@ -144,6 +144,86 @@ def test_the_machine_fingerprint_names_the_cpu_architecture():
     assert exactness.machine_fingerprint().startswith(platform.machine())
 
 
+def test_the_machine_fingerprint_names_the_usable_cpus(monkeypatch):
+    """Kernels split their sums by thread count: a verdict from another CPU set is not this one's."""
+    import os
+
+    here = exactness.machine_fingerprint()
+    assert f"cpus={','.join(map(str, sorted(os.sched_getaffinity(0))))}" in here
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert exactness.machine_fingerprint() != here or sorted(os.sched_getaffinity(0)) == [0]
+
+
+def _cached_entry(tmp_path, monkeypatch):
+    """A toy runtime's verdict cached for real; (runtime, probe kwargs, the cache file)."""
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    model = tmp_path / "model.bin"
+    model.write_bytes(b"weights")
+    rt = ToyRuntime(vocab=40)
+    kw = dict(backend="toy", version="1", model_files=[model], options={"threads": 2})
+    probe_cached(rt, 6, **kw)
+    (path,) = (tmp_path / "exactness").glob("*.json")
+    return rt, kw, path
+
+
+@pytest.mark.parametrize("poison", [
+    pytest.param(lambda d: d["verdict"].update(exact=list(range(2, 34)), max_width=33), id="claims-every-width"),
+    pytest.param(lambda d: d["verdict"].update(max_width=1e400), id="max-width-infinite"),
+    pytest.param(lambda d: d["verdict"].update(worst_diff="nan"), id="worst-diff-text"),
+    pytest.param(lambda d: d["key"].update(machine="another CPU|cpus=0,1,2,3"), id="another-machine"),
+    pytest.param(lambda d: d.update(bogus=1), id="unknown-field"),
+    pytest.param(lambda d: d.clear(), id="empty"),
+])
+def test_a_poisoned_or_foreign_verdict_is_probed_again(tmp_path, monkeypatch, caplog, poison):
+    import json
+
+    rt, kw, path = _cached_entry(tmp_path, monkeypatch)
+    data = json.loads(path.read_text())
+    poison(data)
+    if "checksum" in data and "verdict" in data:  # also a forger who recomputes the checksum
+        data["checksum"] = exactness._checksum({"verdict": data["verdict"], "key": data["key"]})
+    path.write_text(json.dumps(data))
+    calls = rt.calls
+    with caplog.at_level("WARNING"):
+        verdict = probe_cached(rt, 6, **kw)
+    assert not verdict.cached and rt.calls > calls and verdict.max_width == 6
+    assert "discarding the cached exactness verdict" in caplog.text
+    assert probe_cached(rt, 6, **kw).cached  # the re-probe replaced the entry
+
+
+def test_an_edited_verdict_fails_its_checksum(tmp_path, monkeypatch, caplog):
+    import json
+
+    rt, kw, path = _cached_entry(tmp_path, monkeypatch)
+    data = json.loads(path.read_text())
+    data["verdict"]["exact"] = data["verdict"]["exact"][:1]  # a narrower claim, still well formed
+    data["verdict"]["exact_width"] = 2
+    path.write_text(json.dumps(data))
+    with caplog.at_level("WARNING"):
+        assert not probe_cached(rt, 6, **kw).cached
+    assert "checksum does not match" in caplog.text
+
+
+def test_a_remembered_mode_the_backend_lacks_is_settled_again(tmp_path, monkeypatch, caplog):
+    import json
+
+    from edgespec.runtimes import exact_mode_memory
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"weights")
+    recall, remember = exact_mode_memory("onnxruntime", [model], {"threads": 1})
+    assert recall() is None
+    remember({"pad_rows": True})
+    assert recall() == {"pad_rows": True}
+    (path,) = (tmp_path / "exactness").glob("*.json")
+    for bogus in ({"bogus": 1}, {"pad_rows": [1]}, [1, 2], "x"):
+        path.write_text(json.dumps(bogus))
+        with caplog.at_level("WARNING"):
+            assert recall() is None
+    assert "discarding" in caplog.text
+
+
 # -- the decoder keeps to the exact widths ---------------------------------------------------
 
 def _greedy(decoder: SpeculativeDecoder, prompt: list[int], n: int) -> list[int]:

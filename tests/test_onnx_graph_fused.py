@@ -56,10 +56,12 @@ def test_fused_graph_computes_the_plain_graphs_logits_with_fewer_kernels(zoo, tm
 
 
 def test_the_append_layout_fuses_by_default_and_openvinos_graph_never_does():
-    assert GraphOptions(kv_layout="append").fused and not GraphOptions().fused
+    assert GraphOptions().kv_layout == "append" and GraphOptions().fused and GraphOptions(kv_layout="append").fused
     assert not GraphOptions(kv_layout="append", fused_ops=False).fused
-    assert GraphOptions(kv_layout="present", fused_ops=True).fused
+    assert GraphOptions(fused_ops=True).fused
     assert not GraphOptions(kv_layout="buffer").fused
+    with pytest.raises(ValueError, match=r"kv_layout must be one of \('append', 'buffer'\), got 'present'"):
+        GraphOptions(kv_layout="present")  # the first layout (past/present) is no longer written
     with pytest.raises(ValueError, match="fused_ops"):
         GraphOptions(kv_layout="buffer", fused_ops=True)
     with pytest.raises(ValueError, match="fused_ops"):

@@ -1,6 +1,6 @@
 """ONNX files read and cut at the wire level (runtimes/onnxruntime/wire.py), without the `onnx` package:
 the body and head models are byte for byte what `onnx`'s own helpers build from the same file
-(fp32, tied, GGUF-transcoded, old present-layout bundles with inline weights, a graph without the
+(fp32, tied, GGUF-transcoded, unfused graphs with inline weights, a graph without the
 recorded hidden size), inline tensors read as numpy_helper reads them, a broken file is a one-line
 error, and opening bundles on onnxruntime (fused, draft on its own body, draft on the target's
 body) never imports `onnx`."""
@@ -88,8 +88,8 @@ def test_cuts_are_what_onnx_builds_byte_for_byte(zoo, name):
     _check_cuts(_target(zoo.bundle(name, DISAGREEING)))
 
 
-def test_cuts_of_a_transcoded_gguf_and_of_the_old_layout_with_inline_weights(zoo, tmp_path):
-    """GGUF blocks in MatMulNBits and a Gather on blocks; the growing-KV graph saved whole."""
+def test_cuts_of_a_transcoded_gguf_fused_and_unfused_with_inline_weights(zoo, tmp_path):
+    """GGUF blocks in MatMulNBits and a Gather on blocks; the unfused graph saved whole."""
     pytest.importorskip("gguf")
     pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
     from edgespec.exporters.gguf.source import read_gguf
@@ -97,11 +97,11 @@ def test_cuts_of_a_transcoded_gguf_and_of_the_old_layout_with_inline_weights(zoo
 
     src = zoo.bundle("gemma3-tied", None, formats=("gguf",), target_precision="int8")
     model = read_gguf(src / load_bundle(src).manifest.target.formats["gguf"].file)
-    for layout in ("append", "present"):
-        path = tmp_path / layout / "model.onnx"
+    for fused in (True, False):
+        path = tmp_path / ("fused" if fused else "unfused") / "model.onnx"
         path.parent.mkdir()
-        onnx.save_model(build_decoder(model.spec, model.tensors, GraphOptions(kv_layout=layout)), str(path),
-                        save_as_external_data=layout == "append", location="model.onnx.data")
+        onnx.save_model(build_decoder(model.spec, model.tensors, GraphOptions(fused_ops=fused)), str(path),
+                        save_as_external_data=fused, location="model.onnx.data")
         _check_cuts(path)
         direct, kept = onnx_graphs.head_model(path), onnx_graphs.head_model(path, direct=False)
         assert [n.op_type for n in direct.nodes] == ["Identity", "MatMulNBits"]  # the tied head on the blocks

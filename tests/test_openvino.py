@@ -19,14 +19,18 @@ from edgespec.errors import BackendError, ConfigError, ContextFullError  # noqa:
 from edgespec.runtimes import installed_backends  # noqa: E402
 from edgespec.runtimes.openvino.graph import cut_head, repacked_bytes  # noqa: E402
 from edgespec.runtimes.openvino.runtime import OpenVinoRuntime, available_devices, read_ir  # noqa: E402
-from tests.ov_state_kv import StatefulKV  # noqa: E402
+from tests.ov_state_kv import register  # noqa: E402
 from tests.test_export_onnx import N_NEW, decode, hf_greedy, hf_logits, verify_matches_decodes  # noqa: E402
 from tests.tiny import LONG_PROMPT, PROMPTS, VOCAB  # noqa: E402
 from tests.zoo import AGREEING, DISAGREEING, FAMILIES  # noqa: E402
 
 BOTH = ("onnx", "openvino")
-# the KV holders by the name a runtime reports: OpenVINO's state is a benchmark's holder
-KV = {"state": StatefulKV, "buffer": "buffer"}
+
+
+@pytest.fixture(autouse=True)
+def _state_kv(monkeypatch):
+    """OpenVINO's own state (tests/ov_state_kv.py), the baseline holder, opens as kv="state" here."""
+    register(monkeypatch)
 
 
 def ov_bundle(zoo, name: str, draft: str | None = DISAGREEING, **kw):
@@ -64,7 +68,7 @@ def test_logits_match_transformers_in_chunks_and_after_rollback(zoo, name, stati
     ids = zoo.hf_tokenizer(name)(LONG_PROMPT).input_ids
     ref = hf_logits(zoo.hf_model(name), ids)
     width = 8
-    rt = ov_target(zoo, name, static=static, width=width, kv_capacity=96 if static else None, kv=KV[kv])
+    rt = ov_target(zoo, name, static=static, width=width, kv_capacity=96 if static else None, kv=kv)
     assert rt.capabilities.static_shapes is static and rt.precision == "f32" and rt.capabilities.extra["kv"] == kv
     assert rt.capabilities.max_batch_tokens == (width if static else None)
 
@@ -108,7 +112,7 @@ def test_static_capacity_is_fixed_and_overflow_is_a_clear_error(zoo):
 
 @pytest.mark.parametrize("kv", ["state", "buffer"])
 def test_dynamic_cache_grows_and_respects_its_capacity(zoo, kv):
-    rt = ov_target(zoo, "qwen2", kv=KV[kv], kv_capacity=320)
+    rt = ov_target(zoo, "qwen2", kv=kv, kv_capacity=320)
     ids = [int(t) for t in np.random.default_rng(1).integers(10, VOCAB, size=330)]
     first = rt.memory_bytes()["kv"]
     for i in range(0, 300, 100):
@@ -121,7 +125,7 @@ def test_dynamic_cache_grows_and_respects_its_capacity(zoo, kv):
         rt.forward(ids[300:330])
     assert rt.n_past == 300
     with pytest.raises(BackendError, match="kv must be one of"):
-        ov_target(zoo, "qwen2", static=True, kv=StatefulKV)
+        ov_target(zoo, "qwen2", static=True, kv="state")
 
 
 def exact_mode(path, **kw) -> tuple[OpenVinoRuntime, object]:
@@ -279,7 +283,7 @@ def test_the_shared_body_runs_wide_forwards_on_a_second_copy(zoo):
     # the body's input embedding is only gathered, so a copy shares it; the head's matrix is repacked
     full = read_ir(target_ir, None)[1]
     assert repacked_bytes(full) > repacked_bytes(body_ir)
-    for kw in ({"static": True, "width": 4}, {"kv": StatefulKV}):
+    for kw in ({"static": True, "width": 4}, {"kv": "state"}):
         assert not OpenVinoRuntime(target_ir, wide=True, **kw).capabilities.extra["wide"]
     ids = [int(t) for t in np.random.default_rng(4).integers(3, VOCAB, 40)]
     for rt in (wide, narrow):

@@ -11,15 +11,16 @@ from edgespec.bundle import load_bundle  # noqa: E402
 from edgespec.engine.engine import load  # noqa: E402
 from edgespec.errors import BackendError  # noqa: E402
 from edgespec.runtimes.openvino.runtime import OpenVinoRuntime  # noqa: E402
-from tests.ov_state_kv import StatefulKV  # noqa: E402
+from tests.ov_state_kv import StatefulKV, register  # noqa: E402
 from tests.test_export_onnx import decode  # noqa: E402
 from tests.test_openvino import ov_bundle, ov_target  # noqa: E402
 from tests.tiny import PROMPTS, VOCAB  # noqa: E402
 
 # -- the KV holder: picked once, from the device and the options ------------------------------
 
-def test_the_kv_holder_is_planned_from_the_device_and_the_options():
-    """plan_kv is pure: no model is needed to see which holder a runtime would build."""
+def test_the_kv_holder_is_planned_from_the_device_and_the_options(monkeypatch):
+    """plan_kv is pure: no model is needed to see which holder a runtime would build. `kv` names a
+    registered holder only: a class is no parameter, and OpenVINO's state opens once a test registers it."""
     from edgespec.runtimes.openvino.kv import (
         DEFAULT_KV_CAPACITY,
         DEFAULT_STATIC_CAPACITY,
@@ -37,16 +38,19 @@ def test_the_kv_holder_is_planned_from_the_device_and_the_options():
                                                                             False, False)
     assert plan_kv("CPU", "f32", static=True, capacity=10).quantize is False  # unpadded: f32 activations
     assert plan_kv("CPU", "bf16", static=True).quantize is True  # bf16 rounds apart anyway
-    state = plan_kv("CPU", "f32", kv=StatefulKV, pad_rows=True, wide=True)
+    for kw in (dict(kv="state"), dict(kv=dict), dict(kv=StatefulKV)):  # not registered; a class is no name
+        with pytest.raises(BackendError, match="kv must be one of"):
+            plan_kv("CPU", "f32", **kw)
+    state = plan_kv("CPU", "f32", kv=register(monkeypatch), pad_rows=True, wide=True)
     assert (state.kind, state.pad_rows, state.wide, state.quantize) == (StatefulKV, False, False, False)
-    for kw in (dict(kv="state"), dict(kv=dict), dict(kv=StatefulKV, static=True)):
+    for kw in (dict(kv="state", static=True), dict(kv=StatefulKV)):
         with pytest.raises(BackendError, match="kv must be one of"):
             plan_kv("CPU", "f32", **kw)
 
 
 # -- the padded-rows mode: what the engine switches to where one-row decodes round apart ----------
 
-def test_padded_rows_compute_the_same_model_and_keep_only_the_real_rows(zoo):
+def test_padded_rows_compute_the_same_model_and_keep_only_the_real_rows(zoo, monkeypatch):
     path = ov_bundle(zoo, "llama")
     ir = path / load_bundle(path).manifest.target.formats["openvino"].file
     plain, padded = OpenVinoRuntime(ir), OpenVinoRuntime(ir, pad_rows=True)
@@ -59,7 +63,7 @@ def test_padded_rows_compute_the_same_model_and_keep_only_the_real_rows(zoo):
     padded.trim(6)
     plain.trim(6)
     np.testing.assert_allclose(padded.forward(ids[6:9], n_logits=2), plain.forward(ids[6:9], n_logits=2), atol=1e-4)
-    for kw in (dict(kv=StatefulKV), dict(static=True, width=4)):  # only the dynamic buffer pads
+    for kw in (dict(kv=register(monkeypatch)), dict(static=True, width=4)):  # only the dynamic buffer pads
         assert not OpenVinoRuntime(ir, pad_rows=True, **kw).capabilities.extra["pad_rows"]
 
 
@@ -87,11 +91,12 @@ def test_the_engine_switches_to_padded_rows_where_one_row_rounds_apart(zoo, monk
         assert decode(plain, ids, 16)[0] == spec
 
 
-def test_the_state_holder_reports_dynamic_quantization_as_batch_variance(zoo):
+def test_the_state_holder_reports_dynamic_quantization_as_batch_variance(zoo, monkeypatch):
     # OpenVINO's state would keep padded keys, so that holder is exact only in f32
     class QuantizedStateKV(StatefulKV):
+        name = "quantized-state"
         quantize = True
 
-    assert ov_target(zoo, "llama", kv=StatefulKV).capabilities.batch_variance is None
-    rt = ov_target(zoo, "llama", kv=QuantizedStateKV)
+    assert ov_target(zoo, "llama", kv=register(monkeypatch)).capabilities.batch_variance is None
+    rt = ov_target(zoo, "llama", kv=register(monkeypatch, QuantizedStateKV))
     assert "dynamic" in rt.capabilities.batch_variance and rt.capabilities.extra["dynamic_quantization"]

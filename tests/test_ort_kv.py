@@ -1,7 +1,8 @@
 """The onnxruntime runtime's KV holders (runtimes/onnxruntime/kv.py): `plan_kv` picks one from a graph's
 inputs and outputs without a model; the fixed buffers write each forward's new rows right after
-the held prefix (a fake session that records positions, no onnxruntime); on a tiny model the old
-growing layout and the fixed buffers compute the same logits through rollbacks."""
+the held prefix (a fake session that records positions, no onnxruntime); on a tiny model the fixed
+buffers compute through rollbacks the logits a fresh runtime computes for the same prefix; a graph of
+the old growing layout is refused with the fix."""
 from __future__ import annotations
 
 import ctypes
@@ -9,8 +10,8 @@ import ctypes
 import numpy as np
 import pytest
 
-from edgespec.errors import BackendError, ContextFullError
-from edgespec.runtimes.onnxruntime.kv import DEFAULT_KV_CAPACITY, FixedBufferKV, GrowingKV, KVLayout, plan_kv
+from edgespec.errors import BackendError, BundleError, ContextFullError
+from edgespec.runtimes.onnxruntime.kv import DEFAULT_KV_CAPACITY, FixedBufferKV, KVLayout, plan_kv
 
 
 def graph(layers: int, kvh: int, hd: int, append: bool) -> tuple[list, list]:
@@ -34,13 +35,13 @@ def test_the_append_layout_gets_fixed_buffers_sized_for_the_capacity():
     assert (padded.capacity, padded.pad) == (300, 1)
 
 
-def test_an_old_present_layout_gets_the_growing_cache_which_never_pads():
-    # heads and head_dim on other axes than the append layout's: (1, kvh, P, hd)
-    plan = plan_kv(*graph(2, 1, 16, append=False), pad_rows=True)
-    assert plan.kind is GrowingKV and plan.layout == KVLayout(2, 1, 16)
-    assert plan.pad == 0 and plan.capacity is None  # no limit unless one is given
-    assert plan_kv(*graph(2, 1, 16, append=False), capacity=64).capacity == 64
-    assert FixedBufferKV.fixed and FixedBufferKV.pads and not GrowingKV.fixed and not GrowingKV.pads
+def test_an_old_present_layout_is_refused_with_the_fix():
+    """The first exporter's graphs (past/present, the cache grew by concatenation) no longer load:
+    one line that names the file and the fix."""
+    with pytest.raises(BundleError, match=r"^target/model\.onnx has the old growing KV layout, which edgespec no "
+                                          r"longer runs: export the bundle again with `edgespec export`$"):
+        plan_kv(*graph(2, 1, 16, append=False), pad_rows=True, name="target/model.onnx")
+    assert FixedBufferKV.fixed and FixedBufferKV.pads
 
 
 def test_a_graph_that_is_not_an_edgespec_decoder_is_a_one_line_error():
@@ -135,10 +136,11 @@ def test_a_wider_verify_grows_the_logits_buffer_once_and_a_probe_leaves_the_cach
     assert len(sess.runs) == 3
 
 
-# ---------------------------------------------------------------- both layouts on a tiny model
+# ---------------------------------------------------------------- on a tiny model
 
 
-def test_the_growing_layout_computes_the_fixed_buffers_logits_through_rollbacks(zoo, tmp_path):
+def test_the_fixed_buffers_compute_a_fresh_runtimes_logits_through_rollbacks(zoo, tmp_path):
+    """Rollbacks and verifies on one runtime against a fresh runtime that reads the same prefix in one prefill."""
     pytest.importorskip("onnxruntime")
     onnx = pytest.importorskip("onnx")
     from edgespec.exporters.onnx.graph import GraphOptions, build_decoder
@@ -147,23 +149,48 @@ def test_the_growing_layout_computes_the_fixed_buffers_logits_through_rollbacks(
 
     model = zoo.hf_model("llama")
     spec, weights = spec_from_hf(model), {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    paths = {}
-    for layout in ("append", "present"):
-        paths[layout] = tmp_path / f"{layout}.onnx"
-        onnx.save_model(build_decoder(spec, weights, GraphOptions(kv_layout=layout)), str(paths[layout]))
+    path = tmp_path / "append.onnx"
+    onnx.save_model(build_decoder(spec, weights, GraphOptions(kv_layout="append")), str(path))
     ids = [int(t) for t in np.random.default_rng(3).integers(3, spec.vocab_size, 24)]
-    with OnnxRuntime(paths["append"], kv_capacity=32) as new, OnnxRuntime(paths["present"], kv_capacity=32) as old:
-        assert isinstance(new.kv, FixedBufferKV) and isinstance(old.kv, GrowingKV)
-        assert new.capabilities.fixed_kv and not old.capabilities.fixed_kv and old.kv_buffers() == []
-        assert old.kv_bytes_per_token == new.kv_bytes_per_token and old.kv_capacity == new.kv_capacity == 32
+    with OnnxRuntime(path, kv_capacity=32) as rt, OnnxRuntime(path, kv_capacity=32) as fresh:
+        assert isinstance(rt.kv, FixedBufferKV) and rt.capabilities.fixed_kv
+        assert len(rt.kv_buffers()) == 2 * spec.n_layers
+        assert fresh.kv_bytes_per_token == rt.kv_bytes_per_token and rt.kv_capacity == 32
         # a prefill, a verify, two rollbacks (one to nothing) and decodes after them
         for lo, hi, n in [(0, 10, 2), (10, 15, 5), (11, 12, 1), (12, 13, 1), (0, 6, 1), (6, 7, 1)]:
-            for rt in (new, old):
-                rt.trim(lo)
-            a, b = np.array(new.forward(ids[lo:hi], n_logits=n)), old.forward(ids[lo:hi], n_logits=n)
+            rt.trim(lo)
+            fresh.reset()
+            a, b = np.array(rt.forward(ids[lo:hi], n_logits=n)), fresh.forward(ids[:hi], n_logits=n)
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=f"{lo}:{hi}")
-            assert new.n_past == old.n_past == hi
-        assert old.memory_bytes()["kv"] == 7 * old.kv_bytes_per_token
+            assert rt.n_past == fresh.n_past == hi
+        assert rt.memory_bytes()["kv_used"] == 7 * rt.kv_bytes_per_token
         with pytest.raises(ContextFullError):
-            old.forward(ids + ids[:2])  # 7 + 26 positions
-        assert old.n_past == 7
+            rt.forward(ids + ids[:2])  # 7 + 26 positions
+        assert rt.n_past == 7
+
+
+def test_an_old_bundle_is_refused_at_load_with_the_fix(zoo, tmp_path):
+    """A bundle whose graph returns `present_*` (the first exporter's layout, written here by
+    renaming a current graph's outputs) is a one-line BundleError at load, not a crash later."""
+    pytest.importorskip("onnxruntime")
+    onnx = pytest.importorskip("onnx")
+    import shutil
+
+    from edgespec.bundle import load_bundle
+    from edgespec.engine.engine import load
+
+    bundle = tmp_path / "old"
+    shutil.copytree(zoo.bundle("llama", None), bundle)
+    path = bundle / load_bundle(bundle).manifest.target.formats["onnx"].file
+    model = onnx.load(str(path), load_external_data=False)
+    old = {o.name: o.name.replace("new_", "present_") for o in model.graph.output}
+    assert sum(n != o for n, o in old.items()) == 2 * load_bundle(bundle).manifest.target.n_layers
+    for node in model.graph.node:
+        node.input[:] = [old.get(n, n) for n in node.input]
+        node.output[:] = [old.get(n, n) for n in node.output]
+    for out in model.graph.output:
+        out.name = old[out.name]
+    onnx.save_model(model, str(path))
+    with pytest.raises(BundleError, match=r"^target/model\.onnx has the old growing KV layout, which edgespec no "
+                                          r"longer runs: export the bundle again with `edgespec export`$"):
+        load(bundle, backend="onnxruntime", use_draft=False)

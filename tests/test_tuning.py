@@ -113,6 +113,26 @@ def test_a_measurement_survives_its_cache_form():
     assert back.cached and back.verify_ms == m.verify_ms and back.score() == pytest.approx(m.score())
 
 
+@pytest.mark.parametrize("poison", [
+    {"one_token_ms": 0}, {"one_token_ms": 1e400}, {"exact_width": 1e400}, {"exact_width": "9"},
+    {"verify_ms": {"2": -1.0}}, {"verify_ms": {"x": 3.0}}, {"draft_body": "both"}, {"bogus": 1}, {"free": "yes"},
+])
+def test_a_poisoned_tuning_record_is_measured_again(tmp_path, caplog, poison):
+    """A cached record that fails validation is discarded with a log line, never a crash (a zero
+    one-token time used to divide by zero) and never believed."""
+    import json
+
+    from edgespec.engine.tuning import _read
+
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps({**fake(exact=9).to_dict(), **poison}))
+    with caplog.at_level("WARNING"):
+        assert _read(path) is None
+    assert "discarding the cached tuning record" in caplog.text
+    path.write_text(json.dumps(fake(exact=9).to_dict()))
+    assert _read(path).cached
+
+
 # ---------------------------------------------------------------- candidates and the plan
 
 

@@ -372,8 +372,8 @@ def _plot_peer(runs: list[dict], out: Path) -> None:
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(classes)), classes)
     ax.set_ylabel("decode tok/s over llama.cpp's")
-    ax.set_title("edgespec over llama.cpp, same GGUF model (bars: total tokens over total time; "
-                 "dots: per prompt, median of paired repeats)", fontsize=9)
+    ax.set_title("edgespec over llama.cpp, same GGUF model\n"
+                 "bars: total tokens over total time; dots: per prompt, median of paired repeats", fontsize=9)
     ax.legend(fontsize=8)
     fig.savefig(out)
 

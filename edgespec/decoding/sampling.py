@@ -39,6 +39,10 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
+        for name, value in (("temperature", self.temperature), ("top-p", self.top_p), ("min-p", self.min_p)):
+            # a string from a form or a JSON file is the caller's mistake, named as one
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
         if not self.temperature >= 0:  # also rejects NaN
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not math.isfinite(self.temperature):

@@ -11,6 +11,7 @@ checks these values again.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +21,15 @@ from ..errors import ConfigError
 from ..runtimes import BACKENDS, backend_info
 from .choices import DRAFT_BODIES, check_drafting
 
+logger = logging.getLogger(__name__)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which a cgroup or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
 __all__ = ["EngineConfig", "Option", "OPTIONS", "DRAFTER_CHOICES", "POLICY_CHOICES", "DRAFT_BODY_CHOICES",
-           "DEFAULT_PREFILL_CHUNK", "engine_config"]
+           "DEFAULT_PREFILL_CHUNK", "engine_config", "usable_cpus"]
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per forward without a memory budget (EngineConfig.prefill_chunk)
 
@@ -165,6 +173,12 @@ class EngineConfig:
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
+        if self.threads is not None and self.threads > (usable := usable_cpus()):
+            # more spinning threads than cores only wait on each other (a 64-thread run on 2 cores
+            # never finished); capped once here, so every cache key sees the count that runs
+            logger.warning("threads %d is more than the %d CPUs this process may use; using %d",
+                           self.threads, usable, usable)
+            object.__setattr__(self, "threads", usable)
         if self.max_context is not None and (isinstance(self.max_context, bool)
                                              or not isinstance(self.max_context, int) or self.max_context < 2):
             raise ConfigError(f"max_context must be an integer >= 2, got {self.max_context!r}")

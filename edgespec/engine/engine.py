@@ -40,6 +40,7 @@ from ..tokenizer import IncrementalDecoder, Tokenizer
 from .assembly import EnginePlan, plan_engine
 from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
 from .config import EngineConfig, engine_config
+from .inputs import check_stop, check_text
 from .opening import open_plan
 from .tuning import tune
 
@@ -332,13 +333,14 @@ class Engine:
         stop: strings that end the text (not included); stop_event / wait: see stream_ids."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
         check_max_tokens(max_tokens)
-        if isinstance(prompt, str) and not prompt.isascii():
-            try:  # a lone surrogate (from a bad byte in argv or a JSON escape) is not text
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ConfigError(f"the prompt is not valid Unicode text (a lone surrogate at offset {e.start})") \
-                    from None
-        tokens = (self.tokenizer.encode(prompt) if prompt else []) if isinstance(prompt, str) else list(prompt)
+        stop = check_stop(stop)
+        if isinstance(prompt, str):
+            prompt = check_text(prompt, "the prompt")
+            tokens = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, Sequence):
+            tokens = list(prompt)  # each id is checked by stream_ids
+        else:
+            raise ConfigError(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}")
         if not tokens:
             raise ConfigError("the prompt is empty")
         return self.stream_ids(tokens, params, max_tokens, stop, stop_event=stop_event, wait=wait)

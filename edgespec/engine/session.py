@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from ..decoding import GenerationStats, SamplingParams, check_max_tokens
 from ..errors import ConfigError, ContextFullError
 from ..models.chat_formats import TEMPLATE, TRANSCRIPTS, Transcript, pick_chat_format
+from .inputs import check_stop, check_text
 
 if TYPE_CHECKING:
     import threading
@@ -155,11 +156,11 @@ class ChatSession:
         loop, Ctrl-C); a turn refused before its first token (BusyError) leaves no trace.
         stop, stop_event, wait: as in Engine.stream; the chat format's stop strings are added.
         Greedy by default (reproducible); CLI chat samples with models.chat_formats.CHAT_SAMPLING."""
-        if not message.strip():
+        if not check_text(message, "the message").strip():
             raise ConfigError("empty message")
         check_max_tokens(max_tokens)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
-        return self._turn(message, params, max_tokens, tuple(stop) + self.format.stop, stop_event, wait)
+        return self._turn(message, params, max_tokens, check_stop(stop) + self.format.stop, stop_event, wait)
 
     def _turn(self, message: str, params: SamplingParams, max_tokens: int, stop: tuple[str, ...],
               stop_event, wait) -> Iterator[Response]:

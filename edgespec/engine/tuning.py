@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -196,9 +197,40 @@ class Measurement:
 
     @classmethod
     def from_dict(cls, d: dict) -> Measurement:
-        return cls(str(d["backend"]), d["draft_body"], bool(d["free"]), float(d["one_token_ms"]), float(d["draft_ms"]),
-                   {int(b): float(ms) for b, ms in d["verify_ms"].items()}, int(d["exact_width"]),
-                   float(d["measure_ms"]), bool(d.get("cached", False)))
+        """A cached record, validated as a manifest is (known fields, bounded positive figures);
+        anything else is a ValueError, and the caller measures again."""
+        if not isinstance(d, dict) or set(d) - _RECORD_FIELDS:
+            raise ValueError("not a tuning record")
+        if not isinstance(d["backend"], str) or d["draft_body"] not in (None, "shared", "own"):
+            raise ValueError("unknown backend or draft body")
+        if not isinstance(d["free"], bool) or not isinstance(d["verify_ms"], dict):
+            raise ValueError("malformed fields")
+        widths = {_width(b, key=True): _ms(ms, f"verify_ms[{b}]") for b, ms in d["verify_ms"].items()}
+        return cls(d["backend"], d["draft_body"], d["free"], _ms(d["one_token_ms"], "one_token_ms"),
+                   _ms(d["draft_ms"], "draft_ms", zero=True), widths, _width(d["exact_width"], low=1),
+                   _ms(d["measure_ms"], "measure_ms", zero=True), bool(d.get("cached", False)))
+
+
+_RECORD_FIELDS = {"backend", "draft_body", "free", "one_token_ms", "draft_ms", "verify_ms", "exact_width",
+                  "measure_ms", "cached"}
+_MAX_MS = 3.6e6  # an hour: no step of a model edgespec runs takes longer
+
+
+def _ms(value: object, name: str, zero: bool = False) -> float:
+    """A measured time in ms: finite, > 0 (>= 0 where `zero`), below an hour."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not (0 <= value if zero else 0 < value) or value > _MAX_MS:
+        raise ValueError(f"{name} {value!r} is not a time in ms")
+    return float(value)
+
+
+def _width(value: object, low: int = 2, key: bool = False) -> int:
+    """A verify width: an integer in low..1024 (`key`: a JSON object key, which arrives as a string)."""
+    if key and isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1024:
+        raise ValueError(f"width {value!r} is not an integer in {low}..1024")
+    return value
 
 
 def measure_engine(engine, prefix: int = TUNE_PREFIX, repeats: int = TUNE_REPEATS) -> Measurement | None:
@@ -343,10 +375,20 @@ def _cache_path(bundle, plan) -> Path:
 
 
 def _read(path: Path) -> Measurement | None:
+    """The cached record, or None: not measured here yet, or an entry that fails validation (an
+    edited or damaged one is measured again, with a log line, never trusted)."""
     try:
-        return Measurement.from_dict({**json.loads(path.read_text()), "cached": True})
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # not measured here yet (or an unreadable entry)
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("discarding the cached tuning record %s (unreadable: %s); measuring again", path.name, e)
+        return None
+    try:
+        return Measurement.from_dict({**data, "cached": True})
+    except (ValueError, KeyError, TypeError) as e:
+        logger.warning("discarding the cached tuning record %s (%s); measuring again", path.name, e)
+        return None
 
 
 def _write(path: Path, m: Measurement) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from .base import Capabilities, Runtime
 __all__ = ["Capabilities", "Runtime", "BackendInfo", "BACKENDS", "backend_info", "open_runtime", "installed_backends",
            "backend_devices", "pick_backend", "runtime_class", "open_shared_pair", "probe_exactness",
            "exact_mode_memory", "backend_version"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -149,8 +152,16 @@ def exact_mode_memory(backend: str, model_files: list[Path], options: dict):
     from .exactness import remember_mode, remembered_mode
 
     version = backend_version(backend)
-    return (lambda: remembered_mode(backend, version, model_files, options),
-            lambda mode: remember_mode(backend, version, model_files, options, mode))
+    known = ({}, *backend_info(backend).exact_modes)
+
+    def recall() -> dict | None:
+        mode = remembered_mode(backend, version, model_files, options)
+        if mode is not None and mode not in known:  # an edited or foreign entry: settle the mode again
+            logger.warning("discarding a remembered exact mode %s that %s does not have", mode, backend)
+            return None
+        return mode
+
+    return recall, lambda mode: remember_mode(backend, version, model_files, options, mode)
 
 
 def probe_exactness(backend: str, rt: Runtime, model_files: list[Path], max_width: int, *, threads: int | None = None,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import time
@@ -88,9 +89,46 @@ class Exactness:
 
     @classmethod
     def from_dict(cls, data: dict) -> Exactness:
-        return cls(max_width=int(data["max_width"]), exact=tuple(int(w) for w in data["exact"]),
-                   worst_diff=float(data["worst_diff"]), probe_ms=float(data["probe_ms"]),
-                   cached=bool(data.get("cached", False)), trees=data.get("trees"))
+        """A verdict from its JSON form, validated as a manifest is: known fields only, widths
+        within 2..max_width, finite figures; anything else is a ValueError (the caller probes again)."""
+        if not isinstance(data, dict):
+            raise ValueError("not an object")
+        unknown = set(data) - _VERDICT_FIELDS
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}")
+        max_width = _int(data["max_width"], "max_width", 2, MAX_PROBE_WIDTH)
+        exact = data["exact"]
+        if not isinstance(exact, list):
+            raise ValueError("exact is not a list")
+        exact = tuple(_int(w, "exact width", 2, max_width) for w in exact)
+        if list(exact) != sorted(set(exact)):
+            raise ValueError("exact widths are not sorted and distinct")
+        trees = data.get("trees")
+        if trees is not None and not isinstance(trees, bool):
+            raise ValueError("trees is not true, false or null")
+        verdict = cls(max_width=max_width, exact=exact, worst_diff=_float(data["worst_diff"], "worst_diff"),
+                      probe_ms=_float(data["probe_ms"], "probe_ms"), cached=bool(data.get("cached", False)),
+                      trees=trees)
+        if "exact_width" in data and data["exact_width"] != verdict.exact_width:
+            raise ValueError("exact_width disagrees with exact")
+        return verdict
+
+
+# widest verify any policy asks the probe about: a bound on what a cache entry may claim
+MAX_PROBE_WIDTH = 1024
+_VERDICT_FIELDS = {"max_width", "exact", "worst_diff", "probe_ms", "cached", "trees", "exact_width"}
+
+
+def _int(value: object, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} {value!r} is not an integer in {low}..{high}")
+    return value
+
+
+def _float(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} {value!r} is not a finite number >= 0")
+    return float(value)
 
 
 def _ids(rt: Runtime, n: int) -> list[int]:
@@ -193,16 +231,21 @@ def probe(rt: Runtime, max_width: int, starts: Sequence[int] = PROBE_STARTS) -> 
 
 
 def machine_fingerprint() -> str:
-    """The CPU model and its feature flags: what decides which kernels a backend picks."""
-    parts = [platform.machine(), platform.system()]
+    """The CPU models and feature flags of every core this process may use, and how many there
+    are: what decides which kernels a backend picks and where they split their sums (a
+    big.LITTLE phone lists its core types apart; a 2-vCPU VM and a 4-vCPU one of the same CPU
+    differ)."""
+    parts = [platform.machine(), platform.system(), platform.processor()]
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         text = ""
     for key in ("model name", "flags", "Features", "CPU implementer", "CPU part"):
-        line = next((ln for ln in text.splitlines() if ln.split(":")[0].strip() == key), "")
-        parts.append(line.split(":", 1)[-1].strip())
-    parts.append(platform.processor())
+        values = {ln.split(":", 1)[-1].strip() for ln in text.splitlines()
+                  if ln.split(":")[0].strip() == key}
+        parts.append(";".join(sorted(values)))
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    parts.append(f"cpus={','.join(map(str, cpus))}")
     return "|".join(parts)
 
 
@@ -226,19 +269,50 @@ def probe_cached(rt: Runtime, max_width: int, *, backend: str, version: str, mod
            "files": [_file_key(Path(p)) for p in model_files], "options": options, "max_width": max_width}
     path = _cache_file(key)
     if not retune:
-        try:
-            return Exactness.from_dict({**json.loads(path.read_text()), "cached": True})
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # not probed yet here (or an unreadable entry): probe again
+        cached = _read_verdict(path, key, max_width)
+        if cached is not None:
+            return cached
     verdict = probe(rt, max_width)
+    entry = {"verdict": verdict.to_dict(), "key": key}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**verdict.to_dict(), "key": key}, indent=1))
+        tmp.write_text(json.dumps({**entry, "checksum": _checksum(entry)}, indent=1, default=str))
         os.replace(tmp, path)
     except OSError as e:  # an unwritable cache costs a probe per load, nothing else
         logger.warning("cannot cache the exactness probe in %s: %s", path.parent, e)
     logger.info("exactness probe (%s, %.0f ms): %s", backend, verdict.probe_ms, verdict.describe())
+    return verdict
+
+
+def _checksum(entry: dict) -> str:
+    """sha256 of an entry's canonical JSON: a verdict edited by hand (or half-written) no longer matches."""
+    return hashlib.sha256(json.dumps(entry, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _read_verdict(path: Path, key: dict, max_width: int) -> Exactness | None:
+    """The cached verdict for `key`, or None (with a log line saying why) when there is none or it
+    fails validation: a foreign, stale, edited or damaged entry is probed again, never believed."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("discarding the cached exactness verdict %s (unreadable: %s); probing again", path.name, e)
+        return None
+    try:
+        if not isinstance(data, dict) or set(data) != {"verdict", "key", "checksum"}:
+            raise ValueError("not an edgespec verdict entry")
+        if data["checksum"] != _checksum({"verdict": data["verdict"], "key": data["key"]}):
+            raise ValueError("its checksum does not match its contents")
+        if json.loads(json.dumps(key, default=str)) != data["key"]:
+            raise ValueError("it was measured for another machine, thread count, backend or model")
+        verdict = Exactness.from_dict({**data["verdict"], "cached": True})
+        if verdict.max_width != max_width:
+            raise ValueError("it probed other widths")
+    except (ValueError, KeyError, TypeError) as e:
+        logger.warning("discarding the cached exactness verdict %s (%s); probing again", path.name, e)
+        return None
     return verdict
 
 
@@ -252,11 +326,19 @@ def remembered_mode(backend: str, version: str, model_files: Sequence[Path], opt
     """The runtime options an engine settled on for these models here last time (an exact mode
     such as padded rows; {} for the default), so a later load opens that mode straight away;
     None where no engine has settled one here yet."""
+    path = _mode_file(backend, version, model_files, options)
     try:
-        mode = json.loads(_mode_file(backend, version, model_files, options).read_text())
-    except (OSError, ValueError):
+        mode = json.loads(path.read_text())
+    except FileNotFoundError:
         return None
-    return mode if isinstance(mode, dict) else None
+    except (OSError, ValueError) as e:
+        logger.warning("discarding the remembered exact mode %s (unreadable: %s)", path.name, e)
+        return None
+    if not isinstance(mode, dict) or not all(isinstance(k, str) and isinstance(v, (bool, int, str))
+                                             for k, v in mode.items()):
+        logger.warning("discarding the remembered exact mode %s (not a flat object of options)", path.name)
+        return None
+    return mode
 
 
 def remember_mode(backend: str, version: str, model_files: Sequence[Path], options: dict, mode: dict) -> None:

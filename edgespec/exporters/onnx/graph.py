@@ -3,26 +3,28 @@
 Why not optimum's exporter: only transformers >= 5.23 reads the default GGUF (and its
 tokenizer) correctly, while optimum-onnx pins transformers < 4.58. Building the graph
 from the weights that transformers loaded keeps one transformers version, gives us the
-KV layout the runtime wants (past/present per layer, logits only for the last
+KV layout the runtime wants (the past in, only the new rows out, logits only for the last
 `n_logits` positions), and stores a tied embedding once (Gather and Gemm share it).
 
-Graph I/O (batch 1):
-  input_ids (1, S) int64, n_logits (1,) int64, past_key_<i>/past_value_<i> (1, kvh, P, hd)
-  → logits (1, n_logits, V), present_key_<i>/present_value_<i> (1, kvh, P+S, hd)
+Two KV layouts, GraphOptions.kv_layout:
 
-With GraphOptions(kv_layout="append") (what `edgespec export` writes) the cache is
-sequence-major and the graph returns only the new positions:
-  past_key_<i>/past_value_<i> (1, P, kvh, hd) → new_key_<i>/new_value_<i> (1, S, kvh, hd)
+"append" (the default; what `edgespec export` writes for onnxruntime): the cache is sequence-major
+and the graph returns only the new positions:
+  input_ids (1, S) int64, n_logits (1,) int64, past_key_<i>/past_value_<i> (1, P, kvh, hd)
+  → logits (1, n_logits, V), new_key_<i>/new_value_<i> (1, S, kvh, hd)
 so a runtime can keep one preallocated (capacity, kvh, hd) buffer per tensor, bind its
 prefix as the past and write the new rows straight after it (no growth, no copies).
 
-With GraphOptions(kv_layout="buffer") (what the OpenVINO export writes; every size is a shape, no
-size is a value, so the graph can be reshaped to fixed sizes for an NPU):
+"buffer" (what the OpenVINO export writes; every size is a shape, no size is a value, so the graph
+can be reshaped to fixed sizes for an NPU):
   input_ids (1, S), position_ids (1, S), attention_mask (1, P+S) int64, logits_index (N,) int64,
   past_key_<i>/past_value_<i> (1, kvh, P, hd) — a KV buffer whose slot j holds position j
   → logits (1, N, V), new_key_<i>/new_value_<i> (1, kvh, S, hd) — only the new rows
 The caller owns the buffer: it writes the new rows at their positions and rolls back by
 masking slots out (attention_mask 0) instead of reallocating.
+
+The first layout, past/present (the cache grew by concatenation, present_key_<i> out), is no longer
+written; runtimes refuse such a graph with the fix (export the bundle again).
 
 GraphOptions(fused_ops) writes onnxruntime's fused kernels (onnx/fused.py; on for the append layout,
 off for the buffer layout OpenVINO reads): the same I/O, ~40% of the kernels per forward.
@@ -49,7 +51,7 @@ __all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
 logger = logging.getLogger(__name__)
 OPSET = 21
 SCORE_DEPTH = 128  # deepest attention-score product onnxruntime sums the same way at every key count (_scores)
-KV_LAYOUTS = ("present", "append", "buffer")
+KV_LAYOUTS = ("append", "buffer")
 
 
 @dataclass(frozen=True)
@@ -58,10 +60,9 @@ class GraphOptions:
     vocab_keep: np.ndarray | None = None  # target ids of a trimmed LM head (VocabTrim)
     tie_head: bool = True  # reuse the embedding for the head when the model ties them
     weight_dtype: str = "fp32"  # "fp16" stores weights in half precision, computes in fp32
-    # "present": past/present (1, kvh, T, hd), the cache grows by concatenation;
     # "append": sequence-major past (1, P, kvh, hd) in, only the new rows out (see _append_kv);
     # "buffer": the static-shape layout described above (OpenVINO)
-    kv_layout: str = "present"
+    kv_layout: str = "append"
     # MatMulNBits' accuracy_level for BlockWeight (GGUF-transcoded) weights: 0 computes in fp32,
     # 4 lets the CPU kernels quantize activations to int8 per block (faster, not bit-faithful)
     nbits_accuracy: int = 0
@@ -208,7 +209,8 @@ def _split_fused(w: dict[str, np.ndarray], spec: ModelSpec, i: int) -> None:
 
 def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[str, str], ctx: dict,
                kv_names: tuple[str, str] | None = None):
-    """Self-attention of layer `li` over its cache `past`; returns (output, present_k, present_v).
+    """Self-attention of layer `li` over its cache `past`; returns (output, k, v): the append
+    layout's new rows, the buffer layout's past and new rows (onnx/graph._kv_outputs keeps the new).
     `kv_names`: the graph outputs the append layout's new rows are written to (the fused graph:
     v's rows leave as the projection gives them, never transposed)."""
     hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
@@ -233,31 +235,38 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
     else:
         q, k = _rope(g, q, cos, sin, hd // 2), _rope(g, k, cos, sin, hd // 2)
     if ctx["append"]:
-        present_k, present_v, out_k, out_v = _append_kv(g, past, k, v, KVH, kv_names)
-    else:
-        present_k = out_k = g.op("Concat", [past[0], k], axis=2)  # (1, KVH, T, hd)
-        present_v = out_v = g.op("Concat", [past[1], v], axis=2)
-    rep = H // KVH
+        keys, values, out_k, out_v = _append_kv(g, past, k, v, KVH, kv_names)
+    else:  # the buffer layout: heads-major (1, KVH, T, hd)
+        keys = out_k = g.op("Concat", [past[0], k], axis=2)
+        values = out_v = g.op("Concat", [past[1], v], axis=2)
     if "score_index" in ctx:  # the tree graph (onnx/tree.py)
-        out = tree_attention(g, spec, q, present_k, present_v, ctx["row_mask"][lt], ctx,
+        out = tree_attention(g, spec, q, keys, values, ctx["row_mask"][lt], ctx,
                              lambda rows, keys: _scores(g, rows, keys, hd), scaled)
         return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
     if ctx["append"]:
         mask = ctx["row_mask"][lt] if fused else ctx["mask"][lt]
-        return _attention_rows(g, spec, w, p, q, present_k, present_v, mask, fused, scaled), out_k, out_v
+        return _attention_rows(g, spec, w, p, q, keys, values, mask, fused, scaled), out_k, out_v
+    out = _grouped_attention(g, spec, q, keys, values, ctx["mask"][lt])
+    return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
+
+
+def _grouped_attention(g: _G, spec: ModelSpec, q: str, k: str, v: str, mask: str) -> str:
+    """The buffer layout's attention (OpenVINO's graph): q (1, H, S, hd), k and v (1, KVH, T, hd)
+    -> (1, S, H * hd), before o_proj."""
+    hd, H, KVH = spec.head_dim, spec.n_heads, spec.n_kv_heads
+    rep = H // KVH
     # Group query heads under their KV head so MatMul broadcasts instead of copying K/V.
     q5 = g.op("Reshape", [q, g.const([1, KVH, rep, -1, hd], dtype=np.int64)])  # (1, KVH, rep, S, hd)
-    k5 = g.op("Unsqueeze", [present_k, g.const([2], dtype=np.int64)])  # (1, KVH, 1, T, hd)
-    v5 = g.op("Unsqueeze", [present_v, g.const([2], dtype=np.int64)])
+    k5 = g.op("Unsqueeze", [k, g.const([2], dtype=np.int64)])  # (1, KVH, 1, T, hd)
+    v5 = g.op("Unsqueeze", [v, g.const([2], dtype=np.int64)])
     q5 = g.op("Mul", [q5, g.const(spec.query_scale, dtype=np.float32)])
     scores = g.op("MatMul", [q5, g.op("Transpose", [k5], perm=[0, 1, 2, 4, 3])])  # (1, KVH, rep, S, T)
-    scores = g.op("Add", [scores, ctx["mask"][lt]])
+    scores = g.op("Add", [scores, mask])
     probs = g.op("Softmax", [scores], axis=-1)
     out = g.op("MatMul", [probs, v5])  # (1, KVH, rep, S, hd)
     out = g.op("Reshape", [out, g.const([1, H, -1, hd], dtype=np.int64)])
     out = g.op("Transpose", [out], perm=[0, 2, 1, 3])
-    out = g.op("Reshape", [out, g.const([1, -1, H * hd], dtype=np.int64)])
-    return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
+    return g.op("Reshape", [out, g.const([1, -1, H * hd], dtype=np.int64)])
 
 
 def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, mask: str,
@@ -335,12 +344,12 @@ def _append_kv(g: _G, past: tuple[str, str], k: str, v: str, kvh: int, names: tu
     k, v: (1, kvh, S, hd); with `names` (the graph's outputs, written without an Identity kernel
     each) v is already the new rows, named names[1].
 
-    Returns (present_k, present_v) in the (1, kvh, T, hd) layout attention uses, and the outputs."""
+    Returns (keys, values): past and new, in the (1, kvh, T, hd) layout attention uses, and the outputs."""
     new_k = g.op("Transpose", [k], perm=[0, 2, 1, 3], out=names[0] if names else None)  # (1, S, kvh, hd)
     new_v = v if names else g.op("Transpose", [v], perm=[0, 2, 1, 3])
-    present_k = _to_heads_major(g, g.op("Concat", [past[0], new_k], axis=1), kvh)
-    present_v = _to_heads_major(g, g.op("Concat", [past[1], new_v], axis=1), kvh)
-    return present_k, present_v, new_k, new_v
+    keys = _to_heads_major(g, g.op("Concat", [past[0], new_k], axis=1), kvh)
+    values = _to_heads_major(g, g.op("Concat", [past[1], new_v], axis=1), kvh)
+    return keys, values, new_k, new_v
 
 
 def build_decoder(
@@ -352,95 +361,141 @@ def build_decoder(
     """Return the ONNX model for `spec` with `weights` (HF names, float32 numpy)."""
     w = dict(weights)
     layers = options.layers if options.layers is not None else tuple(range(spec.n_layers))
+    if options.tree and not (options.kv_layout == "append" and options.fused):
+        # checked here, not in GraphOptions: writers set the layout on options built without it
+        raise ValueError("tree verification is written for onnxruntime's fused append graph")
     g = _G(options.weight_dtype)
-    g.nbits_accuracy = options.nbits_accuracy
-    g.float_zero_points = options.nbits_float_zero_points
+    g.nbits_accuracy, g.float_zero_points = options.nbits_accuracy, options.nbits_float_zero_points
     g.fused = options.fused
-    fam = spec.family
-    ids, n_logits = "input_ids", "n_logits"
-    inputs = [
-        helper.make_tensor_value_info(ids, TensorProto.INT64, [1, "S"]),
-        helper.make_tensor_value_info(n_logits, TensorProto.INT64, [1]),
-    ]
-    buffer = options.kv_layout == "buffer"
-    if buffer:
-        inputs[1:] = [helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "S"]),
-                      helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "T"]),
-                      helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["N"])]
     n_vocab = len(options.vocab_keep) if options.vocab_keep is not None else spec.vocab_size
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "N", n_vocab])]
-    past = []
-    append = options.kv_layout == "append"
-    kv_shape = [1, "P", spec.n_kv_heads, spec.head_dim] if append else [1, spec.n_kv_heads, "P", spec.head_dim]
-    for j in range(len(layers)):
-        pk, pv = f"past_key_{j}", f"past_value_{j}"
-        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for n in (pk, pv)]
-        past.append((pk, pv))
-    fused = options.fused
-    if options.tree:  # checked here: writers set the layout on options built without it
-        if not (append and fused):
-            raise ValueError("tree verification is written for onnxruntime's fused append graph")
-        inputs += tree_input_infos()
-    ctx = (buffer_positions_and_masks(g, spec, past[0][0]) if buffer
-           else tree_context(g, spec, past[0][0], ids) if options.tree
-           else positions_and_masks(g, spec, past[0][0], ids, seq_axis=1 if append else 2, fused=fused))
-    ctx["append"], ctx["fused"] = append, fused
-    out_names, out_shape = (("new", [1, "S", spec.n_kv_heads, spec.head_dim]) if append
-                            else ("new", [1, spec.n_kv_heads, "S", spec.head_dim]) if buffer
-                            else ("present", [1, spec.n_kv_heads, "T", spec.head_dim]))
+    inputs, past = _graph_inputs(spec, options, len(layers))
+    ctx = _context(g, spec, options, past[0][0])
+    x, emb_name = _embed(g, spec, w)
+    residual = None  # the last residual branch, added by the next norm (one fused kernel)
+    for j, li in enumerate(layers):
+        x, residual = _layer(g, spec, w, li, x, residual, past[j], ctx, (f"new_key_{j}", f"new_value_{j}"))
+        if progress:
+            progress(1)
+    x, _ = _add_norm(g, spec, x, residual, w["model.norm.weight"], "model.norm", options.fused)
+    _lm_head(g, spec, w, options, _head_rows(g, spec, x, options.kv_layout == "buffer"), emb_name)
+    graph = helper.make_graph(g.nodes, "edgespec_decoder", inputs, _graph_outputs(spec, options, len(layers), n_vocab),
+                              initializer=g.inits)
+    opsets = [helper.make_opsetid("", OPSET)]
+    if any(n.domain == "com.microsoft" for n in g.nodes):
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="edgespec")
+    model.ir_version = 10
+    helper.set_model_props(model, _shape_metadata(spec, w, layers, n_vocab, options))
+    return model
 
+
+def _graph_inputs(spec: ModelSpec, options: GraphOptions, n_layers: int) -> tuple[list, list[tuple[str, str]]]:
+    """The graph's inputs (module docstring) and the (past key, past value) names of each kept layer."""
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "S"])]
+    if options.kv_layout == "buffer":
+        inputs += [helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "S"]),
+                   helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, "T"]),
+                   helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["N"])]
+        kv_shape = [1, spec.n_kv_heads, "P", spec.head_dim]
+    else:
+        inputs.append(helper.make_tensor_value_info("n_logits", TensorProto.INT64, [1]))
+        kv_shape = [1, "P", spec.n_kv_heads, spec.head_dim]
+    past = [(f"past_key_{j}", f"past_value_{j}") for j in range(n_layers)]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv_shape) for pair in past for n in pair]
+    if options.tree:
+        inputs += tree_input_infos()
+    return inputs, past
+
+
+def _graph_outputs(spec: ModelSpec, options: GraphOptions, n_layers: int, n_vocab: int) -> list:
+    """logits, then only the new KV rows of each kept layer, in the layout's order of axes."""
+    if options.kv_layout == "buffer":
+        kv_shape = [1, spec.n_kv_heads, "S", spec.head_dim]
+    else:
+        kv_shape = [1, "S", spec.n_kv_heads, spec.head_dim]
+    return [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "N", n_vocab])] + [
+        helper.make_tensor_value_info(f"new_{n}_{j}", TensorProto.FLOAT, kv_shape)
+        for j in range(n_layers) for n in ("key", "value")]
+
+
+def _context(g: _G, spec: ModelSpec, options: GraphOptions, past0: str) -> dict:
+    """Positions, masks and RoPE tables shared by every layer (onnx/masks.py, onnx/tree.py), and the
+    layout's switches the layers read."""
+    if options.kv_layout == "buffer":
+        ctx = buffer_positions_and_masks(g, spec, past0)
+    elif options.tree:
+        ctx = tree_context(g, spec, past0, "input_ids")
+    else:
+        ctx = positions_and_masks(g, spec, past0, "input_ids", fused=options.fused)
+    ctx["append"], ctx["fused"] = options.kv_layout == "append", options.fused
+    return ctx
+
+
+def _embed(g: _G, spec: ModelSpec, w) -> tuple[str, str | None]:
+    """(the embedded input_ids (1, S, hidden), the embedding initializer a tied head shares: None
+    for GGUF blocks, whose head reads the same blocks)."""
     embed = w["model.embed_tokens.weight"]
     if isinstance(embed, BlockWeight):
         emb_name = None
-        x = g.gather_blocks(embed, "model.embed_tokens.weight", ids)  # (1, S, hidden)
+        x = g.gather_blocks(embed, "model.embed_tokens.weight", "input_ids")
     else:
         emb_name = g.weight(embed, "model.embed_tokens.weight")
-        x = g.op("Gather", [emb_name, ids], axis=0)  # (1, S, hidden)
-    if fam.embed_scale:
+        x = g.op("Gather", [emb_name, "input_ids"], axis=0)
+    if spec.family.embed_scale:
         x = g.op("Mul", [x, g.const(np.float32(spec.hidden_size**0.5), dtype=np.float32)])
+    return x, emb_name
 
-    residual = None  # the last residual branch, added by the next norm (one fused kernel)
-    for j, li in enumerate(layers):
-        _split_fused(w, spec, li)
-        p = f"model.layers.{li}."
-        h, x = _add_norm(g, spec, x, residual, w[p + "input_layernorm.weight"], p + "input_layernorm", fused)
-        kv_names = (f"{out_names}_key_{j}", f"{out_names}_value_{j}")
-        attn, pk, pv = _attention(g, spec, w, p, h, li, past[j], ctx, kv_names if fused and append else None)
-        if buffer:  # only the new rows leave the graph: the caller's buffer holds the rest
-            pk, pv = (g.op("Slice", [t, g.op("Neg", [g.op("Shape", [ids], start=1, end=2)]),
-                                     g.const([np.iinfo(np.int64).max], dtype=np.int64), g.const([2], dtype=np.int64)])
-                      for t in (pk, pv))
-        if (pk, pv) != kv_names:
-            g.nodes += [helper.make_node("Identity", [t], [n]) for t, n in zip((pk, pv), kv_names)]
-        outputs += [helper.make_tensor_value_info(f"{out_names}_{n}_{j}", TensorProto.FLOAT, out_shape)
-                    for n in ("key", "value")]
 
-        def norm(x: str, name: str, p: str = p) -> str:  # used within this layer only
-            return _norm(g, spec, x, w[p + name + ".weight"], p + name, fused)
+def _layer(g: _G, spec: ModelSpec, w, li: int, x: str, residual: str | None, past: tuple[str, str], ctx: dict,
+           kv_names: tuple[str, str]) -> tuple[str, str]:
+    """Decoder layer `li`: (the residual stream, the MLP branch the next norm adds to it). Its new
+    KV rows leave the graph as `kv_names`."""
+    _split_fused(w, spec, li)
+    p, fused, sandwich = f"model.layers.{li}.", ctx["fused"], spec.family.sandwich_norm
 
-        if fam.sandwich_norm:
-            attn = norm(attn, "post_attention_layernorm")
-        ff_norm = "pre_feedforward_layernorm" if fam.sandwich_norm else "post_attention_layernorm"
-        h, x = _add_norm(g, spec, x, attn, w[p + ff_norm + ".weight"], p + ff_norm, fused)
-        gate, up = _linears(g, h, w, ["mlp.gate_proj", "mlp.up_proj"], p, "gate_up_proj" if fused else None)
-        gate = _activation(g, gate, spec.activation, fused)
-        residual = _linear(g, g.op("Mul", [gate, up]), w[p + "mlp.down_proj.weight"], p + "down_proj")
-        if fam.sandwich_norm:
-            residual = norm(residual, "post_feedforward_layernorm")
-        if progress:
-            progress(1)
+    def norm(x: str, name: str) -> str:
+        return _norm(g, spec, x, w[p + name + ".weight"], p + name, fused)
 
-    x, _ = _add_norm(g, spec, x, residual, w["model.norm.weight"], "model.norm", fused)
-    # Only the last n_logits positions reach the head: prefill of a long prompt stays cheap.
+    h, x = _add_norm(g, spec, x, residual, w[p + "input_layernorm.weight"], p + "input_layernorm", fused)
+    # the fused append graph writes its outputs straight from the attention (no Identity kernels)
+    attn, pk, pv = _attention(g, spec, w, p, h, li, past, ctx, kv_names if fused and ctx["append"] else None)
+    _kv_outputs(g, ctx, (pk, pv), kv_names)
+    if sandwich:
+        attn = norm(attn, "post_attention_layernorm")
+    ff_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+    h, x = _add_norm(g, spec, x, attn, w[p + ff_norm + ".weight"], p + ff_norm, fused)
+    gate, up = _linears(g, h, w, ["mlp.gate_proj", "mlp.up_proj"], p, "gate_up_proj" if fused else None)
+    gate = _activation(g, gate, spec.activation, fused)
+    mlp = _linear(g, g.op("Mul", [gate, up]), w[p + "mlp.down_proj.weight"], p + "down_proj")
+    return x, norm(mlp, "post_feedforward_layernorm") if sandwich else mlp
+
+
+def _kv_outputs(g: _G, ctx: dict, kv: tuple[str, str], names: tuple[str, str]) -> None:
+    """Name a layer's KV as the graph outputs `names`. The buffer layout's attention holds past and
+    new rows: only the new ones leave, the caller's buffer holds the rest."""
+    if not ctx["append"]:
+        kv = tuple(g.op("Slice", [t, g.op("Neg", [g.op("Shape", ["input_ids"], start=1, end=2)]),
+                                  g.const([np.iinfo(np.int64).max], dtype=np.int64), g.const([2], dtype=np.int64)])
+                   for t in kv)
+    if kv != names:
+        g.nodes += [helper.make_node("Identity", [t], [n]) for t, n in zip(kv, names)]
+
+
+def _head_rows(g: _G, spec: ModelSpec, x: str, buffer: bool) -> str:
+    """The final hidden rows that reach the head, (N, hidden): only the last n_logits positions
+    (the buffer layout: the rows logits_index names), so prefill of a long prompt stays cheap."""
     if buffer:  # a shape, not a value, picks how many rows reach the head
         x = g.op("Gather", [x, "logits_index"], axis=1)
     else:
-        start = g.op("Neg", [n_logits])
+        start = g.op("Neg", ["n_logits"])
         x = g.op("Slice", [x, start, g.const([np.iinfo(np.int64).max], dtype=np.int64), g.const([1], dtype=np.int64)])
-    x2 = g.op("Reshape", [x, g.const([-1, spec.hidden_size], dtype=np.int64)])  # (N, hidden)
-    head_w = w.get("lm_head.weight")
+    return g.op("Reshape", [x, g.const([-1, spec.hidden_size], dtype=np.int64)])
+
+
+def _lm_head(g: _G, spec: ModelSpec, w, options: GraphOptions, x2: str, emb_name: str | None) -> None:
+    """The LM head (tied, untied or VocabTrim-trimmed) and the final softcap, into the output "logits"."""
+    embed, head_w, keep = w["model.embed_tokens.weight"], w.get("lm_head.weight"), options.vocab_keep
     tied = head_w is None or spec.tie_embeddings
-    keep = options.vocab_keep
     if tied and options.tie_head and keep is None:
         if isinstance(embed, BlockWeight):  # the same blocks as the embedding's Gather
             logits = g.matmul_nbits(x2, embed, "model.embed_tokens.weight")
@@ -455,15 +510,6 @@ def build_decoder(
         cap = g.const(spec.final_logit_softcap, dtype=np.float32)
         logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
     g.nodes.append(helper.make_node("Unsqueeze", [logits, g.const([0], dtype=np.int64)], ["logits"]))
-
-    graph = helper.make_graph(g.nodes, "edgespec_decoder", inputs, outputs, initializer=g.inits)
-    opsets = [helper.make_opsetid("", OPSET)]
-    if any(n.domain == "com.microsoft" for n in g.nodes):
-        opsets.append(helper.make_opsetid("com.microsoft", 1))
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="edgespec")
-    model.ir_version = 10
-    helper.set_model_props(model, _shape_metadata(spec, w, layers, n_vocab, options))
-    return model
 
 
 def _shape_metadata(spec: ModelSpec, w, layers, n_vocab: int, options: GraphOptions) -> dict[str, str]:

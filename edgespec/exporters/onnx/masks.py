@@ -13,11 +13,12 @@ __all__ = ["positions_and_masks", "buffer_positions_and_masks", "masks_and_rope"
 _NEG = float(np.finfo(np.float32).min)
 
 
-def positions_and_masks(g, spec: ModelSpec, past0: str, ids: str, seq_axis: int = 2, fused: bool = False) -> dict:
+def positions_and_masks(g, spec: ModelSpec, past0: str, ids: str, fused: bool = False) -> dict:
     """Positions P..P+S-1, RoPE cos/sin per layer type, additive causal (and sliding) masks; `fused`:
-    cos/sin as RotaryEmbedding reads them, and onnx/fused.once_per_forward."""
+    cos/sin as RotaryEmbedding reads them, and onnx/fused.once_per_forward. `past0` is the append
+    layout's sequence-major past (1, P, kvh, hd)."""
     i64 = dict(dtype=np.int64)
-    p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(seq_axis, **i64)])  # scalar P
+    p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(1, **i64)])  # scalar P
     s_len = g.op("Gather", [g.op("Shape", [ids]), g.const(1, **i64)])  # scalar S
     t_len = g.op("Add", [p_len, s_len])
     qpos = g.op("Range", [p_len, t_len, g.const(1, **i64)])  # (S,)

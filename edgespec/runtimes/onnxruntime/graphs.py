@@ -1,7 +1,7 @@
 """Load-time surgery on edgespec's ONNX decoder graphs, and weight tables mapped from their files.
 
 Every decoder graph the exporter wrote (exporters/onnx/graph.py: fp32, fp16, int8 quantized,
-GGUF-transcoded MatMulNBits; present and append KV layouts) ends the same way: the final norm,
+GGUF-transcoded MatMulNBits; the append KV layout) ends the same way: the final norm,
 `Slice(x, -n_logits)` (the rows that reach the head), then the head (Reshape, MatMul / Gemm /
 MatMulNBits, an optional softcap) into `logits`. `body_model` and `head_model` cut a graph at that
 Slice's output (runtimes/onnxruntime/split.py runs a draft on the target's body with them). The

@@ -1,10 +1,10 @@
 """The KV holders of the onnxruntime runtime: one class per KV layout of an edgespec decoder graph.
 
-The exporter (exporters/onnx/graph.py) has written two layouts; a holder binds a graph's past and
-new KV for a forward and runs it (`forward`), rolls back (`trim`, `reset`) and says what it holds
-(`memory`), as mlx-lm's models/cache.py gives each cache kind a class:
+A holder binds a graph's past and new KV for a forward and runs it (`forward`), rolls back (`trim`,
+`reset`) and says what it holds (`memory`), as mlx-lm's models/cache.py gives each cache kind a class.
+onnxruntime runs one layout of exporters/onnx/graph.py:
 
-- `FixedBufferKV` (the "append" layout, every current export): the graph takes the past
+- `FixedBufferKV` (the "append" layout, every `edgespec export` for onnxruntime): the graph takes the past
   sequence-major, (1, P, kv_heads, head_dim), and returns only the new rows. One preallocated
   (capacity, kv_heads, head_dim) array per layer for K and one for V; a forward binds the filled
   prefix as the past and the rows right after it as the output (IOBinding on raw pointers), so the
@@ -16,13 +16,10 @@ new KV for a forward and runs it (`forward`), rolls back (`trim`, `reset`) and s
   with `--tree` also takes `tree_path`/`tree_depth` (exporters/onnx/tree.py): a chain's are bound
   from one preallocated range, a tree forward's (`TreeRows`) for that forward only, and
   `keep_rows` moves the accepted path's K/V rows behind the prefix.
-- `GrowingKV` (the "present" layout of early bundles, kept so they still load): the cache is the
-  list of `present_*` OrtValues the last run returned, bound back as the next past; it grows by
-  reallocation every step and a rollback copies the kept prefix. It is also the naive baseline
-  benchmarks/bench_memory.py compares against.
 
 `plan_kv` picks the holder and its settings once, from the graph's inputs and outputs and the
-options, without a session: a pure function.
+options, without a session: a pure function. A graph of the first exporter's layout (past/present:
+the cache grew by concatenation) is refused there with a BundleError naming the fix, re-exporting.
 """
 from __future__ import annotations
 
@@ -33,11 +30,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from ...errors import BackendError, ContextFullError
+from ...errors import BackendError, BundleError, ContextFullError
 from ..heap import lazy_zeros
 
-__all__ = ["DEFAULT_KV_CAPACITY", "F32", "I64", "FixedBufferKV", "GrowingKV", "KVHolder", "KVLayout", "KVPlan",
-           "RawBinding", "TreeRows", "graph_io", "kv_kind", "plan_kv"]
+__all__ = ["DEFAULT_KV_CAPACITY", "F32", "I64", "FixedBufferKV", "KVHolder", "KVLayout", "KVPlan", "RawBinding",
+           "TreeRows", "graph_io", "kv_kind", "plan_kv"]
 
 # positions preallocated when no capacity is planned; numpy's zeroed buffers are committed
 # page by page as they fill, so an unused tail costs address space, not memory
@@ -205,7 +202,7 @@ class KVHolder(abc.ABC):
         return False
 
     def buffers(self) -> list[np.ndarray]:
-        """The preallocated K/V arrays (none for a growing cache)."""
+        """The preallocated K/V arrays."""
         return []
 
     @abc.abstractmethod
@@ -316,54 +313,15 @@ class FixedBufferKV(KVHolder):
         super().close()
 
 
-class GrowingKV(KVHolder):
-    """The `present_*` OrtValues of the last run, bound back as the next past."""
-
-    heads_axis = 1  # past: (1, kvh, P, hd)
-
-    def _run(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
-        if tree is not None:
-            raise BackendError("this KV layout verifies chains only")
-        binding = self._sess.io_binding()
-        binding.bind_cpu_input("input_ids", np.asarray([token_ids], dtype=np.int64))
-        binding.bind_cpu_input("n_logits", np.asarray([n_logits], dtype=np.int64))
-        for j in range(self.plan.layout.n_layers):
-            binding.bind_ortvalue_input(f"past_key_{j}", self._past[2 * j])
-            binding.bind_ortvalue_input(f"past_value_{j}", self._past[2 * j + 1])
-        binding.bind_output(self._output)
-        for j in range(self.plan.layout.n_layers):
-            binding.bind_output(f"present_key_{j}")
-            binding.bind_output(f"present_value_{j}")
-        self._sess.run_with_iobinding(binding)
-        outs = binding.get_outputs()
-        self._past = list(outs[1:])
-        self._n += len(token_ids)
-        return outs[0].numpy()[0]  # (n_logits, V)
-
-    def _keep(self, n_past: int) -> None:
-        OrtValue = self._ort.OrtValue
-        # copy: with one KV head the slice is contiguous, and a view would outlive the buffer it
-        # points into once the OrtValue that owns it is dropped (garbage after a second trim)
-        self._past = [OrtValue.ortvalue_from_numpy(v.numpy()[:, :, :n_past].copy()) for v in self._past]
-        super()._keep(n_past)
-
-    def reset(self) -> None:
-        lay = self.plan.layout
-        empty = np.zeros((1, lay.kv_heads, 0, lay.head_dim), dtype=np.float32)
-        self._past = [self._ort.OrtValue.ortvalue_from_numpy(empty) for _ in range(2 * lay.n_layers)]
-        super().reset()
-
-    def memory(self) -> dict[str, int]:
-        return {"kv": self.plan.layout.bytes_per_token * self._n}
-
-    def close(self) -> None:
-        self._past = []
-        super().close()
-
-
-def kv_kind(outputs: Sequence[str]) -> type[KVHolder]:
-    """The holder of a graph with these output names: only the append layout returns `new_*` rows."""
-    return FixedBufferKV if "new_key_0" in outputs else GrowingKV
+def kv_kind(outputs: Sequence[str], name: str = "the model") -> type[KVHolder]:
+    """The holder of a graph with these output names: the append layout returns `new_*` rows. The
+    first layout's graphs (`present_*` out: the cache grew by concatenation) are refused with the fix."""
+    if "new_key_0" in outputs:
+        return FixedBufferKV
+    if "present_key_0" in outputs:
+        raise BundleError(f"{name} has the old growing KV layout, which edgespec no longer runs: export the "
+                          "bundle again with `edgespec export`")
+    raise BackendError(f"{name} is not an edgespec decoder graph (no new_key_0 output)")
 
 
 def graph_io(sess) -> tuple[list[tuple[str, list]], list[str]]:
@@ -379,8 +337,8 @@ def plan_kv(inputs: Sequence[tuple[str, Sequence]], outputs: Sequence[str], *, c
     names = [n for n, _ in inputs]
     if names[:3] != _INPUTS:
         raise BackendError(f"{name} is not an edgespec decoder graph (inputs: {', '.join(names[:4])})")
-    kind = kv_kind(outputs)
-    past = inputs[2][1]  # fixed: (1, P, kvh, hd); growing: (1, kvh, P, hd)
+    kind = kv_kind(outputs, name)
+    past = inputs[2][1]
     layout = KVLayout(sum(1 for n in names if n.startswith("past_key_")), int(past[kind.heads_axis]), int(past[3]))
     return KVPlan(kind, layout, int(capacity or kind.default_capacity) if kind.fixed else capacity,
                   int(pad_rows and kind.pads), tree="tree_path" in names and kind.fixed)

@@ -2,10 +2,8 @@
 
 `OnnxRuntime` opens one graph in an InferenceSession on the CPU; how its KV cache is held is a
 holder of runtimes/onnxruntime/kv.py, chosen once from the graph's inputs and outputs (`plan_kv`): fixed
-buffers written in place through IOBinding for every current export (the "append" layout: no
-per-token allocation, no copy, a rollback lowers a counter), the growing cache of OrtValues for
-bundles exported before it (the "present" layout; also the naive baseline that
-benchmarks/bench_memory.py compares against).
+buffers written in place through IOBinding (the "append" layout: no per-token allocation, no copy, a
+rollback lowers a counter). A graph of the first exporter's growing layout is refused with the fix.
 """
 from __future__ import annotations
 
@@ -140,11 +138,11 @@ class OnnxRuntime(Runtime):
         self._sess, self._initializers = _open_session(ort, path, threads, spin, output, initializers)
         trim_heap()  # onnxruntime's freed read buffers of the external weights
         drop_file_pages(_data_files(path))  # what loading read of the weights onnxruntime keeps mapped
-        plan = plan_kv(*graph_io(self._sess), capacity=kv_capacity, pad_rows=pad_rows, name=path.name)
+        # named with its folder: a bundle's target/ and draft/ hold a model.onnx each
+        plan = plan_kv(*graph_io(self._sess), capacity=kv_capacity, pad_rows=pad_rows,
+                       name="/".join(path.parts[-2:]))
         self.vocab_size = _output_width(self._sess, path.name)
         self.kv = plan.kind(plan, self._sess, ort, output, self.vocab_size)
-        if not plan.kind.fixed:
-            logger.info("%s uses the old growing KV layout; export the bundle again for fixed KV buffers", path.name)
         self._weight_bytes = _file_bytes(path)
         self.kv_bytes_per_token, self.kv_capacity = plan.layout.bytes_per_token, plan.capacity
         self.capabilities = Capabilities(backend="onnxruntime", can_trim=True, devices=("CPU",),
@@ -199,7 +197,7 @@ class OnnxRuntime(Runtime):
         return 0
 
     def kv_buffers(self) -> list[np.ndarray]:
-        """The preallocated K/V arrays (empty for the growing layout): for tests and reports."""
+        """The preallocated K/V arrays: for tests and reports."""
         return self.kv.buffers()
 
     def memory_bytes(self) -> dict[str, int]:

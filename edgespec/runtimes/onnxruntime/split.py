@@ -1,8 +1,8 @@
 """An edgespec ONNX decoder split at its final hidden state, for a draft on the target's body.
 
 The exporter (exporters/onnx/graph.py) ends every decoder graph the same way, in every bundle
-written so far (fp32, fp16, int8 quantized, GGUF-transcoded MatMulNBits; present and append KV
-layouts): the final norm, `Slice(x, -n_logits)` (the rows that reach the head), then the head
+written so far (fp32, fp16, int8 quantized, GGUF-transcoded MatMulNBits; the append KV layout):
+the final norm, `Slice(x, -n_logits)` (the rows that reach the head), then the head
 (Reshape, MatMul / Gemm / MatMulNBits, an optional softcap) into `logits`. Cutting at that Slice's
 output (runtimes/onnxruntime/graphs.py) gives
   - the body: the graph with `hidden` (1, N, hidden) as its first output instead of `logits`
@@ -154,8 +154,8 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
     tables = MappedTables(body_proto, target_path.parent, names)
     tied = ort_values(tables.arrays)
     # the heads pad a lone row where the body's KV holder pads its forwards (runtimes/onnxruntime/kv.py),
-    # so they multiply the rows the fused graph's head would
-    pad_rows = pad_rows and kv_kind([o.name for o in body_proto.outputs]).pads
+    # so they multiply the rows the fused graph's head would; an old layout is refused here, before any session
+    pad_rows = pad_rows and kv_kind([o.name for o in body_proto.outputs], "/".join(target_path.parts[-2:])).pads
     heads: list = []
     body = None
     try:

@@ -17,8 +17,8 @@ of n tokens is fed (`feed`), what it keeps of the outputs (`commit`, `rows`), ho
   every forward feeds W tokens (padded), the whole buffer, and a mask admitting the held positions
   and the real new tokens: rollback is the mask.
 
-`plan_kv` picks the holder and its settings once, from the device and the options; another
-holder class (a benchmark's: OpenVINO's own state) can be passed as `kv`.
+`plan_kv` picks the holder and its settings once, from the device and the options: `kv` names a
+holder in KV_KINDS (the tests register OpenVINO's own state there, tests/ov_state_kv.py).
 """
 from __future__ import annotations
 
@@ -277,20 +277,20 @@ class StaticKV(_Buffers):
 KV_KINDS: dict[str, type[KVHolder]] = {"buffer": DynamicBufferKV}
 
 
-def plan_kv(device: str, precision: str, *, static: bool = False, kv: str | type[KVHolder] | None = None,
+def plan_kv(device: str, precision: str, *, static: bool = False, kv: str | None = None,
             width: int | None = None, capacity: int | None = None, pad_rows: bool = False,
             wide: bool = False) -> KVPlan:
     """The holder and its settings for a model compiled for `device` in `precision`: static shapes
-    where asked or on an NPU (which compiles nothing else); `kv` a name in KV_KINDS or a holder
-    class; pad_rows and wide only where the holder has dynamic shapes (and wide on the CPU, whose
-    plugin re-prepares its graph per width)."""
+    where asked or on an NPU (which compiles nothing else); `kv` a name in KV_KINDS; pad_rows and
+    wide only where the holder has dynamic shapes (and wide on the CPU, whose plugin re-prepares its
+    graph per width)."""
     static = static or device.startswith("NPU")
-    kind = KV_KINDS.get(kv or "buffer") if isinstance(kv, str) or kv is None else kv
+    kind = KV_KINDS.get(kv or "buffer") if isinstance(kv, str) or kv is None else None
     if static and kind is DynamicBufferKV:
         kind = StaticKV
-    if kind is None or not (isinstance(kind, type) and issubclass(kind, KVHolder)) or static != kind.static:
-        raise BackendError(f"OpenVINO: kv must be one of {', '.join(KV_KINDS)} ('buffer' with static shapes) "
-                           f"or a KVHolder class, got {getattr(kv, '__name__', kv)!r}")
+    if kind is None or static != kind.static:
+        raise BackendError(f"OpenVINO: kv must be one of {', '.join(KV_KINDS)} ('buffer' with static shapes), "
+                           f"got {kv!r}")
     quantize = kind.quantize if kind.quantize is not None else kind.padded or precision != "f32"
     return KVPlan(kind, capacity or (DEFAULT_STATIC_CAPACITY if static else DEFAULT_KV_CAPACITY),
                   max(int(width or 1), 1) if static else None, pad_rows and kind.dynamic,

@@ -27,7 +27,7 @@ from ...errors import BackendError
 from ..base import Capabilities, Runtime
 from .compile_cache import compile_cache_dir
 from .graph import HIDDEN, cut_head, repacked_bytes
-from .kv import DEFAULT_KV_CAPACITY, DEFAULT_STATIC_CAPACITY, KV_KINDS, KVHolder, KVLayout, KVPlan, plan_kv
+from .kv import DEFAULT_KV_CAPACITY, DEFAULT_STATIC_CAPACITY, KV_KINDS, KVLayout, KVPlan, plan_kv
 
 __all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "KV_KINDS",
            "OUTPUTS", "PRECISIONS", "check_device", "compile_model", "import_ov",
@@ -170,11 +170,11 @@ class OpenVinoRuntime(Runtime):
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
                  kv_capacity: int | None = None, static: bool = False, width: int | None = None,
-                 precision: str | None = None, kv: str | type[KVHolder] | None = None, output: str = "logits",
+                 precision: str | None = None, kv: str | None = None, output: str = "logits",
                  wide: bool = False, pad_rows: bool = False) -> None:
         """static, width: fixed shapes, `width` tokens per forward (an NPU turns them on itself).
-        kv: a name in KV_KINDS or a KVHolder class (default: the dynamic buffer, StaticKV with
-        static shapes). wide: run forwards of more than one token on a second compiled copy (see
+        kv: a name in KV_KINDS (default "buffer": the dynamic buffer, StaticKV with static shapes).
+        wide: run forwards of more than one token on a second compiled copy (see
         the module docstring); only a dynamic holder on CPU has one, elsewhere it is ignored.
         pad_rows: compute every forward one row wider and drop that row (a dynamic holder only):
         the exact mode where one-row kernels round unlike taller ones, chosen by the exactness

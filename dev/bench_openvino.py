@@ -13,7 +13,7 @@ beam_idx input and last-position logits GenAI expects), so both sides run the sa
 weights. Configurations are interleaved per prompt; medians are reported, since the 2 cores
 are shared with other jobs.
 
-    python benchmarks/bench_openvino.py BUNDLE [BUNDLE...] [--tokens 64] [--reps 3] [--prompts chat,code]
+    python dev/bench_openvino.py BUNDLE [BUNDLE...] [--tokens 64] [--reps 3] [--prompts chat,code]
                                       [--only NAMES] [--out report.json]
 """
 from __future__ import annotations
@@ -127,35 +127,37 @@ def _bench_bundle(bundle: Path, args, tmp: Path, report: dict) -> None:
     """Every configuration on one bundle, interleaved per prompt; results go into `report`."""
     from edgespec.bundle import load_bundle
     from edgespec.decoding import SpeculativeDecoder, make_policy
-    from edgespec.engine.engine import Engine
-
+    from edgespec.engine.engine import load
     b = load_bundle(bundle)
     prec = b.manifest.target.formats["openvino"].precision
     configs = {}
-    plain = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
-    spec = Engine(b, backend="openvino", drafter="model", k=args.k, threads=args.threads)
+    plain = load(bundle, backend="openvino", use_draft=False, threads=args.threads)
+    spec = load(bundle, backend="openvino", drafter="model", k=args.k, threads=args.threads)
     configs["edgespec plain"] = lambda ids, e=plain: _edgespec_run(e, ids, args.tokens)
     configs["edgespec spec"] = lambda ids, e=spec: _edgespec_run(e, ids, args.tokens)
-    default = Engine(b, backend="openvino", threads=args.threads)  # prompt lookup + model, cost policy
+    default = load(bundle, backend="openvino", threads=args.threads)  # prompt lookup + model, cost policy
     configs["edgespec spec (default drafting)"] = lambda ids, e=default: _edgespec_run(e, ids, args.tokens)
-    own = Engine(b, backend="openvino", threads=args.threads, draft_body="own")  # the draft's own body
+    own = load(bundle, backend="openvino", threads=args.threads, draft_body="own")  # the draft's own body
     configs["edgespec spec (default drafting; own draft body)"] = lambda ids, e=own: _edgespec_run(e, ids, args.tokens)
-    lookup = Engine(b, backend="openvino", drafter="ngram", threads=args.threads)
+    lookup = load(bundle, backend="openvino", drafter="ngram", threads=args.threads)
     configs["edgespec spec (prompt lookup)"] = lambda ids, e=lookup: _edgespec_run(e, ids, args.tokens)
     # the previous exact mode, same weights and drafting: KV in OpenVINO's state (a rollback
     # writes the kept prefix back), f32 activations, one-row forwards, unpadded keys
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/ holds the baseline
+    from edgespec.runtimes.openvino.kv import KV_KINDS
     from edgespec.runtimes.openvino.runtime import OpenVinoRuntime
     from tests.ov_state_kv import StatefulKV  # OpenVINO's state, the previous exact mode
 
-    def f32_state(role):
-        return OpenVinoRuntime(bundle / role.formats["openvino"].file, threads=args.threads, kv=StatefulKV)
+    KV_KINDS.setdefault(StatefulKV.name, StatefulKV)  # a test baseline: opened by name once registered
 
-    old_plain = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
+    def f32_state(role):
+        return OpenVinoRuntime(bundle / role.formats["openvino"].file, threads=args.threads, kv=StatefulKV.name)
+
+    old_plain = load(bundle, backend="openvino", use_draft=False, threads=args.threads)
     old_plain.decoder = SpeculativeDecoder(f32_state(b.manifest.target))
     configs["edgespec plain (f32, state KV)"] = lambda ids, e=old_plain: _edgespec_run(e, ids, args.tokens)
     old_rt = [f32_state(b.manifest.target), f32_state(b.manifest.draft)]
-    old_spec = Engine(b, backend="openvino", use_draft=False, threads=args.threads)
+    old_spec = load(bundle, backend="openvino", use_draft=False, threads=args.threads)
     old_spec.decoder = SpeculativeDecoder(*old_rt, id_map=b.id_map(), drafter=default.drafter_name,
                                           policy=make_policy(default.policy_name, default.k))
     configs["edgespec spec (default drafting, f32, state KV)"] = \
