@@ -25,7 +25,7 @@ def checksums(root: Path) -> dict[str, str]:
 
 def greedy(bundle: Path, backend: str, prompts: list[str], max_tokens: int, speculative: bool) -> dict:
     """Greedy decoding of each prompt on one loaded engine (loading is the slow part under emulation)."""
-    from edgespec.api import load
+    from edgespec import load
 
     # plain: no draft model and no prompt lookup; speculative: the bundle's draft model (and lookup),
     # drafting even where the exactness probe finds a verify not bit-identical (the point is to compare)

@@ -1,13 +1,12 @@
-"""Memory budgets on a real bundle: peak RSS against the budget, speed at 1.2x the lower bound,
-and generation memory against the naive path.
+"""Memory budgets on a real bundle: peak RSS against the budget, and speed at 1.2x the lower bound.
 
-    python benchmarks/bench_memory.py --bundle BUNDLE --naive-bundle OLD_BUNDLE [--rounds 3] [--out DIR]
+    python benchmarks/bench_memory.py --bundle BUNDLE [--rounds 3] [--out DIR]
 
-BUNDLE is a current export (fixed preallocated KV buffers, VocabTrim draft); OLD_BUNDLE the same
-model exported with the old growing-KV graph and a full-vocabulary draft head (the naive path:
-the cache reallocated every token, full-vocab logits for every candidate, the whole prompt in one
-forward). Every measurement runs in a fresh process (RSS is per process) and the configurations
-are interleaved round by round, so a busy machine slows them alike; medians are reported.
+BUNDLE is an export with fixed preallocated KV buffers and a VocabTrim draft (what `edgespec
+export` writes; the growing-KV bundles of the first exporter no longer load, so the comparison
+with that naive path that this script once made is history, in docs/LOG.md). Every measurement
+runs in a fresh process (RSS is per process) and the configurations are interleaved round by
+round, so a busy machine slows them alike; medians are reported.
 
 Measured per run: RSS after load, peak RSS sampled every 2 ms by psutil in a thread while one
 greedy generation runs (a --prompt-tokens prompt, --new-tokens new tokens, k=4 model drafts or
@@ -81,42 +80,6 @@ def child(cfg: dict) -> dict:
                     bounds=[plan.bounds.speculative, plan.bounds.plain] if plan else None)
 
 
-def layouts(new_bundle: str, old_bundle: str, prompt_tokens: int, rounds: int) -> dict:
-    """Fixed buffers vs the growing cache, same weights, one process, interleaved: ms per plain
-    decode step and per verify step (5 tokens, then 4 rolled back), medians."""
-    import time
-
-    import numpy as np
-
-    from edgespec.bundle import load_bundle
-    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
-    from edgespec.tokenizer import Tokenizer
-
-    rts = {}
-    for name, path in (("fixed", new_bundle), ("growing", old_bundle)):
-        b = load_bundle(path)
-        rts[name] = OnnxRuntime(b.file(b.manifest.target.formats["onnx"].file))
-    b = load_bundle(new_bundle)
-    ids = Tokenizer(b.file(b.manifest.tokenizer.file), b.manifest.tokenizer).encode(TEXT * 40)[:prompt_tokens]
-    for rt in rts.values():
-        for i in range(0, len(ids), 256):
-            rt.forward(ids[i:i + 256])
-    times = {(n, kind): [] for n in rts for kind in ("decode", "verify")}
-    for _ in range(rounds):
-        for name, rt in rts.items():
-            for kind, width in (("decode", 1), ("verify", 5)):
-                for _ in range(8):
-                    n = rt.n_past
-                    t0 = time.perf_counter()
-                    rt.forward(ids[:width], n_logits=width)
-                    rt.trim(n + 1)  # keep one position, as a step with rejections does
-                    times[(name, kind)].append(time.perf_counter() - t0)
-    out = {f"{n} {k}": 1e3 * float(np.median(v)) for (n, k), v in times.items()}
-    for kind in ("decode", "verify"):
-        out[f"ratio {kind}"] = out[f"fixed {kind}"] / out[f"growing {kind}"]
-    return out
-
-
 def run(cfg: dict) -> dict:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     r = subprocess.run([sys.executable, __file__, "--child", json.dumps(cfg)], capture_output=True, text=True,
@@ -133,8 +96,7 @@ def med(rows: list[dict], key: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bundle", required=False)
-    ap.add_argument("--naive-bundle", default=None)
+    ap.add_argument("--bundle", required=True)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
@@ -142,16 +104,10 @@ def main() -> None:
                     help="model: the draft model alone, k=4 fixed; default: edgespec's default drafting")
     ap.add_argument("--factors", default="1.0,1.2,1.5,2.0", help="budgets as multiples of the speculative bound")
     ap.add_argument("--out", default=None, help="folder for results.json and memory.png")
-    ap.add_argument("--layouts", action="store_true",
-                    help="only compare step times of the fixed and the growing KV cache (needs --naive-bundle)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
-        return
-    if args.layouts:
-        res = layouts(args.bundle, args.naive_bundle, args.prompt_tokens, args.rounds)
-        print("ms per step (median): " + ", ".join(f"{k} {v:.3g}" for k, v in res.items()))
         return
     MiB = 2**20
     common = dict(prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, drafting=args.drafting)
@@ -165,8 +121,6 @@ def main() -> None:
     for f in (float(x) for x in args.factors.split(",")):
         configs[f"{f:.2f}x bound"] = dict(bundle=args.bundle, budget=int(spec_bound * f), **common)
     configs["below bound"] = dict(bundle=args.bundle, budget=int((spec_bound + plain_bound) / 2), **common)
-    if args.naive_bundle:
-        configs["naive"] = dict(bundle=args.naive_bundle, **common)
     results: dict[str, list[dict]] = {name: [] for name in configs}
     for rnd in range(args.rounds):  # interleaved: every configuration once per round
         for name, cfg in configs.items():
@@ -197,12 +151,6 @@ def main() -> None:
     if "1.20x bound" in summary and "unbudgeted" in summary:
         print(f"throughput at 1.2x bound: {summary['1.20x bound']['tok_s'] / summary['unbudgeted']['tok_s']:.1%} "
               f"of unbudgeted")
-    if "naive" in summary:
-        for name in ("unbudgeted", "1.20x bound"):
-            if name in summary:
-                cut = 1 - summary[name]["gen"] / summary["naive"]["gen"]
-                print(f"generation memory, {name} vs naive: {summary[name]['gen'] / MiB:.0f} vs "
-                      f"{summary['naive']['gen'] / MiB:.0f} MiB ({cut:.0%} lower)")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -197,3 +197,20 @@ def test_no_renderer_child_outlives_the_test_processes():
     orphans = [ln for ln in ps.stdout.splitlines()
                if "edgespec.models.templates" in ln and ln.split()[0] == "1"]
     assert orphans == []
+
+
+def test_where_no_child_can_start_templates_render_here_with_a_warning(monkeypatch, caplog):
+    """A frozen app or an interpreter under user-mode emulation cannot start the child: chat
+    goes on, rendering in this process without the bounds, and says so once."""
+    import sys
+
+    from edgespec.models.templates import TemplateRenderer
+
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    r = TemplateRenderer(timeout_s=5)
+    with caplog.at_level("WARNING", logger="edgespec.models.templates"):
+        out = r.render("{{ messages[0]['content'] }}!", {"messages": [{"role": "user", "content": "hi"}]})
+        again = r.render("{{ messages[0]['content'] }}?", {"messages": [{"role": "user", "content": "yo"}]})
+    assert (out, again) == ("hi!", "yo?")
+    assert caplog.text.count("without a time or memory limit") == 1
+    r.close()

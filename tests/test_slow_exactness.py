@@ -63,7 +63,7 @@ def test_speculative_greedy_equals_plain_on_every_backend(bundle, prompts):
         verdict = spec.exactness
         assert verdict is not None, "the default engine drafts, so it probes"
         print(f"{backend}: {verdict.describe()} [probe {verdict.probe_ms:.0f} ms]")
-        width = spec.decoder.verify_width
+        width = spec.decoder.limits.verify_width
         assert width == (verdict.exact_width if verdict.exact_width >= 2 else None)
         drafted, widest = 0, 1
         for p in prompts:

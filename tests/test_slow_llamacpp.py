@@ -45,10 +45,10 @@ def test_llamacpp_vocab_agrees_with_bundle_tokenizer(bundle):
     import llama_cpp
 
     from edgespec.bundle import load_bundle
-    from edgespec.runtimes.llamacpp.runtime import _lib
+    from edgespec.runtimes.llamacpp.runtime import load_library
     from edgespec.tokenizer import Tokenizer
 
-    lib = _lib()
+    lib = load_library()
     b = load_bundle(bundle)
     tok = Tokenizer(b.file(b.manifest.tokenizer.file), b.manifest.tokenizer)
     params = lib.llama_model_default_params()

@@ -27,8 +27,8 @@ PLAIN, SPECULATIVE = "plain", "speculative"
 PEER = "llama.cpp"  # llama-cpp-python's own plain decode (peer.py), when the bench measures it
 WARMUP_TOKENS = 16
 # seconds before and after each peer run, so every configuration starts on idle cores:
-# onnxruntime's process-wide pool (runtimes/onnxruntime/pool.py) keeps a thread spinning ~50 ms after
-# edgespec's last forward, llama.cpp's threads ~10 ms after its last
+# onnxruntime's process-wide pool (runtimes/onnxruntime/pool.py) keeps a thread spinning a while
+# after edgespec's last forward, llama.cpp's threads for a shorter while after its last
 PEER_SETTLE_S = 0.1
 
 

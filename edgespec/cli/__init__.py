@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> int:
     """The `edgespec` command itself (console script, `python -m edgespec`): it owns its process,
     so edgespec's onnxruntime sessions share one thread pool there (runtimes/onnxruntime/pool.py: plain
-    decoding ~1.1x faster). `main` alone, as tests and other programs call it, leaves the pools be."""
+    decoding is faster). `main` alone, as tests and other programs call it, leaves the pools be."""
     from ..runtimes.onnxruntime.pool import share_threads
 
     share_threads()

@@ -19,9 +19,9 @@ proposals (a lookup, an argmax draft) return none and are accepted as point mass
 sampling exactly lossless. A tail is deterministic too: after a sampled draft its rows are point
 masses.
 
-Why tails and lookahead: on a CPU each extra token in a forward costs a few percent of a
-one-token forward (Gemma 3 270M int4 on OpenVINO, 2 threads: 21.7 ms for one token, 25.3 for
-eight), while each model-drafted token costs a forward of the draft. What prompt lookup predicts
+Why tails and lookahead: on a CPU each extra token in a forward costs a small part of a
+one-token forward (docs/speculative-decoding.md), while each model-drafted token costs a forward
+of the draft. What prompt lookup predicts
 after the model's latest draft turns that spare width into tokens whenever the reply repeats
 its context: verified as a tail, or fed along with a draft forward, so that a draft token the
 lookup guessed needs no forward of its own.

@@ -64,7 +64,7 @@ def top_successors(logits: np.ndarray, k: int, stride: int = STRIDE) -> np.ndarr
 
 class SuccessorTable:
     """Each token's k most likely successors as the target last ranked them: int32 (vocab, k),
-    -1 where a token was never scored (about 8 MB for a 262144 vocab at k = 8)."""
+    -1 where a token was never scored (small next to the model even for a large vocabulary)."""
 
     def __init__(self, vocab: int, k: int = SUCCESSORS, stride: int = STRIDE) -> None:
         for name, v in (("vocab", vocab), ("k", k), ("stride", stride)):

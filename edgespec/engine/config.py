@@ -79,8 +79,8 @@ class EngineConfig:
     for onnxruntime, or what the budget allows); a chat drops its oldest turns to stay inside it.
     prefill_chunk: prompt tokens per forward without a budget (a budget's plan sizes its own; a
     verify forward is never split). onnxruntime's attention scratch grows with chunk x context:
-    the default model took 694 MiB more for a 1024-token prompt in one forward, 116 MiB in
-    128-token chunks, for ~8% more prefill time (docs/memory-budgets.md).
+    a long prompt in one forward takes several times the memory it takes in chunks, for a little
+    more prefill time (docs/memory-budgets.md).
     static: OpenVINO's static-shape mode (as NPUs need; an NPU device turns it on by itself):
     fixed KV capacity and a fixed verify width k+1, so adaptive policies draft at most k.
     draft_body: "shared" runs the draft model on the target's body, the draft artifact giving

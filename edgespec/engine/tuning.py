@@ -338,8 +338,8 @@ def candidates(manifest, config: EngineConfig, installed: list[str]) -> list[tup
     """(backend, draft body) pairs that can open the bundle under `config`, what it fixes kept:
     an explicit backend or draft body is the only one tried. Draft body None: no draft model.
     Left to choose, a backend's draft runs on the target's body where it can: a body of its own
-    holds the model twice (+130 MiB on the default bundle; the draft's share of memory is meant
-    to stay within 10%), so "own" is a candidate only where "shared" cannot open (llama.cpp)."""
+    holds the model twice (the draft's share of memory is meant to stay small), so "own" is a
+    candidate only where "shared" cannot open (llama.cpp)."""
     return list(candidate_plans(manifest, config, installed))
 
 
@@ -377,12 +377,10 @@ def _cache_path(bundle, plan) -> Path:
 def _read(path: Path) -> Measurement | None:
     """The cached record, or None: not measured here yet, or an entry that fails validation (an
     edited or damaged one is measured again, with a log line, never trusted)."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        logger.warning("discarding the cached tuning record %s (unreadable: %s); measuring again", path.name, e)
+    from ..models.catalog import read_cache_entry
+
+    data = read_cache_entry(path, "tuning record")
+    if data is None:
         return None
     try:
         return Measurement.from_dict({**data, "cached": True})

@@ -60,7 +60,7 @@ BLOCK_FORMATS = ("onnx", "openvino")
 # MatMulNBits' accuracy_level for transcoded GGUF weights. 4: activations quantized to int8 per block,
 # as llama.cpp's own CPU kernels do against these blocks; onnxruntime's CPU kernels have no fp32
 # path for 8-bit codes (Q5_0/Q8_0/Q6_K here): with level 0 they dequantize the whole matrix on every
-# call (~200x slower, measured on a 2048x640 Q8_0 matrix), and 4-bit level 0 is 3x slower than level 4
+# call (orders of magnitude slower), and 4-bit level 0 is slower than level 4 too (docs/lean-bundles.md)
 SOURCE_ACCURACY_LEVEL = 4
 
 
@@ -134,8 +134,8 @@ class ExportConfig:
             DistillConfig(self.output, train_minutes=self.train_minutes)  # the same check as `edgespec distill`
 
 
-# Measured on Gemma 3 270M (dev/sweep_vocabtrim.py): K = 16k keeps the full head's
-# acceptance (92.6%) and cuts the int8 draft's cost per token by ~28%.
+# Measured on Gemma 3 270M (dev/sweep_vocabtrim.py, docs/LOG.md): K = 16k keeps the full head's
+# acceptance and makes the int8 draft markedly cheaper per token.
 AUTO_DRAFT_VOCAB = 16384
 
 

@@ -21,9 +21,9 @@ __all__ = ["ALLOCATOR_SLACK", "KV_DTYPE_BYTES", "Shapes", "ModelMemory", "kv_byt
            "candidate_bytes", "estimate_fixed"]
 
 # prompts fed in chunks over a growing context ask the allocator for ever larger blocks, which
-# fragments it beyond what one probe forward touches: measured up to ~30% on onnxruntime's arena
-# (now off; under a budget glibc's mmap threshold is fixed, heap.fixed_mmap_threshold), kept as
-# the margin for allocators that keep what they free
+# fragments it beyond what one probe forward touches, as measured on onnxruntime's arena (now off;
+# under a budget glibc's mmap threshold is fixed, heap.fixed_mmap_threshold); that excess is kept
+# as the margin for allocators that keep what they free (docs/memory-budgets.md)
 ALLOCATOR_SLACK = 0.3
 
 # bytes per cached element; block-quantized llama.cpp types include their scales

@@ -77,7 +77,7 @@ def held_bytes(rt: Runtime, rss_delta: int, anon_before: int | None) -> int:
 
 def warm_up(*rts: Runtime) -> None:
     """One forward of a prompt chunk each, then empty caches: pages of the weights and what a
-    runtime keeps after its first multi-token forward (onnxruntime: ~5 MiB of heap) count in its
+    runtime keeps after its first multi-token forward (onnxruntime: some heap) count in its
     fixed part now, not in the scratch a probe then measures and scales with the context.
     (A draft on the target's body is warmed after its target: the target's reset empties the body.)"""
     for rt in rts:

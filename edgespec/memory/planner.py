@@ -26,13 +26,13 @@ PREFILL_CHUNK = 256  # prompt tokens per forward under a budget: bounds the atte
 MIN_CHUNK = 32  # the planner halves the chunk down to this; the lower bounds assume it
 
 
-# Measured overheads differ by ~0.3% from one process to the next, so a bound printed by one run
+# Measured overheads differ slightly from one process to the next, so a bound printed by one run
 # carries this headroom: a budget set to it in the next run still holds what it promised.
 BOUND_HEADROOM = 0.03
 # ...and a plan leaves part of its budget unplanned, so that a process whose measured parts come
-# out above the ones it planned from still peaks under the budget: a tiny model filled to a 110 MB
-# plan peaked from 1.4 MB over its planned total (1.3%) to 7% under, in processes with glibc's
-# moving mmap threshold; with it fixed (memory.loading), 2-3% under in five processes
+# out above the ones it planned from still peaks under the budget: a tiny model filled to its plan
+# peaked from a little over its planned total to well under, in processes with glibc's moving mmap
+# threshold; with it fixed (memory.loading), a little under every time (docs/memory-budgets.md)
 PLAN_HEADROOM = 0.02  # of the budget (the printed bounds carry more, BOUND_HEADROOM)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import BundleError, ConfigError
 
 __all__ = ["Preset", "PRESETS", "DEFAULT_PRESET", "BUNDLE_REVISION", "cache_dir", "default_bundle_path",
-           "gguf_bundles_dir", "preset_source", "assembled"]
+           "gguf_bundles_dir", "preset_source", "assembled", "read_cache_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,18 @@ def cache_dir() -> Path:
     from platformdirs import user_cache_dir
 
     return Path(user_cache_dir("edgespec"))
+
+
+def read_cache_entry(path: Path, what: str) -> object | None:
+    """The JSON held by a cache entry, or None: none yet, or unreadable (said in a log line, and
+    the caller measures again). Validating what it holds is the caller's business."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        logger.warning("discarding the cached %s %s (unreadable: %s); measuring again", what, path.name, e)
+        return None
 
 
 # Raised when the exporter writes bundles differently enough that one cached by an older edgespec

@@ -39,7 +39,7 @@ __all__ = ["ChatTemplateError", "TemplateLimitError", "TemplateRenderer", "InPro
 logger = logging.getLogger(__name__)
 
 TEMPLATE_TIMEOUT_S = 5.0  # a chat prompt renders in milliseconds; the server's --template-timeout default
-# address space of the child: Python and jinja2 take well under 100 MB; the rest is for the prompt
+# address space of the child: Python and jinja2 take a small part of it; the rest is for the prompt
 CHILD_MEMORY = 2 << 30
 OUTPUT_LIMIT = 32 << 20  # characters of one rendered prompt: far past any context, well under the memory cap
 STARTUP_TIMEOUT_S = 60.0  # for the child to start Python and import jinja2 on a busy machine
@@ -226,6 +226,9 @@ class TemplateRenderer:
         self._proc: subprocess.Popen | None = None
         self._finalizer: weakref.finalize | None = None
         self._lock = threading.Lock()
+        # where no child can be started (a frozen app, an interpreter under user-mode emulation):
+        # render here, unbounded, said once, rather than refuse every chat
+        self._here: InProcessRenderer | None = None
 
     def render(self, source: str, context: dict, origin: str = "the bundle's") -> str:
         """`source` rendered with `context` (JSON values: messages, add_generation_prompt, the
@@ -236,6 +239,15 @@ class TemplateRenderer:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"chat messages must be JSON values (strings, numbers, lists, objects): {e}") from None
         with self._lock:
+            if self._here is None and self._proc is None:
+                try:
+                    self._proc = self._start()
+                except BackendError as e:
+                    logger.warning("%s; rendering chat templates in this process, without a time or memory "
+                                   "limit", e)
+                    self._here = InProcessRenderer()
+            if self._here is not None:
+                return self._here.render(source, context, origin)
             answer = self._ask(request + "\n", origin)
         if "text" in answer:
             return answer["text"]

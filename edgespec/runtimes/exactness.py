@@ -293,12 +293,10 @@ def _checksum(entry: dict) -> str:
 def _read_verdict(path: Path, key: dict, max_width: int) -> Exactness | None:
     """The cached verdict for `key`, or None (with a log line saying why) when there is none or it
     fails validation: a foreign, stale, edited or damaged entry is probed again, never believed."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        logger.warning("discarding the cached exactness verdict %s (unreadable: %s); probing again", path.name, e)
+    from ..models.catalog import read_cache_entry
+
+    data = read_cache_entry(path, "exactness verdict")
+    if data is None:
         return None
     try:
         if not isinstance(data, dict) or set(data) != {"verdict", "key", "checksum"}:
@@ -326,13 +324,11 @@ def remembered_mode(backend: str, version: str, model_files: Sequence[Path], opt
     """The runtime options an engine settled on for these models here last time (an exact mode
     such as padded rows; {} for the default), so a later load opens that mode straight away;
     None where no engine has settled one here yet."""
+    from ..models.catalog import read_cache_entry
+
     path = _mode_file(backend, version, model_files, options)
-    try:
-        mode = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        logger.warning("discarding the remembered exact mode %s (unreadable: %s)", path.name, e)
+    mode = read_cache_entry(path, "exact mode")
+    if mode is None:
         return None
     if not isinstance(mode, dict) or not all(isinstance(k, str) and isinstance(v, (bool, int, str))
                                              for k, v in mode.items()):

@@ -15,7 +15,7 @@ def trim_heap() -> None:
     """Give the heap's free pages back to the OS (glibc's malloc_trim); a no-op elsewhere.
 
     Loading leaves large freed blocks behind that glibc keeps: the Gemma 3 tokenizer's JSON parse
-    (~190 MiB of 310 MiB), onnxruntime's reads of external weights. Called before and after a
+    (most of what it peaked at), onnxruntime's reads of external weights. Called before and after a
     model loads, the next allocations start from what is really in use, and so does the peak."""
     trim = _malloc_trim()
     if trim is not None:
@@ -28,8 +28,8 @@ def fixed_mmap_threshold() -> bool:
 
     glibc raises the threshold to the largest mapped block freed so far, and from then on serves
     such blocks from the heap and keeps up to twice that free at its top. A prompt fed in chunks
-    over a growing context asks for ever larger blocks, so the heap grows chunk after chunk: a
-    tiny model prefilled to 7,000 positions held 41 MiB against a forward's 15 MiB. With the
+    over a growing context asks for ever larger blocks, so the heap grows chunk after chunk, to
+    far more than one forward uses (docs/memory-budgets.md). With the
     threshold fixed, a forward's scratch is what it uses while it runs, which a memory plan can
     measure once and count. Page faults per forward go up (why it is set only under a budget)."""
     libc = _libc()
@@ -43,8 +43,8 @@ def lazy_zeros(shape: tuple[int, ...], dtype="float32"):
 
     numpy asks for transparent huge pages on arrays of 4 MiB or more, so a KV buffer written a row
     at a time commits 2 MiB on its first row, or does not, as the kernel finds a huge page free or
-    not: Gemma 3 270M's 36 buffers of 4,096 positions took 0 to 72 MiB more on the first prompt
-    from one process to the next. Here memory follows the context actually used."""
+    not, so the first prompt's memory varied from one process to the next
+    (docs/memory-budgets.md). Here memory follows the context actually used."""
     import mmap
 
     import numpy as np
@@ -64,8 +64,8 @@ def drop_file_pages(paths) -> int:
 
     onnxruntime maps each external initializer of a session's model (private, writable); the
     weights it prepacks are unmapped once packed, but scales, norms and block mins stay mapped, and
-    every page its loading read stays resident (Gemma 3 270M: 31 MiB, of which decoding reads back
-    ~16). An unwritten page comes back from the file when read again: the data cannot change, only
+    every page its loading read stays resident, though decoding reads back only part of them. An
+    unwritten page comes back from the file when read again: the data cannot change, only
     what stays resident. A mapping with a written (copied) page is left alone."""
     libc = _libc()
     if libc is None:

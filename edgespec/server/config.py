@@ -73,7 +73,7 @@ class ServerConfig:
         "--max-tokens-cap", type=int, metavar="N", help="most new tokens a request may ask for; more is a 400"))
     max_request_bytes: int = field(default=1 << 20, metadata=_opt(
         "--max-request-size", metavar="SIZE", help="largest request body, e.g. 256KB or 4MiB; larger is a 413",
-        default_text="1MiB"))  # a 4096-token context is ~16 KB of text
+        default_text="1MiB"))  # far more than the text of a full context
     client_timeout_s: float = field(default=30.0, metadata=_opt(
         "--client-timeout", type=float, metavar="S",
         help="seconds a client may take to send its request, or to take each part of a reply"))

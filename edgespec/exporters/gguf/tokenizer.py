@@ -54,8 +54,8 @@ def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
 def compact_merges(text: str) -> str:
     """A tokenizer.json `text` with its BPE merges written "left right" instead of
     ["left", "right"]: the same tokenizer (tokenizers reads both), whose parse at run time peaks at
-    half the memory and leaves the heap far less fragmented (Gemma 3, 514,906 merges: 353 -> 180
-    MiB at peak while parsing, and the models loaded after it ~80 MiB smaller). Unchanged where a
+    about half the memory and leaves the heap far less fragmented, so the models loaded after it
+    take less (docs/backend-onnxruntime.md). Unchanged where a
     piece holds a space, which the short form would split at."""
     import json
 

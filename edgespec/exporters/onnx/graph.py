@@ -27,7 +27,7 @@ The first layout, past/present (the cache grew by concatenation, present_key_<i>
 written; runtimes refuse such a graph with the fix (export the bundle again).
 
 GraphOptions(fused_ops) writes onnxruntime's fused kernels (onnx/fused.py; on for the append layout,
-off for the buffer layout OpenVINO reads): the same I/O, ~40% of the kernels per forward.
+off for the buffer layout OpenVINO reads): the same I/O, far fewer kernels per forward.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class GraphOptions:
     # 4 lets the CPU kernels quantize activations to int8 per block (faster, not bit-faithful)
     nbits_accuracy: int = 0
     # keep 4-bit float zero points (Q4_K, Q4_1) as MatMulNBits inputs: OpenVINO's compressed weights
-    # take them as they are; onnxruntime's CPU kernels run them 20x slower (onnx/blocks.kernel_form)
+    # take them as they are; onnxruntime's CPU kernels run them on a far slower path (onnx/blocks.kernel_form)
     nbits_float_zero_points: bool = False
     # onnxruntime's fused kernels (onnx/fused.py: com.microsoft ops OpenVINO does not read);
     # None: on for the "append" layout, the one only onnxruntime runs

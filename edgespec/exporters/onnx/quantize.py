@@ -34,8 +34,9 @@ class QuantScheme:
 SCHEMES: dict[str, QuantScheme] = {
     # onnxruntime's GatherBlockQuantized takes only 4-bit tables: int8 keeps an fp32 embedding
     "int8": QuantScheme("int8", bits=8, quantize_embedding=False),
-    # asymmetric: 75% top-1 agreement with the target against 67% symmetric, at the same cost
-    # (dev/quant_agreement.py on Gemma 3 270M); int8 agrees 93%, which is why it is the default
+    # asymmetric: agrees with the target's top-1 more often than symmetric, at the same cost
+    # (dev/quant_agreement.py, docs/speculative-decoding.md); int8 agrees more still, which is why
+    # it is the default
     "int4": QuantScheme("int4", bits=4, symmetric=False),
 }
 

@@ -6,7 +6,7 @@ GGUF-transcoded MatMulNBits; the append KV layout) ends the same way: the final 
 MatMulNBits, an optional softcap) into `logits`. `body_model` and `head_model` cut a graph at that
 Slice's output (runtimes/onnxruntime/split.py runs a draft on the target's body with them). The
 model files are read without their external data, and without the `onnx` package
-(runtimes/onnxruntime/wire.py: importing it held ~10 MiB in every process that opened a bundle): a
+(runtimes/onnxruntime/wire.py: importing it held memory in every process that opened a bundle): a
 session built by `session` from a rebuilt model's bytes reads its weights from the bundle's folder.
 
 `MappedTables` maps initializers read-only from their external data file, to hand to several
@@ -170,9 +170,9 @@ def _direct_product(model: OnnxModel, nodes: list[Node], cut: str) -> list[Node]
     exporter writes every head without a softcap, P a MatMul or MatMulNBits) as `logits =
     P(cut, ...)`: the same products of the same (1, N, H) rows, bit for bit. onnxruntime then
     writes them into the bound logits buffer, where it allocated P's output apart and copied it
-    over: 1-5 MiB per call at Gemma 3's 262,144 logits a row, served from glibc's heap once the
-    first were freed, whose free blocks grew it by ~19 MiB during a generation (the default
-    configuration's peak). Any other head is left as it is."""
+    over: a buffer of whole logit rows per call at Gemma 3's vocabulary, served from glibc's heap
+    once the first were freed, whose free blocks grew it during a generation (and with it the
+    default configuration's peak). Any other head is left as it is."""
     by_out = {o: n for n in nodes for o in n.outputs}
     last = by_out.get(LOGITS)
     prod = by_out.get(last.inputs[0]) if last is not None and last.op_type == "Unsqueeze" else None
@@ -235,7 +235,7 @@ class MappedTables:
     From construction until `drop_pages()`, a thread lets the tables' pages go every
     SHED_SECONDS: the sessions built meanwhile (a head's MatMulNBits prepacks its own copy of the
     tied table) read them page by page, so the table is never resident whole next to its packed
-    copy (Gemma 3 270M: a load peak 176 MiB lower). `drop_pages()` stops it and lets the pages go
+    copy, which lowers the load peak. `drop_pages()` stops it and lets the pages go
     for good: what a Gather reads later (the embedding rows of the tokens seen) comes back, the rest
     of the table no longer counts in the process's memory."""
 
@@ -273,7 +273,7 @@ class MappedTables:
         """Unmap the resident pages (they stay in the file): the next read faults them back in.
 
         A row read later must bring back its own page, not the large folio the file was cached in
-        when it was read whole (on Linux 6.x, one random embedding row mapped ~3 MB back): so reads
+        when it was read whole (on Linux 6.x, one random embedding row mapped a whole folio back): so reads
         are marked random (no read-around) and the tables' cached pages are dropped too."""
         import mmap
 
@@ -293,8 +293,8 @@ class MappedTables:
 
 
 # onnxruntime's CPU arena keeps every block a forward ever took, sized up to the next power of two;
-# a decoder's activations are small and short-lived, and malloc serves them as fast (lean default,
-# 2 threads: the same ms per token) while giving them back (generate, 64 tokens: ~30 MiB less)
+# a decoder's activations are small and short-lived, and malloc serves them as fast while giving
+# them back, so a generation peaks lower
 CPU_ARENA = False
 
 

@@ -109,8 +109,8 @@ class OnnxRuntime(Runtime):
                  pad_rows: bool = False, output: str = "logits", initializers: dict | None = None) -> None:
         """spin: idle intra-op threads spin-wait for the next run (onnxruntime's default). A session
         that alternates with another model's forwards (a draft and its target) should not: its
-        spinning threads hold the cores the other needs (default bundle, 2 threads, speculative
-        decoding 1.11x faster without; a plain decode alone 0.89x). Where the process allows
+        spinning threads hold the cores the other needs (speculative decoding is faster without;
+        a plain decode alone is slower). Where the process allows
         onnxruntime's process-wide pool (runtimes/onnxruntime/pool.py), every session runs on it and
         spins, and `spin` and `threads` no longer apply.
         pad_rows: compute every forward one row wider (its last token again) and drop that row, so
@@ -125,8 +125,8 @@ class OnnxRuntime(Runtime):
 
         The tables a Gather reads (the input embedding) are mapped from the file, not loaded: a
         forward reads the rows of its tokens, and a tied head prepacks its own copy at load, so
-        the rest of the table never stays resident (Gemma 3 270M: 188 MB of 297 as GGUF blocks,
-        671 MB as fp32)."""
+        the rest of the table never stays resident (on Gemma 3 270M the embedding is most of the
+        weights)."""
         ort = _import_ort()
         _check_options(device, kv_dtype, self.kv_dtypes, kv_capacity, output)
         path = Path(model_path)

@@ -169,8 +169,8 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
         heads.append(OnnxHead(draft_path, threads=threads, pad_rows=pad_rows))
         check_heads(heads[0], heads[1])
         if draft_head is not None:
-            # one thread: a one-row pass over a few MB of weights gains nothing from a hand-off
-            # (Gemma 3 270M's head: 0.56 ms on one thread, 0.62 on two)
+            # one thread: a one-row pass over a small head gains nothing from a hand-off (it is
+            # slower on two threads than on one)
             heads.append(OnnxFeatureHead(draft_head, threads=1))
             check_feature_head(heads[1], heads[2])
     except BaseException:

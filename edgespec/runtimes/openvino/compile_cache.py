@@ -1,11 +1,11 @@
 """A bounded on-disk cache of compiled models (what OpenVINO's CACHE_DIR holds).
 
 OpenVINO writes one blob per distinct model and configuration and never deletes one. Across
-re-exports, precisions and devices that grows without end: a day of exports and tests left
-34 GB here, up to 1 GB per blob, and then the disk filled. So each model file gets its own
+re-exports, precisions and devices that grows without end: a day of exports and tests filled
+the disk with blobs (docs/LOG.md). So each model file gets its own
 folder, keyed by its path, size and modification time (a re-export gets a fresh one), and the
-most recently used folders are kept under a size cap; older ones are deleted. A hit saves ~2 s
-of compiling per load on Gemma 3 270M.
+most recently used folders are kept under a size cap; older ones are deleted. A hit saves most
+of a load's time, the compiling (docs/backend-openvino.md).
 
 EDGESPEC_COMPILE_CACHE_MB sets the cap (0 turns the cache off). Several processes share the
 cache, so the touch-and-evict step runs under a file lock (`.lock` in the cache root): two
@@ -27,7 +27,7 @@ __all__ = ["DEFAULT_MAX_MB", "compile_cache_dir", "evictions"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MB = 4096  # a few models at a few precisions; Gemma 3 270M's f32 blob is ~1 GB
+DEFAULT_MAX_MB = 4096  # a few models at a few precisions, an f32 blob of a small model included
 LOCK_NAME = ".lock"
 LOCK_TIMEOUT_S = 30.0  # a process holds the lock for a directory scan; longer means it is stuck
 

@@ -24,8 +24,8 @@ Why the extra query row. The plugin's MatMul rounds a one-row product unlike a p
 rows or more (measured: the scores of one query against the same keys move by ~1e-6), while its
 FullyConnected kernels, compressed int4/int8 weights with dynamic quantization included, give
 every row the same bits whatever the row count. Padding the forward itself to two rows would
-also fix it, at 4-7% of a decode step; padding only the attention's query costs ~2% (int4
-Gemma 3 270M at 200 positions: 17.9 against 17.6 ms unpadded, which is not exact).
+also fix it, at a noticeable share of a decode step; padding only the attention's query costs
+a fraction of that (against an unpadded forward, which is not exact; docs/LOG.md).
 """
 from __future__ import annotations
 
@@ -185,8 +185,8 @@ def repacked_bytes(model) -> int:
     """Bytes of `model`'s weight constants that each compiled copy of it holds on its own: the CPU
     plugin repacks matrix weights per compiled model, while a table only Gathers read (an input
     embedding not tied to a head) is read in place from the one mapped file. The plugin's own
-    buffers come on top (measured: a second copy of int4 Gemma 3 270M's body adds 77 MB, its
-    matrix weights being 51 MB)."""
+    buffers come on top (measured: a second copy of a body adds more than its matrix weights;
+    docs/backend-openvino.md)."""
     return int(sum(op.get_byte_size() for op in model.get_ops()
                    if op.get_type_name() == "Constant" and not _only_gathered(op)))
 

@@ -38,7 +38,7 @@ __all__ = ["DEFAULT_KV_CAPACITY", "DEFAULT_STATIC_CAPACITY", "DynamicBufferKV", 
 
 DEFAULT_STATIC_CAPACITY = 1024  # positions a static-shape model holds unless kv_capacity says otherwise
 # the dynamic mode's limit unless kv_capacity says otherwise, as onnxruntime's and llama.cpp's:
-# without one a 6000-token prompt ran (and took 6 GiB) where the other backends refuse it
+# without one a prompt past the others' context ran (and took gigabytes) where they refuse it
 DEFAULT_KV_CAPACITY = 4096
 _FIRST_CAPACITY = 256  # the dynamic buffer's first size; it doubles as the sequence grows
 

@@ -6,8 +6,8 @@ buffer by default (the exact fast mode, with padded attention and optionally pad
 shapes where asked or on an NPU.
 
 Wide forwards (`wide=True`, the dynamic buffer on CPU): the CPU plugin prepares every node again
-when a forward's width differs from the previous forward's: ~5 ms against a 16 ms one-token
-decode of int4 Gemma 3 270M, the same bits either way. A speculative decoder alternates one-token
+when a forward's width differs from the previous forward's: a large share of a one-token decode
+on a small model, the same bits either way. A speculative decoder alternates one-token
 forwards (draft tokens, plain steps) with wider ones (verifies), so it would pay that twice per
 step. With `wide`, the IR is compiled a second time and forwards of more than one token run there:
 each compiled model mostly sees one width. The price is a second copy of the repacked weights
@@ -204,7 +204,7 @@ class OpenVinoRuntime(Runtime):
                               + (repacked_bytes(model) if plan.wide else 0))
         self.kv = plan.kind(layout, plan, self._req)
         self._tensor = import_ov().Tensor
-        # inputs and outputs by index: binding by name costs ~0.5 ms per forward over 40 of them
+        # inputs and outputs by index: binding dozens of them by name costs measurably more per forward
         self._in = {n: i for i, p in enumerate(self._compiled.inputs) for n in p.get_names()}
         out = {n: i for i, p in enumerate(self._compiled.outputs) for n in p.get_names()}
         self._logits = out[output]
@@ -239,7 +239,7 @@ class OpenVinoRuntime(Runtime):
             raise BackendError(f"OpenVINO inference failed: {ov_reason(e)}") from e
         self.kv.commit([(outs[k], outs[v]) for k, v in self._new], S)
         # a view of the request's output, valid until the next forward (the Runtime contract):
-        # no 1 MB copy per row
+        # no copy of a full vocabulary's logits per row
         logits = self.kv.rows(outs[self._logits][0], S, n_logits)
         return logits if logits.dtype == np.float32 else logits.astype(np.float32)
 

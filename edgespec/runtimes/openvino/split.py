@@ -64,7 +64,7 @@ class OpenVinoHead:
         self._in[0, rows:n] = hidden[-1]
         self._in_tensor.shape = (1, n, self.hidden_size)
         try:
-            # views of the output (share_outputs): the logits, ~1 MB a row, are not copied
+            # views of the output (share_outputs): the logits, a full vocabulary a row, are not copied
             logits = self._req.infer(share_outputs=True).to_tuple()[0]
         except Exception as e:
             raise BackendError(f"OpenVINO head inference failed: {ov_reason(e)}") from e
@@ -108,8 +108,9 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
     """(target, draft): the target IR's body with its own head, and with the draft IR's head.
     The draft IR's body is never loaded. wide: the body runs its one-token forwards (drafts, plain
     steps) and its wider ones (verifies) on two compiled copies (OpenVinoRuntime), which on CPU
-    saves ~5 ms per change of width for ~77 MB (int4 Gemma 3 270M). pad_rows: body and heads never
-    multiply one row (OpenVinoRuntime), the exact mode on CPUs whose one-row kernels round apart.
+    saves the replanning at each change of width for a second copy of the repacked weights.
+    pad_rows: body and heads never multiply one row (OpenVinoRuntime), the exact mode on CPUs whose
+    one-row kernels round apart.
     draft_head: a trained head's .onnx, which the draft then holds."""
     body = OpenVinoRuntime(target_path, threads=threads, device=device, kv_capacity=kv_capacity, output=HIDDEN,
                            wide=wide, pad_rows=pad_rows)
