@@ -38,11 +38,14 @@ DEFAULT_K = 4
 MAX_REGIMES = 8  # sampling settings whose policies a decoder keeps (a chat uses one, a server a few)
 
 
+GREEDY_REGIME = ("greedy",)
+
+
 def sampling_regime(params: SamplingParams) -> tuple:
     """What a draft-length policy's estimates depend on in `params`: greedy, or the sampler's
     settings (the seed changes neither acceptance nor cost)."""
     if params.greedy:
-        return ("greedy",)
+        return GREEDY_REGIME
     return ("sampled", params.temperature, params.top_p, params.top_k, params.min_p)
 
 
@@ -132,7 +135,7 @@ class SpeculativeDecoder:
         # temperatures): each sampling regime learns in a policy of its own, a copy of `policy`
         # as given. `policy` itself serves greedy decoding.
         self._fresh_policy = copy.deepcopy(self.policy)
-        self._policies: OrderedDict[tuple, DraftPolicy] = OrderedDict({sampling_regime(SamplingParams()): self.policy})
+        self._policies: OrderedDict[tuple, DraftPolicy] = OrderedDict({GREEDY_REGIME: self.policy})
         self._target = TrackedCache(target, limits.max_batch)
         self.clock = clock
         self.limits = limits
@@ -217,7 +220,7 @@ class SpeculativeDecoder:
         if policy is None:
             policy = self._policies[key] = copy.deepcopy(self._fresh_policy)
             while len(self._policies) > MAX_REGIMES:  # the oldest sampled setting; greedy's stays
-                oldest = next(k for k in self._policies if k != sampling_regime(SamplingParams()))
+                oldest = next(k for k in self._policies if k != GREEDY_REGIME)
                 del self._policies[oldest]
         self._policies.move_to_end(key)
         return policy

@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -390,13 +389,9 @@ def _read(path: Path) -> Measurement | None:
 
 
 def _write(path: Path, m: Measurement) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(m.to_dict(), indent=1))
-        os.replace(tmp, path)
-    except OSError as e:  # an unwritable cache costs a measurement per load, nothing else
-        logger.warning("cannot cache the tuning figures in %s: %s", path.parent, e)
+    from ..models.catalog import write_cache_entry
+
+    write_cache_entry(path, m.to_dict(), "tuning record")
 
 
 def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callable[[EnginePlan], object]

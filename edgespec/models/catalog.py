@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import BundleError, ConfigError
 
 __all__ = ["Preset", "PRESETS", "DEFAULT_PRESET", "BUNDLE_REVISION", "cache_dir", "default_bundle_path",
-           "gguf_bundles_dir", "preset_source", "assembled", "read_cache_entry"]
+           "gguf_bundles_dir", "preset_source", "assembled", "file_sha256", "read_cache_entry", "write_cache_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +58,19 @@ def read_cache_entry(path: Path, what: str) -> object | None:
     except (OSError, ValueError) as e:
         logger.warning("discarding the cached %s %s (unreadable: %s); measuring again", what, path.name, e)
         return None
+
+
+def write_cache_entry(path: Path, obj: object, what: str) -> None:
+    """Write a cache entry's JSON atomically (a temp file, then a rename: a reader never sees half
+    of one). An unwritable cache costs a measurement on the next load, nothing else: said in a log
+    line, not raised."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(obj, indent=1, default=str))
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("cannot cache the %s in %s: %s", what, path.parent, e)
 
 
 # Raised when the exporter writes bundles differently enough that one cached by an older edgespec
@@ -152,6 +165,15 @@ def _stamp(out: Path) -> Path:
     return out.with_name(out.name + ".verified")
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's content, streamed: a multi-GB file is never read into memory at once."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_CHUNK):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def _verified(out: Path, size: int, sha: str) -> bool:
     """Whether `out` is the expected file: its size, then its sha256 (skipped when the stamp
     remembers this very file, by size and mtime, as verified)."""
@@ -164,11 +186,7 @@ def _verified(out: Path, size: int, sha: str) -> bool:
             return True
     except (OSError, ValueError):
         pass  # no stamp, or a broken one: hash the file
-    digest = hashlib.sha256()
-    with out.open("rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    if digest.hexdigest() != sha:
+    if file_sha256(out) != sha:
         return False
     _remember(out, sha)
     return True

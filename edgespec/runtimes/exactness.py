@@ -273,14 +273,10 @@ def probe_cached(rt: Runtime, max_width: int, *, backend: str, version: str, mod
         if cached is not None:
             return cached
     verdict = probe(rt, max_width)
+    from ..models.catalog import write_cache_entry
+
     entry = {"verdict": verdict.to_dict(), "key": key}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**entry, "checksum": _checksum(entry)}, indent=1, default=str))
-        os.replace(tmp, path)
-    except OSError as e:  # an unwritable cache costs a probe per load, nothing else
-        logger.warning("cannot cache the exactness probe in %s: %s", path.parent, e)
+    write_cache_entry(path, {**entry, "checksum": _checksum(entry)}, "exactness verdict")
     logger.info("exactness probe (%s, %.0f ms): %s", backend, verdict.probe_ms, verdict.describe())
     return verdict
 
@@ -338,11 +334,6 @@ def remembered_mode(backend: str, version: str, model_files: Sequence[Path], opt
 
 
 def remember_mode(backend: str, version: str, model_files: Sequence[Path], options: dict, mode: dict) -> None:
-    path = _mode_file(backend, version, model_files, options)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(mode))
-        os.replace(tmp, path)
-    except OSError as e:
-        logger.warning("cannot remember the exact mode in %s: %s", path.parent, e)
+    from ..models.catalog import write_cache_entry
+
+    write_cache_entry(_mode_file(backend, version, model_files, options), mode, "exact mode")

@@ -8,7 +8,6 @@ bundles differently rebuilds it. Hashing a multi-GB file takes seconds, so each 
 remembered against its (size, mtime, ctime, inode) in a small JSON index in the cache."""
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -20,15 +19,14 @@ from pathlib import Path
 
 from ...bundle import MANIFEST, SCHEMA_VERSION
 from ...errors import BundleError, ConfigError, ExportError
-from ...models.catalog import BUNDLE_REVISION, cache_dir, gguf_bundles_dir
+from ...models.catalog import BUNDLE_REVISION, cache_dir, file_sha256, gguf_bundles_dir
 
-__all__ = ["GGUF_MAGIC", "bundle_for_gguf", "content_digest", "file_sha256", "gguf_bundle_path", "is_gguf",
+__all__ = ["GGUF_MAGIC", "bundle_for_gguf", "content_digest", "gguf_bundle_path", "is_gguf",
            "resolve_bundle"]
 
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-HASH_CHUNK = 1 << 20  # streamed: a multi-GB file is never read into memory at once
 INDEX_FILE = "gguf-hashes.json"
 INDEX_VERSION = 1
 DIGEST_CHARS = 16  # 64 bits of sha256 in the folder name: no collision among one user's files
@@ -53,15 +51,6 @@ def resolve_bundle(arg: str | os.PathLike) -> Path:
     if path.is_file() or path.suffix.lower() == ".gguf":
         return bundle_for_gguf(path)
     return path
-
-
-def file_sha256(path: Path) -> str:
-    """The sha256 of the file's content, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _stat_key(st: os.stat_result) -> list[int]:
