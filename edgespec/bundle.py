@@ -67,6 +67,7 @@ class ModelEntry:
     layers: list[int] | None = None  # kept target layers for a layer-cut draft
     id_map: str | None = None  # .npy file: draft id -> target id (trimmed heads)
     vocab_info: dict[str, Any] | None = None  # K, coverage, calibration source
+    context_length: int | None = None  # trained context of the source model (None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -237,6 +238,8 @@ def _check_values(m: Manifest) -> None:
         for name in ("n_layers", "n_kv_heads", "head_dim", "vocab_size"):
             if getattr(e, name) < 1:
                 raise BundleError(f"broken manifest: {where}.{name} must be >= 1, got {getattr(e, name)}")
+        if e.context_length is not None and e.context_length < 1:
+            raise BundleError(f"broken manifest: {where}.context_length must be >= 1, got {e.context_length}")
         if e.layers is not None and any(i < 0 for i in e.layers):
             raise BundleError(f"broken manifest: {where}.layers must not hold negative indices")
         for fmt, a in e.formats.items():

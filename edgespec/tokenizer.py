@@ -110,8 +110,10 @@ def _check_vocabulary(tok, info: TokenizerInfo, name: str) -> None:
     no tokens) or that lacks the manifest's special tokens is a broken bundle, refused here
     rather than as an empty prompt or an index error deep in a backend."""
     size = tok.get_vocab_size(with_added_tokens=True)
-    if size < 1:
-        raise BundleError(f"the bundle's {name} has an empty vocabulary; export the bundle again")
+    # added (special) tokens alone cannot tokenize text: every prompt would be just its BOS
+    if tok.get_vocab_size(with_added_tokens=False) < 1:
+        raise BundleError(f"the bundle's {name} has an empty vocabulary (only {size} added tokens); "
+                          "export the bundle again")
     named = [("bos_token_id", info.bos_token_id)] if info.bos_token_id is not None else []
     named += [("stop_token_ids", i) for i in info.stop_token_ids]
     for field_name, i in named:

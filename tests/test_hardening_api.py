@@ -24,6 +24,8 @@ def engine(zoo):
     ({"temperature": "0.5"}, "temperature must be a number, got '0.5'"),
     ({"top_p": None}, "top-p must be a number, got None"),
     ({"min_p": "0"}, "min-p must be a number, got '0'"),
+    ({"max_tokens": "2"}, "max-tokens must be an integer >= 1, got '2' (str)"),
+    ({"max_tokens": 0}, "max-tokens must be >= 1, got 0"),
     ({"stop": [None]}, "stop[0] must be text (str), got NoneType"),
     ({"stop": [""]}, "stop[0] is empty"),
     ({"stop": 5}, "stop must be a string or a list of strings, got int"),

@@ -43,6 +43,15 @@ def test_a_tokenizer_with_an_empty_bpe_vocabulary_is_one_line(bundle):
     one_line_error(generate(bundle), "tokenizer.json has an empty vocabulary")
 
 
+def test_a_tokenizer_whose_bpe_vocabulary_holds_only_added_tokens_is_one_line(bundle):
+    # special tokens alone load, but every prompt would encode to its BOS and reply nothing
+    tok = json.loads((bundle / "tokenizer.json").read_text())
+    assert tok["added_tokens"], "the fixture must keep added tokens for this case to mean anything"
+    tok["model"]["vocab"], tok["model"]["merges"] = {}, []
+    (bundle / "tokenizer.json").write_text(json.dumps(tok))
+    one_line_error(generate(bundle), "tokenizer.json has an empty vocabulary")
+
+
 def test_a_tokenizer_without_the_manifests_stop_token_is_a_bundle_error(bundle):
     from edgespec.bundle import load_bundle
     from edgespec.tokenizer import Tokenizer

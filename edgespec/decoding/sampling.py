@@ -65,7 +65,9 @@ class SamplingParams:
 
 def check_max_tokens(max_tokens: int, name: str = "max-tokens") -> int:
     """`max_tokens` if it asks for at least one new token; the one check every caller uses."""
-    if isinstance(max_tokens, bool) or not hasattr(max_tokens, "__index__") or max_tokens < 1:
+    if isinstance(max_tokens, bool) or not hasattr(max_tokens, "__index__"):
+        raise ConfigError(f"{name} must be an integer >= 1, got {max_tokens!r} ({type(max_tokens).__name__})")
+    if max_tokens < 1:
         raise ConfigError(f"{name} must be >= 1, got {max_tokens}")
     return int(max_tokens)
 
