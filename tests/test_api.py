@@ -2,6 +2,7 @@
 streams, multi-turn chat reusing the KV cache, seeded sampling, option validation."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -377,3 +378,46 @@ def test_chat_stop_event_keeps_the_conversation_and_a_refused_turn_leaves_no_tra
     assert [m["role"] for m in session.messages] == ["user", "assistant"] and len(session.turn_stats) == 1
     reply = "".join(r.text for r in session.send("one two three", max_tokens=6))
     assert session.messages[-1] == {"role": "assistant", "content": reply}
+
+
+def test_the_server_says_when_the_engine_decodes_plainly_for_inexactness(zoo, monkeypatch):
+    """Where no verify width rounds like plain decoding here, /health and every response's usage
+    block say the engine decodes plainly and why; OpenAI's client keeps that usage key as an extra."""
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    import numpy as np
+    from fastapi.testclient import TestClient
+
+    from edgespec.engine.opened import DRAFTING_REFUSED
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
+    from edgespec.server import ServerConfig, create_app
+
+    bundle = zoo.bundle("qwen2", DISAGREEING)
+    with load(bundle, k=3, drafter="model") as e, TestClient(create_app(e, ServerConfig(model_id="m"))) as http:
+        health = http.get("/health").json()
+        assert health["speculative"] is True and health["reason"] is None
+        usage = http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[0], "max_tokens": 4}).json()["usage"]
+        assert "edgespec" not in usage  # nothing to say where it drafts
+    forward = OnnxRuntime.forward
+
+    def rounded(self, token_ids, n_logits=1):  # every verify width rounds apart from one-token forwards
+        out = forward(self, token_ids, n_logits)
+        return out + np.float32(1e-3) if len(token_ids) > 1 else out
+
+    monkeypatch.setattr(OnnxRuntime, "forward", rounded)
+    note = {"speculative": False, "reason": DRAFTING_REFUSED}
+    with load(bundle, k=3, drafter="model", retune=True) as e, \
+            TestClient(create_app(e, ServerConfig(model_id="m"))) as http:
+        assert e.drafter_name is None
+        health = http.get("/health").json()
+        assert health["status"] == "ok" and {k: health[k] for k in note} == note
+        for path, body in (("/v1/completions", {"prompt": PROMPTS[0]}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            reply = http.post(path, json={"model": "m", "max_tokens": 4, **body}).json()
+            assert reply["usage"]["edgespec"] == note, path
+            usage = openai.types.CompletionUsage.model_validate(reply["usage"])
+            assert usage.model_extra["edgespec"] == note and usage.completion_tokens == 4
+        stream = http.post("/v1/completions", json={"model": "m", "prompt": PROMPTS[0], "max_tokens": 4,
+                                                    "stream": True, "stream_options": {"include_usage": True}})
+        chunks = [json.loads(ln[6:]) for ln in stream.text.splitlines() if ln.startswith("data: {")]
+        assert chunks[-1]["usage"]["edgespec"] == note

@@ -83,8 +83,8 @@ def test_every_field_has_one_flag_and_the_cli_parses_into_the_config():
                                backend="openvino")
     assert engine_config_from_args(p.parse_args([])) == EngineConfig()
     # a verb's own default fills only what the user left unset
-    assert engine_config_from_args(p.parse_args([]), require_exact=True).require_exact is True
-    assert engine_config_from_args(p.parse_args(["--no-require-exact"]), require_exact=True).require_exact is False
+    assert engine_config_from_args(p.parse_args([]), tune=False).tune is False
+    assert engine_config_from_args(p.parse_args(["--tune"]), tune=False).tune is True
 
 
 def test_load_shows_the_config_fields_as_keywords():

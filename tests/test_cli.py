@@ -160,3 +160,33 @@ def test_sigterm_inside_exec_d_source_still_exits_as_sigterm(tmp_path):
         "sys.exit(128 + signal.SIGTERM if got.is_set() else 1)\n")
     proc = subprocess.run([sys.executable, "-m", "sigterm_probe"], cwd=tmp_path, capture_output=True, timeout=60)
     assert proc.returncode == 128 + 15, proc.stderr
+
+
+def test_chat_and_info_say_when_drafting_is_off_for_inexactness(cli_bundle, monkeypatch, capsys):
+    """In-process (the rounding is patched in): where no verify width is exact here, chat's first
+    line and `edgespec info` say the engine decodes plainly, and why."""
+    import io
+
+    import numpy as np
+
+    from edgespec.cli import chat, info
+    from edgespec.engine.engine import load
+    from edgespec.engine.opened import DRAFTING_REFUSED
+    from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
+
+    forward = OnnxRuntime.forward
+
+    def rounded(self, token_ids, n_logits=1):
+        out = forward(self, token_ids, n_logits)
+        return out + np.float32(1e-3) if len(token_ids) > 1 else out
+
+    monkeypatch.setattr(OnnxRuntime, "forward", rounded)
+    args = chat.build_parser().parse_args([str(cli_bundle), "--max-tokens", "2", "--retune"])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))
+    with load(str(cli_bundle), drafter="ngram", retune=True) as engine:
+        assert engine.drafter_name is None
+        chat.repl(engine, args, interactive=False)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"edgespec chat: plain decoding, drafting is off: {DRAFTING_REFUSED}"
+    lines = info._exactness(str(cli_bundle), retune=False)
+    assert any(ln.strip() == f"drafting off: {DRAFTING_REFUSED}" for ln in lines), lines

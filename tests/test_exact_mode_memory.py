@@ -92,3 +92,31 @@ def test_exact_mode_opened_is_not_reopened(monkeypatch):
         settled = exact_mode.settle_exact_mode("onnxruntime", target, draft, [], 17, threads=2, retune=False,
                                                reopen=models.reopen, mode={}, stack=stack, remember=None)
         assert settled.target is target and models.opened == [False]
+
+
+@pytest.mark.parametrize("default_exact", [True, False], ids=["default-mode-exact", "padded-mode-exact"])
+def test_a_budgeted_engine_opens_the_mode_an_unbudgeted_one_settles(zoo, tmp_path, monkeypatch, default_exact):
+    """A budget plans the runtimes it opens: it must open the mode the machine settles, not the
+    padded one by rule, or a budget would change the greedy text where the default mode is exact."""
+    from edgespec import load
+    from edgespec.runtimes import exactness
+    from tests.zoo import AGREEING
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path))
+
+    def scripted(rt, max_width, *args, **kw):  # this machine's verdict, by mode
+        pad = rt.capabilities.extra.get("pad_rows", False)
+        exact = tuple(range(2, max_width + 1)) if pad is not default_exact else ()
+        return exactness.Exactness(max_width, exact, 0.0 if exact else 1e-3, 1.0)
+
+    monkeypatch.setattr(exactness, "probe", scripted)
+    bundle = zoo.bundle("llama", AGREEING)
+    with load(bundle, k=3, drafter="model", memory_budget="2GB") as budgeted:
+        padded = budgeted.target.capabilities.extra["pad_rows"]
+        assert budgeted.memory_plan is not None and budgeted.exactness.fully_exact
+        assert budgeted.drafter_name == "model"
+        text = budgeted.generate("the cat", max_tokens=8)
+    assert padded is (not default_exact)
+    with load(bundle, k=3, drafter="model") as free:
+        assert free.target.capabilities.extra["pad_rows"] is padded
+        assert free.generate("the cat", max_tokens=8) == text

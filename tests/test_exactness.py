@@ -12,7 +12,7 @@ from edgespec.decoding.limits import DecoderLimits
 from edgespec.engine.engine import load
 from edgespec.errors import ConfigError
 from edgespec.runtimes import exactness
-from edgespec.runtimes.exactness import Exactness, probe, probe_cached
+from edgespec.runtimes.exactness import PROBE_REACH, Exactness, probe, probe_cached, probe_starts, sampled_widths
 from tests.tiny import PROMPTS
 from tests.toy import ToyRuntime, naive_greedy
 from tests.zoo import AGREEING
@@ -86,10 +86,38 @@ class KeySplitRounding(ToyRuntime):
 def test_the_probe_looks_where_long_contexts_change_a_kernels_split():
     """The short prefixes alone would call this runtime exact at every width; a verify at 128 keys
     then parts from plain decoding mid-answer, as onnxruntime's did on Gemma 3 (round 14)."""
-    assert probe(KeySplitRounding(vocab=40), 8, starts=(5, 14)).fully_exact
-    verdict = probe(KeySplitRounding(vocab=40), 8)
-    assert verdict.exact == (2, 3, 4) and verdict.exact_width == 4  # 124 + 5 keys cross 128
-    assert probe(KeySplitRounding(vocab=40, keys=64), 8).exact_width == 4  # from 60
+    assert probe(KeySplitRounding(vocab=40), 8, starts=(5, 14), sampled=()).fully_exact
+    assert probe(KeySplitRounding(vocab=40), 8, sampled=()).exact == (2, 3, 4)  # 124 + 5 keys cross 128
+    assert probe(KeySplitRounding(vocab=40, keys=64), 8, sampled=()).exact_width == 4  # from 60
+    # from one key before the split, every width crosses it: none is exact
+    verdict = probe(KeySplitRounding(vocab=40), 8, threads=2)
+    assert verdict.exact == () and verdict.worst_diff == pytest.approx(1e-6, rel=0.02)
+
+
+@pytest.mark.parametrize("keys, threads", [(144, 2), (272, 4), (528, 4), (80, 1), (512, 2), (2048, 2), (1024, 1)],
+                         ids=["2-threads-second", "4-threads-second", "4-threads-twice", "1-thread-second",
+                              "sliding-window", "far", "power-of-two"])
+def test_the_probe_crosses_every_split_point_of_the_thread_count_and_the_window_edge(keys, threads):
+    """The split points measured moved with the thread count (145 keys at 2 threads, 256/272 at
+    4), a sliding window ends at 512 keys on Gemma 3, and contexts run to thousands of tokens:
+    a runtime that rounds apart only past any of them is not called exact."""
+    rt = KeySplitRounding(vocab=40, keys=keys)
+    assert probe(rt, 9, sampled=()).fully_exact  # the short prefixes alone miss it
+    verdict = probe(rt, 9, threads=threads)
+    assert verdict.exact == () and rt.n_past == 0
+    assert keys - 1 in probe_starts(9, threads, None)
+
+
+def test_the_probe_starts_follow_the_thread_count_and_stay_within_the_context():
+    assert probe_starts(17, 2, 4096) == (63, 127, 143, 255, 271, 511, 1023, 2047, 4077)
+    assert probe_starts(17, 4, 4096) == (63, 127, 255, 271, 511, 527, 1023, 2047, 4077)
+    assert probe_starts(17, 1, 300) == (63, 79, 127, 143, 255, 281)  # the last leaves room for the widest verify
+    assert probe_starts(9, 2, 1 << 20)[-1] == PROBE_REACH - 11  # a long context is probed up to the reach
+    assert sampled_widths(17) == (2, 3, 9, 17) and sampled_widths(2) == (2,) and sampled_widths(1) == ()
+    # a sliding window bound from aligned starts: where it first leaves position 0, and where a
+    # verify's rows start their windows in two aligned blocks
+    assert {510, 765} <= set(probe_starts(17, 2, 4096, window=(512, 256)))
+    assert not {510, 765} & set(probe_starts(17, 2, 4096))
 
 
 @pytest.mark.parametrize("body", [WideRounding(vocab=40, from_width=3), KeySplitRounding(vocab=40)],
@@ -103,6 +131,34 @@ def test_the_probe_sees_a_shared_bodys_wide_forwards(body):
     target, _ = shared_pair(body, MatrixHead(np.eye(40)), MatrixHead(np.eye(40)[:, :30]))
     expected = probe(body, 8).exact_width
     assert expected < 8 and probe(target, 8).exact_width == expected and target.n_past == 0
+
+
+@pytest.mark.parametrize("keys", [144, 272, 2048])
+def test_the_probe_sees_a_shared_bodys_far_split_points_from_one_extended_prefix(keys):
+    """The probe extends one prefix from start to start instead of refilling it; on a shared body
+    the rows an earlier start's wide forwards left (kept by token id) must not stand in for the
+    next start's one-token references."""
+    from edgespec.runtimes.shared_body import shared_pair
+    from tests.test_shared_body import MatrixHead
+
+    body = KeySplitRounding(vocab=40, keys=keys)
+    target, _ = shared_pair(body, MatrixHead(np.eye(40)), MatrixHead(np.eye(40)[:, :30]))
+    assert probe(body, 17, threads=2).exact == ()
+    assert probe(target, 17, threads=2).exact == () and target.n_past == 0
+
+
+def test_the_probe_reads_the_window_of_a_runtime_or_of_a_shared_bodys_runtime():
+    from types import SimpleNamespace
+
+    from edgespec.runtimes.exactness import _window
+    from edgespec.runtimes.onnxruntime.kv import KVWindow
+
+    plan = SimpleNamespace(window=KVWindow(512, 256, frozenset({0, 1})))
+    windowed = SimpleNamespace(kv=SimpleNamespace(plan=plan))
+    assert _window(windowed) == (512, 256)
+    assert _window(SimpleNamespace(shared=SimpleNamespace(body=windowed))) == (512, 256)
+    assert _window(ToyRuntime(vocab=40)) is None
+    assert _window(SimpleNamespace(kv=SimpleNamespace(plan=SimpleNamespace(window=None)))) is None
 
 
 def test_no_exact_width_is_said_plainly():
@@ -270,7 +326,7 @@ def test_widths_are_checked():
         SpeculativeDecoder(ToyRuntime(), ToyRuntime(), limits={"verify_width": 3})
 
 
-# -- the engine: probed at load, refused under require_exact -----------------------------------
+# -- the engine: probed at load, plain where nothing is exact unless allow_inexact ---------------
 
 def _wide_forwards_round_off(monkeypatch):
     from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
@@ -297,20 +353,35 @@ def test_the_engine_probes_the_target_and_caps_its_verifies(zoo):
         assert e.exactness is None  # plain decoding verifies nothing
 
 
-def test_no_exact_width_means_no_drafting_under_require_exact(zoo, monkeypatch, caplog):
+def test_no_exact_width_means_plain_decoding_unless_inexact_drafting_is_allowed(zoo, monkeypatch, caplog):
+    from edgespec.engine.opened import DRAFTING_REFUSED
+
     _wide_forwards_round_off(monkeypatch)
     bundle = zoo.bundle("llama", AGREEING)
-    with caplog.at_level(logging.WARNING), load(bundle, k=3, drafter="model", require_exact=True, retune=True) as e:
+    with load(bundle, use_draft=False) as e:
+        plain = e.generate(PROMPTS[0], max_tokens=12)
+    with caplog.at_level(logging.WARNING), load(bundle, k=3, drafter="model", retune=True) as e:
         assert e.exactness.exact == () and e.drafter_name is None and e.draft is None
-        e.generate(PROMPTS[0], max_tokens=12)
+        assert e.opened.inexact_refusal == DRAFTING_REFUSED
+        assert e.opened.speculation() == {"speculative": False, "reason": DRAFTING_REFUSED}
+        assert e.opened.to_dict()["speculation"]["speculative"] is False
+        assert e.generate(PROMPTS[0], max_tokens=12) == plain  # the default is the target's own output
         assert e.last_stats.drafted == 0 and e.last_stats.new_tokens == 12
-    assert "drafting is off (require_exact)" in caplog.text
+    assert "drafting is off, decoding plainly" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING), load(bundle, k=3, drafter="model") as e:
+    with caplog.at_level(logging.WARNING), load(bundle, k=3, drafter="model", allow_inexact=True) as e:
         assert e.exactness.cached and e.drafter_name == "model" and e.decoder.limits.verify_width is None
+        assert e.opened.inexact_refusal is None and e.opened.speculation()["speculative"] is True
         e.generate(PROMPTS[0], max_tokens=12)
-        assert e.last_stats.drafted > 0  # drafting still runs, with a warning
-    assert "may differ from plain decoding" in caplog.text
+        assert e.last_stats.drafted > 0  # asked for: drafting runs, with a warning
+    assert "drafting anyway (--allow-inexact)" in caplog.text
+
+
+def test_plain_decoding_asked_for_is_not_reported_as_an_inexact_refusal(zoo):
+    with load(zoo.bundle("llama", AGREEING), use_draft=False) as e:
+        assert e.opened.inexact_refusal is None
+        assert e.opened.speculation() == {"speculative": False,
+                                          "reason": "plain decoding was asked for (no drafter)"}
 
 
 # -- onnxruntime: the exported attention never multiplies one query row -----------------------
@@ -424,3 +495,47 @@ def test_the_engine_switches_onnxruntime_to_padded_rows_where_one_row_rounds_apa
     with load(bundle, k=3, drafter="model") as e:  # the mode settled on is remembered: opened directly
         assert e.exactness.cached and opened[0] == e.target.capabilities.extra["pad_rows"]
         assert len(opened) == 2  # the target once, and the draft
+
+
+def test_prefill_chunks_sit_at_absolute_positions_whatever_the_cache_holds():
+    """A server reuses the KV prefix an earlier request left: the rest of a prompt is then fed in
+    forwards that end at multiples of the chunk size, as on a fresh engine, so the rows the two
+    compute past the prefix come from the same forwards."""
+    from edgespec.decoding.cache import TrackedCache
+
+    fresh, reused = WideRounding(vocab=40), WideRounding(vocab=40)
+    ids = list(range(3, 23))
+    TrackedCache(fresh, max_batch=4).feed(ids, n_logits=1)
+    cache = TrackedCache(reused, max_batch=4)
+    cache.feed(ids[:6], n_logits=1)
+    reused.widths.clear()
+    cache.feed(ids[6:], n_logits=1)
+    assert fresh.widths == [4, 4, 4, 4, 4]
+    assert reused.widths == [2, 4, 4, 4]  # 6..8, then whole chunks: the fresh engine's forwards
+    verify = TrackedCache(WideRounding(vocab=40), max_batch=4)
+    verify.feed(ids[:7], n_logits=1)
+    verify.rt.widths.clear()
+    verify.feed(ids[7:10], n_logits=3)  # rows whose logits are asked stay in one forward
+    assert verify.rt.widths == [3] and verify.ids == ids[:10]
+
+
+def test_independent_requests_keep_only_whole_chunks_of_an_earlier_request():
+    """A server's request re-feeds what an earlier request computed outside whole chunks at
+    absolute positions: its forwards are then a fresh decoder's, while a chat reuses it all."""
+    from edgespec.decoding import SamplingParams, SpeculativeDecoder
+    from edgespec.decoding.limits import DecoderLimits
+
+    def widths(independent: bool, history: bool) -> list[int]:
+        rt = WideRounding(vocab=40, from_width=99)  # records the width of every forward
+        dec = SpeculativeDecoder(rt, None, limits=DecoderLimits(max_batch=4))
+        dec.independent_requests = independent
+        if history:
+            list(dec.stream(list(range(3, 13)), SamplingParams(), 3, ()))  # 10 prompt ids, 3 decodes
+        rt.widths.clear()
+        list(dec.stream(list(range(3, 21)), SamplingParams(), 2, ()))  # shares the first 10 ids
+        return rt.widths
+
+    fresh = widths(True, history=False)
+    assert fresh == [4, 4, 4, 4, 1, 1, 1]  # 17 ids in whole chunks, the last one, then decodes
+    assert widths(True, history=True) == [4, 4, 1, 1, 1]  # 0..8 kept: whole chunks the first computed
+    assert widths(False, history=True) == [2, 4, 1, 1, 1]  # reuses all 10 shared rows, then aligns

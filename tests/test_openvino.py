@@ -161,7 +161,7 @@ def test_the_exact_mode_verifies_bit_for_bit_like_one_token_decodes(zoo, role, w
         assert all(found), (verdict, found)
         return
     # no exact mode on this CPU: the engine finds the same and verifies no wider than is exact
-    with load(path, backend="openvino", drafter="ngram", require_exact=True) as engine:
+    with load(path, backend="openvino", drafter="ngram") as engine:
         assert not engine.exactness.fully_exact
         assert engine.decoder.limits.verify_width == (engine.exactness.exact_width if engine.drafter_name else None)
 
@@ -193,7 +193,11 @@ def test_plain_greedy_equals_transformers(zoo, references, name, static):
     ("gemma3", AGREEING, False, 4), ("gemma3", AGREEING, True, 4),
 ], ids=lambda v: {False: "dynamic", True: "static"}.get(v, str(v)) if isinstance(v, bool) else str(v))
 def test_speculative_greedy_is_exact(zoo, references, name, draft, static, k):
-    with load(ov_bundle(zoo, name, draft), backend="openvino", k=k, drafter="model", static=static) as engine:
+    # static shapes may round a padded verify apart from one-token forwards at some context the
+    # probe reaches (it then decodes plainly: tests/test_openvino_modes.py); this test checks the
+    # static drafting mechanism itself, so it drafts there whatever the probe found
+    with load(ov_bundle(zoo, name, draft), backend="openvino", k=k, drafter="model", static=static,
+              allow_inexact=static) as engine:
         assert engine.draft_backend == "openvino"
         if static:
             assert engine.target.capabilities.max_batch_tokens == k + 1
@@ -239,7 +243,7 @@ def test_trimmed_and_layer_cut_draft_is_exact_and_mixes(zoo, references, static)
     path = ov_bundle(zoo, name, AGREEING, draft_vocab=96, draft_layers=1)  # one export: vocab and layers cut
     m = load_bundle(path).manifest
     assert m.draft.vocab_size == 96 and m.draft.n_layers == 1 and m.draft.id_map
-    with load(path, backend="openvino", k=3, drafter="model", static=static) as engine:
+    with load(path, backend="openvino", k=3, drafter="model", static=static, allow_inexact=static) as engine:
         assert engine.draft.vocab_size == 96
         drafted, _ = speculative_matches(engine, references, name)
         assert drafted > 0

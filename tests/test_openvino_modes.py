@@ -83,12 +83,41 @@ def test_the_engine_switches_to_padded_rows_where_one_row_rounds_apart(zoo, monk
         body_rt = e.target.shared.body if body == "shared" else e.target
         switched = body_rt.capabilities.extra["pad_rows"]
         assert switched == (e.exactness.exact_width > 1)  # switched where the padded mode is exact here
+        # neither branch passes by default: exact padded rows draft, inexact ones decode plainly
+        assert (e.drafter_name == "model") is switched
+        assert (e.opened.inexact_refusal is None) is switched
         if body == "shared":
             assert e.target.head.pad_rows == e.draft.head.pad_rows == switched and e.shared_body
         ids = e.tokenizer.encode(PROMPTS[1])
         spec = decode(e, ids, 16)[0]
     with load(ov_bundle(zoo, "gemma3"), backend="openvino", use_draft=False) as plain:
         assert decode(plain, ids, 16)[0] == spec
+
+
+@pytest.mark.parametrize("padded_exact", [True, False], ids=["padded-exact", "padded-inexact"])
+def test_the_mode_switch_follows_the_probe_whatever_this_cpu_does(zoo, monkeypatch, padded_exact):
+    """The probe scripted per mode, so both outcomes run on every CPU: where the padded mode is
+    exact the engine switches to it and drafts; where it is not, it stays, and decodes plainly."""
+    from edgespec.runtimes import exactness
+
+    def scripted(rt, max_width, *args, **kw):
+        exact = rt.capabilities.extra.get("pad_rows") is True and padded_exact
+        widths = tuple(range(2, max_width + 1)) if exact else ()
+        return exactness.Exactness(max_width, widths, 0.0 if exact else 1e-3, 1.0)
+
+    monkeypatch.setattr(exactness, "probe", scripted)
+    with load(ov_bundle(zoo, "gemma3"), backend="openvino", drafter="model", draft_body="own", retune=True) as e:
+        assert e.target.capabilities.extra["pad_rows"] is padded_exact
+        assert e.exactness.fully_exact is padded_exact
+        assert (e.drafter_name == "model") is padded_exact
+        assert e.opened.speculation()["speculative"] is padded_exact
+        if padded_exact:
+            assert e.decoder.limits.verify_width == e.exactness.exact_width
+        ids = e.tokenizer.encode(PROMPTS[1])
+        spec = decode(e, ids, 12)[0]
+    with load(ov_bundle(zoo, "gemma3"), backend="openvino", use_draft=False) as plain:
+        assert plain.target.capabilities.extra["pad_rows"] is padded_exact  # the mode the machine settled
+        assert decode(plain, ids, 12)[0] == spec
 
 
 def test_the_state_holder_reports_dynamic_quantization_as_batch_variance(zoo, monkeypatch):

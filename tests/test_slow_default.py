@@ -84,8 +84,14 @@ def test_default_greedy_is_exact_and_the_gguf_s_own_model(cache, hf_reference):
             # each rounding its own way (int8 activations here and in llama.cpp, 1-2 logits apart)
             assert common_prefix(plain, ref) >= 3, (plain, ref)
             peer = _llamacpp_greedy(prompt_ids, n)
-            if peer is not None:
-                assert common_prefix(plain, peer) >= 3, (plain, peer)
+            if peer is None:  # said, not silently passed: the comparison did not run
+                import importlib.util
+
+                assert importlib.util.find_spec("llama_cpp") is None, "llama-cpp-python is installed but did not run"
+                pytest.skip("llama-cpp-python is not installed: no comparison with llama.cpp's own kernels")
+            # llama.cpp runs the same blocks with int8 activations as the target does: their greedy
+            # texts run together well past the start (docs/exactness.md gives the measured lengths)
+            assert common_prefix(plain, peer) >= 8, (plain, peer)
 
 
 def test_default_chat_through_a_pipe(cache):

@@ -106,7 +106,7 @@ def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, Speculative
     if engine.drafter_name is None:
         probe = getattr(engine, "exactness", None)
         if probe is not None and getattr(probe, "exact_width", 2) < 2:
-            raise ConfigError(f"nothing to compare: {probe.describe()}, so drafting is off; --no-require-exact "
+            raise ConfigError(f"nothing to compare: {probe.describe()}, so drafting is off; --allow-inexact "
                               "measures drafting anyway (its output may then differ from plain decoding)")
         if getattr(engine, "memory_plan", None) is not None:
             raise ConfigError("nothing to compare: the memory budget leaves no room for drafting; raise "

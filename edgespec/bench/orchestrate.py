@@ -30,7 +30,7 @@ class BenchRequest:
     unless `engine` says otherwise: bench checks that drafting's output equals plain decoding's."""
 
     bundle: str | None = None  # None: the default bundle
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(require_exact=True))
+    engine: EngineConfig = field(default_factory=EngineConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     prompts: str = "all"  # a suite name, several joined by commas, or a .jsonl file
     json: str | None = None

@@ -107,7 +107,7 @@ def _run(argv: list[str]) -> int:
 
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
-    req = BenchRequest(bundle=args.bundle, engine=engine_config_from_args(args, require_exact=True),
+    req = BenchRequest(bundle=args.bundle, engine=engine_config_from_args(args),
                        bench=BenchConfig(repeat=args.repeat, max_tokens=args.max_tokens, warmup=args.warmup,
                                          stop_at_eos=args.stop_at_eos, k_sweep=args.k_sweep,
                                          sampling=sampling_params(args)),

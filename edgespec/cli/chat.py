@@ -136,6 +136,9 @@ def format_note(session, base_model: bool) -> str | None:
 def repl(engine, args: argparse.Namespace, interactive: bool, out=sys.stdout) -> None:
     session = engine.chat(system=args.system, chat_format=args.chat_format)
     sampling = sampling_kwargs(args)
+    refused = engine.opened.inexact_refusal
+    if refused is not None:  # the first line: the user asked for speculative decoding and gets plain
+        print(f"edgespec chat: plain decoding, drafting is off: {refused}", file=sys.stderr)
     note = format_note(session, engine.bundle.manifest.base_model)
     if note:
         print(note, file=sys.stderr)

@@ -25,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
             g.add_argument(*opt.flags, action="store_true", dest=name, help=opt.help)
         elif opt.kind == "false":
             g.add_argument(*opt.flags, action="store_false", dest=name, help=opt.help)
-        elif opt.kind == "both":  # None: the verb's default (bench turns it on)
+        elif opt.kind == "both":  # None: the verb's default
             g.add_argument(*opt.flags, action=argparse.BooleanOptionalAction, default=None, dest=name, help=opt.help)
         else:
             g.add_argument(*opt.flags, type=opt.type, choices=opt.choices, default=getattr(defaults, name),
@@ -35,7 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(args: argparse.Namespace, **verb_defaults):
     """The EngineConfig of the parsed engine flags (validated here, before any model loads);
-    `verb_defaults` fill the flags left unset (None), e.g. bench's require_exact=True."""
+    `verb_defaults` fill the flags left unset (None), e.g. a verb's own --tune default."""
     from ..engine.config import OPTIONS, EngineConfig
 
     given = {name: getattr(args, name) for name in OPTIONS if hasattr(args, name)}

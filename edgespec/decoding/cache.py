@@ -33,6 +33,9 @@ class TrackedCache:
         self.rt = rt
         self.max_batch = max_batch
         self.ids: list[int] = []
+        # how many leading positions hold rows computed by whole chunks at absolute positions
+        # (forwards of `limit` ids from a multiple of `limit`): a fresh cache computes them alike
+        self.whole = 0
 
     @property
     def limit(self) -> int | None:
@@ -50,15 +53,27 @@ class TrackedCache:
         if not ids:
             return None
         limit = self.limit or len(ids)
-        # every chunk but the last is prefill whose logits are discarded
-        split = max(len(ids) - limit, 0)
-        for start in range(0, split, limit):
-            end = min(start + limit, split)
-            self.rt.forward(ids[start:end], n_logits=1)
-            self.ids.extend(ids[start:end])
-        logits = self.rt.forward(ids[split:], n_logits=n_logits)
-        self.ids.extend(ids[split:])
+        # chunk boundaries sit at multiples of `limit` counted from position 0, not from where the
+        # cache ends: a prompt's rows are then computed in the same forwards whatever prefix an
+        # earlier request left cached. Every chunk but the last is prefill whose logits are
+        # discarded; the last holds the rows whose logits are asked for
+        base, end = len(self.ids), len(self.ids) + len(ids)
+        last = max(base, min(end - n_logits, (end - 1) // limit * limit))
+        pos = base
+        while pos < last:
+            stop = min(last, (pos // limit + 1) * limit)
+            self.rt.forward(ids[pos - base:stop - base], n_logits=1)
+            self.ids.extend(ids[pos - base:stop - base])
+            self._count_whole(pos, stop, limit)
+            pos = stop
+        logits = self.rt.forward(ids[last - base:], n_logits=n_logits)
+        self.ids.extend(ids[last - base:])
+        self._count_whole(last, end, limit)
         return logits
+
+    def _count_whole(self, start: int, stop: int, limit: int) -> None:
+        if start == self.whole and stop - start == limit and start % limit == 0:
+            self.whole = stop
 
     def feed_tree(self, ids: list[int], tree: DraftTree) -> np.ndarray:
         """Feed `ids` (their last the tree's root) and then the draft tree in one forward
@@ -81,18 +96,29 @@ class TrackedCache:
         self.ids.extend(tree.tokens[n - 1] for n in nodes)
 
     def trim(self, n: int) -> None:
-        """Keep the first `n` positions."""
+        """Keep the first `n` positions, or fewer where the runtime cannot (a window-sized cache
+        trimmed past what it still holds): the ids not held are fed again as pending."""
         self.rt.trim(n)
+        n = min(n, self.rt.n_past)
         del self.ids[n:]
+        limit = self.limit
+        self.whole = min(self.whole, n // limit * limit if limit else n)
 
-    def align(self, tokens: Sequence[int]) -> None:
-        """Trim to the common prefix with `tokens`, leaving at least the last token unfed."""
+    def align(self, tokens: Sequence[int], new_request: bool = False) -> None:
+        """Trim to the common prefix with `tokens`, leaving at least the last token unfed.
+        `new_request`: keep no more than the rows whole chunks computed (`whole`), so that the
+        request's rows are computed in the forwards a fresh cache would run: its greedy reply
+        cannot depend on what an earlier request left (a chat turn re-prefills from there)."""
         if self.rt.n_past < len(self.ids):  # trimmed by someone else: a trim keeps a prefix
             del self.ids[self.rt.n_past :]
+            self.whole = min(self.whole, len(self.ids))
         elif self.rt.n_past > len(self.ids):  # a forward failed midway: contents unknown
             logger.debug("%s cache holds %d untracked positions; resetting it", type(self.rt).__name__, self.rt.n_past)
             self.rt.reset()
             self.ids.clear()
+            self.whole = 0
         keep = min(common_prefix(self.ids, tokens), len(tokens) - 1)
+        if new_request and self.limit is not None:
+            keep = min(keep, self.whole)
         if keep < len(self.ids):
             self.trim(keep)

@@ -105,6 +105,11 @@ class SpeculativeDecoder:
     exactly (rejection sampling). The decoder assumes it is the only user of its runtimes' caches.
     """
 
+    # a stream keeps only the cached rows whole prefill chunks computed (TrackedCache.align), so
+    # its greedy output cannot depend on earlier streams; the server turns it on, a chat leaves
+    # it off to reuse its whole conversation
+    independent_requests = False
+
     def __init__(
         self,
         target: Runtime,
@@ -175,6 +180,7 @@ class SpeculativeDecoder:
         try:
             # 0. prefill: keep the target's common prefix with `tokens`, feed all but the last token
             #    (a model drafter catches up by itself the next time it drafts)
+            self._target.align(tokens, new_request=self.independent_requests)
             self._rollback(tokens)
             self._target.feed(self._target.pending(tokens)[:-1], n_logits=1)
             while n_new < max_new_tokens:

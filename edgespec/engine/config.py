@@ -88,9 +88,10 @@ class EngineConfig:
     body twice; "own" loads the draft's own body; "auto" (default) shares where the draft is a
     self-draft without a layer cut, the target is int8 or int4 and the backend can (OpenVINO,
     dynamic shapes, no memory budget). See shared_body_blocker.
-    require_exact: draft only where a verify is bit-identical to plain decoding on this machine
-    (the exactness probe, run at the first load and cached; `Engine.exactness` holds its verdict);
-    otherwise greedy drafting runs with a warning.
+    allow_inexact: by default the engine drafts only at the verify widths (and tree shapes) the
+    exactness probe found bit-identical to plain decoding on this machine (run at the first load
+    and cached; `Engine.exactness` holds its verdict), and decodes plainly where none is; True
+    drafts there anyway, with a warning: greedy output may then differ from plain decoding.
     tune: where the config leaves the backend or the draft body open and more than one
     configuration can run the bundle, measure each on this machine at the first load (cached) and
     open the fastest, with its best verify width (tuning.py); default on, off where the environment
@@ -145,11 +146,11 @@ class EngineConfig:
         "--prefill-chunk", type=int, metavar="N",
         help=f"prompt tokens per forward (default: {DEFAULT_PREFILL_CHUNK}; a memory budget picks its own): a "
              "long prompt in one forward takes scratch memory that grows with its length times the context"))
-    require_exact: bool = field(default=False, metadata=_opt(
-        "--require-exact", kind="both",
-        help="draft only where a verify forward rounds bit for bit like plain decoding on this machine "
-             "(measured by a probe at the first load, cached; `edgespec info BUNDLE` shows it); otherwise "
-             "greedy drafting runs with a warning. Default: on for bench, off elsewhere"))
+    allow_inexact: bool = field(default=False, metadata=_opt(
+        "--allow-inexact", kind="true",
+        help="draft even where no verify width rounds bit for bit like plain decoding on this machine (the "
+             "probe at the first load finds out, cached; `edgespec info BUNDLE` shows it): greedy output may "
+             "then differ from plain decoding. Default: such an engine decodes plainly"))
     tune: bool = field(default_factory=_tune_default, metadata=_opt(
         "--tune", kind="both",
         help="where --backend or --draft-body is left open and several configurations run the bundle, measure "
@@ -189,7 +190,7 @@ class EngineConfig:
 
             # kept in bytes once parsed: "1.5GB" and 1500000000 are the same config
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
-        for name in ("use_draft", "static", "require_exact", "tune", "retune"):
+        for name in ("use_draft", "static", "allow_inexact", "tune", "retune"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

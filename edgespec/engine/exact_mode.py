@@ -4,8 +4,8 @@ Where some verify widths of the target as opened do not round like one-token for
 machine, the backend's exact modes (BackendInfo.exact_modes) are opened and probed too, one copy
 of the model at a time, and the target (with a draft on its body) switches to the first that is
 exact at every width, else to the one exact the widest. The mode kept is remembered, so the next
-load opens it directly. Where no width is exact, drafting is refused under require_exact, else it
-runs with a warning.
+load opens it directly. Where no width is exact, the engine decodes plainly unless allow_inexact
+says to draft anyway.
 """
 from __future__ import annotations
 
@@ -79,14 +79,16 @@ def _opened(opened) -> tuple[Runtime, Runtime | None]:
     return opened if isinstance(opened, tuple) else (opened, None)
 
 
-def inexact_drafting(backend: str, verdict, require_exact: bool) -> bool:
-    """Whether drafting stays on where no verify width is exact: not under `require_exact`; else it
-    does, with a warning once per process and figure (chats reload engines)."""
-    if require_exact:
-        logger.warning("%s: %s; drafting is off (require_exact)", backend, verdict.describe())
+def inexact_drafting(backend: str, verdict, allow_inexact: bool) -> bool:
+    """Whether drafting stays on where no verify width is exact: only under `allow_inexact`, and
+    then with a warning once per process and figure (chats reload engines); else the engine
+    decodes plainly, which is the target's own output."""
+    if not allow_inexact:
+        logger.warning("%s: %s; drafting is off, decoding plainly (--allow-inexact drafts anyway)", backend,
+                       verdict.describe())
         return False
     if (backend, verdict.worst_diff) not in _warned_inexact:
         _warned_inexact.add((backend, verdict.worst_diff))
-        logger.warning("%s: %s; greedy output with drafting may differ from plain decoding on near-ties "
-                       "(--require-exact refuses to draft)", backend, verdict.describe())
+        logger.warning("%s: %s; drafting anyway (--allow-inexact): greedy output may differ from plain "
+                       "decoding on near-ties", backend, verdict.describe())
     return True

@@ -2,7 +2,7 @@
 
 The plan (assembly.py) says what to open; opening can still deviate from it for two reasons
 decided only once the models are open: the draft model does not fit the memory budget, or the
-exactness probe finds no exact verify width under require_exact. Each deviation is recorded
+exactness probe finds no exact verify width (without allow_inexact). Each deviation is recorded
 here with its reason, so the plan stays what was asked for and this stays what runs.
 `Engine.describe()`, `edgespec info`, the server and the bench document read this value.
 """
@@ -19,7 +19,7 @@ __all__ = ["Deviation", "Opened", "DRAFT_DOES_NOT_FIT", "DRAFTING_REFUSED"]
 
 # why the executor dropped the draft model the plan asked for
 DRAFT_DOES_NOT_FIT = "the draft model does not fit the memory budget"
-DRAFTING_REFUSED = "no verify width is exact here and require_exact refuses inexact drafting"
+DRAFTING_REFUSED = "no verify width is exact on this machine: decoding plainly (--allow-inexact drafts anyway)"
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,20 @@ class Opened:
         """What the tuner measured (tuning.Tuning), where it ran."""
         return self.plan.tuning
 
+    @property
+    def inexact_refusal(self) -> str | None:
+        """Why the engine decodes plainly though drafting was planned, where the reason is that no
+        verify width rounds like plain decoding here (None: it drafts, or was asked not to)."""
+        return next((d.reason for d in self.deviations if d.reason == DRAFTING_REFUSED), None)
+
+    def speculation(self) -> dict[str, Any]:
+        """{"speculative": drafting runs, "reason": why not (None where it runs)}: what `edgespec
+        info`, chat's status line and the server's /health and usage blocks say."""
+        if self.drafter is not None:
+            return {"speculative": True, "reason": None}
+        reason = next((d.reason for d in self.deviations if d.what == "drafter"), None)
+        return {"speculative": False, "reason": reason or "plain decoding was asked for (no drafter)"}
+
     def to_dict(self, manifest=None) -> dict[str, Any]:
         """Plain values for reports; with the bundle's `manifest`, each model's format, precision
         and quantization."""
@@ -96,4 +110,4 @@ class Opened:
                 "draft_body": self.draft_body, "drafter": self.drafter, "policy": self.policy, "k": self.k,
                 "limits": self.limits.to_dict(),
                 "exactness": None if probe is None else {"summary": probe.describe(), **probe.to_dict()},
-                "deviations": [d.to_dict() for d in self.deviations]}
+                "speculation": self.speculation(), "deviations": [d.to_dict() for d in self.deviations]}

@@ -6,6 +6,7 @@ once, from its constructor, and then only reads what it returns.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from contextlib import ExitStack
@@ -61,7 +62,11 @@ def open_plan(bundle: Bundle, plan: EnginePlan, stack: ExitStack, *, retune: boo
     st = _Opening(plan, stack, drafter=plan.drafter)
     budget = _budget(bundle, plan)  # None: no budget
     files = [bundle.file(plan.target.file)] + ([bundle.file(plan.draft.file)] if plan.shared_body else [])
-    modes = _ModeMemory.of(plan, files, budgeted=budget is not None, retune=retune)
+    modes = _ModeMemory.of(plan, files, retune=retune)
+    if budget is not None and modes.remember is not None and modes.remembered is None:
+        # a budget plans the runtimes it opens and cannot switch them afterwards: settle the mode
+        # an unbudgeted engine would open here first, so both give the same greedy text
+        modes = dataclasses.replace(modes, mode=_settle_first(plan, files, modes, retune))
     reopen = _open_models(st, bundle, budget, files, modes.mode)
     memory_plan = budget.finish({"target": st.target, "draft": st.draft}) if budget else None
     if memory_plan is not None and st.draft is not None and not memory_plan.use_draft:
@@ -89,20 +94,36 @@ class _ModeMemory:
     remember: object  # Callable[[dict], None] | None
 
     @classmethod
-    def of(cls, plan: EnginePlan, files: list[Path], *, budgeted: bool, retune: bool) -> _ModeMemory:
+    def of(cls, plan: EnginePlan, files: list[Path], *, retune: bool) -> _ModeMemory:
         c, backend = plan.config, plan.backend
-        ctx_kw = {"kv_capacity": c.max_context} if c.max_context is not None and not budgeted else {}
+        ctx_kw = {"kv_capacity": c.max_context} if c.max_context is not None and not plan.budgeted else {}
         modes = BACKENDS[backend].exact_modes if not c.static else ()  # static shapes have one width
         if not modes:
             return cls({}, None, None)
         recall, remember = exact_mode_memory(backend, files[:1], {"threads": c.threads, "device": c.device, **ctx_kw})
         remembered = None if retune else recall()
-        mode = remembered or {}
-        if remembered is None and budgeted:
-            # a budget plans the runtimes it opens and cannot switch them afterwards: where no mode
-            # is settled here yet, open the backend's first exact mode (the probe still checks it)
-            mode = modes[0]
-        return cls(mode, remembered, remember)
+        return cls(remembered or {}, remembered, remember)
+
+
+def _settle_first(plan: EnginePlan, files: list[Path], modes: _ModeMemory, retune: bool) -> dict:
+    """The mode an engine without a budget settles on here (exact_mode.py), for a budgeted one to
+    open: the target (with a draft on its body) opened as planned, probed, switched where another
+    mode is exact wider, the mode kept remembered; then closed before the budget measures."""
+    options = dict(plan.target.options)
+    if plan.shared_body:
+        reopen = functools.partial(open_shared_pair, plan.backend, files[0], files[-1], **options)
+    else:
+        reopen = functools.partial(open_runtime, plan.backend, files[0], **options)
+    with ExitStack() as stack:
+        opened = reopen()
+        target, shared = opened if isinstance(opened, tuple) else (opened, None)
+        stack.enter_context(target)
+        if shared is not None:
+            stack.enter_context(shared)
+        widest = probe_width(plan.drafter, plan.policy, plan.k, batch_limit(target, None))
+        settled = settle_exact_mode(plan.backend, target, shared, files, widest, threads=plan.config.threads,
+                                    retune=retune, reopen=reopen, mode={}, stack=stack, remember=modes.remember)
+    return settled.mode
 
 
 def _open_models(st: _Opening, bundle: Bundle, budget, files: list[Path], mode: dict):
@@ -134,7 +155,7 @@ def _open_models(st: _Opening, bundle: Bundle, budget, files: list[Path], mode: 
 
 def _settle(st: _Opening, files: list[Path], reopen, modes: _ModeMemory, memory_plan, retune: bool):
     """Probe exactness and keep the target's exact mode (exact_mode.py); where no verify width
-    is exact, drafting goes under require_exact. Returns the probe's verdict."""
+    is exact, drafting goes (unless allow_inexact). Returns the probe's verdict."""
     plan = st.plan
     max_batch = decoder_limits(None, [], memory_plan, None, False).max_batch
     widest = probe_width(st.drafter, plan.policy, plan.k, batch_limit(st.target, max_batch))
@@ -145,7 +166,7 @@ def _settle(st: _Opening, files: list[Path], reopen, modes: _ModeMemory, memory_
     if plan.shared_body and st.draft is not None:
         st.draft = settled.shared_draft
     if (settled.verdict.exact_width < 2 and st.drafter is not None
-            and not inexact_drafting(plan.backend, settled.verdict, plan.config.require_exact)):
+            and not inexact_drafting(plan.backend, settled.verdict, plan.config.allow_inexact)):
         st.drop_draft(DRAFTING_REFUSED)
     return settled.verdict
 

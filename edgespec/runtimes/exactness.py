@@ -11,12 +11,15 @@ exact.
 The probe: from a fixed prefix, W+1 one-token forwards give reference rows; then, for each width
 w in 2..W, one w-token forward from the same prefix must give the same bits in every row, and a
 one-token forward after it the same bits as the reference row that follows (so the K/V rows the
-wide forward wrote are exact too). Four prefixes: two so that block boundaries of padded keys
-fall inside some of the widths, two whose widths cross 64 and 128 keys, where a matmul over the
-key axis may split it among threads differently (onnxruntime's SGEMM summed a 256-deep score
-product in one pass or in two halves as the key count went past 128). The verdict is cached per
-machine, backend version, model file and runtime options (a JSON file in edgespec's cache), so
-only the first load pays.
+wide forward wrote are exact too). Every width is probed from four short prefixes (DENSE_STARTS):
+two so that block boundaries of padded keys fall inside some widths, two whose widths cross 64
+and 128 keys. Then a few widths (sampled_widths) are probed from one key before each place a
+kernel may change how it splits the key axis among threads, or a sliding window ends
+(probe_starts: powers of two, and the thread count's own split points), and near the end of the
+context the runtime holds, so that a verify of any width there crosses it. One prefix is
+prefilled once and extended from start to start. The verdict is cached per machine, backend
+version, model file and runtime options (a JSON file in edgespec's cache), so only the first load
+pays.
 """
 from __future__ import annotations
 
@@ -35,16 +38,67 @@ import numpy as np
 
 from .base import Runtime
 
-__all__ = ["Exactness", "PROBE_STARTS", "PROBE_VERSION", "machine_fingerprint", "probe", "probe_cached",
-           "remember_mode", "remembered_mode"]
+__all__ = ["Exactness", "PROBE_STARTS", "DENSE_STARTS", "PROBE_VERSION", "PROBE_REACH", "machine_fingerprint",
+           "probe", "probe_cached", "probe_starts", "sampled_widths", "remember_mode", "remembered_mode"]
 
 logger = logging.getLogger(__name__)
 
-PROBE_VERSION = 3  # bump when the procedure changes: old verdicts are then probed again
-# prefix lengths: keys padded to blocks of 16 cross a bound inside some widths (5, 14); and widths
-# from 60 and 124 cross 64 and 128 keys, where kernels change how they split the key axis
-PROBE_STARTS = (5, 14, 60, 124)
+PROBE_VERSION = 4  # bump when the procedure changes: old verdicts are then probed again
+# prefix lengths probed at every width: keys padded to blocks of 16 cross a bound inside some
+# widths (5, 14); and widths from 60 and 124 cross 64 and 128 keys, where kernels change how they
+# split the key axis
+DENSE_STARTS = (5, 14, 60, 124)
+PROBE_STARTS = DENSE_STARTS  # the name earlier releases used
+# the farthest key count the probe reaches: a context beyond it is probed up to here (the probe
+# then prefills this many tokens once, the bulk of its cost on a long context)
+PROBE_REACH = 4096
+_SPLIT_UNIT = 64  # SGEMM hands each thread columns in multiples of this many keys
+_SPLIT_STEP = 16  # ... and a second split follows 16 keys after (onnxruntime at 2 and 4 threads)
+_PREFILL_CHUNK = 128
 _SEED = 20_251_124
+
+
+def probe_starts(max_width: int, threads: int | None, capacity: int | None,
+                 window: tuple[int, int] | None = None) -> tuple[int, ...]:
+    """The prefixes probed at a few widths (sampled_widths): one key before every key count where
+    a kernel may change how it splits a sum, so that every width's rows cross it. Those are the
+    powers of two from 64 up to the context (a sliding window's edge is one: Gemma 3's 512), and
+    the thread count's split points: 64t and 64t+16 keys for t threads, and twice that (the
+    split points measured moved with the thread count: 64 at 1 thread, 128/144 at 2, 256/272 at
+    4). And one prefix near the end of the context, within PROBE_REACH. With `window` (the
+    sliding layers' (window, alignment) of a graph that binds their keys from an aligned start,
+    runtimes/onnxruntime/kv.window_start): where the window first leaves position 0, and where a
+    verify's first rows start their windows one aligned block before its last rows. Each start
+    leaves room for the widest verify and the forward after it."""
+    reach = min(capacity or PROBE_REACH, PROBE_REACH)
+    # a backend left to choose runs at most a thread per usable CPU
+    t = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    bounds = {_SPLIT_UNIT * t * j + extra for j in (1, 2) for extra in (0, _SPLIT_STEP)}
+    p = _SPLIT_UNIT
+    while p <= reach:
+        bounds.add(p)
+        p *= 2
+    starts = {b - 1 for b in bounds} | {reach - max_width - 2}
+    if window is not None:
+        size, align = window
+        starts |= {size - 2, size + align - 3}
+    return tuple(sorted(s for s in starts if s not in DENSE_STARTS and 0 < s and s + max_width + 1 <= reach))
+
+
+def _window(rt: Runtime) -> tuple[int, int] | None:
+    """(window, alignment) where `rt`'s sliding layers read their keys from an aligned start (an
+    onnxruntime append graph's KV plan; a shared body's own runtime), else None."""
+    inner = getattr(getattr(rt, "shared", None), "body", rt)
+    win = getattr(getattr(getattr(inner, "kv", None), "plan", None), "window", None)
+    return None if win is None else (int(win.size), int(win.align))
+
+
+def sampled_widths(max_width: int) -> tuple[int, ...]:
+    """The widths probed from probe_starts: every one there crosses the split it sits before, so
+    the narrowest (two rows), three, the middle and the widest stand for the rest, which the
+    dense starts probe one by one. A full sweep at each start would cost W wide forwards per
+    start, at long contexts the most expensive forwards there are."""
+    return tuple(sorted({w for w in (2, 3, max_width // 2 + 1, max_width) if 2 <= w <= max_width}))
 
 
 @dataclass(frozen=True)
@@ -152,27 +206,32 @@ def _forward(rt: Runtime, ids: Sequence[int], n_logits: int) -> np.ndarray:
     return np.array(rt.forward(list(ids), n_logits=n_logits), dtype=np.float32)
 
 
-def _prefill(rt: Runtime, ids: list[int]) -> None:
-    """Feed `ids` from an empty cache in forwards the runtime accepts (static shapes take a few)."""
-    rt.reset()
-    step = rt.capabilities.max_batch_tokens or len(ids)
-    for i in range(0, len(ids), step):
-        rt.forward(ids[i:i + step], n_logits=1)
+def _extend(rt: Runtime, ids: list[int], n: int) -> None:
+    """Make `rt`'s cache hold ids[:n]: it holds a prefix of `ids` already (the probe only trims and
+    extends it), so only the rest is fed, in forwards the runtime accepts, chunked at absolute
+    positions as the decoder chunks a prompt."""
+    if rt.n_past > n:
+        rt.trim(n)
+    step = min(rt.capabilities.max_batch_tokens or _PREFILL_CHUNK, _PREFILL_CHUNK)
+    while rt.n_past < n:
+        end = min(n, (rt.n_past // step + 1) * step)
+        rt.forward(ids[rt.n_past:end], n_logits=1)
 
 
-def _probe_start(rt: Runtime, ids: list[int], start: int, max_width: int) -> tuple[dict[int, float], float | None]:
-    """({width: worst difference} for widths 2..max_width, the tree forward's worst difference or
-    None where the runtime verifies chains only), from a prefix of `start` ids."""
+def _probe_start(rt: Runtime, ids: list[int], start: int, widths: Sequence[int], max_width: int
+                 ) -> tuple[dict[int, float], float | None]:
+    """({width: worst difference} for `widths`, the tree forward's worst difference or None where
+    the runtime verifies chains only), from a prefix of `start` ids. Leaves the prefix cached."""
     from .shared_body import SharedBodyRuntime
 
     # a shared body keeps rows by token ids, so after a trim the wide forward would reuse the
     # reference rows: another token fed at `start` first makes the body run from there again
     diverge = isinstance(rt, SharedBodyRuntime)
     other = ids[start] + 1 if ids[start] + 1 < rt.vocab_size else ids[start] - 1
-    _prefill(rt, ids[:start])
+    _extend(rt, ids, start)
     ref = [_forward(rt, [t], 1)[0] for t in ids[start:start + max_width + 1]]
     out = {}
-    for w in range(2, max_width + 1):
+    for w in widths:
         rt.trim(start)  # the prefix's rows are the same bits either way: keep them
         if diverge:
             rt.forward([other], n_logits=1)
@@ -181,7 +240,10 @@ def _probe_start(rt: Runtime, ids: list[int], start: int, max_width: int) -> tup
         after = _forward(rt, [ids[start + w]], 1)[0]  # reads the K/V rows the wide forward wrote
         out[w] = max(max(_row_diff(wide[i], ref[i]) for i in range(w)), _row_diff(after, ref[w]))
     tree = _probe_tree(rt, ids, start, max_width, ref) if rt.capabilities.trees else None
-    rt.reset()
+    rt.trim(start)
+    if diverge:  # the next start's reference rows must not be these wide forwards' rows, reused by id
+        rt.forward([other], n_logits=1)
+        rt.trim(start)
     return out, tree
 
 
@@ -205,8 +267,11 @@ def _probe_tree(rt: Runtime, ids: list[int], start: int, max_width: int, ref: li
     return max(worst, _row_diff(_forward(rt, [ids[start + depth + 1]], 1)[0], ref[depth + 1]))
 
 
-def probe(rt: Runtime, max_width: int, starts: Sequence[int] = PROBE_STARTS) -> Exactness:
-    """Measure which verify widths 2..max_width of `rt` are bit-identical to one-token forwards.
+def probe(rt: Runtime, max_width: int, starts: Sequence[int] = DENSE_STARTS, *, threads: int | None = None,
+          sampled: Sequence[int] | None = None) -> Exactness:
+    """Measure which verify widths 2..max_width of `rt` are bit-identical to one-token forwards:
+    every width from `starts`, sampled_widths from `sampled` (None: probe_starts for `threads`
+    and the runtime's capacity; () for none).
 
     Leaves `rt`'s cache empty. A runtime whose cache holds fewer positions than the probe needs
     is probed from shorter prefixes."""
@@ -216,15 +281,27 @@ def probe(rt: Runtime, max_width: int, starts: Sequence[int] = PROBE_STARTS) -> 
         max_width = min(max_width, cap - 2)
         starts = tuple(s for s in starts if s + max_width + 1 <= cap) or (1,)
     max_width = max(max_width, 1)
-    ids = _ids(rt, max(starts) + max_width + 1)
+    if sampled is None:
+        sampled = probe_starts(max_width, threads, cap, _window(rt))
+    sampled = tuple(s for s in sampled if cap is None or s + max_width + 1 <= cap)
+    plan = sorted({**{s: sampled_widths(max_width) for s in sampled},
+                   **{s: tuple(range(2, max_width + 1)) for s in starts}}.items())
+    ids = _ids(rt, max(s for s, _ in plan) + max_width + 1)
     worst: dict[int, float] = {w: 0.0 for w in range(2, max_width + 1)}
     trees: bool | None = None  # None: the runtime verifies chains only
-    for s in starts:
-        widths, tree = _probe_start(rt, ids, s, max_width)
-        for w, d in widths.items():
-            worst[w] = max(worst[w], d)
-        if tree is not None:
-            trees = tree == 0.0 and trees is not False
+    rt.reset()
+    try:
+        for s, widths in plan:  # ascending: one prefix, extended from start to start
+            found, tree = _probe_start(rt, ids, s, widths, max_width)
+            for w in worst:
+                # a width not probed from this start counts as off as the widest probed below it:
+                # a verify that rounds apart at some width is not trusted wider
+                d = found.get(w, max((found[v] for v in found if v <= w), default=0.0))
+                worst[w] = max(worst[w], d)
+            if tree is not None:
+                trees = tree == 0.0 and trees is not False
+    finally:
+        rt.reset()
     ms = (time.perf_counter() - t0) * 1e3
     exact = tuple(w for w, d in sorted(worst.items()) if d == 0.0)
     return Exactness(max_width, exact, max(worst.values(), default=0.0), round(ms, 1), trees=trees)
@@ -272,7 +349,8 @@ def probe_cached(rt: Runtime, max_width: int, *, backend: str, version: str, mod
         cached = _read_verdict(path, key, max_width)
         if cached is not None:
             return cached
-    verdict = probe(rt, max_width)
+    threads = options.get("threads")
+    verdict = probe(rt, max_width, threads=threads if isinstance(threads, int) else None)
     from ..models.catalog import write_cache_entry
 
     entry = {"verdict": verdict.to_dict(), "key": key}

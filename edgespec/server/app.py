@@ -97,7 +97,15 @@ async def health(request: Request) -> JSONResponse:
     state = request.app.state
     ok = not state.engine.closed
     return JSONResponse({"status": "ok" if ok else "unavailable", "model": state.config.model_id,
-                         "busy": state.engine.busy, "queued": state.worker.queued}, status_code=200 if ok else 503)
+                         "busy": state.engine.busy, "queued": state.worker.queued,
+                         **state.engine.opened.speculation()}, status_code=200 if ok else 503)
+
+
+def _usage_note(engine) -> dict | None:
+    """What each response's usage block adds where the engine decodes plainly because no verify
+    width rounds like plain decoding here (None: nothing to say)."""
+    opened = engine.opened
+    return opened.speculation() if opened.inexact_refusal is not None else None
 
 
 @router.get("/v1/models")
@@ -162,7 +170,7 @@ async def _generate(request: Request, req: _GenerationRequest, endpoint: _Endpoi
     _check_context(state.engine, prompt.tokens, endpoint.param)
     job = _submit(state.worker, Job(prompt.tokens, params, max_tokens, list(prompt.stop), asyncio.get_running_loop(),
                                     shaper=prompt.shaper))
-    env = out.Envelope.new(endpoint.shape, cfg.model_id)
+    env = out.Envelope.new(endpoint.shape, cfg.model_id, _usage_note(state.engine))
     if req.stream:
         return _JobStream(job, out.events(job.responses(), endpoint.shape, env, req.include_usage()))
     watcher = asyncio.create_task(_watch_client(request, job, cfg.disconnect_poll_s))

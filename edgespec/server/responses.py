@@ -61,10 +61,13 @@ class Envelope:
     id: str
     model: str
     created: int
+    # added to the usage block as "edgespec" (None: nothing): e.g. that the engine decodes plainly
+    # because no verify width is exact here. OpenAI's clients keep unknown usage keys as extras
+    note: dict[str, Any] | None = None
 
     @classmethod
-    def new(cls, shape: ReplyShape, model: str) -> Envelope:
-        return cls(new_id(shape.id_prefix), model, now())
+    def new(cls, shape: ReplyShape, model: str, note: dict[str, Any] | None = None) -> Envelope:
+        return cls(new_id(shape.id_prefix), model, now(), note)
 
 
 def usage(st: GenerationStats) -> dict[str, int]:
@@ -82,7 +85,7 @@ def _body(obj: str, env: Envelope, choice: dict[str, Any] | None, st: Generation
     body: dict[str, Any] = {"id": env.id, "object": obj, "created": env.created, "model": env.model,
                             "choices": [] if choice is None else [{"index": 0, **choice}]}
     if st is not None:
-        body["usage"] = usage(st)
+        body["usage"] = usage(st) if env.note is None else {**usage(st), "edgespec": env.note}
     return body
 
 

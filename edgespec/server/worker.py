@@ -75,6 +75,9 @@ class GenerationWorker:
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
         self.engine = engine
+        decoder = getattr(engine, "decoder", None)
+        if decoder is not None:  # a request's greedy reply must not depend on the requests before it
+            decoder.independent_requests = True
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()

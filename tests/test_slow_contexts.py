@@ -1,0 +1,104 @@
+"""Slow tier: one text per request on the real default model (Gemma 3 270M). Greedy output must not
+depend on a memory budget (both open the mode the machine settled), on what an earlier request left
+in the KV cache (prefill chunks sit at absolute positions), or on drafting at long contexts (the
+probe reaches past every split point and the sliding window's edge)."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+N_TOKENS = 24
+QUESTIONS = ["What is the main topic?", "Summarize it in one line.", "Who is mentioned first?",
+             "What happens next?", "List three key words.", "What is the tone?", "Give it a title.",
+             "What question does it raise?", "Translate the first sentence into French.",
+             "What is missing from it?", "Name one number in it.", "Rewrite the last sentence.",
+             "What would a critic say?", "Where does it take place?", "Explain it to a child.",
+             "What is the best part?"]
+
+
+@pytest.fixture(scope="module")
+def cache(default_cache):
+    return default_cache
+
+
+def _greedy(engine, ids: list[int]) -> list[int]:
+    from edgespec.decoding import SamplingParams
+
+    tokens = list(ids)
+    for _ in engine.stream_ids(tokens, SamplingParams(), N_TOKENS, stop=()):
+        pass
+    return tokens[len(ids):]
+
+
+def _document(tokenizer, n_tokens: int) -> str:
+    """Text of about `n_tokens` tokens: the bench prompts, one after another, as often as needed."""
+    from edgespec.bench.suites import load_prompts
+
+    parts = [m[1] for p in load_prompts("all") for m in p.messages] or ["The cat sat on the mat."]
+    text, i = "", 0
+    while len(tokenizer.encode(text)) < n_tokens:
+        text += parts[i % len(parts)] + "\n\n"
+        i += 1
+    return text
+
+
+def test_a_memory_budget_does_not_change_the_greedy_text(cache):
+    import edgespec
+
+    prompts = [f"Question: {q}\nAnswer:" for q in QUESTIONS[:8]]
+    with edgespec.load() as free:
+        expected = [_greedy(free, free.tokenizer.encode(p)) for p in prompts]
+        mode = free.target.kernel_options()
+    with edgespec.load(memory_budget="900MB") as budgeted:
+        assert budgeted.memory_plan is not None
+        assert budgeted.target.kernel_options() == mode  # the same exact mode, whatever the budget
+        assert [_greedy(budgeted, budgeted.tokenizer.encode(p)) for p in prompts] == expected
+
+
+def test_a_request_s_greedy_reply_does_not_depend_on_the_one_before(cache):
+    """The KV prefix an earlier request shares is reused; the reply must be the fresh engine's."""
+    import edgespec
+    from edgespec.server.worker import GenerationWorker
+
+    with edgespec.load() as fresh:
+        doc = _document(fresh.tokenizer, 300)
+        second = fresh.tokenizer.encode(doc + QUESTIONS[1])
+        first = fresh.tokenizer.encode(doc + QUESTIONS[0])
+        alone = _greedy(fresh, second)
+    with edgespec.load() as served:
+        GenerationWorker(served)  # what the server's worker sets on the engine it serves
+        _greedy(served, first)  # leaves the shared document (and its own reply) cached
+        assert _greedy(served, second) == alone
+
+
+def _contexts(backend: str, n_tokens: int):
+    import edgespec
+    from edgespec.runtimes import installed_backends
+
+    if backend not in installed_backends():
+        pytest.fail(f"{backend} is installed in this project's environment; it must run here")
+    source = None
+    if backend == "llamacpp":
+        from edgespec.models.catalog import preset_source
+
+        source = str(preset_source())  # a .gguf runs directly
+    kw = {"backend": backend, "max_context": n_tokens + 512}
+    with edgespec.load(source, **kw) as spec, edgespec.load(source, use_draft=False, **kw) as plain:
+        doc = _document(spec.tokenizer, n_tokens)
+        drafted = 0
+        for q in QUESTIONS:
+            ids = spec.tokenizer.encode(f"{doc}Question: {q}\nAnswer:")
+            assert _greedy(spec, ids) == _greedy(plain, ids), q
+            drafted += spec.last_stats.drafted
+        assert spec.drafter_name is None or drafted > 0
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "llamacpp"])
+def test_speculative_equals_plain_at_2k_contexts(cache, backend):
+    _contexts(backend, 2000)
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime"])
+def test_speculative_equals_plain_at_8k_contexts(cache, backend):
+    _contexts(backend, 7600)
