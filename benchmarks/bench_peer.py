@@ -1,7 +1,8 @@
 """edgespec against llama.cpp, side by side, greedy and sampled: `edgespec bench` with its llama.cpp peer.
 
     python benchmarks/bench_peer.py [--bundle BUNDLE] [--modes greedy,chat,t1] [--prompts FILE.jsonl]
-                                    [--repeat 2] [--max-tokens 96] [--out DIR] [-- extra edgespec bench flags]
+                                    [--repeat 2] [--max-tokens 96] [--long | --long-only] [--long-limit N]
+                                    [--out DIR] [-- extra edgespec bench flags]
 
 Runs the `edgespec bench` command as a user runs it, once per sampling mode, on the default bundle
 (the embedded Gemma 3 270M, exported on first use; its target came from the Q4_K_M GGUF, which is
@@ -9,6 +10,11 @@ what llama.cpp decodes) or on BUNDLE. Modes: `greedy`; `chat`, the sampler `edge
 default (temperature 0.7, top-p 0.95, top-k 40); `t1`, pure temperature 1 (top-k 0, top-p 1), the
 OpenAI API's default. The llama.cpp peer samples at the same settings. Prompts: the held-out set
 in benchmarks/data/heldout.jsonl (chat, code and grounded prompts no tuning has seen), or FILE.
+`--long` adds the `long` class, `--long-only` runs it alone: the questions of
+benchmarks/data/long.jsonl after a ~2k- or ~8k-token document of licence text shipped inside the
+installed packages (edgespec/bench/long_prompts.py), with the context raised to `--long-context`
+for edgespec and for llama-cpp-python's n_ctx; `--long-limit N` keeps its first N questions (a
+smoke run). Every run starts from empty caches (cold time to first token, no prefix reuse).
 
 In one process per mode, per prompt and repeat, interleaved: edgespec plain, edgespec speculative,
 and llama-cpp-python's own plain decode of the GGUF, all from the same prompt token ids. Every run
@@ -19,7 +25,7 @@ paired per-prompt ratios stands beside it.
 
 Writes into DIR (default: benchmarks/results/bench_peer/): per mode a folder with results.json
 (the bench's versioned JSON), report.md with its plots, and run.log (the console output, with the
-machine line); and summary.md, one table over the modes.
+machine line); and summary.md, one table of decode speed and one of cold time to first token over the modes.
 """
 from __future__ import annotations
 
@@ -59,6 +65,23 @@ def summary_rows(mode: str, doc: dict) -> list[str]:
     return rows
 
 
+def _ttft(m: dict, ref: float | None) -> str:
+    ms = m.get("ttft_ms")
+    if ms is None:
+        return "–"
+    return f"{ms:.0f}" + (f" ({ms / ref:.2f}x)" if ref else "")
+
+
+def ttft_rows(mode: str, doc: dict) -> list[str]:
+    """Markdown rows of one mode's cold time to first token: per class and overall, median ms."""
+    rows = []
+    for cls, block in [*doc["classes"].items(), ("all", doc["overall"])]:
+        peer, plain, spec = block.get("llama.cpp", {}), block["plain"], block.get("speculative", {})
+        ref = peer.get("ttft_ms")
+        rows.append(f"| {mode} | {cls} | {_ttft(peer, None)} | {_ttft(plain, ref)} | {_ttft(spec, ref)} |")
+    return rows
+
+
 def write_summary(out: Path, docs: dict[str, dict]) -> Path:
     first = next(iter(docs.values()))
     m = first["machine"]
@@ -73,10 +96,42 @@ def write_summary(out: Path, docs: dict[str, dict]) -> Path:
     ]
     for mode, doc in docs.items():
         lines += summary_rows(mode, doc)
+    lines += ["", "Cold time to first token (median ms, from empty caches; in brackets, over llama-cpp-python's):",
+              "", "| mode | class | llama-cpp-python | edgespec plain | edgespec speculative |",
+              "| --- | --- | --- | --- | --- |"]
+    for mode, doc in docs.items():
+        lines += ttft_rows(mode, doc)
     lines += ["", "Modes: " + "; ".join(f"`{k}`: {TITLES[k]}" for k in docs) + ".",
               "Greedy speculative output identical to plain: "
               + ("yes" if docs.get("greedy", {}).get("identical", True) else "**NO**") + "."]
     path = out / "summary.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _count_tokens(bundle: str | None):
+    """Tokens of a text by the bundle's tokenizer (the default bundle's without one)."""
+    from tokenizers import Tokenizer
+
+    from edgespec.bundle import load_bundle
+    from edgespec.engine.engine import default_bundle
+
+    folder = Path(bundle) if bundle else default_bundle()
+    tok = Tokenizer.from_file(str(load_bundle(folder).file(load_bundle(folder).manifest.tokenizer.file)))
+    return lambda text: len(tok.encode(text, add_special_tokens=False).ids)
+
+
+def prompts_file(args) -> Path:
+    """The prompts this run measures: --prompts, with the long class after them (--long) or alone
+    (--long-only), written to DIR/prompts.jsonl."""
+    if not (args.long or args.long_only):
+        return args.prompts
+    from edgespec.bench.long_prompts import long_prompts, read_questions
+
+    questions = read_questions(args.long_questions)[:args.long_limit]
+    lines = [] if args.long_only else [ln for ln in args.prompts.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    lines += [json.dumps(r) for r in long_prompts(questions, _count_tokens(args.bundle))]
+    path = args.out / "prompts.jsonl"
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
@@ -87,7 +142,7 @@ def run_mode(mode: str, args, extra: list[str]) -> dict:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "edgespec", "bench", *([args.bundle] if args.bundle else []),
-           "--prompts", str(args.prompts), "--repeat", str(args.repeat), "--max-tokens", str(args.max_tokens),
+           "--prompts", str(args.prompt_file), "--repeat", str(args.repeat), "--max-tokens", str(args.max_tokens),
            "--stop-at-eos", "--seed", str(args.seed), *MODES[mode],
            "--json", str(out / "results.json"), "--report", str(out), *extra]
     print(f"{mode}: {' '.join(cmd[1:])}", file=sys.stderr)
@@ -115,6 +170,13 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "bench_peer")
+    long = ap.add_mutually_exclusive_group()
+    long.add_argument("--long", action="store_true", help="add the long class (2k- and 8k-token documents)")
+    long.add_argument("--long-only", action="store_true", help="run the long class alone")
+    ap.add_argument("--long-questions", type=Path, default=HERE / "data" / "long.jsonl")
+    ap.add_argument("--long-limit", type=int, default=None, help="keep the long class's first N questions")
+    ap.add_argument("--long-context", type=int, default=16384,
+                    help="edgespec's --max-context and llama-cpp-python's n_ctx with the long class")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more `edgespec bench` flags")
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -123,6 +185,9 @@ def main() -> int:
         ap.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     args.out.mkdir(parents=True, exist_ok=True)
     extra = [a for a in args.extra if a != "--"]
+    args.prompt_file = prompts_file(args)
+    if (args.long or args.long_only) and "--max-context" not in extra:
+        extra += ["--max-context", str(args.long_context)]
     docs = {mode: run_mode(mode, args, extra) for mode in modes}
     print(f"summary: {write_summary(args.out, docs)}", file=sys.stderr)
     return 0

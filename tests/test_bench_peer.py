@@ -272,6 +272,104 @@ def test_peer_gguf_flag_is_checked_before_loading(zoo, tmp_path, capsys):
         assert_one_line_error(subprocess.CompletedProcess(args, code, "", err), needle)
 
 
+# ---------------------------------------------------------------- the long class
+
+
+def test_licence_text_reads_each_distinct_licence_once_in_name_order(tmp_path):
+    from edgespec.bench.long_prompts import licence_text
+
+    for name, files in (("b-1.0.dist-info", {"LICENSE": "MIT text"}),
+                        ("a-2.0.dist-info", {"licenses/LICENSE.txt": "Apache text", "licenses/NOTICE": "notice"}),
+                        ("c-1.0.dist-info", {"LICENCE": "MIT text"}), ("d-1.0.dist-info", {"METADATA": "not one"})):
+        for rel, text in files.items():
+            (tmp_path / name / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / rel).write_text(text + "\n")
+    assert licence_text([str(tmp_path)]) == "Apache text\n\nnotice\n\nMIT text"
+    with pytest.raises(ConfigError, match="no licence files"):
+        licence_text([str(tmp_path / "d-1.0.dist-info")])
+    assert len(licence_text()) > 10_000  # this environment's packages: enough for an 8k-token document
+
+
+def test_long_prompts_cut_their_document_to_its_token_length_at_a_line_break(zoo, tmp_path):
+    from edgespec.bench.long_prompts import LONG_CLASS, cut_to_tokens, long_prompts, read_questions
+    from edgespec.bench.suites import load_prompts
+
+    text = "\n".join(f"line {i}: the cat and the dog sat on the mat" for i in range(40))
+    with load(zoo.bundle("llama", None), use_draft=False, drafter="none") as engine:
+        def count(t: str) -> int:
+            return len(engine.tokenizer.encode(t))
+
+        for n in (30, 200, 2000):  # the last longer than the text: it is repeated
+            doc = cut_to_tokens(text, n, count)
+            assert n - 40 < count(doc) <= n and doc.endswith("the mat"), n
+        qfile = tmp_path / "q.jsonl"
+        qfile.write_text('{"id": "a", "doc_tokens": 100, "question": "Who sat?"}\n'
+                         '{"id": "b", "doc_tokens": 300, "question": "Where?"}\n'
+                         '{"id": "c", "doc_tokens": 100, "question": "What sat?"}\n')
+        records = long_prompts(read_questions(qfile), count, text)
+    assert [(r["id"], r["class"]) for r in records] == [("a", LONG_CLASS), ("b", LONG_CLASS), ("c", LONG_CLASS)]
+    a, b, c = (r["messages"][0]["content"] for r in records)
+    assert a.endswith("Question: Who sat?") and c.endswith("Question: What sat?")
+    assert a.split("</document>")[0] == c.split("</document>")[0] != b.split("</document>")[0]  # one doc per length
+    out = tmp_path / "long.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [p.cls for p in load_prompts(str(out))] == [LONG_CLASS] * 3  # what edgespec bench reads
+    (tmp_path / "bad.jsonl").write_text('{"id": "a", "doc_tokens": 0, "question": "?"}\n')
+    with pytest.raises(ConfigError, match=r"^bad\.jsonl:1: need 'id', 'question' and a positive 'doc_tokens'$"):
+        read_questions(tmp_path / "bad.jsonl")
+
+
+def test_the_long_class_is_measured_beside_the_peer_with_cold_first_tokens(zoo):
+    """Questions over a document of a few hundred tokens on the tiny bundle: plain, speculative and
+    the stand-in peer each decode every long prompt from empty caches, timed to the first token."""
+    from edgespec.bench.long_prompts import LONG_CLASS, long_prompts
+    from edgespec.bench.suites import parse_prompt
+
+    text = "\n".join(f"clause {i}: the software is provided as is, without warranty" for i in range(60))
+    cfg = BenchConfig(repeat=1, max_tokens=6, warmup=0)
+    with load(zoo.bundle("llama"), drafter="both") as engine:
+        def count(t: str) -> int:
+            return len(engine.tokenizer.encode(t))
+
+        questions = [{"id": "q1", "doc_tokens": 150, "question": "Is there a warranty?"},
+                     {"id": "q2", "doc_tokens": 350, "question": "What is provided?"}]  # trained on 512
+        prompts = [parse_prompt(r, LONG_CLASS, "long") for r in long_prompts(questions, count, text)]
+        peer = StandInPeer(engine)
+        runs = run_bench(engine, prompts, cfg, peer=peer)
+        s = summarise(runs, [PLAIN, SPECULATIVE, PEER])
+    assert {r.cls for r in runs} == {LONG_CLASS} and len(runs) == 2 * 3
+    assert all(r.prompt_tokens > 150 for r in runs) and all(len(r.tokens) == 6 for r in runs)
+    assert max(len(c) for c in peer.calls) > 350  # the peer was fed the whole long prompt's ids
+    block = s["classes"][LONG_CLASS]
+    for name in (PLAIN, SPECULATIVE, PEER):
+        assert block[name]["ttft_ms"] > 0 and block[name]["tok_s"] > 0, name
+    assert block[SPECULATIVE]["x_llamacpp"] > 0
+
+
+def test_bench_peer_script_runs_the_long_class_alone(zoo, tmp_path):
+    """benchmarks/bench_peer.py --long-only on the tiny bundle, one question, a few tokens: the
+    script builds the prompts, raises the context and writes both tables (run, not imported)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_peer.py"
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text('{"id": "one", "doc_tokens": 120, "question": "What is it about?"}\n'
+                     '{"id": "two", "doc_tokens": 240, "question": "Not run: --long-limit 1"}\n')
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(script), "--bundle", str(zoo.bundle("llama")), "--modes", "greedy",
+                           "--long-only", "--long-questions", str(qfile), "--long-limit", "1", "--long-context", "512",
+                           "--repeat", "1", "--max-tokens", "4", "--out", str(out), "--", "--warmup", "0", "--no-peer",
+                           *LENIENT], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = (out / "prompts.jsonl").read_text().splitlines()
+    assert json.loads(line)["id"] == "one" and json.loads(line)["class"] == "long"
+    (doc,) = load_runs(out / "greedy" / "results.json")
+    assert list(doc["classes"]) == ["long"] and doc["classes"]["long"][PLAIN]["ttft_ms"] > 0
+    assert "--max-context 512" in (out / "greedy" / "run.log").read_text()
+    summary = (out / "summary.md").read_text()
+    assert "| greedy | long |" in summary and "Cold time to first token" in summary
+
+
 # ---------------------------------------------------------------- exactness probe
 
 

@@ -207,6 +207,64 @@ def test_draft_length_is_capped_before_the_context():
     assert plan.use_draft and 2 <= plan.max_draft < 16 and plan.kv_capacity >= 512
 
 
+def test_window_sized_kv_counts_the_sliding_layers_buffers_once():
+    """Gemma 3 270M's shape: 15 of 18 layers slide, their buffers hold 1088 rows whatever the context."""
+    per = 18 * 2 * 256 * 4
+    t = ModelMemory("target", 344 * MiB, {"float32": per}, 262144, sliding=(15 / 18, 1088))
+    assert t.kv("float32", 500) == per * 500  # below the window-sized buffers' rows: every layer per position
+    assert t.kv("float32", 32768) == round(per * (3 / 18 * 32768 + 15 / 18 * 1088))
+    whole_kv = ModelMemory("target", 0, {"float32": per}, 9).kv("float32", 32768)
+    assert 200 * MiB < t.kv("float32", 32768) < 240 * MiB and whole_kv == 1152 * MiB
+    for bad in ((0.5, 0), (0.0, 10), (1.5, 10), (0.5, -1)):
+        with pytest.raises(ValueError, match="window-sized KV"):
+            ModelMemory("target", 0, {"float32": per}, 9, sliding=bad)
+    # 32k positions fit a budget whose KV part is a few hundred MiB; counted whole they would not
+    budget = BASE + 344 * MiB + 300 * MiB
+    windowed = plan_memory(budget, BASE, t, None, k=0, max_context=32768)
+    whole = plan_memory(budget, BASE, ModelMemory("target", 344 * MiB, {"float32": per}, 262144), None, k=0,
+                        max_context=32768)
+    assert windowed.kv_capacity == 32768 and whole.kv_capacity < 32768 // 3
+    text = describe_plan(windowed)
+    assert "target KV cache (32768 positions x 6 KiB + 1088 x 30 KiB on 83% of layers windowed, float32)" in text
+
+
+def test_the_default_context_is_the_trained_one_where_memory_allows():
+    from edgespec.memory.planner import MAX_CONTEXT, MIN_CONTEXT, default_context
+
+    per = 36 * 1024
+    assert default_context(32768, per, 16 * 2**30) == 32768
+    assert default_context(32768, per, None) == 32768  # memory unknown: the trained context
+    assert default_context(131072, per, 64 * 2**30) == MAX_CONTEXT  # the planner's cap
+    assert default_context(None, per, 16 * 2**30) is None  # no record: the backend's own default
+    assert default_context(32768, per, 2 * 8000 * per) == 8000  # KV at most half of what is available
+    assert default_context(32768, per, 10 * per) == MIN_CONTEXT
+
+
+def test_an_engine_without_max_context_holds_the_trained_context(zoo):
+    from edgespec.bundle import load_bundle
+    from edgespec.memory.planner import MAX_CONTEXT
+
+    bundle = zoo.bundle("llama", None)
+    trained = load_bundle(bundle).manifest.target.context_length
+    assert trained and trained != 4096
+    with load(bundle, backend="onnxruntime", use_draft=False, drafter="none") as engine:
+        assert engine.context_limit == engine.target.kv_capacity == min(trained, MAX_CONTEXT)
+    with load(bundle, backend="onnxruntime", use_draft=False, drafter="none", max_context=64) as engine:
+        assert engine.context_limit == engine.target.kv_capacity == 64  # --max-context still caps it
+
+
+def test_measured_memory_takes_the_runtimes_window_sized_kv():
+    from types import SimpleNamespace
+
+    from edgespec.memory.loading import measured_memory
+
+    rt = SimpleNamespace(model_sizes=dict, kv_bytes_per_token=96, kv_dtypes=("float32",), vocab_size=10,
+                         kv_sliding=(2 / 3, 64))
+    assert measured_memory("target", rt, 5).sliding == (2 / 3, 64)
+    del rt.kv_sliding  # a backend that holds every layer whole
+    assert measured_memory("target", rt, 5).sliding == (0.0, 0)
+
+
 # -- the fixed KV buffers of the onnxruntime runtime ----------------------------------------
 
 def target_runtime(bundle, **kw) -> OnnxRuntime:

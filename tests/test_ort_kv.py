@@ -11,7 +11,15 @@ import numpy as np
 import pytest
 
 from edgespec.errors import BackendError, BundleError, ContextFullError
-from edgespec.runtimes.onnxruntime.kv import DEFAULT_KV_CAPACITY, FixedBufferKV, KVLayout, plan_kv
+from edgespec.runtimes.onnxruntime.kv import (
+    DEFAULT_KV_CAPACITY,
+    WINDOW_FORWARD,
+    WINDOW_ROLLBACK,
+    FixedBufferKV,
+    KVLayout,
+    plan_kv,
+    window_start,
+)
 
 
 def graph(layers: int, kvh: int, hd: int, append: bool) -> tuple[list, list]:
@@ -134,6 +142,63 @@ def test_a_wider_verify_grows_the_logits_buffer_once_and_a_probe_leaves_the_cach
     assert kv.probe(16, 40) and kv.n_past == 0 and sess.runs[-1] == (24, 17)
     assert not kv.probe(4, 65)  # past the capacity: not run
     assert len(sess.runs) == 3
+
+
+def windowed(capacity: int, pad_rows: bool) -> tuple[FixedBufferKV, PositionSession]:
+    """Three layers, the last two sliding over a window of 8 aligned to 4 (rows: 64 + 8 + 4 + 256 + pad);
+    the fake session reads P from layer 0's past, a full one's."""
+    meta = {"edgespec.window": "8", "edgespec.window_align": "4", "edgespec.window_layers": "1,2"}
+    plan = plan_kv(*graph(3, 1, 4, append=True), capacity=capacity, pad_rows=pad_rows, meta=meta)
+    sess = PositionSession()
+    return FixedBufferKV(plan, sess, None, "logits", 6), sess
+
+
+@pytest.mark.parametrize("pad_rows", [False, True], ids=["default", "padded"])
+def test_sliding_layers_hold_a_window_sized_buffer_whose_live_rows_move_to_the_front(pad_rows):
+    rows = WINDOW_ROLLBACK + 8 + 4 + WINDOW_FORWARD + pad_rows
+    kv, sess = windowed(2000, pad_rows)
+    assert kv.plan.sliding_rows == rows and kv.plan.sliding_kv() == (2 / 3, rows)
+    assert [len(b) for b in kv.buffers()] == [2000 + pad_rows] * 2 + [rows] * 4
+    n = 0
+    for width in [300, 1, 5, 256, 17, 200, 3]:  # a prefill wider than a sliding buffer takes runs in pieces
+        kv.forward(list(range(width)), 1)
+        n += width
+        assert kv.n_past == n
+        # every sliding buffer holds position p at row p - base for the window a forward at n reads
+        base, start = kv._base, window_start(n, 8, 4)
+        assert base <= start
+        for buf in kv.buffers()[2:]:
+            assert buf[start - base:n - base, 0, 0].tolist() == list(range(start, n))
+        assert kv.buffers()[0][:n, 0, 0].tolist() == list(range(n))  # the full layer: every position
+    assert [r[1] - pad_rows for r in sess.runs[:3]] == [256, 44, 1]  # pieces end at multiples of 256
+    assert kv.memory()["kv"] == sum(b.nbytes for b in kv.buffers()) < 6 * (2000 + pad_rows) * 16
+    assert kv.memory()["kv_used"] == n * 2 * 16 + rows * 4 * 16
+
+
+def test_a_window_sized_buffer_rolls_back_exactly_within_its_margin_and_to_nothing_past_it():
+    kv, sess = windowed(2000, False)
+    kv.forward(list(range(700)), 1)
+    for _ in range(300):  # decodes past several moves of the live rows
+        kv.forward([7], 1)
+    n = kv.n_past
+    kv.trim(n - WINDOW_ROLLBACK + 4)  # a rejected draft's rollback: within what the buffers keep
+    assert kv.n_past == n - WINDOW_ROLLBACK + 4
+    kv.forward([7] * 3, 1)
+    m = kv.n_past
+    start = window_start(m, 8, 4)
+    assert kv.buffers()[2][start - kv._base:m - kv._base, 0, 0].tolist() == list(range(start, m))
+    kv.trim(300)  # the rows a forward at 300 reads are gone: nothing is held, the caller feeds again
+    assert kv.n_past == 0 and kv._base == 0
+    kv.forward(list(range(20)), 1)
+    assert sess.runs[-1] == (0, 20)
+
+
+def test_the_window_sized_buffers_are_for_chains_and_small_capacities_keep_whole_buffers():
+    meta = {"edgespec.window": "8", "edgespec.window_align": "4", "edgespec.window_layers": "0"}
+    inputs, outputs = graph(2, 1, 4, append=True)
+    assert plan_kv(inputs, outputs, capacity=300, meta=meta).sliding_rows is None  # whole buffers are smaller
+    tree = plan_kv([*inputs, ("tree_path", [1, "S"])], outputs, capacity=2000, meta=meta)
+    assert tree.window is not None and tree.sliding_rows is None and tree.sliding_kv() == (0.0, 0)
 
 
 # ---------------------------------------------------------------- on a tiny model

@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from ..runtimes import BACKENDS, pick_backend
 from .choices import STATIC_DRAFT_WIDTH, backend_for_device, resolve_drafting, shared_body_blocker
 from .config import EngineConfig
+from .context import check_max_context
 
 if TYPE_CHECKING:
     from .tuning import Tuning
@@ -137,12 +138,30 @@ def _frozen(options: dict) -> MappingProxyType:
     return MappingProxyType(dict(options))
 
 
+def _default_context(m, backend: str) -> int | None:
+    """The trained context where memory allows (memory/planner.default_context), on a backend
+    whose KV buffers commit memory as they fill (its Runtime's `lazy_kv`); else None, its own default."""
+    from ..memory.planner import available_memory, default_context
+    from ..runtimes import runtime_class
+
+    trained = getattr(m.target, "context_length", None)  # None: an older bundle
+    try:
+        if trained is None or not getattr(runtime_class(backend), "lazy_kv", False):
+            return None
+    except ImportError:  # not importable here: planned without opening
+        return None
+    entries = [e for e in (m.target, getattr(m, "draft", None)) if e is not None]
+    per_token = sum(2 * 4 * e.n_layers * e.n_kv_heads * e.head_dim for e in entries)
+    return default_context(trained, per_token, available_memory())
+
+
 def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tuned | None = None) -> EnginePlan:
     """The plan for opening a bundle with `manifest` under `config` where `installed` backends are;
     `tuned` (tuning.py) fills what the config leaves open: the backend, an auto draft body, and
     the verify width where no k is given."""
     c = config
     m = manifest
+    check_max_context(c.max_context, getattr(m.target, "context_length", None))  # None: an older bundle
     backend = pick_backend(m.target.formats, c.backend or (tuned.backend if tuned else None)
                            or backend_for_device(c.device, m.target.formats, installed), installed)
     body = tuned.draft_body if tuned and tuned.draft_body and c.draft_body == "auto" else c.draft_body
@@ -158,8 +177,9 @@ def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tun
                           f"(it has: {', '.join(sorted(m.target.formats))})")
     wants_draft = drafter is not None and DRAFTERS[drafter].needs_model
     budgeted = c.memory_budget is not None
+    ctx = c.max_context if c.max_context is not None or budgeted or c.static else _default_context(m, backend)
     common = {"threads": c.threads, "device": c.device,
-              **({"kv_capacity": c.max_context} if c.max_context is not None and not budgeted else {})}
+              **({"kv_capacity": ctx} if ctx is not None and not budgeted else {})}
     shared, reason = False, "no draft model"  # the draft's body is decided here, and only here
     if wants_draft:
         reason = "--draft-body own" if body == c.draft_body else "own body: measured fastest here"

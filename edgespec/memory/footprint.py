@@ -5,7 +5,9 @@ no KV cache, no forward scratch of its own):
   base        the interpreter, libraries and tokenizer (measured before the models load)
   fixed       per model: its weights as the backend holds them plus the runtime's own buffers
               (measured at load: RSS before/after opening it and one warm-up forward)
-  kv          per model: positions x layers x KV heads x head dim x 2 (K and V) x dtype bytes
+  kv          per model: positions x layers x KV heads x head dim x 2 (K and V) x dtype bytes,
+              except that a sliding-window layer held in a window-sized buffer (onnxruntime,
+              docs/long-context.md) counts that buffer's rows at most, whatever the context
   candidates  logits of one step: (k+1) x vocab for the target's verify, k x K for a draft with
               a K-token (VocabTrim) head; sampling adds one target row's selection scratch or
               float32 exps, and each draft row's float32 exps (decoding/token_dist.py)
@@ -61,7 +63,9 @@ def workspace_bytes(s: Shapes, n_new: int, n_ctx: int) -> int:
     the MLP (gate, up, product: 3 x intermediate), query/attention output (2 x heads x head dim),
     attention scores, masked scores and softmax (3 x heads x n_ctx), the additive masks (2 layer
     types x n_ctx) and the layer's K/V over the whole context in the layout attention reads
-    (concatenated and transposed: 4 x KV heads x head dim x n_ctx)."""
+    (concatenated and transposed: 4 x KV heads x head dim x n_ctx). A sliding-window layer bound
+    only its window (docs/long-context.md) reads less, but layers run one at a time and a
+    full-attention layer's forward is the peak, so the whole context stays the bound."""
     per_token = 6 * s.hidden + 3 * s.intermediate + 2 * s.n_heads * s.head_dim + (3 * s.n_heads + 2) * n_ctx
     floats = n_new * per_token + 4 * s.n_kv_heads * s.head_dim * n_ctx
     return 4 * floats
@@ -116,6 +120,9 @@ class ModelMemory:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # (n_new, n_ctx, bytes): scratch measured by one probe forward at load, or None
     scratch: tuple[int, int, int] | None = None
+    # (share of kv_per_token on window-sized buffers, rows they hold): those layers' KV stops
+    # growing at that many positions (runtimes/onnxruntime/kv.KVPlan.sliding_kv); (0.0, 0): none
+    sliding: tuple[float, int] = (0.0, 0)
     # the same, measured first at the lower bounds' own shape (MIN_CHUNK tokens over MIN_CONTEXT),
     # so the bounds do not depend on how roomy the budget was
     bound_scratch: tuple[int, int, int] | None = None
@@ -127,13 +134,19 @@ class ModelMemory:
         least = 0 if self.shares_body else 1
         if self.fixed < 0 or not self.kv_per_token or min(self.kv_per_token.values()) < least:
             raise ValueError(f"bad memory figures for the {self.role}: {self}")
+        share, rows = self.sliding
+        if not 0.0 <= share <= 1.0 or rows < 0 or (share > 0) != (rows > 0):
+            raise ValueError(f"bad window-sized KV for the {self.role}: {self.sliding}")
 
     @property
     def kv_dtypes(self) -> tuple[str, ...]:
         return tuple(self.kv_per_token)
 
     def kv(self, dtype: str, positions: int) -> int:
-        return self.kv_per_token[dtype] * positions
+        """KV bytes at `positions` of context: the full-attention layers' per position, the
+        window-sized ones' up to their rows."""
+        share, rows = self.sliding
+        return int(round(self.kv_per_token[dtype] * ((1 - share) * positions + share * min(positions, rows))))
 
     def workspace(self, n_new: int, n_ctx: int) -> int:
         """Scratch held for forwards of up to n_new tokens over n_ctx positions, with

@@ -54,7 +54,8 @@ def measured_memory(role: str, rt: Runtime, fixed: int, estimate: ModelMemory | 
         table = dict(estimate.kv_per_token)
     else:
         raise ValueError(f"the {role} runtime does not report kv_bytes_per_token")
-    return ModelMemory(role, max(0, fixed), table, rt.vocab_size, shapes, measured=True)
+    return ModelMemory(role, max(0, fixed), table, rt.vocab_size, shapes, measured=True,
+                       sliding=getattr(rt, "kv_sliding", (0.0, 0)))
 
 
 def mapped_bytes(rt: Runtime) -> int:
@@ -198,6 +199,16 @@ class BudgetedLoad:
         return plan
 
 
+def _windowed(mem: ModelMemory, path, fmt: str) -> ModelMemory:
+    """`mem` with the window-sized KV onnxruntime holds for the graph at `path` (read from its
+    metadata, runtimes/onnxruntime/kv.sliding_kv_of); other formats' holders keep every layer whole."""
+    if fmt != "onnx":
+        return mem
+    from ..runtimes.onnxruntime.kv import sliding_kv_of
+
+    return replace(mem, sliding=sliding_kv_of(path))
+
+
 def _files_bytes(path) -> int:
     return sum(p.stat().st_size for p in path.parent.glob(path.name + "*") if p.is_file())
 
@@ -219,13 +230,15 @@ class EngineBudget:
         m = bundle.manifest
         self.load = BudgetedLoad(budget, k, max_k, max_context)
         self._kv_dtypes = kv_dtypes
-        self._t_est = estimated_memory("target", m.target, _files_bytes(bundle.file(m.target.formats[fmt].file)),
-                                       kv_dtypes)
+        self._t_est = _windowed(estimated_memory("target", m.target,
+                                                 _files_bytes(bundle.file(m.target.formats[fmt].file)), kv_dtypes),
+                                bundle.file(m.target.formats[fmt].file), fmt)
         self._d_est = None
         if wants_draft and m.draft is not None and draft_fmt is not None:
             draft_bytes = _files_bytes(bundle.file(m.draft.formats[draft_fmt].file))
             self._d_est = (head_estimate(m.draft, draft_bytes, m.target.vocab_size, kv_dtypes) if shared_body
-                           else estimated_memory("draft", m.draft, draft_bytes, kv_dtypes))
+                           else _windowed(estimated_memory("draft", m.draft, draft_bytes, kv_dtypes),
+                                          bundle.file(m.draft.formats[draft_fmt].file), draft_fmt))
         # file sizes under-count what a backend holds, so this plan's capacity is an upper bound
         self.first = self.load.plan(self._t_est, self._d_est)
         self.load_draft = self.first.use_draft

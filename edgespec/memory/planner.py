@@ -14,8 +14,9 @@ from ..errors import MemoryBudgetError
 from .budget import format_bytes
 from .footprint import ModelMemory, candidate_bytes
 
-__all__ = ["BOUND_HEADROOM", "PLAN_HEADROOM", "MIN_CONTEXT", "MAX_CONTEXT", "PREFILL_CHUNK", "WANT_CONTEXT", "Plan",
-           "Bounds", "lower_bounds", "plan_memory", "describe_plan"]
+__all__ = ["BOUND_HEADROOM", "DEFAULT_CONTEXT_SHARE", "PLAN_HEADROOM", "MIN_CONTEXT", "MAX_CONTEXT", "PREFILL_CHUNK",
+           "WANT_CONTEXT", "Plan", "Bounds", "available_memory", "default_context", "lower_bounds", "plan_memory",
+           "describe_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,35 @@ BOUND_HEADROOM = 0.03
 # peaked from a little over its planned total to well under, in processes with glibc's moving mmap
 # threshold; with it fixed (memory.loading), a little under every time (docs/memory-budgets.md)
 PLAN_HEADROOM = 0.02  # of the budget (the printed bounds carry more, BOUND_HEADROOM)
+
+
+# without a budget, the default context's KV cache (counted whole on every layer: an upper bound)
+# may take at most this share of the memory available when the engine opens
+DEFAULT_CONTEXT_SHARE = 0.5
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation now (psutil), None where it cannot tell."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except (ImportError, OSError, AttributeError):
+        return None
+
+
+def default_context(trained: int | None, kv_per_token: int, available: int | None) -> int | None:
+    """The context an engine holds when neither --max-context nor a memory budget sets one, on a
+    backend whose KV buffers commit memory only as they fill: the model's `trained` context (at
+    most MAX_CONTEXT), lowered where `kv_per_token` (both models, every layer) times it would
+    take more than DEFAULT_CONTEXT_SHARE of the `available` memory, never below MIN_CONTEXT.
+    None where the bundle records no trained context (the backend's own default then)."""
+    if not trained:
+        return None
+    n = min(trained, MAX_CONTEXT)
+    if available is not None and kv_per_token > 0:
+        n = min(n, max(MIN_CONTEXT, int(available * DEFAULT_CONTEXT_SHARE) // kv_per_token))
+    return n
 
 
 def _unplanned(budget: int) -> int:
@@ -238,13 +268,23 @@ def _plan(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None
             parts.append((f"{m.role} head on the target's body ({how})", m.fixed))
             continue
         parts.append((f"{m.role} weights + runtime ({how})", m.fixed))
-        parts.append((f"{m.role} KV cache ({capacity} positions x {format_bytes(m.kv_per_token[d])}, {d})",
-                      m.kv(d, capacity)))
+        parts.append((f"{m.role} KV cache ({_kv_label(m, d, capacity)})", m.kv(d, capacity)))
     parts.append((f"candidates and logits (k <= {kk})", candidate_bytes(kk, target.vocab, dvocab, sampling)))
     whose = "the larger forward" if reused and len(models) > 1 else "a forward"
     parts.append((f"scratch of {whose} of {min(chunk, capacity)} tokens over the context "
                   f"({'measured' if probed else 'estimated'})", scratch))
     return Plan(budget, use_draft, capacity, kk, dtype, min(chunk, capacity), bounds, tuple(parts), tuple(notes))
+
+
+def _kv_label(m: ModelMemory, dtype: str, capacity: int) -> str:
+    """How a model's KV bytes are counted: positions x bytes each, and the window-sized part."""
+    share, rows = m.sliding
+    per = m.kv_per_token[dtype]
+    if not share:
+        return f"{capacity} positions x {format_bytes(per)}, {dtype}"
+    full = format_bytes(per * (1 - share))
+    return (f"{capacity} positions x {full} + {min(capacity, rows)} x {format_bytes(per * share)} "
+            f"on {share:.0%} of layers windowed, {dtype}")
 
 
 def describe_plan(plan: Plan) -> str:

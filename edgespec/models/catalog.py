@@ -77,8 +77,10 @@ def write_cache_entry(path: Path, obj: object, what: str) -> None:
 # should be rebuilt (it still loads): the default bundle and those built for a GGUF run directly
 # carry it in their folder names. 2 = the fused onnxruntime decoder graph and the compact
 # tokenizer.json; 3 = attention scores summed from 128-deep products, so that a verify rounds like
-# plain decoding at every context length (onnx/graph._scores).
-BUNDLE_REVISION = 3
+# plain decoding past the kernels' split points (onnx/graph._scores; the probe checks the contexts
+# it reaches, runtimes/exactness.py); 4 = sliding-window layers read only the
+# keys their window can see (onnx/masks._window_start), so their cost stays flat in the context.
+BUNDLE_REVISION = 4
 
 
 def default_bundle_path(preset: str = DEFAULT_PRESET) -> Path:

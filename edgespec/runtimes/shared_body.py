@@ -94,6 +94,7 @@ class SharedBody:
         """Roll the body back to `start` positions and feed the rest of `seq`, keeping the rows
         from `lo` on (and the newest WINDOW)."""
         self.body.trim(start)
+        start = min(start, self.body.n_past)  # a window-sized cache trimmed past what it holds keeps none
         del self.ids[start:]
         fed = len(seq) - start
         keep = max(WINDOW, len(seq) - lo)
@@ -136,6 +137,7 @@ class SharedBodyRuntime(Runtime):
         self.capabilities = replace(caps, extra={**caps.extra, "shared_body": role})
         self.kv_capacity = body.kv_capacity
         self.kv_bytes_per_token = body.kv_bytes_per_token if owner else 0
+        self.kv_sliding = getattr(body, "kv_sliding", (0.0, 0)) if owner else (0.0, 0)
         self.kv_dtypes = body.kv_dtypes
 
     @property

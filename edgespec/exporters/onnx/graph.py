@@ -13,7 +13,12 @@ and the graph returns only the new positions:
   input_ids (1, S) int64, n_logits (1,) int64, past_key_<i>/past_value_<i> (1, P, kvh, hd)
   → logits (1, n_logits, V), new_key_<i>/new_value_<i> (1, S, kvh, hd)
 so a runtime can keep one preallocated (capacity, kvh, hd) buffer per tensor, bind its
-prefix as the past and write the new rows straight after it (no growth, no copies).
+prefix as the past and write the new rows straight after it (no growth, no copies). In a model
+with sliding-window and full-attention layers, a sliding layer's past may be bound shorter than
+the others: it then holds the last positions only, from kv_start = P - its length on (P: a full
+layer's past), and a runtime binds the part of the cache the window can see (GraphOptions.window_keys,
+the metadata says which layers), so their attention costs the same at every context length. A
+caller that binds every past whole gets the same model attending over the whole cache.
 
 "buffer" (what the OpenVINO export writes; every size is a shape, no size is a value, so the graph
 can be reshaped to fixed sizes for an NPU):
@@ -42,8 +47,9 @@ from onnx import TensorProto, helper
 from ..gguf.transcode import BlockWeight
 from ..spec import ModelSpec
 from .fused import rotary
-from .masks import buffer_positions_and_masks, positions_and_masks
-from .ops import _G, _activation, _add_norm, _linear, _linears, _norm, _rope
+from .masks import buffer_positions_and_masks, positions_and_masks, window_align
+from .moe import is_moe, moe_mlp
+from .ops import _G, _activation, _add_norm, _linear, _linears, _norm, _rope, _softcap
 from .tree import tree_attention, tree_context, tree_input_infos
 
 __all__ = ["GraphOptions", "build_decoder", "OPSET", "KV_LAYOUTS"]
@@ -75,6 +81,12 @@ class GraphOptions:
     # tree verification (onnx/tree.py): tree_path/tree_depth inputs, attention summed in blocks at
     # absolute positions so a tree's rows round as a chain's; onnxruntime's fused append graph only
     tree: bool = False
+    # sliding-window layers may be bound only the keys their window can see (a shorter past), so
+    # their cost stays flat as the context grows; None: on for the append layout without `tree`
+    # (the buffer layout and the tree graph attend over the whole cache and mask)
+    window_keys: bool | None = None
+    # the position a runtime aligns a sliding past's start to, recorded in the metadata; None: masks.window_align
+    window_align: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -82,10 +94,18 @@ class GraphOptions:
         if self.fused and (self.kv_layout == "buffer" or self.nbits_float_zero_points):
             raise ValueError("fused_ops are onnxruntime's kernels; the buffer layout and float zero points are "
                              "OpenVINO's graph: give fused_ops=False")
+        if self.window_keys and (self.kv_layout == "buffer" or self.tree):
+            raise ValueError("window_keys is written for the append layout without tree verification")
+        if self.window_align is not None and self.window_align < 1:
+            raise ValueError(f"window_align must be >= 1, got {self.window_align}")
 
     @property
     def fused(self) -> bool:
         return self.kv_layout == "append" if self.fused_ops is None else self.fused_ops
+
+    @property
+    def windowed(self) -> bool:
+        return self.kv_layout == "append" and not self.tree if self.window_keys is None else self.window_keys
 
 
 def _split_fused(w: dict[str, np.ndarray], spec: ModelSpec, i: int) -> None:
@@ -136,7 +156,8 @@ def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[s
         values = out_v = g.op("Concat", [past[1], v], axis=2)
     if "score_index" in ctx:  # the tree graph (onnx/tree.py)
         out = tree_attention(g, spec, q, keys, values, ctx["row_mask"][lt], ctx,
-                             lambda rows, keys: _scores(g, rows, keys, hd), scaled)
+                             lambda rows, keys: _softcap(g, _scores(g, rows, keys, hd), spec.attn_logit_softcap),
+                             scaled)
         return _linear(g, out, w[p + "self_attn.o_proj.weight"], p + "o_proj"), out_k, out_v
     if ctx["append"]:
         mask = ctx["row_mask"][lt] if fused else ctx["mask"][lt]
@@ -156,6 +177,7 @@ def _grouped_attention(g: _G, spec: ModelSpec, q: str, k: str, v: str, mask: str
     v5 = g.op("Unsqueeze", [v, g.const([2], dtype=np.int64)])
     q5 = g.op("Mul", [q5, g.const(spec.query_scale, dtype=np.float32)])
     scores = g.op("MatMul", [q5, g.op("Transpose", [k5], perm=[0, 1, 2, 4, 3])])  # (1, KVH, rep, S, T)
+    scores = _softcap(g, scores, spec.attn_logit_softcap)
     scores = g.op("Add", [scores, mask])
     probs = g.op("Softmax", [scores], axis=-1)
     out = g.op("MatMul", [probs, v5])  # (1, KVH, rep, S, hd)
@@ -184,7 +206,7 @@ def _attention_rows(g: _G, spec: ModelSpec, w, p: str, q: str, k: str, v: str, m
     if copies == 2:
         q = g.op("Concat", [q, q], axis=2)  # (1, H, 2S, hd)
     rows = g.op("Reshape", [q, g.const([1, KVH, -1, hd], dtype=np.int64)])  # (1, KVH, rep*copies*S, hd)
-    scores = _scores(g, rows, k, hd)  # (1, KVH, R, T)
+    scores = _softcap(g, _scores(g, rows, k, hd), spec.attn_logit_softcap)  # (1, KVH, R, T)
     if row_mask:
         probs = g.op("Softmax", [g.op("Add", [scores, mask])], axis=-1)
     else:
@@ -264,7 +286,7 @@ def build_decoder(
     g.fused = options.fused
     n_vocab = len(options.vocab_keep) if options.vocab_keep is not None else spec.vocab_size
     inputs, past = _graph_inputs(spec, options, len(layers))
-    ctx = _context(g, spec, options, past[0][0])
+    ctx = _context(g, spec, options, past, _window_layers(spec, options, layers))
     x, emb_name = _embed(g, spec, w)
     residual = None  # the last residual branch, added by the next norm (one fused kernel)
     for j, li in enumerate(layers):
@@ -313,15 +335,28 @@ def _graph_outputs(spec: ModelSpec, options: GraphOptions, n_layers: int, n_voca
         for j in range(n_layers) for n in ("key", "value")]
 
 
-def _context(g: _G, spec: ModelSpec, options: GraphOptions, past0: str) -> dict:
+def _window_layers(spec: ModelSpec, options: GraphOptions, layers) -> tuple[int, ...]:
+    """The graph's layers (indices among the kept ones) whose pasts a runtime may bind shorter: the
+    sliding ones, where a full-attention layer is kept too (its past says where the context ends)."""
+    if not (options.windowed and spec.sliding_window):
+        return ()
+    sliding = tuple(j for j, li in enumerate(layers) if spec.layer_types[li] == "sliding_attention")
+    return sliding if len(sliding) < len(layers) else ()
+
+
+def _context(g: _G, spec: ModelSpec, options: GraphOptions, past: list[tuple[str, str]],
+             sliding: tuple[int, ...]) -> dict:
     """Positions, masks and RoPE tables shared by every layer (onnx/masks.py, onnx/tree.py), and the
-    layout's switches the layers read."""
+    layout's switches the layers read. `sliding`: the layers whose pasts may be bound shorter."""
+    past0 = past[0][0]
     if options.kv_layout == "buffer":
         ctx = buffer_positions_and_masks(g, spec, past0)
     elif options.tree:
         ctx = tree_context(g, spec, past0, "input_ids")
     else:
-        ctx = positions_and_masks(g, spec, past0, "input_ids", fused=options.fused)
+        full = next(j for j in range(len(past)) if j not in sliding)
+        ctx = positions_and_masks(g, spec, past[full][0], "input_ids", fused=options.fused,
+                                  window_past=past[sliding[0]][0] if sliding else None)
     ctx["append"], ctx["fused"] = options.kv_layout == "append", options.fused
     return ctx
 
@@ -359,6 +394,9 @@ def _layer(g: _G, spec: ModelSpec, w, li: int, x: str, residual: str | None, pas
         attn = norm(attn, "post_attention_layernorm")
     ff_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
     h, x = _add_norm(g, spec, x, attn, w[p + ff_norm + ".weight"], p + ff_norm, fused)
+    if is_moe(w, p):  # a mixture of experts (onnx/moe.py)
+        mlp = moe_mlp(g, spec, w, p, h, fused)
+        return x, norm(mlp, "post_feedforward_layernorm") if sandwich else mlp
     gate, up = _linears(g, h, w, ["mlp.gate_proj", "mlp.up_proj"], p, "gate_up_proj" if fused else None)
     gate = _activation(g, gate, spec.activation, fused)
     mlp = _linear(g, g.op("Mul", [gate, up]), w[p + "mlp.down_proj.weight"], p + "down_proj")
@@ -413,4 +451,16 @@ def _shape_metadata(spec: ModelSpec, w, layers, n_vocab: int, options: GraphOpti
     return {"edgespec.kv_layout": options.kv_layout, "edgespec.hidden_size": str(spec.hidden_size),
             "edgespec.n_heads": str(spec.n_heads), "edgespec.n_layers": str(len(layers)),
             "edgespec.intermediate_size": str(gate.shape[0] if gate is not None else 4 * spec.hidden_size),
-            "edgespec.vocab": str(n_vocab), "edgespec.tree": str(int(options.tree))}
+            "edgespec.vocab": str(n_vocab), "edgespec.tree": str(int(options.tree)),
+            **_window_metadata(spec, options, layers)}
+
+
+def _window_metadata(spec: ModelSpec, options: GraphOptions, layers) -> dict[str, str]:
+    """What a runtime needs to bind the sliding layers' pasts shorter: the window, the alignment of
+    their first position and which past_key_<j>/past_value_<j> are theirs."""
+    sliding = _window_layers(spec, options, layers)
+    if not sliding:
+        return {}
+    return {"edgespec.window": str(spec.sliding_window),
+            "edgespec.window_align": str(options.window_align or window_align(spec.head_dim)),
+            "edgespec.window_layers": ",".join(map(str, sliding))}

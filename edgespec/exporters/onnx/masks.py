@@ -8,15 +8,19 @@ from onnx import TensorProto
 from ..spec import ModelSpec
 from .fused import once_per_forward
 
-__all__ = ["positions_and_masks", "buffer_positions_and_masks", "masks_and_rope"]
+__all__ = ["window_align", "positions_and_masks", "buffer_positions_and_masks", "masks_and_rope"]
 
 _NEG = float(np.finfo(np.float32).min)
 
 
-def positions_and_masks(g, spec: ModelSpec, past0: str, ids: str, fused: bool = False) -> dict:
+def positions_and_masks(g, spec: ModelSpec, past0: str, ids: str, fused: bool = False,
+                        window_past: str | None = None) -> dict:
     """Positions P..P+S-1, RoPE cos/sin per layer type, additive causal (and sliding) masks; `fused`:
     cos/sin as RotaryEmbedding reads them, and onnx/fused.once_per_forward. `past0` is the append
-    layout's sequence-major past (1, P, kvh, hd)."""
+    layout's sequence-major past (1, P, kvh, hd), a full-attention layer's. `window_past`: a sliding
+    layer's past, which may hold only the last positions (the caller binds the part of the cache a
+    window can see, from kv_start = P - its length on): the sliding mask then has those key
+    columns only."""
     i64 = dict(dtype=np.int64)
     p_len = g.op("Gather", [g.op("Shape", [past0]), g.const(1, **i64)])  # scalar P
     s_len = g.op("Gather", [g.op("Shape", [ids]), g.const(1, **i64)])  # scalar S
@@ -26,6 +30,12 @@ def positions_and_masks(g, spec: ModelSpec, past0: str, ids: str, fused: bool = 
     qcol = g.op("Unsqueeze", [qpos, g.const([1], **i64)])  # (S, 1)
     krow = g.op("Unsqueeze", [kpos, g.const([0], **i64)])  # (1, T)
     ctx = masks_and_rope(g, spec, qcol, krow, g.op("LessOrEqual", [krow, qcol]), fused)
+    if window_past and "sliding_attention" in ctx["mask"]:
+        kv_start = g.op("Sub", [g.op("Unsqueeze", [p_len, g.const([0], **i64)]),
+                                g.op("Shape", [window_past], start=1, end=2)])  # (1,)
+        mask = ctx["mask"]["sliding_attention"]  # (1, 1, 1, S, T) -> (1, 1, 1, S, T - kv_start)
+        ctx["mask"]["sliding_attention"] = g.op("Slice", [mask, kv_start, g.const([np.iinfo(np.int64).max], **i64),
+                                                          g.const([4], **i64)])
     return {**ctx, **once_per_forward(g, spec, s_len, ctx["mask"])} if fused else ctx
 
 
@@ -67,3 +77,11 @@ def masks_and_rope(g, spec: ModelSpec, qcol: str, krow: str, causal: str, fused:
         sin = g.op("Mul", [g.op("Sin", [emb]), g.const(scale, dtype=np.float32)])
         rope[lt] = tuple(g.op("Unsqueeze", [t, g.const([0, 1], **i64)]) for t in (cos, sin))  # (1,1,S,hd)
     return {"mask": masks, "rope": rope}
+
+
+def window_align(head_dim: int) -> int:
+    """The default alignment of a sliding layer's first bound key (the runtime's window start,
+    runtimes/onnxruntime/kv.window_start): a multiple of every depth slice onnxruntime's SGEMM
+    takes for P @ V on this head size with up to four threads sharing its output columns (a slice
+    is 128 * 128 / columns per thread deep, at most 1024)."""
+    return min(1024, max(256, 4 * 128 * 128 // max(1, head_dim)))

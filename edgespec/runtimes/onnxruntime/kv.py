@@ -15,7 +15,11 @@ onnxruntime runs one layout of exporters/onnx/graph.py:
   unlike a taller one; the padding row's K/V lands one slot past the sequence. A graph exported
   with `--tree` also takes `tree_path`/`tree_depth` (exporters/onnx/tree.py): a chain's are bound
   from one preallocated range, a tree forward's (`TreeRows`) for that forward only, and
-  `keep_rows` moves the accepted path's K/V rows behind the prefix.
+  `keep_rows` moves the accepted path's K/V rows behind the prefix. Where the graph's metadata
+  names sliding-window layers (exporters/onnx/graph.py, GraphOptions.window_keys), their pasts are
+  bound from an aligned start (`KVWindow`, `window_start`), so those layers attend over their window
+  only, and their buffers hold a window's worth of rows (`KVPlan.sliding_rows`): position p at row
+  p - base, the live rows moved to the front when a forward would pass the end (docs/long-context.md).
 
 `plan_kv` picks the holder and its settings once, from the graph's inputs and outputs and the
 options, without a session: a pure function. A graph of the first exporter's layout (past/present:
@@ -24,7 +28,7 @@ the cache grew by concatenation) is refused there with a BundleError naming the 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,12 +37,18 @@ import numpy as np
 from ...errors import BackendError, BundleError, ContextFullError
 from ..heap import lazy_zeros
 
-__all__ = ["DEFAULT_KV_CAPACITY", "F32", "I64", "FixedBufferKV", "KVHolder", "KVLayout", "KVPlan", "RawBinding",
-           "TreeRows", "graph_io", "kv_kind", "plan_kv"]
+__all__ = ["DEFAULT_KV_CAPACITY", "F32", "I64", "WINDOW_FORWARD", "WINDOW_ROLLBACK", "FixedBufferKV", "KVHolder",
+           "KVLayout", "KVPlan", "KVWindow", "RawBinding", "TreeRows", "graph_io", "kv_kind", "plan_kv",
+           "sliding_kv_of", "window_start"]
 
 # positions preallocated when no capacity is planned; numpy's zeroed buffers are committed
 # page by page as they fill, so an unused tail costs address space, not memory
 DEFAULT_KV_CAPACITY = 4096
+# a sliding layer's buffer takes forwards of up to WINDOW_FORWARD rows (wider ones run in pieces
+# that end at its multiples, as the decoder's chunked prefill does) and keeps WINDOW_ROLLBACK rows
+# before the window of the last move, so that a rejected draft's rollback (a draft model's spans a
+# few one-token forwards) stays exact; the memory planner's prefill chunk is at most WINDOW_FORWARD
+WINDOW_FORWARD, WINDOW_ROLLBACK = 256, 64
 _LOGIT_ROWS = 17  # logits buffer rows kept ready: verify width for drafts up to 16 tokens
 _INPUTS = ["input_ids", "n_logits", "past_key_0"]  # the first inputs of every edgespec decoder graph
 F32, I64 = 1, 7  # ONNX element types (TensorProto.FLOAT, INT64): what both bind paths take as they are
@@ -132,6 +142,43 @@ class KVLayout:
         return 2 * self.n_layers * self.kv_heads * self.head_dim * 4
 
 
+def window_start(n_past: int, window: int, align: int) -> int:
+    """The first position a sliding layer's past is bound from, for a forward whose first new
+    position is `n_past`: the first key its window can see, n_past - window + 1, rounded down to a
+    multiple of `align`.
+
+    A verify row and the same position decoded alone must sum the same terms in the same order.
+    Starting every forward exactly at its first query's window would move a position's key to
+    another column in each (a verify's earlier rows need earlier keys), and onnxruntime's Softmax
+    sums in SIMD lanes by column, its SGEMM sums P @ V in depth slices by column: the sums would
+    round apart. Rounded down to a multiple of `align` (chosen by the exporter for the head size,
+    exporters/onnx/masks.window_align), the two start a whole number of aligned blocks apart: the
+    extra leading columns are masked (exact zeros, summed before any real term) and every real key
+    keeps its lane and its slice. The exactness probe checks the machine at hand."""
+    return max(0, n_past - window + 1) // align * align
+
+
+@dataclass(frozen=True)
+class KVWindow:
+    """A graph's sliding-window layers, whose pasts are bound from `window_start` on."""
+
+    size: int  # keys a sliding layer's query sees, itself included
+    align: int  # the bound past's first position is a multiple of this
+    layers: frozenset[int]  # j of past_key_<j> / past_value_<j>
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or self.align < 1 or not self.layers:
+            raise ValueError(f"bad sliding window: {self}")
+
+    def start(self, n_past: int) -> int:
+        return window_start(n_past, self.size, self.align)
+
+    def rows(self, pad: int) -> int:
+        """Rows a sliding layer's buffer holds: after a move before a forward at P, the rows from
+        start(P - WINDOW_ROLLBACK) (at most rollback + size + align - 2 of them) and the forward's."""
+        return WINDOW_ROLLBACK + self.size + self.align + WINDOW_FORWARD + pad
+
+
 @dataclass(frozen=True)
 class KVPlan:
     """How a runtime holds its cache, settled at construction (plan_kv)."""
@@ -141,6 +188,14 @@ class KVPlan:
     capacity: int | None  # most positions held (a forward past it: ContextFullError); None: no limit
     pad: int  # rows added to every forward (pad_rows), 0 or 1
     tree: bool = False  # the graph takes tree_path/tree_depth (exporters/onnx/tree.py)
+    window: KVWindow | None = None  # sliding layers whose pasts are bound from an aligned start
+    sliding_rows: int | None = None  # rows a sliding layer's buffer holds (None: capacity + pad, as every layer)
+
+    def sliding_kv(self) -> tuple[float, int]:
+        """(share of a position's KV bytes on window-sized buffers, rows those hold): (0.0, 0) for none."""
+        if self.sliding_rows is None or self.window is None:
+            return 0.0, 0
+        return len(self.window.layers) / self.layout.n_layers, self.sliding_rows
 
 
 class KVHolder(abc.ABC):
@@ -223,24 +278,60 @@ class FixedBufferKV(KVHolder):
     def __init__(self, plan: KVPlan, sess, ort, output: str, width: int) -> None:
         super().__init__(plan, sess, ort, output, width)
         lay, rows = plan.layout, plan.capacity + plan.pad
+        sliding = plan.window.layers if plan.sliding_rows and plan.window else frozenset()
+        self._base = 0  # the position a sliding layer's buffer row 0 holds
         # the padding row's K/V lands one slot past the sequence: room for it at capacity. Pages
         # are committed as they are written: RSS follows the context actually used (lazy_zeros)
-        self._kv = [lazy_zeros((rows, lay.kv_heads, lay.head_dim)) for _ in range(2 * lay.n_layers)]
+        self._kv = [lazy_zeros((plan.sliding_rows if i // 2 in sliding else rows, lay.kv_heads, lay.head_dim))
+                    for i in range(2 * lay.n_layers)]
         self._kv_bytes = sum(a.nbytes for a in self._kv)  # memory() runs with every streamed Response
+        per = KVLayout(1, lay.kv_heads, lay.head_dim).bytes_per_token
+        self._per = (per * (lay.n_layers - len(sliding)), per * len(sliding))  # (full, sliding) bytes a position
         self.logits = np.zeros((_LOGIT_ROWS, width), dtype=np.float32)
         self._ids = np.zeros((1, rows), dtype=np.int64)
         self._arange = np.arange(rows, dtype=np.int64)  # a chain's tree_path and tree_depth (tree graph)
         self._tree: TreeRows | None = None  # the arrays a tree forward bound, alive while bound
         self._n_logits = np.zeros(1, dtype=np.int64)
         self._binding = RawBinding(sess)
-        # (past input, new output, buffer base address) per K/V buffer: the base never moves
-        self._slots = [(f"past_{kind}_{i // 2}", f"new_{kind}_{i // 2}", buf.ctypes.data)
+        # (past input, new output, buffer base address, a sliding layer's?) per K/V buffer: the base never
+        # moves. Without window-sized buffers a sliding layer is still bound its window of the whole one
+        sliding = plan.window.layers if plan.window else frozenset()
+        self._slots = [(f"past_{kind}_{i // 2}", f"new_{kind}_{i // 2}", buf.ctypes.data, i // 2 in sliding)
                        for i, (kind, buf) in enumerate(zip(("key", "value") * lay.n_layers, self._kv))]
         b = self._binding
         b.bind_input("n_logits", b.device, I64, [1], self._n_logits.ctypes.data)  # its address never moves
         self._bound: tuple[int, int, int] = (-1, -1, 0)  # (ids width, logits rows, logits address) bound
 
     def _run(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
+        if not self.plan.sliding_rows or len(token_ids) <= WINDOW_FORWARD:
+            return self._run_one(token_ids, n_logits, tree)
+        # too wide for a sliding buffer at once: pieces ending at multiples of WINDOW_FORWARD, the
+        # last holding the rows asked for (where the decoder's chunked prefill cuts the same ids)
+        p, end = self._n, self._n + len(token_ids)
+        last = min(max(p, (end - 1) // WINDOW_FORWARD * WINDOW_FORWARD), end - n_logits)
+        if end - last > WINDOW_FORWARD:
+            raise BackendError(f"a forward returns at most {WINDOW_FORWARD} logit rows here, asked for {n_logits}")
+        pos = p
+        while pos < last:
+            stop = min(last, (pos // WINDOW_FORWARD + 1) * WINDOW_FORWARD)
+            self._run_one(token_ids[pos - p:stop - p], 1)
+            pos = stop
+        return self._run_one(token_ids[last - p:], n_logits)
+
+    def _make_room(self, p: int, s: int) -> None:
+        """Before a forward of `s` rows (padding included) at `p`: where they would pass the end of
+        the sliding buffers, move the rows from start(p - WINDOW_ROLLBACK) on to the front. The
+        bound past stays one contiguous view, and its columns keep their aligned positions."""
+        if p + s <= self._base + self.plan.sliding_rows:
+            return
+        keep = self.plan.window.start(max(0, p - WINDOW_ROLLBACK))
+        lo, hi = keep - self._base, p - self._base
+        for buf, (_, _, _, sliding) in zip(self._kv, self._slots):
+            if sliding:
+                buf[:hi - lo] = buf[lo:hi]  # numpy copies overlapping rows as if through a temporary
+        self._base = keep
+
+    def _run_one(self, token_ids: Sequence[int], n_logits: int, tree: TreeRows | None = None) -> np.ndarray:
         p, real, pad, lay = self._n, len(token_ids), self.plan.pad, self.plan.layout
         if tree is not None and (pad or not self.plan.tree):
             raise BackendError("tree verification needs the tree graph (edgespec export --tree) without pad_rows")
@@ -272,9 +363,21 @@ class FixedBufferKV(KVHolder):
         bind_in, bind_out, dev = b.bind_input, b.bind_output, b.device
         kvh, hd = lay.kv_heads, lay.head_dim
         past, new, row = [1, p, kvh, hd], [1, s, kvh, hd], kvh * hd * 4
-        for past_name, new_name, base in self._slots:
-            bind_in(past_name, dev, F32, past, base)
-            bind_out(new_name, dev, F32, new, base + p * row)
+        start = self.plan.window.start(p) if self.plan.window else 0
+        base = 0
+        if self.plan.sliding_rows:
+            self._make_room(p, s)
+            base = self._base
+        # a sliding layer's past: positions start..p-1, at row (position - base) of a window-sized
+        # buffer, or of the whole one (base 0)
+        window, skip, at = [1, p - start, kvh, hd], (start - base) * row, (p - base) * row
+        for past_name, new_name, addr, sliding in self._slots:
+            if sliding:
+                bind_in(past_name, dev, F32, window, addr + skip)
+                bind_out(new_name, dev, F32, new, addr + at)
+            else:
+                bind_in(past_name, dev, F32, past, addr)
+                bind_out(new_name, dev, F32, new, addr + p * row)
         b.run()
         self._n = p + real
         return self.logits[:n_logits]
@@ -289,11 +392,24 @@ class FixedBufferKV(KVHolder):
             buf[start:start + idx.size] = buf[start + idx]
         self._n = start + idx.size
 
+    def _keep(self, n_past: int) -> None:
+        if self.plan.sliding_rows and self.plan.window.start(n_past) < self._base:
+            # the sliding buffers no longer hold the keys a forward at n_past reads: hold nothing,
+            # and the caller, which sees n_past fall to 0, feeds the prefix again
+            self.reset()
+            return
+        self._n = n_past
+
+    def reset(self) -> None:
+        self._n = self._base = 0
+
     def probe(self, n_new: int, n_ctx: int) -> bool:
         if n_new < 1 or n_ctx > self.plan.capacity:
             return False
         # the buffers' prefix stands in for a cached context: its contents do not matter here
         self._n = max(0, n_ctx - n_new)
+        if self.plan.sliding_rows:
+            self._base = self.plan.window.start(max(0, self._n - WINDOW_ROLLBACK))
         try:
             self._run([0] * min(n_new, n_ctx), 1)
         finally:
@@ -304,7 +420,8 @@ class FixedBufferKV(KVHolder):
         return list(self._kv)
 
     def memory(self) -> dict[str, int]:
-        return {"kv": self._kv_bytes, "kv_used": self.plan.layout.bytes_per_token * self._n,
+        held = min(self._n, self.plan.sliding_rows or self._n)  # rows of a sliding buffer written so far, at most
+        return {"kv": self._kv_bytes, "kv_used": self._per[0] * self._n + self._per[1] * held,
                 "logits": self.logits.nbytes}
 
     def close(self) -> None:
@@ -330,15 +447,47 @@ def graph_io(sess) -> tuple[list[tuple[str, list]], list[str]]:
 
 
 def plan_kv(inputs: Sequence[tuple[str, Sequence]], outputs: Sequence[str], *, capacity: int | None = None,
-            pad_rows: bool = False, name: str = "the model") -> KVPlan:
+            pad_rows: bool = False, name: str = "the model", meta: Mapping[str, str] | None = None) -> KVPlan:
     """The holder and its settings for a graph with these inputs ((name, shape), in order) and
     output names: the layout's holder (kv_kind), the KV shape read from `past_key_0`, `capacity`
-    (or the holder's default), and pad_rows where the holder can pad."""
+    (or the holder's default), pad_rows where the holder can pad, and the sliding window the
+    graph's metadata `meta` records (a fixed-buffer holder binds those layers' pasts shorter)."""
     names = [n for n, _ in inputs]
     if names[:3] != _INPUTS:
         raise BackendError(f"{name} is not an edgespec decoder graph (inputs: {', '.join(names[:4])})")
     kind = kv_kind(outputs, name)
     past = inputs[2][1]
     layout = KVLayout(sum(1 for n in names if n.startswith("past_key_")), int(past[kind.heads_axis]), int(past[3]))
-    return KVPlan(kind, layout, int(capacity or kind.default_capacity) if kind.fixed else capacity,
-                  int(pad_rows and kind.pads), tree="tree_path" in names and kind.fixed)
+    window = _window(meta or {}, name) if kind.fixed else None
+    cap = int(capacity or kind.default_capacity) if kind.fixed else capacity
+    pad, tree = int(pad_rows and kind.pads), "tree_path" in names and kind.fixed
+    # window-sized buffers where they are smaller; a tree forward's keep_rows moves rows by position
+    rows = window.rows(pad) if window is not None and not tree else None
+    return KVPlan(kind, layout, cap, pad, tree=tree, window=window,
+                  sliding_rows=rows if rows is not None and cap is not None and rows < cap + pad else None)
+
+
+def _window(meta: Mapping[str, str], name: str) -> KVWindow | None:
+    """The sliding window a graph records in its metadata; None where it records none (every past is
+    then bound whole)."""
+    keys = ("edgespec.window", "edgespec.window_align", "edgespec.window_layers")
+    if not all(k in meta for k in keys):
+        return None
+    try:
+        return KVWindow(int(meta[keys[0]]), int(meta[keys[1]]),
+                        frozenset(int(j) for j in meta[keys[2]].split(",")))
+    except ValueError as e:
+        raise BundleError(f"{name} records a bad sliding window ({e}): export the bundle again") from e
+
+
+def sliding_kv_of(path) -> tuple[float, int]:
+    """KVPlan.sliding_kv of the graph at `path` as this runtime would open it, read from the file
+    without a session (the memory planner's estimate before loading): (0.0, 0) for none."""
+    from .wire import read_model
+
+    model = read_model(path)
+    names = [v.name for v in model.inputs]
+    window = _window(model.metadata_props, str(path))
+    if window is None or "tree_path" in names:
+        return 0.0, 0
+    return len(window.layers) / sum(1 for n in names if n.startswith("past_key_")), window.rows(0)

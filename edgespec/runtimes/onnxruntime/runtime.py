@@ -104,6 +104,10 @@ def _output_width(sess, name: str) -> int:
 class OnnxRuntime(Runtime):
     """One edgespec decoder graph in an onnxruntime InferenceSession, with its KV holder (kv.py)."""
 
+    # its KV buffers commit memory only as they fill (and sliding layers' are window-sized), so an
+    # engine may give it the model's trained context by default (engine/assembly.py)
+    lazy_kv = True
+
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
                  kv_capacity: int | None = None, kv_dtype: str | None = None, spin: bool = True,
                  pad_rows: bool = False, output: str = "logits", initializers: dict | None = None) -> None:
@@ -140,11 +144,14 @@ class OnnxRuntime(Runtime):
         drop_file_pages(_data_files(path))  # what loading read of the weights onnxruntime keeps mapped
         # named with its folder: a bundle's target/ and draft/ hold a model.onnx each
         plan = plan_kv(*graph_io(self._sess), capacity=kv_capacity, pad_rows=pad_rows,
-                       name="/".join(path.parts[-2:]))
+                       name="/".join(path.parts[-2:]), meta=self._sess.get_modelmeta().custom_metadata_map)
         self.vocab_size = _output_width(self._sess, path.name)
         self.kv = plan.kind(plan, self._sess, ort, output, self.vocab_size)
         self._weight_bytes = _file_bytes(path)
         self.kv_bytes_per_token, self.kv_capacity = plan.layout.bytes_per_token, plan.capacity
+        # (share of kv_bytes_per_token on window-sized buffers, rows they hold): the memory planner's
+        # footprint counts those layers' KV once, not per position
+        self.kv_sliding = plan.sliding_kv()
         self.capabilities = Capabilities(backend="onnxruntime", can_trim=True, devices=("CPU",),
                                          fixed_kv=plan.kind.fixed, trees=plan.tree and not plan.pad,
                                          extra={"pad_rows": bool(plan.pad)})
