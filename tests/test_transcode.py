@@ -17,7 +17,10 @@ N, K = 12, 512  # two K-quant super-blocks per row
 # integer zero points (and 8-bit mins kept apart): the same float32 products as gguf-py's
 EXACT = ("Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q5_K", "Q6_K")
 AFFINE = ("Q4_1", "Q4_K")  # 4-bit float zero points -offset / scale, rounded once
-_RAW_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_RAW_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q3_K": 110, "Q2_K": 84, "IQ4_XS": 136, "IQ4_NL": 18}
+# where each of those keeps its fp16 scale d and its fp16 min scale dmin (None: it has none)
+_F16_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, None), "Q3_K": (108, None), "Q2_K": (80, 82),
+           "IQ4_XS": (0, None), "IQ4_NL": (0, None)}
 
 
 def _f16(rng, n, lo=-0.05, hi=0.05) -> np.ndarray:
@@ -25,23 +28,22 @@ def _f16(rng, n, lo=-0.05, hi=0.05) -> np.ndarray:
 
 
 def _raw_k_blocks(name: str, rng: np.random.Generator, n: int = N, k: int = K) -> np.ndarray:
-    """Random K-quant blocks built by bytes (gguf-py cannot quantize these): random codes, 6-bit
-    scales and mins, finite fp16 super-block scales; some super-blocks with d = 0 or dmin = 0."""
-    n_blocks = n * k // 256
+    """Random K-quant and IQ4 blocks built by bytes (gguf-py cannot quantize these): random codes,
+    sub-block scales and mins, finite fp16 scales; a block with d = 0 and, where the type has one,
+    one with dmin = 0."""
+    n_blocks = n * k // (32 if name == "IQ4_NL" else 256)
     blocks = rng.integers(0, 256, size=(n_blocks, _RAW_BYTES[name]), dtype=np.uint8)
-    if name == "Q6_K":
-        blocks[:, 208:210] = _f16(rng, n_blocks)
-        blocks[0, 208:210] = 0  # a zero super-block scale
-    else:
-        blocks[:, 0:2] = _f16(rng, n_blocks)
-        blocks[:, 2:4] = _f16(rng, n_blocks, 0.0, 0.05)
-        blocks[0, 0:2] = 0  # d = 0: every sub-block is the constant -dmin * m
-        blocks[1, 2:4] = 0  # dmin = 0: no offset
+    d, dmin = _F16_AT[name]
+    blocks[:, d:d + 2] = _f16(rng, n_blocks)
+    if dmin is not None:
+        blocks[:, dmin:dmin + 2] = _f16(rng, n_blocks, 0.0, 0.05)
+        blocks[1, dmin:dmin + 2] = 0  # dmin = 0: no offset
+    blocks[0, d:d + 2] = 0  # d = 0: every sub-block is 0, or the constant -dmin * m
     return blocks.reshape(n, -1)
 
 
 def raw_blocks(name: str, rng: np.random.Generator, n: int = N, k: int = K) -> np.ndarray:
-    """(n, row bytes) raw GGUF data of type `name` (k a multiple of 256 for K-quants)."""
+    """(n, row bytes) raw GGUF data of type `name` (k a multiple of 256 for K-quants and IQ4_XS)."""
     if name in _RAW_BYTES:
         return _raw_k_blocks(name, rng, n, k)
     data = rng.normal(0, 0.1, (n, k)).astype(np.float32)
@@ -103,7 +105,7 @@ def test_bf16_matches_gguf():
     np.testing.assert_array_equal(transcode(raw, T.BF16, (N, K), "t"), dequantize(raw, T.BF16).reshape(N, K))
 
 
-@pytest.mark.parametrize("name", ["Q3_K", "IQ4_NL", "Q2_K"])
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ3_S", "TQ1_0"])
 def test_unknown_block_type_is_a_one_line_error(name):
     with pytest.raises(ExportError) as err:
         transcode(np.zeros((N, 64), np.uint8), T[name], (N, K), "blk.3.ffn_up.weight")

@@ -47,15 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=Path, default=None,
                    help="Hugging Face model folder or .gguf file (default: the embedded Gemma 3 270M)")
     p.add_argument("--draft", default="self",
-                   help="'self' (a quantized copy of the target, default), 'none', or a model folder/.gguf")
+                   help="'self' (a quantized copy of the target, default), 'none', or a model folder/.gguf of the "
+                        "target's tokenizer (two GGUFs are paired by llama.cpp's rule: same vocabulary type, "
+                        "BOS/EOS, sizes within 128, token texts)")
     p.add_argument("--format", dest="formats", action="extend", type=_formats(FORMATS), default=None,
                    metavar="|".join(FORMATS),
                    help="output format(s): repeat the flag or separate with commas; one bundle may hold "
                         "several (default: onnx)")
     p.add_argument("--target-precision", default=None, choices=TARGET_PRECISIONS,
                    help="default 'source': a GGUF keeps its own quantized weights (transcoded to ONNX "
-                        "MatMulNBits and OpenVINO u4/u8 compressed weights, copied as GGUF); another precision "
-                        "re-encodes it, which changes the model; a model folder defaults to fp32")
+                        "MatMulNBits and OpenVINO u4/u8 compressed weights, copied as GGUF whatever their type); "
+                        "another precision re-encodes it (GGUF: llama.cpp's quantizer, file to file), which "
+                        "changes the model; a model folder defaults to fp32")
     p.add_argument("--draft-precision", default=None, choices=DRAFT_PRECISIONS,
                    help="default: a GGUF's self-draft keeps the target's weights (its body is the "
                         "target's), other drafts int8")

@@ -14,6 +14,7 @@ import onnx
 from ..bundle import MANIFEST, SCHEMA_VERSION, Artifact, Manifest, ModelEntry, staged_bundle_dir
 from ..errors import ConfigError, ExportError
 from ..models.catalog import DEFAULT_PRESET, preset_source
+from .context import trained_context
 from .draft_shape import DraftShape, shape_draft
 from .onnx.graph import GraphOptions, build_decoder
 from .onnx.quantize import SCHEMES, quantize_model
@@ -21,7 +22,7 @@ from .sources import Source, check_source, load_source
 from .spec import ModelSpec, spec_from_hf
 from .tokenizer_export import export_tokenizer
 
-__all__ = ["ExportConfig", "ModelJob", "export_bundle", "auto_draft_vocab", "FORMATS", "FORMAT_WRITERS",
+__all__ = ["ExportConfig", "ModelJob", "export_bundle", "auto_draft_vocab", "lazy_gguf", "FORMATS", "FORMAT_WRITERS",
            "TARGET_PRECISIONS", "DRAFT_PRECISIONS"]
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,7 @@ def _resolve(source: Source, precision: str | None, role: str) -> str | None:
 
 
 def _job_weights(source: Source, precision: str | None, dequantized: dict | None = None):
-    if precision == "source":
+    if precision == "source" or source.lazy:  # a lazy GGUF's writer reads its file, not these
         return source.model.tensors
     return dequantized if dequantized is not None else _weights(source)
 
@@ -189,14 +190,17 @@ def _source_quantization(job: ModelJob) -> tuple[str, dict]:
 
 
 def _for_format(fmt: str, job: ModelJob) -> ModelJob:
-    """A "source" job as a writer without block support takes it: gguf copies the target file (None)
-    and re-encodes a shaped draft as int8 from the dequantized weights."""
-    if job.precision != "source" or fmt in BLOCK_FORMATS:
+    """A job as its format's writer takes it: the GGUF writer copies a GGUF source's own blocks
+    from its file (gguf/passthrough.py), the block formats transcode them."""
+    if job.precision != "source" or fmt in BLOCK_FORMATS or (fmt == "gguf" and job.source.kind == "gguf"):
         return job
-    if fmt != "gguf":
-        raise ExportError(f"--format {fmt} cannot take a GGUF's blocks; give --target-precision")
-    precision = None if job.role == "target" else "int8"
-    return replace(job, weights=job.source.model.dequantized(), precision=precision)
+    raise ExportError(f"--format {fmt} cannot take a GGUF's blocks; give --target-precision")
+
+
+def lazy_gguf(formats: tuple[str, ...]) -> bool:
+    """Whether a GGUF source is only described, its tensors left in the file: when no format asked
+    transcodes its blocks, so any block type llama.cpp runs exports as GGUF."""
+    return not set(formats) & set(BLOCK_FORMATS)
 
 
 def write_onnx(job: ModelJob, bar) -> Artifact:
@@ -239,10 +243,17 @@ def _entry(spec: ModelSpec, artifacts: dict[str, Artifact], source: Source, shap
     return ModelEntry(formats=artifacts, n_layers=len(layers) if layers else spec.n_layers,
                       n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, vocab_size=vocab,
                       source=source.describe(), layers=list(layers) if layers else None, id_map=id_map,
-                      vocab_info=shape.vocab_info if shape else None)
+                      vocab_info=shape.vocab_info if shape else None, context_length=trained_context(source.model))
 
 
 def _check_draft_vocab(target: Source, draft: Source) -> None:
+    """Two GGUFs: llama.cpp's own pairing rule (gguf/vocab_check.py); otherwise equal vocabularies."""
+    if target.kind == draft.kind == "gguf":
+        from .gguf.reader import open_gguf
+        from .gguf.vocab_check import check_compatible, vocab_facts
+
+        check_compatible(vocab_facts(open_gguf(target.path)), vocab_facts(open_gguf(draft.path)), draft.path.name)
+        return
     if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
         raise ExportError("the draft's tokenizer differs from the target's; pick a draft of the same family")
 
@@ -255,6 +266,15 @@ def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx
         return None
 
     def make():
+        if source.lazy:  # nothing decoded: the GGUF itself runs on llama.cpp
+            from ..errors import BackendError
+            from ..runtimes.llamacpp.runtime import LlamaCppRuntime
+
+            try:
+                return LlamaCppRuntime(source.path, kv_capacity=1024)
+            except BackendError as e:
+                raise ExportError(f"VocabTrim calibration for --format gguf runs llama.cpp ({e}); "
+                                  "or give --draft-vocab full") from e
         from ..runtimes.onnxruntime.runtime import OnnxRuntime
 
         path = target_onnx
@@ -268,20 +288,21 @@ def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx
 
 
 def _draft_precision(cfg: ExportConfig, source: Source, shaped: bool) -> str | None:
-    """None (default): a GGUF's self-draft keeps the target's blocks (its body is the target's, its
-    trimmed head the embedding's own rows); an unshaped one would be the target, so int8."""
+    """None (default): a GGUF draft keeps its own blocks (a self-draft's body is the target's, its
+    trimmed head the embedding's own rows); an unshaped self-draft would be the target, so int8."""
     if cfg.draft_precision is not None:
         return cfg.draft_precision
-    return "source" if source.kind == "gguf" and cfg.draft == "self" and shaped else "int8"
+    return "source" if source.kind == "gguf" and (cfg.draft != "self" or shaped) else "int8"
 
 
 def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: ModelSpec, weights,
                   chat_template: str | None, target_onnx: Path | None = None, stop_ids=()) -> ModelEntry:
     """Write the draft: a separate model, or the target itself made cheaper (quantized,
     layer-cut, VocabTrim head)."""
+    target_vocab = spec.vocab_size
     if cfg.draft != "self":
         bar.set_postfix_str(f"loading draft {Path(cfg.draft).name}")
-        draft = load_source(cfg.draft)
+        draft = load_source(cfg.draft, lazy=lazy_gguf(cfg.formats))
         _check_draft_vocab(source, draft)
         source, spec, weights = draft, _spec(draft), None
         target_onnx = None  # calibrate on the draft's own model
@@ -293,6 +314,10 @@ def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: Model
                         stop_ids=stop_ids)
     shutil.rmtree(tmp / ".calibration", ignore_errors=True)  # a scratch target, if one was built
     shaped = shape.layers is not None or shape.vocab_keep is not None
+    top = int(shape.vocab_keep.max()) + 1 if shape.vocab_keep is not None else spec.vocab_size
+    if top > target_vocab:  # a draft id the target's head has no row for
+        raise ExportError(f"the draft's head reaches token {top - 1}, past the target's {target_vocab} rows: give "
+                          "--draft-vocab K to keep tokens both have")
     precision = _resolve(source, _draft_precision(cfg, source, shaped), "draft")
     weights = _job_weights(source, precision, weights if precision != "source" else None)
     # an untied head lets the quantizer shrink the LM head too, the draft's costliest matmul
@@ -327,7 +352,7 @@ def export_bundle(cfg: ExportConfig) -> Path:
         total=steps, desc="export", unit="step", disable=None  # None: only on a terminal
     ) as bar:
         bar.set_postfix_str(f"loading {Path(target_path).name}")
-        source = load_source(target_path)
+        source = load_source(target_path, lazy=lazy_gguf(cfg.formats))
         spec = _spec(source)
         precision = _resolve(source, cfg.target_precision, "target")
         weights = _job_weights(source, precision)

@@ -27,6 +27,9 @@ class Source:
     kind: str  # "hf" or "gguf"
     path: Path
     sha256: str
+    # a GGUF described, its tensors left in the file (gguf/reader.LazyTensor): for exports that copy
+    # GGUF blocks as they are (the GGUF format), whatever their type
+    lazy: bool = False
 
     def describe(self) -> dict[str, str]:
         return {"kind": self.kind, "name": self.path.name, "sha256": self.sha256}
@@ -60,24 +63,26 @@ def check_source(path: Path) -> str:
     return "hf"
 
 
-def load_source(path: str | os.PathLike) -> Source:
+def load_source(path: str | os.PathLike, lazy: bool = False) -> Source:
     """Load `path`; every failure is a one-line ExportError. A GGUF keeps its quantized blocks
-    (read with gguf-py, no torch); a Hugging Face folder loads in float32 with transformers."""
+    (read with gguf-py, no torch), or with `lazy` only their names, types and shapes (nothing
+    decoded: any block type); a Hugging Face folder loads in float32 with transformers."""
     path = Path(path).expanduser().resolve()
     kind = check_source(path)
     if kind == "gguf":
-        return _load_gguf(path)
+        return _load_gguf(path, lazy)
     return load_with_transformers(path)
 
 
-def _load_gguf(path: Path) -> Source:
+def _load_gguf(path: Path, lazy: bool) -> Source:
+    from .gguf.reader import lazy_tensor
     from .gguf.source import open_gguf, read_gguf
     from .gguf.tokenizer import GGUFTokenizer
 
     reader = open_gguf(path)
-    model = read_gguf(path, reader)
+    model = read_gguf(path, reader, load=lazy_tensor) if lazy else read_gguf(path, reader)
     tokenizer = GGUFTokenizer(reader)
-    return Source(model=model, tokenizer=tokenizer, kind="gguf", path=path, sha256=sha256_of([path]))
+    return Source(model=model, tokenizer=tokenizer, kind="gguf", path=path, sha256=sha256_of([path]), lazy=lazy)
 
 
 def load_with_transformers(path: str | os.PathLike) -> Source:

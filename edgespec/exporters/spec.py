@@ -32,6 +32,8 @@ class ModelSpec:
     rope: dict[str, tuple[np.ndarray, float]] = field(default_factory=dict)
     final_logit_softcap: float | None = None
     tie_embeddings: bool = False
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    experts_used: int | None = None  # a mixture of experts: how many experts each token takes (onnx/moe.py)
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         return self.n_layers * self.n_kv_heads * self.head_dim * 2 * dtype_bytes

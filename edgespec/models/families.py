@@ -59,8 +59,24 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("mistral", gguf_arch="llama", gguf_permute_qk=True, gguf_rope_freqs=True),
     "qwen2": Family("qwen2", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",), gguf_arch="qwen2"),
     "qwen3": Family("qwen3", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",), gguf_arch="qwen3"),
-    # Phi-3's fused qkv_proj / gate_up_proj matrices are found by their weight names when exported
+    # Qwen 3's mixture of experts (GGUF `qwen3moe`, read from GGUF only; onnx/moe.py): Qwen 3's turns
+    "qwen3_moe": Family("qwen3_moe", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",)),
+    # Phi-3's fused qkv_proj / gate_up_proj matrices are split into the Llama names where the weights are
+    # read (onnx/graph._split_fused for a HF folder, gguf/source._split_fused for a GGUF): no family flag
     "phi3": Family("phi3", stop_tokens=("<|end|>",)),
+    # SmolLM3: Llama's layout (llama.cpp reorders its q/k rows), ChatML turns, every 4th layer without RoPE
+    "smollm3": Family("smollm3", fallback_chat_template=CHATML_TEMPLATE, stop_tokens=("<|im_end|>",),
+                      gguf_permute_qk=True),
+    # Gemma 2: Gemma 3's norms and embedding scale, soft-capped attention and logits, no q/k norms
+    "gemma2": Family(
+        "gemma2",
+        norm_offset=1.0,
+        embed_scale=True,
+        sandwich_norm=True,
+        fallback_chat_template=GEMMA_CHAT_TEMPLATE,
+        stop_tokens=("<end_of_turn>",),
+        reserved_token_pattern=r"<unused\d+>",
+    ),
     "gemma3_text": Family(
         "gemma3",
         norm_offset=1.0,

@@ -9,8 +9,8 @@ knowledge here is a few metadata keys (models/families.py has the architecture n
 Quantization (Q8_0, Q4_K_M) is llama.cpp's own `llama_model_quantize`, so the quantized
 files are the ones llama.cpp's quantize tool would make.
 
-Precision: fp32 → F32, fp16 → F16, int8 → Q8_0, int4 → Q4_K_M. A GGUF source target with no
-precision asked (or the precision it already has) is copied as it is, byte for byte.
+Precision: fp32 → F32, fp16 → F16, int8 → Q8_0, int4 → Q4_K_M. A GGUF source is never decoded
+here: gguf/passthrough.py copies it (or requantizes it file to file) and cuts drafts from it.
 
 A VocabTrim draft (K kept tokens) is written as a model whose vocabulary *is* the K tokens
 (no tokenizer: `tokenizer.ggml.model = none`), so llama.cpp computes a K-row head; its full
@@ -19,10 +19,7 @@ embeddings of target ids through the batch's `embd` field (runtimes/llamacpp/run
 """
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -30,49 +27,23 @@ import numpy as np
 from ...bundle import Artifact
 from ...errors import ExportError
 from ...runtimes.llamacpp.runtime import EMBD_KEYS  # the metadata the runtime reads (imports no llama_cpp)
+from .quantizer import EMBD_FILE, LLAMA_FTYPES, precision_of_gguf, quantize
 
-__all__ = ["write_gguf", "LLAMA_FTYPES", "precision_of_gguf", "EMBD_FILE"]
+__all__ = ["write_gguf", "LLAMA_FTYPES", "precision_of_gguf", "quantize", "EMBD_FILE"]
 
 logger = logging.getLogger(__name__)
 
-# edgespec precision -> (llama.cpp file type name, llama_ftype value); fp32/fp16 need no quantizer
-LLAMA_FTYPES = {"fp32": ("F32", 0), "fp16": ("F16", 1), "int8": ("Q8_0", 7), "int4": ("Q4_K_M", 15)}
-EMBD_FILE = "model.embd.gguf"
 _NORM_SUFFIXES = ("norm.weight",)
-
-
-def precision_of_gguf(path: Path, reader=None) -> tuple[str | None, str]:
-    """(edgespec precision or None, llama.cpp file type name) of a GGUF file (or its open reader:
-    opening one parses every metadata string, ~1 s per 10k vocabulary entries)."""
-    from gguf import LlamaFileType
-
-    from .reader import field as _field
-    from .reader import open_gguf
-
-    ftype = _field(reader or open_gguf(path), "general.file_type")
-    if ftype is None:
-        return None, "unknown"
-    if isinstance(ftype, bool) or not isinstance(ftype, int):
-        raise ExportError(f"the GGUF's 'general.file_type' must be an integer, got {str(ftype)[:40]!r}")
-    name = LlamaFileType(ftype).name.replace("MOSTLY_", "").replace("ALL_", "") if ftype in set(
-        t.value for t in LlamaFileType) else str(ftype)
-    return next((p for p, (_, v) in LLAMA_FTYPES.items() if v == ftype), None), name
 
 
 def write_gguf(job, bar) -> Artifact:
     """Write `job` (exporters.export.ModelJob) as `<role>/model.gguf`; return its manifest entry."""
+    if job.source.kind == "gguf":  # the file's own blocks, copied or cut, never decoded
+        from .passthrough import write_passthrough
+
+        return write_passthrough(job, bar)
     out = job.bundle_dir / job.role / "model.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
-    shaped = job.opts.layers is not None or job.opts.vocab_keep is not None
-    if job.source.kind == "gguf" and not shaped:
-        have, name = job.source.model.precision, job.source.model.file_type
-        if job.precision is None or job.precision == have:
-            bar.set_postfix_str(f"copying {job.role} GGUF")
-            _copy(job.source.path, out)
-            return Artifact(file=_rel(out, job), precision=have or name.lower(),
-                            quantization={"method": "llama.cpp", "type": name, "passthrough": True})
-        logger.warning("re-encoding the %s GGUF (%s) as %s from its dequantized weights", job.role, name,
-                       job.precision)
     precision = job.precision or "fp32"
     if precision not in LLAMA_FTYPES:
         raise ExportError(f"GGUF has no precision '{precision}' (available: {', '.join(LLAMA_FTYPES)})")
@@ -99,13 +70,6 @@ def write_gguf(job, bar) -> Artifact:
 
 def _rel(path: Path, job) -> str:
     return str(path.relative_to(job.bundle_dir))
-
-
-def _copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)  # same file system: no second copy of the weights on disk
-    except OSError:
-        shutil.copyfile(src, dst)
 
 
 # -- writing ------------------------------------------------------------------------------
@@ -200,34 +164,16 @@ def _hparams(w, job, arch: str, n_layers: int, layers: tuple[int, ...], freqs) -
 
 
 def _tokenizer(w, job, trimmed: bool, n_vocab: int) -> None:
-    """The source GGUF's tokenizer, a byte-level BPE's, or none (ids are fed directly)."""
+    """A byte-level BPE tokenizer's, or none (ids are fed directly)."""
     if trimmed:
         w.add_tokenizer_model("none")
         w.add_vocab_size(n_vocab)
-        return
-    if job.source.kind == "gguf" and _copy_gguf_tokenizer(w, job.source.path):
         return
     if not _hf_bpe_tokenizer(w, job.source.tokenizer, n_vocab):
         logger.warning("the %s GGUF carries no tokenizer (edgespec feeds token ids; other tools cannot "
                        "tokenize with it)", job.role)
         w.add_tokenizer_model("none")
         w.add_vocab_size(n_vocab)
-
-
-def _copy_gguf_tokenizer(w, path: Path) -> bool:
-    from gguf import GGUFValueType
-
-    from .reader import open_gguf
-
-    fields = {k: f for k, f in open_gguf(path).fields.items() if k.startswith("tokenizer.")}
-    if "tokenizer.ggml.model" not in fields:
-        return False
-    for key, f in fields.items():
-        if f.types[0] == GGUFValueType.ARRAY:
-            w.add_key_value(key, f.contents(), GGUFValueType.ARRAY, sub_type=f.types[-1])
-        else:
-            w.add_key_value(key, f.contents(), f.types[0])
-    return True
 
 
 def _hf_bpe_tokenizer(w, tok, n_vocab: int) -> bool:
@@ -363,20 +309,3 @@ def _write_input_embedding(job, path: Path, precision: str) -> None:
         q = gq(embed, GGMLQuantizationType.Q8_0)
         w.add_tensor("token_embd.weight", q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
     _finish(w)
-
-
-# -- llama.cpp quantizer ------------------------------------------------------------------
-def quantize(src: Path, dst: Path, ftype: int, threads: int | None = None) -> None:
-    """llama.cpp's own quantizer (the llama-quantize tool's code path)."""
-    try:
-        from ...runtimes.llamacpp.runtime import load_library
-        lib = load_library()
-    except Exception as e:  # BackendError (not installed) or a broken build
-        raise ExportError(f"quantizing a GGUF needs llama-cpp-python: pip install 'edgespec[llamacpp]' ({e})") from e
-    params = lib.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.nthread = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0)
-    rc = lib.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0:
-        dst.unlink(missing_ok=True)
-        raise ExportError(f"llama.cpp could not quantize {src.name} (code {rc}; run with -v for its log)")

@@ -1,12 +1,36 @@
 """Opening a GGUF safely: its layout checked against its size first (models/gguf_layout.py),
-then gguf-py's reader; metadata values read with one-line errors."""
+then gguf-py's reader; metadata values read with one-line errors. A LazyTensor stands for a
+tensor whose bytes stay in the file, for exports that copy GGUF tensors rather than read them."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from ...errors import ExportError
 
-__all__ = ["check_layout", "open_gguf", "field"]
+__all__ = ["LazyTensor", "check_layout", "field", "lazy_tensor", "open_gguf"]
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A GGUF tensor's name, type and shape (numpy order), its bytes left unread in the file, so a
+    model of any block type can be described without decoding it. Indexing rows (read_gguf's
+    q/k reordering, fused-weight splits) gives another LazyTensor of those rows' shape."""
+
+    name: str
+    qtype: int
+    shape: tuple[int, ...]
+
+    def __getitem__(self, rows) -> LazyTensor:
+        n = len(np.arange(self.shape[0])[rows])
+        return LazyTensor(self.name, self.qtype, (n, *self.shape[1:]))
+
+
+def lazy_tensor(raw, qtype, shape: tuple[int, ...], name: str) -> LazyTensor:
+    """read_gguf's `load` for a model whose weights are copied from the file, never decoded."""
+    return LazyTensor(name, int(qtype), tuple(int(x) for x in shape))
 
 
 def field(reader, key: str, default=None):

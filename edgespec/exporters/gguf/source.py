@@ -5,7 +5,8 @@ so the ONNX writer can emit them as MatMulNBits as they are; `dequantized()` giv
 arrays (gguf-py's own dequantizer) for formats and precisions that re-encode.
 
 The config becomes a ModelSpec from the `<arch>.*` metadata keys, with the facts llama.cpp itself
-hard-codes per architecture (activation, Gemma 3's sliding-window pattern) in `_ARCHS`. RoPE tables
+hard-codes per architecture (activation, sliding-window patterns, Gemma 2's soft-caps, SmolLM3's layers
+without RoPE, Phi-3's fused matrices, Qwen 3 MoE's experts) in `ARCHS`. RoPE tables
 are computed as llama.cpp rotates: the linear scale factor and Llama 3's `rope_freqs.weight` divisors
 applied, any other `<arch>.rope.*` key refused by name. The tokenizer becomes a `tokenizers`
 tokenizer.json (gguf/tokenizer.py).
@@ -29,7 +30,8 @@ from .reader import check_layout, open_gguf
 from .reader import field as _field
 from .transcode import BlockWeight, quant_type_name, transcode
 
-__all__ = ["GGUFModel", "check_layout", "open_gguf", "read_gguf", "ArchFacts", "ARCHS"]
+__all__ = ["GGUFModel", "check_layout", "open_gguf", "read_gguf", "ArchFacts", "ARCHS", "MAX_DENSE_EXPERTS",
+           "check_dense_experts", "expert_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,25 +44,51 @@ class ArchFacts:
     activation: str
     swa_period: int | None = None  # every Nth layer is full attention, the rest sliding (Gemma 3: 6)
     swa_base: float | None = None  # rope base of sliding layers when the file does not say
+    swa_window: int | None = None  # the window when the file gives no `attention.sliding_window` (Gemma 2: 4096)
     unpermute_qk: bool = False  # llama.cpp reordered q/k rows for its interleaved RoPE
+    # soft-caps llama.cpp applies when the file has no `<arch>.attn_logit_softcapping` /
+    # `<arch>.final_logit_softcapping` key (Gemma 2: 50 and 30); None: no cap unless the file gives one
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    nope_period: int | None = None  # every Nth layer has no RoPE (SmolLM3: 4; no GGUF key says so)
+    fused_up: bool = False  # `ffn_up` holds the gate rows, then the up rows (Phi-3)
+    # the block count at which llama.cpp scales queries by 1/sqrt(hidden / heads), not 1/sqrt(head_dim)
+    # (Gemma 2 27B)
+    hidden_query_scale_layers: int | None = None
+    # a mixture of experts: a router (`ffn_gate_inp`) and 3-D expert tensors (`ffn_*_exps`), the top
+    # `expert_used_count` softmax weights renormalised (Qwen 3 MoE; onnx/moe.py)
+    moe: bool = False
 
 
 ARCHS: dict[str, ArchFacts] = {
+    "gemma2": ArchFacts("gemma2", "gelu_tanh", swa_period=2, swa_window=4096, attn_softcap=50.0,
+                        final_softcap=30.0, hidden_query_scale_layers=46),
     "gemma3": ArchFacts("gemma3_text", "gelu_tanh", swa_period=6, swa_base=10000.0),
     "llama": ArchFacts("llama", "silu", unpermute_qk=True),
+    # llama.cpp disables Phi-3's sliding window (it reads the key and attends to every position)
+    "phi3": ArchFacts("phi3", "silu", fused_up=True),
     "qwen2": ArchFacts("qwen2", "silu"),
     "qwen3": ArchFacts("qwen3", "silu"),
+    "qwen3moe": ArchFacts("qwen3_moe", "silu", moe=True),
+    "smollm3": ArchFacts("smollm3", "silu", unpermute_qk=True, nope_period=4),
 }
+NOPE = "full_attention_nope"  # the layer type of a full-attention layer without RoPE (an identity table)
+# tensors llama.cpp reads for a RoPE edgespec does not compute: refused by name rather than dropped
+_UNSUPPORTED_TENSORS = {"rope_factors_long.weight": "Phi-3's LongRoPE factors",
+                        "rope_factors_short.weight": "Phi-3's LongRoPE factors"}
 
 # GGUF tensor name (after "blk.N.") -> transformers name (after "model.layers.N."); "ffn_norm" is the
 # pre-MLP norm, which transformers calls post_attention_layernorm unless the family has sandwich norms
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_v": "self_attn.v_proj", "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
 }
+# a mixture of experts' 3-D tensors (experts, rows, row length) -> each expert's matrix (onnx/moe.expert_name)
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -120,6 +148,13 @@ def _number(reader, key: str, default=None, *, positive: bool = False) -> float:
     return float(value)
 
 
+def _softcap(reader, key: str, default: float | None) -> float | None:
+    """A soft-cap from the metadata (or llama.cpp's default for the architecture); None: no cap."""
+    if _field(reader, key, default) is None:
+        return None
+    return _number(reader, key, default, positive=True)
+
+
 def _heads(reader, arch: str) -> tuple[int, int, int, int]:
     """(hidden, heads, kv heads, head dim), each >= 1, the heads divisible by the kv heads and the
     head dim even (RoPE rotates pairs): what the attention graph divides by."""
@@ -156,8 +191,10 @@ def _layer_types(reader, arch: str, facts: ArchFacts, n_layers: int) -> tuple[st
     if pattern is not None and (isinstance(pattern, bool) or not isinstance(pattern, numbers.Integral) or pattern < 0):
         raise ExportError(f"the GGUF's '{key}' must be an integer >= 0 or a list per layer, got {_show(pattern)}")
     period = int(pattern) if pattern is not None else facts.swa_period
-    if period and _field(reader, f"{arch}.attention.sliding_window") is not None:
+    if period and (facts.swa_window or _field(reader, f"{arch}.attention.sliding_window") is not None):
         return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers))
+    if facts.nope_period:  # llama.cpp skips the rotation of q and k on layer il where (il + 1) % period == 0
+        return tuple(NOPE if (i + 1) % facts.nope_period == 0 else "full_attention" for i in range(n_layers))
     return ("full_attention",) * n_layers
 
 
@@ -210,6 +247,8 @@ def _rope(reader, arch: str, facts: ArchFacts, head_dim: int, layer_types, freqs
             raise ExportError("rope_freqs.weight on a model with sliding-window layers is not supported")
         swa = _number(reader, f"{arch}.rope.freq_base_swa", facts.swa_base or base, positive=True)
         tables["sliding_attention"] = (_inv_freq(swa, dim), 1.0)
+    if NOPE in layer_types:  # a zero frequency: cos 1, sin 0, the rotation is the identity
+        tables[NOPE] = (np.zeros(dim // 2, dtype=np.float32), 1.0)
     return tables
 
 
@@ -218,14 +257,12 @@ def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool,
     hidden, n_heads, n_kv, head_dim = _heads(reader, arch)
     n_layers = _size(reader, f"{arch}.block_count")
     layer_types = _layer_types(reader, arch, facts, n_layers)
-    window = _field(reader, f"{arch}.attention.sliding_window")
+    window = _field(reader, f"{arch}.attention.sliding_window", facts.swa_window)
     if window is not None:
-        window = _size(reader, f"{arch}.attention.sliding_window")
-    softcap = _field(reader, f"{arch}.final_logit_softcapping")
-    if softcap is not None:
-        softcap = _number(reader, f"{arch}.final_logit_softcapping")
-    if _field(reader, f"{arch}.attn_logit_softcapping"):
-        raise ExportError("attention logit soft-capping (Gemma 2) is not supported")
+        window = _size(reader, f"{arch}.attention.sliding_window", facts.swa_window)
+    softcap = _softcap(reader, f"{arch}.final_logit_softcapping", facts.final_softcap)
+    query_dim = hidden // n_heads if n_layers == facts.hidden_query_scale_layers else head_dim
+    experts = _experts(reader, arch) if facts.moe else None
     spec = ModelSpec(
         model_type=facts.model_type,
         family=family_for(facts.model_type),
@@ -237,22 +274,68 @@ def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool,
         vocab_size=vocab,
         rms_eps=_number(reader, f"{arch}.attention.layer_norm_rms_epsilon", positive=True),
         activation=facts.activation,
-        # llama.cpp scales queries by 1/sqrt(head_dim) for every architecture read here
-        query_scale=float(head_dim ** -0.5),
+        # llama.cpp scales queries by 1/sqrt(head_dim) for every architecture read here but Gemma 2 27B
+        query_scale=float(query_dim ** -0.5),
         layer_types=layer_types,
         sliding_window=int(window) if window is not None and "sliding_attention" in layer_types else None,
         rope=_rope(reader, arch, facts, head_dim, layer_types, freqs),
-        final_logit_softcap=float(softcap) if softcap else None,
+        final_logit_softcap=softcap,
         tie_embeddings=tied,
+        attn_logit_softcap=_softcap(reader, f"{arch}.attn_logit_softcapping", facts.attn_softcap),
+        experts_used=experts[1] if experts else None,
     )
     config = SimpleNamespace(
         max_position_embeddings=_size(reader, f"{arch}.context_length", 4096),
-        intermediate_size=_size(reader, f"{arch}.feed_forward_length"),
+        # an expert's own size in a mixture of experts (llama.cpp's n_ff_exp)
+        intermediate_size=_size(reader, f"{arch}.expert_feed_forward_length" if facts.moe else
+                                f"{arch}.feed_forward_length"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         # what gguf/export writes back as freq_base beside rope_freqs when it re-encodes this model
         rope_theta=_number(reader, f"{arch}.rope.freq_base", 10000.0, positive=True),
     )
     return spec, config
+
+
+# the most experts the ONNX/OpenVINO graph computes densely, every expert on every row (onnx/moe.py)
+MAX_DENSE_EXPERTS = 16
+
+
+def expert_name(layer: int, expert: int, proj: str) -> str:
+    """transformers' name of one expert's matrix (Qwen3MoeSparseMoeBlock): proj is gate_proj, up_proj or down_proj."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
+
+
+def check_dense_experts(arch: str, n_experts: int, n_used: int) -> None:
+    """A one-line ExportError unless the graph can compute `n_experts` densely (onnx/moe.py)."""
+    if not 1 <= n_used <= n_experts:
+        raise ExportError(f"the GGUF's {arch} uses {n_used} of {n_experts} experts per token; expected 1 to "
+                          f"{n_experts}")
+    if n_experts > MAX_DENSE_EXPERTS:
+        raise ExportError(f"{arch} with {n_experts} experts is not supported by --format onnx/openvino: edgespec "
+                          f"runs every expert on every token (up to {MAX_DENSE_EXPERTS} experts); use --format gguf")
+
+
+def _experts(reader, arch: str) -> tuple[int, int]:
+    """(experts, experts used per token) of a mixture of experts, from the metadata."""
+    return _size(reader, f"{arch}.expert_count"), _size(reader, f"{arch}.expert_used_count")
+
+
+def _is_expert_tensor(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit() \
+        and parts[2] in _EXPERT_NAMES and parts[3] == "weight"
+
+
+def _expert_tensors(t, load) -> dict:
+    """A 3-D `blk.N.ffn_*_exps` tensor as one matrix per expert (each expert's rows are whole blocks)."""
+    shape = tuple(int(x) for x in reversed(t.shape))  # (experts, rows, row length)
+    if len(shape) != 3:
+        raise ExportError(f"GGUF tensor {t.name} has shape {shape}; a mixture of experts' tensor is 3-D")
+    _, layer, part, _ = t.name.split(".")
+    layer, proj = int(layer), _EXPERT_NAMES[part]
+    raw = np.asarray(t.data).reshape(shape[0], -1)
+    return {expert_name(layer, e, proj): load(raw[e], t.tensor_type, shape[1:], f"{t.name}[{e}]")
+            for e in range(shape[0])}
 
 
 def _hf_name(gguf_name: str, sandwich: bool) -> str | None:
@@ -274,6 +357,30 @@ def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
     """Row order that undoes llama.cpp's q/k permutation (gguf/export._permute) on a (rows, K) weight."""
     perm = np.arange(n_rows).reshape(n_head, 2, n_rows // n_head // 2).swapaxes(1, 2).reshape(-1)
     return np.argsort(perm)
+
+
+def _split_fused(spec: ModelSpec, tensors: dict) -> None:
+    """Phi-3's fused matrices into the Llama names, by rows (a BlockWeight keeps its own blocks): qkv
+    is q's rows, then k's, then v's; gate_up the gate's rows, then up's (llama.cpp's fused SwiGLU
+    gates with the first half)."""
+    def take(w, start: int, stop: int):
+        return w.rows(np.arange(start, stop)) if isinstance(w, BlockWeight) else w[start:stop]
+
+    q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    for i in range(spec.n_layers):
+        p = f"model.layers.{i}."
+        qkv = tensors.pop(p + "self_attn.qkv_proj.weight", None)
+        if qkv is not None:
+            if qkv.shape[0] != q + 2 * kv:
+                raise ExportError(f"layer {i}'s fused qkv weight has {qkv.shape[0]} rows, but the metadata's "
+                                  f"head counts give {q + 2 * kv}")
+            for name, (a, b) in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
+                tensors[f"{p}self_attn.{name}.weight"] = take(qkv, a, b)
+        gate_up = tensors.pop(p + "mlp.gate_up_proj.weight", None)
+        if gate_up is not None:
+            half = gate_up.shape[0] // 2
+            tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"] = (
+                take(gate_up, 0, half), take(gate_up, half, 2 * half))
 
 
 def _check_tensors(spec: ModelSpec, tensors: dict) -> None:
@@ -298,7 +405,7 @@ def _check_tensors(spec: ModelSpec, tensors: dict) -> None:
                                   f"metadata's head counts give {shape}")
 
 
-def read_gguf(path: Path, reader=None) -> GGUFModel:
+def read_gguf(path: Path, reader=None, load=transcode) -> GGUFModel:
     """Read `path`'s config and weights; every unsupported feature is a one-line ExportError."""
     reader = reader or open_gguf(path)
     arch = str(_field(reader, "general.architecture", ""))
@@ -306,6 +413,8 @@ def read_gguf(path: Path, reader=None) -> GGUFModel:
         raise ExportError(f"GGUF architecture {arch[:40]!r} is not supported (supported: {', '.join(sorted(ARCHS))})")
     facts = ARCHS[arch]
     family = family_for(facts.model_type)
+    if facts.moe and load is transcode:  # before any weight is decoded: a graph computes every expert
+        check_dense_experts(arch, *_experts(reader, arch))
     tensors: dict[str, BlockWeight | np.ndarray] = {}
     types: Counter = Counter()
     freqs = None
@@ -313,11 +422,19 @@ def read_gguf(path: Path, reader=None) -> GGUFModel:
         if t.name == "rope_freqs.weight" and family.gguf_rope_freqs:
             freqs = np.asarray(transcode(t.data, t.tensor_type, (int(t.n_elements),), t.name), dtype=np.float32)
             continue
+        if t.name in _UNSUPPORTED_TENSORS:
+            raise ExportError(f"GGUF tensor {t.name} ({_UNSUPPORTED_TENSORS[t.name]}) is not supported")
+        if facts.moe and _is_expert_tensor(t.name):
+            tensors.update(_expert_tensors(t, load))
+            types[quant_type_name(t.tensor_type)] += 1
+            continue
         name = _hf_name(t.name, family.sandwich_norm)
+        if name is not None and facts.fused_up and name.endswith(".mlp.up_proj.weight"):
+            name = name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
         if name is None:
             raise ExportError(f"GGUF tensor {t.name} has no counterpart in edgespec's {arch} graph")
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne0 (the row length) first
-        w = transcode(t.data, t.tensor_type, shape, t.name)
+        w = load(t.data, t.tensor_type, shape, t.name)  # transcode, or reader.lazy_tensor
         types[quant_type_name(t.tensor_type)] += 1
         if isinstance(w, np.ndarray) and name.endswith("norm.weight") and family.norm_offset:
             # llama.cpp stores Gemma's (1 + w), transformers w; in float64 the graph's w + 1 gives the
@@ -329,6 +446,7 @@ def read_gguf(path: Path, reader=None) -> GGUFModel:
     vocab = tensors["model.embed_tokens.weight"].shape[0]
     tied = "lm_head.weight" not in tensors
     spec, config = _spec(reader, arch, facts, vocab, tied, freqs)
+    _split_fused(spec, tensors)
     _check_tensors(spec, tensors)
     if facts.unpermute_qk:
         for i in range(spec.n_layers):

@@ -3,8 +3,8 @@
 MatMulNBits (com.microsoft) stores a (N, K) weight as integer codes in blocks along K, one
 scale per block and an optional zero point (uint8, or a float of the scale's type), and
 dequantizes w = scale * (q - zero_point). Every GGUF block type below maps onto that exactly
-(the codes are the GGUF's own codes, repacked) or within float32 rounding of the scale
-arithmetic (4-bit K-quant mins as float zero points):
+(the codes are the GGUF's own codes, repacked, or for IQ4 the codebook values they index) or
+within float32 rounding of the scale arithmetic (4-bit K-quant mins as float zero points):
 
   Q4_0  w = d (q - 8)                    4-bit, block 32, zero point 8 (MatMulNBits' default)
   Q4_1  w = d q + m                      4-bit, block 32, float zero point -m / d
@@ -14,7 +14,21 @@ arithmetic (4-bit K-quant mins as float zero points):
   Q4_K  w = d sc q - dmin m              4-bit, block 32, scale d sc, float zero point dmin m / (d sc)
   Q5_K  same, q in 0..31                 8-bit, block 32, zero point 0, min dmin m (below)
   Q6_K  w = d sc (q - 32), q in 0..63    8-bit, block 16, zero point 32
+  Q3_K  w = d (sc - 32) q, q in -4..3     4-bit, block 16, codes q + 8, zero point 8 (default)
+  Q2_K  w = d sc q - dmin m, q in 0..3    4-bit, block 16, codes q + 8, zero point 8, min dmin m
+  IQ4_NL w = d kv[q], kv a 16-entry       8-bit, block 32, codes kv[q] + 128, zero point 128
+        int8 codebook (-127 .. 113)
+  IQ4_XS w = d (ls - 32) kv[q]            8-bit, block 32, the same codes, scale d (ls - 32)
   F32/F16/BF16                           kept as float arrays (norms, small tensors)
+
+Q3_K and Q2_K are exact at 4 bits: their codes fit a nibble once shifted by MatMulNBits' default
+zero point, their 6-bit / 4-bit sub-block scales become one float32 scale per 16 weights (block
+16 is the smallest MatMulNBits takes, and what their sub-blocks are), and Q2_K's sub-block offset
+is the per-block min below. The two IQ4 types are exact at 8 bits only: MatMulNBits dequantizes
+linearly and has no codebook input, and no zero point and scale map the non-linear codebook's
+sixteen values onto sixteen evenly spaced ones; its values are int8, so 8-bit codes hold them
+as they are (the weight costs 9 bits where the GGUF spends 4.25-4.5). A Gather through the
+codebook in the graph would keep 4-bit codes but dequantize every matrix on every forward.
 
 onnxruntime's CPU MatMulNBits rejects float zero points with 8-bit codes, so an 8-bit affine
 type keeps its per-block min apart: w = scale * q - min, and the graph subtracts
@@ -107,8 +121,10 @@ def fold_mins(w: BlockWeight) -> BlockWeight:
     if w.mins is None:
         return w
     zero = w.scales == 0
+    # scale (q - zp) - min = scale (q - (zp + min / scale)); zp is the op's default when absent
+    base = np.float32(1 << (w.bits - 1)) if w.zero_points is None else w.zero_points.astype(np.float32)
     with np.errstate(divide="ignore", invalid="ignore"):
-        zp = np.where(zero, 0.0, w.mins / np.where(zero, 1.0, w.scales)).astype(np.float32)
+        zp = np.where(zero, 0.0, base + w.mins / np.where(zero, 1.0, w.scales)).astype(np.float32)
     codes, scales = w.codes, w.scales
     if zero.any():
         codes = codes.copy()
@@ -223,6 +239,52 @@ def _q6_k(blocks: np.ndarray):
     return q, d * sc, zp, 8, None
 
 
+def _q3_k(blocks: np.ndarray):
+    n = blocks.shape[0]
+    hmask, qs, sc, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], _f16(blocks[:, 108:110])
+    # 6-bit scales: low nibbles in bytes 0..7 (two per byte), high bit pairs in bytes 8..11
+    lo = (sc[:, :8].reshape(n, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    hi = (sc[:, 8:].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    scales = ((lo & np.uint8(0x0F)) | ((hi & np.uint8(0x03)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    # element 32 s + b of each 128-element half is bits 2s..2s+1 of byte b; its hmask bit set means
+    # no -4 offset
+    ql = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    qh = (hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & np.uint8(1)
+    q = ql.reshape(n, 16, 16) + (qh.reshape(n, 16, 16) << np.uint8(2)) + np.uint8(4)  # q + 8 in 4..11
+    return q, d * scales.astype(np.float32), None, 4, None
+
+
+def _q2_k(blocks: np.ndarray):
+    n = blocks.shape[0]
+    sc, qs = blocks[:, :16], blocks[:, 16:80]
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    # the products gguf's own dequantizer forms, in float32
+    scale = d * (sc & np.uint8(0x0F)).astype(np.float32)
+    low = dmin * (sc >> np.uint8(4)).astype(np.float32)
+    q = (qs.reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    return q.reshape(n, 16, 16) + np.uint8(8), scale, None, 4, low
+
+
+# IQ4_NL's codebook (gguf-py's IQ4_NL.kvalues, llama.cpp's kvalues_iq4nl) as 8-bit codes around 128
+_IQ4_CODES = (np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                       dtype=np.int16) + 128).astype(np.uint8)
+
+
+def _iq4_nl(blocks: np.ndarray):
+    q = _IQ4_CODES[_nibbles(blocks[:, 2:])]
+    return q[:, None, :], _f16(blocks[:, :2]), None, 8, None
+
+
+def _iq4_xs(blocks: np.ndarray):
+    n = blocks.shape[0]
+    d = _f16(blocks[:, :2])
+    high = np.ascontiguousarray(blocks[:, 2:4]).view(np.uint16) >> (2 * np.arange(8, dtype=np.uint16))
+    low = (blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(n, 8) & np.uint8(0x0F)
+    ls = (low | ((high & np.uint16(3)).astype(np.uint8) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    q = _IQ4_CODES[_nibbles(blocks[:, 8:].reshape(n, 8, 16))]
+    return q, d * ls.astype(np.float32), None, 8, None
+
+
 # GGUF block type name -> (elements per GGUF block, bytes per GGUF block, decoder)
 _DECODERS: dict[str, tuple[int, int, Callable]] = {
     "Q4_0": (32, 18, _q4_0),
@@ -233,6 +295,10 @@ _DECODERS: dict[str, tuple[int, int, Callable]] = {
     "Q4_K": (_QK_K, 144, _q4_k),
     "Q5_K": (_QK_K, 176, _q5_k),
     "Q6_K": (_QK_K, 210, _q6_k),
+    "Q3_K": (_QK_K, 110, _q3_k),
+    "Q2_K": (_QK_K, 84, _q2_k),
+    "IQ4_NL": (32, 18, _iq4_nl),
+    "IQ4_XS": (_QK_K, 136, _iq4_xs),
 }
 _FLOATS = ("F32", "F16", "BF16")
 TRANSCODABLE = tuple(_DECODERS) + _FLOATS

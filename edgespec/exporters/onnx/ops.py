@@ -15,7 +15,7 @@ from ..spec import ModelSpec
 from .blocks import BlockOps
 from .fused import fast_gelu, fused_add_rms_norm, fused_rms_norm, linear_group
 
-__all__ = ["_G", "_activation", "_add_norm", "_linear", "_linears", "_norm", "_rms_norm", "_rope"]
+__all__ = ["_G", "_activation", "_add_norm", "_linear", "_linears", "_norm", "_rms_norm", "_rope", "_softcap"]
 
 
 class _G(BlockOps):
@@ -121,3 +121,11 @@ def _rope(g: _G, x: str, cos: str, sin: str, half: int) -> str:
     x1, x2 = g.op("Split", [x, g.const([half, half], dtype=np.int64)], n_out=2, axis=-1)
     rot = g.op("Concat", [g.op("Neg", [x2]), x1], axis=-1)
     return g.op("Add", [g.op("Mul", [x, cos]), g.op("Mul", [rot, sin])])
+
+
+def _softcap(g: _G, x: str, cap: float | None) -> str:
+    """cap * tanh(x / cap) (Gemma 2's attention scores), or x itself when there is no cap."""
+    if not cap:
+        return x
+    c = g.const(cap, dtype=np.float32)
+    return g.op("Mul", [g.op("Tanh", [g.op("Div", [x, c])]), c])

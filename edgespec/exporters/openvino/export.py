@@ -17,7 +17,7 @@ GGUF's BlockWeights (gguf/transcode) as onnxruntime's MatMulNBits, and OpenVINO'
 turns each MatMulNBits into the compressed-weight pattern NNCF writes and the CPU plugin fuses
 into its compressed FullyConnected: Constant u4/u8 (N, K/block, block) -> Convert f32 ->
 Subtract zero point -> Multiply scale -> Reshape (N, K) -> MatMul. The codes are the GGUF's
-own; zero points that are not integers (4-bit Q4_K/Q4_1, and 8-bit Q5_K/Q5_1 whose block mins
+own; zero points that are not integers (4-bit Q4_K/Q4_1, and Q5_K/Q5_1/Q2_K whose block mins
 fold_mins turns into zero points) stay the Subtract's float operand, which OpenVINO takes with any
 bit width (onnxruntime's fast kernels do not: the ONNX path rewrites them). The tied embedding
 stays one table: its Gather reads the head's codes and dequantizes the gathered rows only.

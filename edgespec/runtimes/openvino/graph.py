@@ -130,6 +130,8 @@ def _attentions(model) -> list[tuple]:
             continue
         add = sm.input_value(0).get_node()
         scores = add.input_value(0).get_node() if add.get_type_name() == "Add" else None
+        while scores is not None and scores.get_type_name() in ("Multiply", "Tanh", "Divide"):
+            scores = scores.input_value(0).get_node()  # a soft-cap, cap * tanh(scores / cap) (Gemma 2)
         users = [t.get_node() for t in sm.output(0).get_target_inputs()]
         if scores is None or scores.get_type_name() != "MatMul" or len(users) != 1 \
                 or users[0].get_type_name() != "MatMul":
