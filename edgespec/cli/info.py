@@ -24,6 +24,9 @@ def _backends() -> list[str]:
             devices = f"unavailable ({str(e).splitlines()[0]})"
         shares = "  draft on the target's body" if info.shared_body else ""
         lines.append(f"  {name:<12} {_version(info.package)}  devices: {devices}  runs: {info.bundle_format}{shares}")
+        # a backend that names its GPUs (its module imported fine: it listed a GPU)
+        gpus = getattr(importlib.import_module(info.module), "gpu_names", None) if "GPU" in devices else None
+        lines += [f"    GPU {gpu} (driven by {name})" for gpu in (gpus() if gpus else [])]
     return lines
 
 
@@ -89,6 +92,7 @@ def _exactness(path: str, retune: bool) -> list[str]:
         try:
             with load(path, backend=name, retune=retune) as engine:
                 v = engine.opened.exactness
+                refused = engine.opened.inexact_refusal
         except EdgespecError as e:
             lines.append(f"  {name:<12} cannot open: {e}")
             continue
@@ -97,6 +101,8 @@ def _exactness(path: str, retune: bool) -> list[str]:
             continue
         how = "cached" if v.cached else "measured now"
         lines.append(f"  {name:<12} {v.describe()} [probe {v.probe_ms:.0f} ms, {how}]")
+        if refused is not None:
+            lines.append(f"  {'':<12} drafting off: {refused}")
     return lines
 
 

@@ -76,6 +76,9 @@ BACKENDS: dict[str, BackendInfo] = {
                             # int8/int4 weights): no forward computes fewer than two rows
                             exact_modes=({"pad_rows": True},), static_shapes=True, accelerators=True),
     "llamacpp": BackendInfo("llamacpp", "gguf", "LlamaCppRuntime", "llamacpp", "llama_cpp"),
+    # llama.cpp's Vulkan build from the inferna-vulkan wheel, beside the CPU build above
+    "llamacpp_vulkan": BackendInfo("llamacpp_vulkan", "gguf", "LlamaCppVulkanRuntime", "gpu", "inferna",
+                                   accelerators=True),
 }
 
 

@@ -1,0 +1,187 @@
+"""The llama.cpp backend on a Vulkan GPU (runtimes/llamacpp_vulkan).
+
+The first tests need no GPU: how the Vulkan build is found, refused and bound. The others run
+where the Vulkan build of llama.cpp and a Vulkan device are there (the `.ci/gpu` tier: Mesa's
+lavapipe, a software Vulkan device, with GGML_VK_VISIBLE_DEVICES=0) and are skipped with a
+one-line reason elsewhere: tiny random-weight models here, the real default model in
+tests/test_gpu_default.py (slow tier)."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from edgespec.errors import BackendError
+from edgespec.runtimes import BACKENDS
+from edgespec.runtimes.llamacpp_vulkan import library
+from edgespec.runtimes.llamacpp_vulkan.library import LIBS_ENV, find_library_dir
+from edgespec.runtimes.llamacpp_vulkan.runtime import offload_layers
+
+GGUF = ("gguf",)
+GPU_ATOL = 2e-2  # a Vulkan device against the CPU build, fp32 tiny model
+
+
+# ---------------------------------------------------------------- no GPU needed
+
+
+def test_registry_row_drives_gpus_and_runs_gguf():
+    info = BACKENDS["llamacpp_vulkan"]
+    assert (info.bundle_format, info.extra, info.accelerators) == ("gguf", "gpu", True)
+    assert info.shared_body is None and info.exact_modes == ()
+
+
+def test_offload_layers_by_device():
+    assert offload_layers("GPU", True) == -1
+    assert offload_layers(None, True) == -1  # AUTO
+    assert offload_layers("cpu", False) == 0
+    assert offload_layers("auto", False) == 0  # AUTO falls back to the CPU, GPU does not
+    with pytest.raises(BackendError, match="GGML_VK_VISIBLE_DEVICES"):
+        offload_layers("GPU", False)
+    with pytest.raises(BackendError, match="'NPU' is not available"):
+        offload_layers("NPU", True)
+
+
+def test_library_folder_from_env_or_an_installed_wheel(monkeypatch, tmp_path):
+    monkeypatch.setenv(LIBS_ENV, str(tmp_path / "missing"))
+    with pytest.raises(BackendError, match="is not a folder"):
+        find_library_dir()
+    monkeypatch.setenv(LIBS_ENV, str(tmp_path))
+    assert find_library_dir() == tmp_path
+    monkeypatch.delenv(LIBS_ENV)
+    site = tmp_path / "site"
+    (site / "inferna_vulkan.libs").mkdir(parents=True)
+    monkeypatch.setattr("sys.path", [str(tmp_path / "elsewhere"), str(site)])
+    assert find_library_dir() == site / "inferna_vulkan.libs"
+    monkeypatch.setattr("sys.path", [str(tmp_path / "elsewhere")])
+    with pytest.raises(BackendError, match="no Vulkan build of llama.cpp found.*inferna-vulkan==0.7.0"):
+        find_library_dir()
+
+
+def test_an_unknown_build_is_refused_before_it_is_called(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'edgespec[llamacpp]')")
+    (tmp_path / "libllama-0123abcd.so.0.9.0").write_bytes(b"\x7fELF not really")
+    with pytest.raises(BackendError, match="has not checked the ABI of; known: libllama-af9aab63"):
+        library.VulkanLlama(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(BackendError, match="has no libllama-"):
+        library.VulkanLlama(empty)
+
+
+def test_context_params_gain_one_pointer_before_the_booleans():
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    cpu = llama_cpp.llama_context_params
+    vk = library._context_params_type(cpu)
+    assert ctypes.sizeof(vk) == ctypes.sizeof(cpu) + 8
+    names = [n for n, *_ in cpu._fields_]
+    at = names.index("embeddings")
+    for name in names[:at]:
+        assert getattr(vk, name).offset == getattr(cpu, name).offset, name
+    for name in names[at:]:
+        assert getattr(vk, name).offset == getattr(cpu, name).offset + 8, name
+    assert vk._vulkan_build_pointer.offset == cpu.embeddings.offset
+
+
+def test_the_known_build_default_params_match_the_bindings():
+    """The measured layout, checked on the build itself where it is installed: the bytes its
+    llama_context_default_params writes fill exactly the re-bound struct (x86-64 only: the
+    struct is returned through a hidden first pointer there)."""
+    lib = _vulkan_library_or_skip()
+    import platform
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the struct-size check reads the x86-64 return convention")
+    for fn, cls in (("llama_context_default_params", lib._ctx_params),
+                    ("llama_model_default_params", lib._decl.llama_model_params)):
+        raw = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)((fn, lib._llama))
+        buf = (ctypes.c_ubyte * 1024)(*([0xAA] * 1024))
+        raw(ctypes.addressof(buf))
+        written = max(i for i, b in enumerate(bytes(buf)) if b != 0xAA) + 1
+        assert ctypes.sizeof(cls) - 8 < written <= ctypes.sizeof(cls), fn
+    params = lib.llama_context_default_params()
+    assert (params.n_ctx, params.n_ubatch, params.n_seq_max) == (512, 512, 1)
+    assert (params.offload_kqv, params.no_perf, params.swa_full, params.kv_unified) == (True, True, True, False)
+
+
+# ---------------------------------------------------------------- on a Vulkan device
+
+
+def _vulkan_library_or_skip():
+    try:
+        return library.load_vulkan_library()
+    except BackendError as e:
+        pytest.skip(str(e).split(":")[0])  # the reason, without the install hint
+
+
+@pytest.fixture(scope="module")
+def vulkan():
+    """The loaded Vulkan build with at least one device, or the tests skip."""
+    lib = _vulkan_library_or_skip()
+    if not lib.devices():
+        pytest.skip("no Vulkan device (lavapipe needs mesa-vulkan-drivers and GGML_VK_VISIBLE_DEVICES=0)")
+    return lib
+
+
+def test_devices_are_listed_with_names(vulkan):
+    from edgespec.runtimes import backend_devices
+    from edgespec.runtimes.llamacpp_vulkan.runtime import gpu_names
+
+    names = gpu_names()
+    assert names and all(n.startswith("Vulkan") and ": " in n for n in names)
+    assert backend_devices("llamacpp_vulkan") == ["CPU", "GPU"]
+    assert vulkan.backends == ["cpu", "vulkan"]
+
+
+def _open(path, **kw):
+    from edgespec.runtimes import open_runtime
+
+    return open_runtime("llamacpp_vulkan", path, threads=2, **kw)
+
+
+def test_gpu_logits_match_the_cpu_build_and_roll_back(vulkan, zoo):
+    """A tiny fp32 model on the GPU and on llama-cpp-python's CPU build, in one process: the
+    same logits up to summation order, and a rollback recomputes what it removed."""
+    from edgespec.bundle import load_bundle
+    from edgespec.runtimes import open_runtime
+    from tests.tiny import LONG_PROMPT
+
+    b = load_bundle(zoo.bundle("gemma3", None, formats=GGUF))
+    path = b.file(b.manifest.target.formats["gguf"].file)
+    ids = zoo.hf_tokenizer("gemma3")(LONG_PROMPT).input_ids[:24]
+    with open_runtime("llamacpp", path, threads=2) as cpu, _open(path, device="GPU") as gpu:
+        assert gpu.capabilities.extra["gpu_layers"] == -1 and gpu.capabilities.extra["gpu"].startswith("Vulkan")
+        ref = cpu.forward(ids, n_logits=len(ids))
+        got = gpu.forward(ids, n_logits=len(ids))
+        # the device rounds unlike the CPU build (dev/gpu/NOTES.md)
+        np.testing.assert_allclose(got, ref, atol=GPU_ATOL)
+        gpu.trim(10)
+        assert gpu.n_past == 10
+        again = gpu.forward(ids[10:], n_logits=len(ids) - 10)
+        # a stale cache would be whole logits apart; the same device recomputes within rounding
+        np.testing.assert_allclose(again, got[10:], atol=2e-3)
+
+
+def test_speculative_greedy_equals_plain_on_the_gpu(vulkan, zoo):
+    """Whatever the probe finds on this device: drafting at its exact widths, or plain decoding
+    with the reason, so speculative greedy == plain greedy token for token."""
+    import edgespec
+    from edgespec.decoding import SamplingParams
+    from tests.zoo import AGREEING
+
+    path = zoo.bundle("gemma3", AGREEING, formats=GGUF)
+    # two drafts: the probe's forwards grow with the widths, each dear on a software GPU
+    with edgespec.load(path, backend="llamacpp_vulkan", device="GPU", k=2) as spec, \
+            edgespec.load(path, backend="llamacpp_vulkan", device="GPU", use_draft=False) as plain:
+        verdict = spec.opened.exactness
+        assert verdict is not None and verdict.max_width >= 2
+        ids = spec.tokenizer.encode("The quick brown fox")
+        outs = []
+        for engine in (spec, plain):
+            tokens = list(ids)
+            for _ in engine.decoder.stream(tokens, SamplingParams(), 16):
+                pass
+            outs.append(tokens[len(ids):])
+        assert len(outs[0]) == 16 and outs[0] == outs[1]
+        # the verdict is the device's: drafting only where the probe found exact widths
+        assert (spec.opened.inexact_refusal is None) == bool(verdict.exact)
