@@ -16,7 +16,6 @@ from edgespec.decoding import (
     map_draft_ids,
     probabilities,
     sample,
-    scatter_to_target,
 )
 from edgespec.errors import ConfigError
 from tests.toy import ToyRuntime, naive_greedy
@@ -349,24 +348,6 @@ def test_sampling_params_greedy_flag():
 
 
 # ---------------------------------------------------------------- vocab mapping, policies, config
-
-
-def test_scatter_to_target_with_trimmed_map():
-    rng = np.random.default_rng(0)
-    q = rng.dirichlet(np.ones(len(KEEP)), size=3)  # (3, K)
-    out = scatter_to_target(q, KEEP, V)
-    assert out.shape == (3, V)
-    outside = np.setdiff1d(np.arange(V), KEEP)
-    assert (out[:, outside] == 0).all()
-    np.testing.assert_allclose(out[:, KEEP], q)
-    np.testing.assert_allclose(out.sum(axis=-1), 1.0)
-
-
-def test_scatter_identity_pads_smaller_draft():
-    out = scatter_to_target(np.array([[0.5, 0.5]]), None, 4)
-    np.testing.assert_array_equal(out, [[0.5, 0.5, 0, 0]])
-    with pytest.raises(ValueError):
-        scatter_to_target(np.ones((1, 5)) / 5, None, 4)
 
 
 def test_id_map_helpers():

@@ -4,7 +4,6 @@ from edgespec.decoding.acceptance import (
     accept_point_masses,
     accept_sampled,
     map_draft_ids,
-    scatter_to_target,
 )
 from edgespec.decoding.drafters import DRAFTERS, BothDrafter, Draft, Drafter, ModelDrafter, NgramDrafter, build_drafter
 from edgespec.decoding.policy import (
@@ -56,5 +55,4 @@ __all__ = [
     "point_mass",
     "probabilities",
     "sample",
-    "scatter_to_target",
 ]

@@ -16,7 +16,6 @@ __all__ = [
     "accept_greedy",
     "accept_point_masses",
     "accept_sampled",
-    "scatter_to_target",
     "map_draft_ids",
 ]
 
@@ -91,26 +90,6 @@ def accept_point_masses(
         # p(x) == 1 up to rounding leaves nothing else: fall back to p, as accept_sampled does
         return i, (residual if residual is not None else p_row).sample(rng)
     return k, target_dists[k].sample(rng)
-
-
-def scatter_to_target(draft_probs: np.ndarray, id_map: np.ndarray | None, target_vocab: int) -> np.ndarray:
-    """Place a draft head's K probabilities `(..., K)` into zeros of the target vocabulary.
-
-    id_map[j] is the target id of draft id j; None means identity, padding a smaller draft
-    vocabulary with zeros.
-    """
-    draft_probs = np.asarray(draft_probs, dtype=np.float64)
-    n_draft = draft_probs.shape[-1]
-    out = np.zeros(draft_probs.shape[:-1] + (target_vocab,), dtype=np.float64)
-    if id_map is None:
-        if n_draft > target_vocab:
-            raise ValueError(f"draft vocab {n_draft} exceeds target vocab {target_vocab}; pass an id_map")
-        out[..., :n_draft] = draft_probs
-    else:
-        if len(id_map) != n_draft:
-            raise ValueError(f"id_map has {len(id_map)} entries but the draft gives {n_draft} probabilities")
-        out[..., id_map] = draft_probs
-    return out
 
 
 def map_draft_ids(ids: Sequence[int], id_map: np.ndarray | None) -> list[int]:
