@@ -32,8 +32,8 @@ from ...errors import BackendError, BundleError, ContextFullError
 from ...models.gguf_layout import GGUFLayoutError, check_gguf_layout
 from ..base import Capabilities, Runtime
 
-__all__ = ["LlamaCppRuntime", "available_devices", "load_library", "system_info", "use_extra_buffer_types",
-           "DEFAULT_KV_CAPACITY", "EMBD_KEYS", "EXTRA_BUFTS_ENV", "batch_variance"]
+__all__ = ["LlamaCppRuntime", "available_devices", "load_library", "route_native_log", "system_info",
+           "use_extra_buffer_types", "DEFAULT_KV_CAPACITY", "EMBD_KEYS", "EXTRA_BUFTS_ENV", "batch_variance"]
 
 logger = logging.getLogger(__name__)
 native_logger = logging.getLogger(__name__ + ".native")
@@ -52,6 +52,21 @@ _init_lock = threading.Lock()
 _state: dict = {}
 
 
+def route_native_log(lib, log: logging.Logger):
+    """Send llama.cpp's C log lines to `log` (shown only with -v); returns the ctypes callback,
+    which the caller keeps alive as long as the library."""
+
+    @lib.llama_log_callback
+    def _log(level, text, _user):
+        if log.isEnabledFor(logging.INFO):
+            msg = text.decode("utf-8", "replace").rstrip()
+            if msg:
+                log.info("%s", msg)
+
+    lib.llama_log_set(_log, ctypes.c_void_p(0))
+    return _log
+
+
 def load_library():
     """Import llama_cpp once: route its C logging to a Python logger, init the backend."""
     with _init_lock:
@@ -65,15 +80,7 @@ def load_library():
         except OSError as e:  # the shared library failed to load
             raise BackendError(f"llama-cpp-python cannot load llama.cpp: {str(e).splitlines()[0]}") from e
 
-        @lib.llama_log_callback
-        def _log(level, text, _user):  # native messages are shown only with -v
-            if native_logger.isEnabledFor(logging.INFO):
-                msg = text.decode("utf-8", "replace").rstrip()
-                if msg:
-                    native_logger.info("%s", msg)
-
-        _state["log_cb"] = _log  # keep the callback alive for the library's lifetime
-        lib.llama_log_set(_log, ctypes.c_void_p(0))
+        _state["log_cb"] = route_native_log(lib, native_logger)  # alive for the library's lifetime
         lib.llama_backend_init()
         _state["lib"] = lib
         return lib
@@ -176,21 +183,7 @@ class LlamaCppRuntime(Runtime):
         if not path.is_file():
             raise BackendError(f"GGUF model not found: {path}")
         gpu_layers = self._gpu_layers(lib, device)
-        self._check_header(path)
-        mparams = lib.llama_model_default_params()
-        mparams.n_gpu_layers = gpu_layers
-        mparams.use_extra_bufts = extra_bufts = use_extra_buffer_types()
-        self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self._model:
-            raise BackendError(f"llama.cpp cannot load {path.name} (truncated or unsupported GGUF; run with -v "
-                               "for llama.cpp's log)")
-        self._ctx = None
-        self._batch = None
-        try:
-            self._open(lib, path, threads, kv_capacity)
-        except BaseException:
-            self.close()
-            raise
+        extra_bufts = self._load(lib, path, gpu_layers, threads, kv_capacity)
         self.capabilities = Capabilities(backend="llamacpp", can_trim=True, max_batch_tokens=MAX_BATCH,
                                          devices=tuple(available_devices()),
                                          batch_variance=batch_variance(extra_bufts) if gpu_layers == 0 else
@@ -212,6 +205,27 @@ class LlamaCppRuntime(Runtime):
         raise BackendError(f"llamacpp: device '{device}' is not available (available: "
                            f"{', '.join(available_devices())}; GPU needs a llama-cpp-python built with "
                            "Vulkan, Metal or CUDA)")
+
+    def _load(self, lib, path: Path, gpu_layers: int, threads: int | None, kv_capacity: int | None,
+              build: str = "llama.cpp") -> bool:
+        """Load the model with `gpu_layers` offloaded and open its context (closing what was opened
+        if that fails); returns whether repacked weight buffers are in use."""
+        self._check_header(path)
+        mparams = lib.llama_model_default_params()
+        mparams.n_gpu_layers = gpu_layers
+        mparams.use_extra_bufts = extra_bufts = use_extra_buffer_types()
+        self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise BackendError(f"{build} cannot load {path.name} (truncated or unsupported GGUF; run with -v "
+                               "for llama.cpp's log)")
+        self._ctx = None
+        self._batch = None
+        try:
+            self._open(lib, path, threads, kv_capacity)
+        except BaseException:
+            self.close()
+            raise
+        return extra_bufts
 
     @staticmethod
     def _check_header(path: Path) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import BackendError
+from ..llamacpp.runtime import route_native_log
 
 __all__ = ["VulkanLlama", "GpuDevice", "load_vulkan_library", "find_library_dir", "LIBS_ENV", "VISIBLE_ENV",
            "KNOWN_BUILDS", "WHEEL_LIB_DIRS"]
@@ -186,15 +187,8 @@ def load_vulkan_library() -> VulkanLlama:
             return _loaded["lib"]
         lib = VulkanLlama(find_library_dir())
 
-        @lib.llama_log_callback
-        def _log(level, text, _user):  # native messages are shown only with -v
-            if native_logger.isEnabledFor(logging.INFO):
-                msg = text.decode("utf-8", "replace").rstrip()
-                if msg:
-                    native_logger.info("%s", msg)
-
-        _loaded["log_cb"] = _log  # keep the callback alive for the library's lifetime
-        lib.llama_log_set(_log, ctypes.c_void_p(0))  # before the backends: they log as they register
+        # before the backends: they log as they register; the callback lives as long as the library
+        _loaded["log_cb"] = route_native_log(lib, native_logger)
         lib.load_backends()
         lib.llama_backend_init()
         _loaded["lib"] = lib

@@ -76,21 +76,7 @@ class LlamaCppVulkanRuntime(LlamaCppRuntime):
             raise BackendError(f"GGUF model not found: {path}")
         gpus = lib.devices()
         gpu_layers = offload_layers(device, bool(gpus))
-        self._check_header(path)
-        mparams = lib.llama_model_default_params()
-        mparams.n_gpu_layers = gpu_layers
-        mparams.use_extra_bufts = extra_bufts = use_extra_buffer_types()
-        self._model = lib.llama_model_load_from_file(str(path).encode(), mparams)
-        if not self._model:
-            raise BackendError(f"llama.cpp (Vulkan build) cannot load {path.name} (truncated or unsupported GGUF; "
-                               "run with -v for llama.cpp's log)")
-        self._ctx = None
-        self._batch = None
-        try:
-            self._open(lib, path, threads, kv_capacity)
-        except BaseException:
-            self.close()
-            raise
+        extra_bufts = self._load(lib, path, gpu_layers, threads, kv_capacity, build="llama.cpp (Vulkan build)")
         self.gpus = tuple(str(d) for d in gpus) if gpu_layers else ()
         if self.gpus:
             logger.info("llama.cpp offloads %s to %s", path.name, ", ".join(self.gpus))
