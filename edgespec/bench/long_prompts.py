@@ -10,13 +10,13 @@ cut there, at a line break.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import site
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from ..errors import ConfigError
+from .suites import jsonl_records
 
 __all__ = ["LONG_CLASS", "licence_text", "cut_to_tokens", "long_prompts", "read_questions"]
 
@@ -63,13 +63,7 @@ def read_questions(path: str | os.PathLike) -> list[dict]:
     """Question records of a JSONL file: {"id", "doc_tokens", "question"}; a one-line ConfigError
     for a bad one."""
     out = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{Path(path).name}:{n}: not valid JSON ({e.msg})") from None
+    for n, obj in jsonl_records(Path(path).read_text(encoding="utf-8"), Path(path).name):
         if not (isinstance(obj, dict) and isinstance(obj.get("id"), str) and isinstance(obj.get("question"), str)
                 and isinstance(obj.get("doc_tokens"), int) and obj["doc_tokens"] > 0):
             raise ConfigError(f"{Path(path).name}:{n}: need 'id', 'question' and a positive 'doc_tokens'")

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["SUITES", "Prompt", "load_prompts", "parse_prompt", "encode_prompt", "prompt_format"]
+__all__ = ["SUITES", "Prompt", "load_prompts", "parse_prompt", "encode_prompt", "prompt_format", "jsonl_records"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,15 +70,21 @@ def parse_prompt(obj: object, default_cls: str, where: str) -> Prompt:
     return Prompt(pid, cls, messages=tuple(out))
 
 
-def _read_jsonl(text: str, default_cls: str, name: str) -> list[Prompt]:
-    prompts = []
+def jsonl_records(text: str, name: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of a JSONL text; a one-line ConfigError
+    naming `name` and the line for one that is not JSON."""
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            yield n, json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{name}:{n}: not valid JSON ({e.msg})") from None
+
+
+def _read_jsonl(text: str, default_cls: str, name: str) -> list[Prompt]:
+    prompts = []
+    for n, obj in jsonl_records(text, name):
         prompts.append(parse_prompt(obj, default_cls, f"{name}:{n}"))
     if not prompts:
         raise ConfigError(f"{name} holds no prompts")
