@@ -147,9 +147,11 @@ def test_plain_greedy_equals_transformers(references, name):
 
 
 def speculative_matches(zoo, references, name: str, draft: str, **engine_kw) -> tuple[int, int]:
-    """Assert speculative greedy == plain greedy == transformers on every prompt; (drafted, accepted)."""
+    """Assert speculative greedy == plain greedy == transformers on every prompt; (drafted, accepted).
+    The drafting mechanism is what these tests check: it drafts even where the probe, at the thread
+    count the session runs with, finds a width rounding apart (exact-or-plain is test_exactness's)."""
     drafted = accepted = 0
-    with load(zoo.bundle(name, draft), **engine_kw) as engine:
+    with load(zoo.bundle(name, draft), **{"allow_inexact": True, **engine_kw}) as engine:
         for ids, hf_out, plain in references(name):
             out, d, a = decode(engine, ids, N_NEW)
             assert out == plain == hf_out
