@@ -96,6 +96,7 @@ def src(zoo) -> Path:
       "llama.attention.key_length": (8, U32, None), "llama.attention.value_length": (8, U32, None),
       "llama.rope.dimension_count": (8, U32, None)}, "but the metadata's head counts give"),
     ({"llama.embedding_length": (None, U32, None)}, "has no 'llama.embedding_length' metadata"),
+    ({"llama.block_count": (75_685_787, U32, None)}, "is 75685787, more layers than the file has tensors"),
     ({"llama.attention.layer_norm_rms_epsilon": (float("nan"), F32, None)}, "must be a finite number > 0"),
     ({"llama.rope.freq_base": (-1.0, F32, None)}, "'llama.rope.freq_base' must be a finite number > 0"),
     ({"llama.feed_forward_length": (0, U32, None)}, "'llama.feed_forward_length' must be an integer >= 1"),

@@ -256,6 +256,11 @@ def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool,
           freqs: np.ndarray | None) -> tuple[ModelSpec, SimpleNamespace]:
     hidden, n_heads, n_kv, head_dim = _heads(reader, arch)
     n_layers = _size(reader, f"{arch}.block_count")
+    # every layer has tensors of its own: a count past the file's tensors is refused before any
+    # work per layer (a corrupt count would otherwise cost time in proportion to it)
+    if n_layers > len(reader.tensors):
+        raise ExportError(f"the GGUF's '{arch}.block_count' is {n_layers}, more layers than the file has tensors "
+                          f"({len(reader.tensors)})")
     layer_types = _layer_types(reader, arch, facts, n_layers)
     window = _field(reader, f"{arch}.attention.sliding_window", facts.swa_window)
     if window is not None:
