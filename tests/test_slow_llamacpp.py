@@ -35,9 +35,12 @@ def test_default_gguf_bundle_layout(bundle):
 
     m = load_bundle(bundle).manifest
     t, d = m.target.formats["gguf"], m.draft.formats["gguf"]
-    assert t.quantization == {"method": "llama.cpp", "type": "Q4_K_M", "passthrough": True}
+    assert t.quantization == {"method": "llama.cpp", "type": "Q4_K_M", "passthrough": True,
+                              "standalone": t.file}
     assert (bundle / t.file).read_bytes()[:1 << 20] == preset_source().read_bytes()[:1 << 20]
-    assert d.precision == "int8" and d.quantization == {"method": "llama.cpp", "type": "Q8_0"}
+    assert d.precision == "int8"
+    assert {k: d.quantization[k] for k in ("method", "type")} == {"method": "llama.cpp", "type": "Q8_0"}
+    assert (bundle / d.quantization["standalone"]).is_file()
     assert m.draft.vocab_size == m.target.vocab_size == 262144
 
 
