@@ -112,6 +112,25 @@ def test_another_file_or_new_content_gets_its_own_bundle(zoo, tmp_path, caplog):
     assert set(_bundles()) == {qwen_bundle, llama_bundle}
 
 
+def test_a_gguf_opened_on_llama_cpp_gets_a_gguf_bundle_beside_the_onnx_one(zoo, tmp_path):
+    pytest.importorskip("llama_cpp")
+    import edgespec
+
+    gguf = _gguf(zoo, "llama", tmp_path / "models" / "tiny.gguf")
+    with edgespec.load(str(gguf), use_draft=False) as onnx:
+        onnx_text = onnx.generate(PROMPT, max_tokens=6, temperature=0.0)
+    with edgespec.load(str(gguf), backend="llamacpp") as native:
+        assert native.backend == "llamacpp"
+        bundle = native.bundle.path
+        native_text = native.generate(PROMPT, max_tokens=6, temperature=0.0)
+    assert bundle.name.startswith("tiny-") and "-gguf-" in bundle.name
+    assert set(_bundles()) == {bundle, gguf_bundles.bundle_for_gguf(gguf)}  # one per format, the ONNX one reused
+    m = load_bundle(bundle).manifest
+    assert list(m.target.formats) == ["gguf"] and m.target.formats["gguf"].quantization["passthrough"]
+    assert m.draft is not None and list(m.draft.formats) == ["gguf"]
+    assert native_text.strip() and onnx_text.strip()
+
+
 def test_the_hash_index_is_used_and_notices_a_rewrite_that_keeps_size_and_mtime(tmp_path, monkeypatch):
     calls = []
     real = gguf_bundles.file_sha256

@@ -137,14 +137,17 @@ def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     from ..exporters.export import ExportConfig, export_bundle
-    from ..models.catalog import default_bundle_path
+    from ..models.catalog import DEFAULT_PRESET, default_bundle_path
 
     draft = None if args.draft == "none" else ("self" if args.draft == "self" else Path(args.draft))
+    formats = tuple(dict.fromkeys(args.formats or ("onnx",)))
+    # the default model's bundle goes where a load with a backend running that format looks for it
+    home = default_bundle_path(DEFAULT_PRESET, "onnx" if "onnx" in formats else formats[0])
     cfg = ExportConfig(
-        output=args.output or default_output(args.target, Path.cwd()) or default_bundle_path(),
+        output=args.output or default_output(args.target, Path.cwd()) or home,
         target=args.target,
         draft=draft,
-        formats=tuple(dict.fromkeys(args.formats or ("onnx",))),
+        formats=formats,
         target_precision=args.target_precision,
         draft_precision=args.draft_precision,
         draft_vocab=args.draft_vocab,

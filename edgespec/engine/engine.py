@@ -35,7 +35,7 @@ from ..decoding import (
 )
 from ..decoding.limits import DecoderLimits
 from ..errors import BusyError, ConfigError, ContextFullError, EngineClosedError
-from ..runtimes import installed_backends
+from ..runtimes import BACKENDS, installed_backends
 from ..tokenizer import IncrementalDecoder, Tokenizer
 from .assembly import EnginePlan, plan_engine
 from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
@@ -45,7 +45,7 @@ from .opening import open_plan
 from .tuning import tune
 
 __all__ = ["load", "resolve", "Engine", "EngineConfig", "Response", "GenerationStats", "DRAFT_BODIES",
-           "default_bundle", "resolve_drafting", "shared_body_blocker"]
+           "default_bundle", "first_use_format", "resolve_drafting", "shared_body_blocker"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +69,23 @@ class Response:
         return sum(v for parts in self.memory.values() for k, v in parts.items() if k != "kv_used")
 
 
-def default_bundle() -> Path:
-    """The default bundle, exported from the embedded Gemma 3 270M the first time."""
-    from ..models.catalog import default_bundle_path
+def default_bundle(fmt: str = "onnx") -> Path:
+    """The default bundle in format `fmt`, exported from the embedded Gemma 3 270M the first time."""
+    from ..models.catalog import DEFAULT_PRESET, default_bundle_path
 
-    path = default_bundle_path()
+    path = default_bundle_path(DEFAULT_PRESET, fmt)
     if not path.exists():
         from ..exporters.export import ExportConfig, export_bundle
 
         logger.warning("building the default bundle in %s (one time, a few minutes)", path)
-        export_bundle(ExportConfig(output=path))
+        export_bundle(ExportConfig(output=path, formats=(fmt,)))
     return path
+
+
+def first_use_format(config: EngineConfig) -> str:
+    """The format a bundle built on first use is exported in: the one the named backend runs
+    (a GGUF run on llama.cpp stays GGUF), else ONNX, which the default backend runs."""
+    return BACKENDS[config.backend].bundle_format if config.backend in BACKENDS else "onnx"
 
 
 def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
@@ -442,12 +448,13 @@ def load(bundle: str | Path | None = None, config: EngineConfig | None = None, *
     its fields, e.g. load(path, backend="openvino", k=3). What each field does: help(EngineConfig).
     """
     cfg = engine_config(config, **overrides)  # checked before any bundle is built
+    fmt = first_use_format(cfg)
     if bundle is None:
-        path = default_bundle()
+        path = default_bundle(fmt)
     else:
         from ..exporters.gguf.bundles import resolve_bundle
 
-        path = resolve_bundle(bundle)
+        path = resolve_bundle(bundle, fmt)
     b = load_bundle(path)
     return Engine(b, plan=resolve(b, cfg))
 

@@ -83,10 +83,11 @@ def write_cache_entry(path: Path, obj: object, what: str) -> None:
 BUNDLE_REVISION = 4
 
 
-def default_bundle_path(preset: str = DEFAULT_PRESET) -> Path:
-    """The embedded default's bundle in the cache; only `edgespec export` with no --target (or an
-    explicit -o naming it) and the first load without a bundle write it."""
-    return cache_dir() / "bundles" / f"{preset}-r{BUNDLE_REVISION}"
+def default_bundle_path(preset: str = DEFAULT_PRESET, fmt: str = "onnx") -> Path:
+    """The embedded default's bundle in format `fmt` in the cache; only `edgespec export` with no
+    --target (or an explicit -o naming it) and the first load without a bundle write it."""
+    kind = "" if fmt == "onnx" else f"-{fmt}"
+    return cache_dir() / "bundles" / f"{preset}{kind}-r{BUNDLE_REVISION}"
 
 
 def gguf_bundles_dir() -> Path:

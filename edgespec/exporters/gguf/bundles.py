@@ -42,14 +42,14 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def resolve_bundle(arg: str | os.PathLike) -> Path:
-    """The bundle folder a BUNDLE argument names: a GGUF file becomes its cached bundle (built
-    on first use); anything else is taken as a bundle folder, which load_bundle checks."""
+def resolve_bundle(arg: str | os.PathLike, fmt: str = "onnx") -> Path:
+    """The bundle folder a BUNDLE argument names: a GGUF file becomes its cached bundle in format
+    `fmt` (built on first use); anything else is taken as a bundle folder, which load_bundle checks."""
     path = Path(arg).expanduser()
     if path.is_dir():
         return path
     if path.is_file() or path.suffix.lower() == ".gguf":
-        return bundle_for_gguf(path)
+        return bundle_for_gguf(path, fmt)
     return path
 
 
@@ -105,10 +105,12 @@ def content_digest(path: Path) -> str:
     return digest
 
 
-def gguf_bundle_path(gguf: Path, digest: str) -> Path:
-    """The cache folder of the bundle of a GGUF with this content digest (the name is for people)."""
+def gguf_bundle_path(gguf: Path, digest: str, fmt: str = "onnx") -> Path:
+    """The cache folder of the `fmt` bundle of a GGUF with this content digest (the name is for
+    people; an ONNX bundle, the default, carries no format in it)."""
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf.name.removesuffix(gguf.suffix)).lstrip(".")[:STEM_CHARS] or "model"
-    return gguf_bundles_dir() / f"{stem}-{digest[:DIGEST_CHARS]}-s{SCHEMA_VERSION}r{BUNDLE_REVISION}"
+    kind = "" if fmt == "onnx" else f"-{fmt}"
+    return gguf_bundles_dir() / f"{stem}-{digest[:DIGEST_CHARS]}{kind}-s{SCHEMA_VERSION}r{BUNDLE_REVISION}"
 
 
 def _check_gguf(path: Path) -> None:
@@ -153,13 +155,14 @@ def _build_lock(out: Path) -> Iterator[None]:
         lock.release()
 
 
-def bundle_for_gguf(path: str | os.PathLike) -> Path:
-    """The bundle of the GGUF file `path` in the user cache: reused when one was built from the
-    same content by this bundle revision, else exported now (atomically: a run killed half-way
-    leaves only a staging folder, which the next export sweeps)."""
+def bundle_for_gguf(path: str | os.PathLike, fmt: str = "onnx") -> Path:
+    """The `fmt` bundle of the GGUF file `path` in the user cache: reused when one was built from
+    the same content by this bundle revision, else exported now (atomically: a run killed half-way
+    leaves only a staging folder, which the next export sweeps). A backend that runs GGUF gets a
+    bundle whose target is the file itself (linked) and whose draft is cut from it."""
     gguf = Path(path).expanduser()
     _check_gguf(gguf)
-    out = gguf_bundle_path(gguf, content_digest(gguf))
+    out = gguf_bundle_path(gguf, content_digest(gguf), fmt)
     if (out / MANIFEST).is_file():
         logger.info("reusing the bundle %s for %s", out, gguf)
         return out
@@ -171,5 +174,5 @@ def bundle_for_gguf(path: str | os.PathLike) -> Path:
 
         logger.warning("building a bundle for %s in %s (one time; `edgespec export --target` makes one "
                        "with other options)", gguf, out)
-        # ExportConfig's defaults are the embedded default bundle's: onnx, a self-draft, the GGUF's own blocks
-        return export_bundle(ExportConfig(output=out, target=gguf.resolve(), force=out.exists()))
+        # ExportConfig's other defaults are the embedded default bundle's: a self-draft, the GGUF's own blocks
+        return export_bundle(ExportConfig(output=out, target=gguf.resolve(), formats=(fmt,), force=out.exists()))
