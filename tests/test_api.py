@@ -380,9 +380,11 @@ def test_chat_stop_event_keeps_the_conversation_and_a_refused_turn_leaves_no_tra
     assert session.messages[-1] == {"role": "assistant", "content": reply}
 
 
-def test_the_server_says_when_the_engine_decodes_plainly_for_inexactness(zoo, monkeypatch):
+def test_the_server_says_when_the_engine_decodes_plainly_for_inexactness(zoo, monkeypatch, tmp_path):
     """Where no verify width rounds like plain decoding here, /health and every response's usage
     block say the engine decodes plainly and why; OpenAI's client keeps that usage key as an extra."""
+    # the faked verdict is cached: in a cache of its own, so later tests probe this bundle afresh
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
     pytest.importorskip("fastapi")
     openai = pytest.importorskip("openai")
     import numpy as np

@@ -162,9 +162,10 @@ def test_sigterm_inside_exec_d_source_still_exits_as_sigterm(tmp_path):
     assert proc.returncode == 128 + 15, proc.stderr
 
 
-def test_chat_and_info_say_when_drafting_is_off_for_inexactness(cli_bundle, monkeypatch, capsys):
+def test_chat_and_info_say_when_drafting_is_off_for_inexactness(cli_bundle, monkeypatch, capsys, tmp_path):
     """In-process (the rounding is patched in): where no verify width is exact here, chat's first
     line and `edgespec info` say the engine decodes plainly, and why."""
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))  # the faked verdict stays in this test
     import io
 
     import numpy as np

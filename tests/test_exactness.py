@@ -3,6 +3,7 @@ verify only at widths that round like one-token forwards on this machine, or ref
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -328,8 +329,12 @@ def test_widths_are_checked():
 
 # -- the engine: probed at load, plain where nothing is exact unless allow_inexact ---------------
 
-def _wide_forwards_round_off(monkeypatch):
+def _wide_forwards_round_off(monkeypatch, cache: Path):
+    """Every verify width rounds apart from one-token forwards; the verdicts this fakes are cached
+    in `cache`, so later tests probe the shared bundles afresh."""
     from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
+
+    monkeypatch.setenv("EDGESPEC_CACHE", str(cache))
 
     forward = OnnxRuntime.forward
 
@@ -353,10 +358,10 @@ def test_the_engine_probes_the_target_and_caps_its_verifies(zoo):
         assert e.exactness is None  # plain decoding verifies nothing
 
 
-def test_no_exact_width_means_plain_decoding_unless_inexact_drafting_is_allowed(zoo, monkeypatch, caplog):
+def test_no_exact_width_means_plain_decoding_unless_inexact_drafting_is_allowed(zoo, monkeypatch, caplog, tmp_path):
     from edgespec.engine.opened import DRAFTING_REFUSED
 
-    _wide_forwards_round_off(monkeypatch)
+    _wide_forwards_round_off(monkeypatch, tmp_path / "cache")
     bundle = zoo.bundle("llama", AGREEING)
     with load(bundle, use_draft=False) as e:
         plain = e.generate(PROMPTS[0], max_tokens=12)

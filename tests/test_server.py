@@ -122,8 +122,6 @@ def test_models_and_health(server):
     assert health["status"] == "ok" and health["model"] == MODEL and health["queued"] == 0
 
 
-@pytest.mark.xfail(strict=False, reason="fails after the whole fast tier (passes with its own file) since round 21; "
-                                        "cause not found yet (docs/LOG.md)")
 def test_chat_completion_equals_the_engine(server, engine):
     url, _ = server
     ref = reference_chat(engine)
@@ -136,7 +134,10 @@ def test_chat_completion_equals_the_engine(server, engine):
     assert choice["message"] == {"role": "assistant", "content": ref}
     assert choice["finish_reason"] == "length"
     prompt = len(engine.tokenizer.encode_chat(MESSAGES))
-    assert out["usage"] == {"prompt_tokens": prompt, "completion_tokens": 12, "total_tokens": prompt + 12}
+    usage = dict(out["usage"])
+    note = usage.pop("edgespec", None)  # only where the probe refused drafting on this machine
+    assert usage == {"prompt_tokens": prompt, "completion_tokens": 12, "total_tokens": prompt + 12}
+    assert note == (None if engine.opened.inexact_refusal is None else engine.opened.speculation())
 
 
 def test_chat_stream_equals_the_engine(server, engine):
