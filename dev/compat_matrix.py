@@ -43,7 +43,9 @@ def cell(row: dict | None) -> str:
         return "not run"
     if row["status"] == "pass":
         flips = row.get("flips", 0)  # a mixture of experts' positions routed apart (tests/test_compat_matrix.py)
-        return f"✓ {row['max_abs']:.0e}" + (f" ({flips} routed apart)" if flips else "")
+        theirs = row.get("llama_cpp")
+        own = f" (llama.cpp {theirs:.0e})" if theirs is not None and row["quant"] != "F32" else ""
+        return f"✓ {row['max_abs']:.0e}{own}" + (f" ({flips} routed apart)" if flips else "")
     if row["status"] == "refused":
         return f"✗ {row['reason']}"
     return f"✗ failed ({row['max_abs']:.0e} > {row['atol']:.0e})"
@@ -51,7 +53,8 @@ def cell(row: dict | None) -> str:
 
 def render(rows: list[dict]) -> str:
     """One line per family x quant type, one column per format: ✓ and the largest logit difference
-    from llama-cpp-python on the same file, or why the row does not pass."""
+    from the reference (llama-cpp-python on the same file; for a quantized file, the exact product
+    of its blocks, with llama-cpp-python's own difference beside it), or why the row does not pass."""
     by = {(r["family"], r["quant"], r["format"]): r for r in rows}
     fams = list(dict.fromkeys(r["family"] for r in rows))
     quants = list(dict.fromkeys(r["quant"] for r in rows))

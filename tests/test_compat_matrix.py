@@ -11,9 +11,12 @@ Greedy ids are compared where both sides compute the same products: the F32 rows
 multiplies the GGUF's own blocks, but llama.cpp first rounds the activations to 8 bits per block
 (Q8_0 / Q8_K), onnxruntime its own way, and llama.cpp itself another way in a batch of many tokens
 (its tiled GEMM) than in the reference's; on a random-weight model, whose next-token logits are full
-of near-ties, the argmax may then differ at some positions: those rows assert the logits'
-tolerance and top-1 agreement at MIN_TOP1 of the prompt's positions instead (the dequantized blocks
-themselves are checked bit for bit against gguf-py in tests/test_gguf_quants.py).
+of near-ties, the argmax may then differ at some positions, and the two roundings add up. So a
+quantized row holds its logits to the exact product of the same blocks (llama.cpp on the file
+expanded to F32 by its own quantizer, which dequantizes each block as its kernels do) within the
+quant type's tolerance, and its top-1 to llama.cpp's on the quantized file at MIN_TOP1 of the
+prompt's positions (the dequantized blocks themselves are checked bit for bit against gguf-py in
+tests/test_gguf_quants.py).
 
 Rows run in the default tier where marked in `DEFAULT_TIER` (under ~2 minutes on 2 cores); the
 rest are slow. With EDGESPEC_MATRIX_OUT set, every row's outcome is appended to that JSON-lines
@@ -48,11 +51,13 @@ FAMILIES = {
 QUANTS = {"F32": 0, "Q8_0": 7, "Q4_0": 2, "Q4_K_M": 15}  # llama_ftype values
 FORMATS = ("onnx", "gguf")
 # logits tolerance per quant type (absolute, on logits up to ~10). F32: summation order, and
-# llama.cpp's CPU GELU reads a half-precision table (gemma2); quantized weights: both sides quantize
-# the activations to 8 bits per block before the integer products, each its own way
-# the quantized ones measured at 0.19 (Q8_0), 0.22 (Q4_0) and 0.53 (Q4_K_M) on logits up to ~7; a
-# gguf-format row, by llama.cpp's batched products (0.17-0.33 measured)
+# llama.cpp's CPU GELU reads a half-precision table (gemma2); quantized weights: the distance from
+# the exact product of the blocks, which the 8-bit rounding of the activations before the integer
+# products opens. How far that rounding carries depends on the model: a family whose random layers
+# amplify it (smollm3's) puts llama.cpp itself as far from the exact product, batched or not, so a
+# row is also within tolerance up to RELATIVE times llama.cpp's own distance on the same file
 ATOL = {"F32": 2e-4, "Q8_0": 0.5, "Q4_0": 0.5, "Q4_K_M": 1.0}
+RELATIVE = 1.5
 GELU_ATOL = 5e-3
 MIN_TOP1 = 0.8
 # a quantized mixture of experts: where a position's k-th and next expert are within rounding of each
@@ -72,18 +77,12 @@ DEFAULT_TIER = ({(f, "F32", "onnx") for f in FAMILIES if f != "qwen3moe"}
                 | {("llama", "Q4_K_M", "onnx"), ("phi3", "Q8_0", "gguf")})
 
 
-# rows that failed in a full run and passed where they were built: open, not hidden (docs/LOG.md)
-UNEXPLAINED = {("smollm3", "Q4_K_M", "onnx"): "failed in the full slow run of round 21 (docs/LOG.md); "
-                                                 "its cause is not found yet"}
-
 
 def _rows():
     for fam in FAMILIES:
         for quant in QUANTS:
             for fmt in FORMATS:
                 marks = () if (fam, quant, fmt) in DEFAULT_TIER else (pytest.mark.slow,)
-                if (fam, quant, fmt) in UNEXPLAINED:
-                    marks = (*marks, pytest.mark.xfail(strict=False, reason=UNEXPLAINED[(fam, quant, fmt)]))
                 yield pytest.param(fam, quant, fmt, id=f"{fam}-{quant}-{fmt}", marks=marks)
 
 
@@ -100,15 +99,17 @@ def sources(tmp_path_factory):
     cache: dict[tuple[str, str], tuple] = {}
 
     def get(fam: str, quant: str):
+        """(the GGUF, its F32 expansion: the exact product of its blocks, the vocabulary size)"""
         if (fam, quant) not in cache:
             d = tmp_path_factory.mktemp(f"{fam}-{quant}")
             f32 = d / "f32.gguf"
             vocab = write_spm_gguf(f32, **FAMILIES[fam])
-            src = f32
+            src = exact = f32
             if quant != "F32":
-                src = d / f"{quant}.gguf"
+                src, exact = d / f"{quant}.gguf", d / f"{quant}-as-f32.gguf"
                 quantize(f32, src, QUANTS[quant], threads=2)
-            cache[fam, quant] = (src, vocab)
+                quantize(src, exact, QUANTS["F32"], threads=2, allow_requantize=True)
+            cache[fam, quant] = (src, exact, vocab)
         return cache[fam, quant]
 
     return get
@@ -145,25 +146,32 @@ def _ours(bundle, fmt: str, ids: list[int]) -> tuple[np.ndarray, list[int]]:
     return logits, out
 
 
+def _worst(a: np.ndarray, b: np.ndarray, spare: int) -> float:
+    """The largest of each position's largest difference, past the `spare` worst positions."""
+    return float(np.sort(np.abs(a - b).max(-1))[-1 - spare])
+
+
 @pytest.mark.parametrize("fam, quant, fmt", list(_rows()))
 def test_matrix_row(sources, tmp_path, fam, quant, fmt):
     row = dict(family=fam, quant=quant, format=fmt)
     if (fam, quant, fmt) in NOT_RUNNABLE:
         _record(**row, status="refused", reason=NOT_RUNNABLE[fam, quant, fmt])
         pytest.skip(NOT_RUNNABLE[fam, quant, fmt])
-    src, vocab = sources(fam, quant)
+    src, exact_src, vocab = sources(fam, quant)
     bundle = export_bundle(ExportConfig(output=tmp_path / "b", target=src, draft=None, formats=(fmt,)))
     rng = np.random.default_rng(7)
     ids = [1] + [int(t) for t in rng.integers(3, vocab, size=N_LOGITS - 1)]
     ref, want = _llama_cpp(src, ids)
+    exact = ref if exact_src == src else _llama_cpp(exact_src, ids)[0]
     ours, got = _ours(bundle, fmt, ids)
-    atol = ATOL[quant] if quant != "F32" or fam != "gemma2" else GELU_ATOL
-    assert ours.shape == ref.shape == (N_LOGITS, vocab)
-    per = np.sort(np.abs(ours - ref).max(-1))  # each position's largest difference, ascending
+    assert ours.shape == ref.shape == exact.shape == (N_LOGITS, vocab)
     spare = ROUTING_FLIPS if fam in MOE and quant != "F32" else 0
-    err, flips = float(per[-1 - spare]), int((per > atol).sum())
-    _record(**row, status="fail", max_abs=err, atol=atol, flips=flips)  # overwritten below when every check passes
-    assert err <= atol, f"logits {err:.2e} from llama.cpp's (tolerance {atol}; {flips} positions beyond it)"
+    theirs = _worst(ref, exact, spare)  # llama.cpp's own runtime on the quantized file (0 on F32)
+    atol = max(ATOL[quant], RELATIVE * theirs) if quant != "F32" or fam != "gemma2" else GELU_ATOL
+    err, flips = _worst(ours, exact, spare), int((np.abs(ours - exact).max(-1) > atol).sum())
+    _record(**row, status="fail", max_abs=err, atol=atol, flips=flips, llama_cpp=theirs)  # overwritten on a pass
+    assert err <= atol, (f"logits {err:.2e} from the exact product (tolerance {atol}; {flips} positions "
+                         f"beyond it; llama.cpp's own: {theirs:.2e})")
     if quant == "F32":
         assert got == want
     else:
@@ -178,4 +186,4 @@ def test_matrix_row(sources, tmp_path, fam, quant, fmt):
     with load(bundle, backend=backend, use_draft=False, drafter="ngram", k=4) as engine:
         spec, drafted, _ = decode(engine, prompt, N_SPEC)
     assert drafted > 0 and spec == plain
-    _record(**row, status="pass", max_abs=err, atol=atol, flips=flips)
+    _record(**row, status="pass", max_abs=err, atol=atol, flips=flips, llama_cpp=theirs)
