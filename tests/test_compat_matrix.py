@@ -37,8 +37,8 @@ from edgespec.bundle import load_bundle  # noqa: E402
 from edgespec.engine.engine import load  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle  # noqa: E402
 from edgespec.exporters.gguf.export import quantize  # noqa: E402
+from tests.gguf_writers import FAMILY_SHAPES, SPM_SHAPES, write_spm_gguf  # noqa: E402
 from tests.test_export_onnx import decode  # noqa: E402
-from tests.test_gguf_families import FAMILY_SHAPES, SPM_SHAPES, write_spm_gguf  # noqa: E402
 
 # rows 256 wide: llama.cpp's K-quants need whole 256-wide super-blocks (narrower rows fall back to
 # other types, and Q4_K_M would not be Q4_K at all); weights at 0.1 so that each product keeps the

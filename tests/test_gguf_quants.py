@@ -21,7 +21,8 @@ from edgespec.bundle import load_bundle  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle  # noqa: E402
 from edgespec.exporters.gguf.source import read_gguf  # noqa: E402
 from edgespec.exporters.gguf.transcode import TRANSCODABLE, BlockWeight, fold_mins, transcode  # noqa: E402
-from tests.test_gguf_families import llama_cpp_run, spm_vocab  # noqa: E402
+from tests.gguf_reference import llama_cpp_run  # noqa: E402
+from tests.gguf_writers import spm_vocab  # noqa: E402
 from tests.test_transcode import K, N, _run_graph, block_tolerance, raw_blocks  # noqa: E402
 
 NEW = ("Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
