@@ -175,3 +175,20 @@ def test_the_head_drafter_reads_the_rows_the_verify_computed_and_never_runs_the_
     rows = draft.hidden_rows(tokens[:-1], 2)
     np.testing.assert_array_equal(rows, fresh_logits(tokens[:-1], 2))
     assert target.shared.forwards == len(steps) + 1 and draft.n_past == 0
+
+
+def test_a_draft_catching_up_on_a_long_prompt_never_runs_the_body_over_it_again():
+    """A prompt many times the window and the prefill chunk: the draft's first forward catches up
+    on the whole prompt, whose rows the body holds from the target's prefill; fed in chunks, each
+    chunk's last hidden row would have left the window and the body would run the prefix again."""
+    from edgespec.decoding.limits import DecoderLimits
+
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, VOCAB, 6 * WINDOW)]
+    body, target, draft, keep = make_pair(0.0, VOCAB)  # faithful: every draft accepted
+    dec = SpeculativeDecoder(target, draft, id_map=keep, drafter="model", policy=FixedK(4),
+                             limits=DecoderLimits(max_batch=WINDOW // 2))
+    tokens = list(prompt)
+    drafted = sum(step.drafted for step in dec.stream(tokens, SamplingParams(), 24))
+    assert drafted > 0 and tokens[len(prompt):] == naive_greedy(ToyRuntime(VOCAB), prompt, 24)
+    # a faithful draft: every committed position through the body once, in the order it came
+    assert sorted(body.fed_positions) == list(range(len(tokens) - 1))

@@ -104,6 +104,6 @@ def test_speculative_equals_plain_at_2k_contexts(cache, backend):
     _contexts(backend, 2000)
 
 
-@pytest.mark.parametrize("backend", ["onnxruntime"])
+@pytest.mark.parametrize("backend", ["onnxruntime", "llamacpp"])
 def test_speculative_equals_plain_at_8k_contexts(cache, backend):
     _contexts(backend, 7600)

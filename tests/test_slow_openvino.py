@@ -1,6 +1,6 @@
 """Slow tier: the real default model (Gemma 3 270M) exported to OpenVINO, against transformers and
 against itself: speculative greedy == plain greedy == transformers in each configuration and at
-~2k-token contexts, the exact mode's verifies bit for bit one-token decodes, and a draft split at
+~2k- and ~8k-token contexts, the exact mode's verifies bit for bit one-token decodes, and a draft split at
 its hidden state."""
 from __future__ import annotations
 
@@ -29,16 +29,17 @@ def exported(tmp_path_factory):
                                       target_precision="fp32", draft_precision="int4", draft_vocab=None))
 
 
-def test_default_model_on_openvino_speculative_equals_plain_at_2k_contexts(exported):
+@pytest.mark.parametrize("n_tokens", [2000, 7600], ids=["2k", "8k"])
+def test_default_model_on_openvino_speculative_equals_plain_at_long_contexts(exported, n_tokens):
     """The probe reaches past every split point and the context's end: where it lets the engine
-    draft, greedy speculative output over a ~2k-token document equals plain decoding."""
+    draft, greedy speculative output over a ~2k- and ~8k-token document equals plain decoding."""
     from tests.test_slow_contexts import QUESTIONS, _document, _greedy
 
-    kw = {"backend": "openvino", "max_context": 2512}
+    kw = {"backend": "openvino", "max_context": n_tokens + 512}
     with load(exported, k=4, drafter="model", **kw) as spec, load(exported, use_draft=False, **kw) as plain:
-        doc = _document(spec.tokenizer, 2000)
+        doc = _document(spec.tokenizer, n_tokens)
         drafted = 0
-        for q in QUESTIONS[:8]:
+        for q in QUESTIONS:
             ids = spec.tokenizer.encode(f"{doc}Question: {q}\nAnswer:")
             assert _greedy(spec, ids) == _greedy(plain, ids), q
             drafted += spec.last_stats.drafted

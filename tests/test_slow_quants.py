@@ -37,7 +37,8 @@ pytestmark = pytest.mark.slow
 llama_cpp = pytest.importorskip("llama_cpp", reason="the reference is llama-cpp-python on the same GGUF")
 pytest.importorskip("onnxruntime")
 
-QUANTS = {"IQ4_XS": 30, "Q8_0": 7, "Q4_0": 2, "Q6_K": 18, "Q5_K_M": 17}  # llama_ftype values
+QUANTS = {"IQ4_XS": 30, "IQ4_NL": 25, "Q8_0": 7, "Q4_0": 2, "Q6_K": 18, "Q5_K_M": 17, "Q3_K_M": 12,
+          "Q2_K": 10}  # llama_ftype values
 BASELINE = "Q4_K_M"  # the default file as its package ships it
 # logits up to ~30; both sides multiply the same blocks by activations rounded to 8 bits per block
 # (llama.cpp's Q8_0/Q8_K, onnxruntime's MatMulNBits its own way), and over 26 layers the rounding of

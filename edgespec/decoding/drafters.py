@@ -107,8 +107,12 @@ class ModelDrafter(Drafter):
         self.clock = clock
         self.runtimes = (runtime,)
         # a trimmed draft keeps the full input embedding: it is fed target ids, and only its
-        # outputs (K logits) need the id map
-        self._cache = TrackedCache(runtime, max_batch)
+        # outputs (K logits) need the id map. A draft on the target's body runs only its head over
+        # rows the body holds already, so it catches up in one forward: fed in prefill chunks, each
+        # chunk would ask for a hidden row the body no longer keeps, and the body would run the
+        # whole prefix again (a long prompt's prefill, inside a decode step)
+        shared = runtime.capabilities.extra.get("shared_body") == "draft"
+        self._cache = TrackedCache(runtime, None if shared else max_batch)
         self.guessed = self.guess_hits = 0  # lookahead tokens fed, and those the draft then drew
 
     def propose(self, tokens, limit, policy, params, rng) -> Draft:
