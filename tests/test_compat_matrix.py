@@ -37,6 +37,7 @@ from edgespec.bundle import load_bundle  # noqa: E402
 from edgespec.engine.engine import load  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle  # noqa: E402
 from edgespec.exporters.gguf.export import quantize  # noqa: E402
+from tests.gguf_reference import llama_cpp_run  # noqa: E402
 from tests.gguf_writers import FAMILY_SHAPES, SPM_SHAPES, write_spm_gguf  # noqa: E402
 from tests.test_export_onnx import decode  # noqa: E402
 
@@ -116,19 +117,8 @@ def sources(tmp_path_factory):
 
 
 def _llama_cpp(src, ids: list[int]) -> tuple[np.ndarray, list[int]]:
-    f32 = 0  # an F32 KV cache: tests/test_gguf_families.py's docstring
-    llm = llama_cpp.Llama(model_path=str(src), logits_all=True, n_ctx=256, n_threads=2, type_k=f32, type_v=f32,
-                          verbose=False)
-    try:
-        llm.eval(ids)
-        logits = np.array(llm.scores[: len(ids)], dtype=np.float32)
-        out = [int(np.argmax(logits[-1]))]
-        while len(out) < N_GREEDY:
-            llm.eval(out[-1:])
-            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
-        return logits, out
-    finally:
-        llm.close()
+    """llama-cpp-python's logits at every position of `ids` and its first greedy ids (F32 KV cache)."""
+    return llama_cpp_run(src, ids, N_GREEDY)
 
 
 def _ours(bundle, fmt: str, ids: list[int]) -> tuple[np.ndarray, list[int]]:
