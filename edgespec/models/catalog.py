@@ -14,7 +14,8 @@ from pathlib import Path
 from ..errors import BundleError, ConfigError
 
 __all__ = ["Preset", "PRESETS", "DEFAULT_PRESET", "BUNDLE_REVISION", "cache_dir", "default_bundle_path",
-           "gguf_bundles_dir", "preset_source", "assembled", "file_sha256", "read_cache_entry", "write_cache_entry"]
+           "format_suffix", "gguf_bundles_dir", "preset_source", "assembled", "file_sha256", "read_cache_entry",
+           "write_cache_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +84,16 @@ def write_cache_entry(path: Path, obj: object, what: str) -> None:
 BUNDLE_REVISION = 4
 
 
+def format_suffix(fmt: str) -> str:
+    """What a cached bundle's folder name carries for its format: nothing for ONNX, the default
+    (so the folders of earlier revisions keep their names), else `-FORMAT`."""
+    return "" if fmt == "onnx" else f"-{fmt}"
+
+
 def default_bundle_path(preset: str = DEFAULT_PRESET, fmt: str = "onnx") -> Path:
     """The embedded default's bundle in format `fmt` in the cache; only `edgespec export` with no
     --target (or an explicit -o naming it) and the first load without a bundle write it."""
-    kind = "" if fmt == "onnx" else f"-{fmt}"
-    return cache_dir() / "bundles" / f"{preset}{kind}-r{BUNDLE_REVISION}"
+    return cache_dir() / "bundles" / f"{preset}{format_suffix(fmt)}-r{BUNDLE_REVISION}"
 
 
 def gguf_bundles_dir() -> Path:

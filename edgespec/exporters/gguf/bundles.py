@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ...bundle import MANIFEST, SCHEMA_VERSION
 from ...errors import BundleError, ConfigError, ExportError
-from ...models.catalog import BUNDLE_REVISION, cache_dir, file_sha256, gguf_bundles_dir
+from ...models.catalog import BUNDLE_REVISION, cache_dir, file_sha256, format_suffix, gguf_bundles_dir
 
 __all__ = ["GGUF_MAGIC", "bundle_for_gguf", "content_digest", "gguf_bundle_path", "is_gguf",
            "resolve_bundle"]
@@ -109,7 +109,7 @@ def gguf_bundle_path(gguf: Path, digest: str, fmt: str = "onnx") -> Path:
     """The cache folder of the `fmt` bundle of a GGUF with this content digest (the name is for
     people; an ONNX bundle, the default, carries no format in it)."""
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf.name.removesuffix(gguf.suffix)).lstrip(".")[:STEM_CHARS] or "model"
-    kind = "" if fmt == "onnx" else f"-{fmt}"
+    kind = format_suffix(fmt)
     return gguf_bundles_dir() / f"{stem}-{digest[:DIGEST_CHARS]}{kind}-s{SCHEMA_VERSION}r{BUNDLE_REVISION}"
 
 
