@@ -294,7 +294,7 @@ def test_licence_text_reads_each_distinct_licence_once_in_name_order(tmp_path):
 
 
 def test_long_prompts_cut_their_document_to_its_token_length_at_a_line_break(zoo, tmp_path):
-    from edgespec.bench.long_prompts import LONG_CLASS, cut_to_tokens, long_prompts, read_questions
+    from edgespec.bench.long_prompts import cut_to_tokens, long_class, long_prompts, read_questions
     from edgespec.bench.suites import load_prompts
 
     text = "\n".join(f"line {i}: the cat and the dog sat on the mat" for i in range(40))
@@ -310,13 +310,14 @@ def test_long_prompts_cut_their_document_to_its_token_length_at_a_line_break(zoo
                          '{"id": "b", "doc_tokens": 300, "question": "Where?"}\n'
                          '{"id": "c", "doc_tokens": 100, "question": "What sat?"}\n')
         records = long_prompts(read_questions(qfile), count, text)
-    assert [(r["id"], r["class"]) for r in records] == [("a", LONG_CLASS), ("b", LONG_CLASS), ("c", LONG_CLASS)]
+    assert [(r["id"], r["class"]) for r in records] == [("a", "long-100"), ("b", "long-300"), ("c", "long-100")]
+    assert (long_class(2000), long_class(8000), long_class(1600)) == ("long-2k", "long-8k", "long-2k")
     a, b, c = (r["messages"][0]["content"] for r in records)
     assert a.endswith("Question: Who sat?") and c.endswith("Question: What sat?")
     assert a.split("</document>")[0] == c.split("</document>")[0] != b.split("</document>")[0]  # one doc per length
     out = tmp_path / "long.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert [p.cls for p in load_prompts(str(out))] == [LONG_CLASS] * 3  # what edgespec bench reads
+    assert [p.cls for p in load_prompts(str(out))] == ["long-100", "long-300", "long-100"]  # what edgespec bench reads
     (tmp_path / "bad.jsonl").write_text('{"id": "a", "doc_tokens": 0, "question": "?"}\n')
     with pytest.raises(ConfigError, match=r"^bad\.jsonl:1: need 'id', 'question' and a positive 'doc_tokens'$"):
         read_questions(tmp_path / "bad.jsonl")
@@ -340,10 +341,10 @@ def test_the_long_class_is_measured_beside_the_peer_with_cold_first_tokens(zoo):
         peer = StandInPeer(engine)
         runs = run_bench(engine, prompts, cfg, peer=peer)
         s = summarise(runs, [PLAIN, SPECULATIVE, PEER])
-    assert {r.cls for r in runs} == {LONG_CLASS} and len(runs) == 2 * 3
+    assert {r.cls for r in runs} == {"long-150", "long-350"} and len(runs) == 2 * 3
     assert all(r.prompt_tokens > 150 for r in runs) and all(len(r.tokens) == 6 for r in runs)
     assert max(len(c) for c in peer.calls) > 350  # the peer was fed the whole long prompt's ids
-    block = s["classes"][LONG_CLASS]
+    block = s["classes"]["long-350"]
     for name in (PLAIN, SPECULATIVE, PEER):
         assert block[name]["ttft_ms"] > 0 and block[name]["tok_s"] > 0, name
     assert block[SPECULATIVE]["x_llamacpp"] > 0
@@ -365,12 +366,12 @@ def test_bench_peer_script_runs_the_long_class_alone(zoo, tmp_path):
                            *LENIENT], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = (out / "prompts.jsonl").read_text().splitlines()
-    assert json.loads(line)["id"] == "one" and json.loads(line)["class"] == "long"
+    assert json.loads(line)["id"] == "one" and json.loads(line)["class"] == "long-120"
     (doc,) = load_runs(out / "greedy" / "results.json")
-    assert list(doc["classes"]) == ["long"] and doc["classes"]["long"][PLAIN]["ttft_ms"] > 0
+    assert list(doc["classes"]) == ["long-120"] and doc["classes"]["long-120"][PLAIN]["ttft_ms"] > 0
     assert "--max-context 512" in (out / "greedy" / "run.log").read_text()
     summary = (out / "summary.md").read_text()
-    assert "| greedy | long |" in summary and "Cold time to first token" in summary
+    assert "| greedy | long-120 |" in summary and "Cold time to first token" in summary
 
 
 # ---------------------------------------------------------------- exactness probe

@@ -184,10 +184,11 @@ class TailK(FixedK):
     def prefers(self, first, second):
         return first == "model"  # the lookup drafts only as a tail
 
-    def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None, width=None):
+    def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None, width=None,
+               expected=None):
         self.updates.append((source, drafted, accepted, width))
 
-    def learn(self, source, drafted, accepted):
+    def learn(self, source, drafted, accepted, expected=None):
         self.learned.append((source, drafted, accepted))
 
 

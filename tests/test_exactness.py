@@ -304,11 +304,11 @@ def test_verifies_stay_within_the_exact_widths_and_output_equals_plain():
 
 def test_a_draft_on_the_target_body_keeps_its_lookahead_within_the_width():
     from edgespec.decoding.drafters import ModelDrafter
+    from edgespec.decoding.policy import FixedK
 
     draft = WideRounding(vocab=40, from_width=99)  # records widths only
     drafter = ModelDrafter(draft, 40, guess=lambda tokens, drafts: [7, 8, 9, 10], max_width=3)
-    drafter.propose([1, 2, 3, 4, 5], 4, type("P", (), {"next_k": lambda self, s: 4, "uses_confidence": False})(),
-                    SamplingParams(), np.random.default_rng(0))
+    drafter.propose([1, 2, 3, 4, 5], 4, FixedK(4), SamplingParams(), np.random.default_rng(0))
     assert max(draft.widths[1:]) <= 3
 
 

@@ -185,3 +185,154 @@ def test_speculative_greedy_equals_plain_on_the_gpu(vulkan, zoo):
         assert len(outs[0]) == 16 and outs[0] == outs[1]
         # the verdict is the device's: drafting only where the probe found exact widths
         assert (spec.opened.inexact_refusal is None) == bool(verdict.exact)
+
+
+def test_bench_on_the_gpu_records_the_device_the_verdict_and_a_same_device_peer(vulkan, zoo, tmp_path):
+    """`edgespec bench --device GPU`: the JSON names the device, the probe's verdict on it, and a
+    llama.cpp column decoded by the Vulkan build on the same GPU (not llama-cpp-python's CPU build)."""
+    from edgespec.bench.measure import PEER
+    from edgespec.bench.schema import load_runs
+    from tests.test_bench import run_cli
+    from tests.zoo import AGREEING
+
+    bundle = zoo.bundle("gemma3", AGREEING, formats=GGUF)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "class": "code", "text": "The quick brown fox"}\n')
+    out = tmp_path / "r.json"
+    # --allow-inexact: where the probe finds no exact width (lavapipe) bench has nothing to compare otherwise
+    proc = run_cli("bench", str(bundle), "--device", "GPU", "--prompts", str(prompts), "--repeat", "1",
+                   "--warmup", "0", "--max-tokens", "4", "--threads", "2", "--allow-inexact", "--json", str(out),
+                   "--report", str(tmp_path / "rep"))
+    assert proc.returncode == 0, proc.stderr
+    (doc,) = load_runs(out)
+    assert doc["backend"]["name"] == "llamacpp_vulkan" and doc["backend"]["device"] == "GPU"
+    verdict = doc["exactness"]
+    assert verdict is not None and verdict["max_width"] >= 2 and verdict["summary"]
+    peer = doc["peer"]
+    assert doc["configs"][-1] == PEER and peer["library"] == "llama.cpp (Vulkan build)"
+    assert peer["device"] == "GPU" and peer["gpu"].startswith("Vulkan") and peer["gpu_layers"] == -1
+    assert peer["version"].startswith("llama.cpp b") and peer["gguf"] == "model.gguf"
+    overall = doc["overall"]
+    assert overall[PEER]["tok_s"] > 0 and overall[PEER]["new_tokens"] == 4
+    # the same fp32 GGUF on the same device, greedy: the peer writes edgespec plain's text
+    assert overall[PEER]["agree_prompts"] == 1
+    assert f"on the GPU {peer['gpu']}" in (tmp_path / "rep" / "report.md").read_text()
+
+
+# ---------------------------------------------------------------- draft on the CPU, target on the GPU
+
+CPU_DRAFT = {"draft_backend": "llamacpp", "draft_device": "CPU"}
+
+
+def _greedy_tokens(engine, prompt: str, n: int) -> tuple[list[int], int]:
+    """`n` greedy tokens after `prompt`, and how many tokens were drafted on the way."""
+    from edgespec.decoding import SamplingParams
+
+    ids = engine.tokenizer.encode(prompt)
+    tokens, drafted = list(ids), 0
+    for step in engine.decoder.stream(tokens, SamplingParams(), n):
+        drafted += step.drafted
+    return tokens[len(ids):], drafted
+
+
+def test_draft_on_the_cpu_build_target_on_the_gpu(vulkan, zoo):
+    """--device GPU --draft-backend llamacpp --draft-device CPU: the target on the Vulkan device,
+    the draft on llama-cpp-python's CPU build, each runtime saying where it runs; the cost policy
+    measures both sides' step costs; greedy speculative == plain wherever the probe lets it draft."""
+    import edgespec
+    from tests.zoo import AGREEING
+
+    path = zoo.bundle("gemma3", AGREEING, formats=GGUF)
+    with edgespec.load(path, backend="llamacpp_vulkan", device="GPU", policy="cost", **CPU_DRAFT) as spec, \
+            edgespec.load(path, backend="llamacpp_vulkan", device="GPU", use_draft=False) as plain, \
+            edgespec.load(path, backend="llamacpp_vulkan", device="GPU", policy="cost", allow_inexact=True,
+                          **CPU_DRAFT) as lenient:
+        verdict, refusal = spec.opened.exactness, spec.opened.inexact_refusal
+        assert verdict is not None and (refusal is None) == bool(verdict.exact)
+        # a refused draft is not even opened; under allow_inexact it always is
+        for engine in (spec, lenient) if refusal is None else (lenient,):
+            t, d = engine.target.capabilities, engine.draft.capabilities
+            assert (t.backend, t.extra["gpu_layers"]) == ("llamacpp_vulkan", -1) and t.extra["gpu"].startswith("Vulkan")
+            assert (d.backend, d.extra["gpu_layers"]) == ("llamacpp", 0)
+        assert (spec.draft is None) == (refusal is not None)
+        want, _ = _greedy_tokens(plain, "The quick brown fox", 16)
+        got, drafted = _greedy_tokens(spec, "The quick brown fox", 16)
+        assert len(want) == 16 and got == want
+        # drafting only where the probe allows it; otherwise the reason says why not
+        assert (drafted > 0) == (refusal is None) and (refusal is None or "no verify width is exact" in refusal)
+        # allow_inexact drafts on the CPU whatever the probe found; the cost policy has timed both sides
+        _, drafted = _greedy_tokens(lenient, "The quick brown fox", 16)
+        assert drafted > 0
+        learned = lenient.decoder.policy.snapshot()
+        assert learned["sources"]["model"]["cost"] > 0 and learned["verify"], learned
+
+
+def test_overlapped_drafting_on_the_cpu_while_the_gpu_verifies(vulkan, zoo):
+    """--overlap with the draft on the CPU build and the target on the Vulkan device (drafting
+    forced with allow_inexact, a fixed draft length): the verifies ran while the draft drafted on,
+    some steps used the drafts made meanwhile, and the text is the sequential loop's (the same
+    drafts, so the same verify forwards)."""
+    import edgespec
+    from tests.zoo import AGREEING
+
+    path = zoo.bundle("gemma3", AGREEING, formats=GGUF)
+    kw = dict(backend="llamacpp_vulkan", device="GPU", k=3, allow_inexact=True, **CPU_DRAFT)
+    with edgespec.load(path, overlap=True, **kw) as overlapped, edgespec.load(path, **kw) as sequential:
+        got, drafted = _greedy_tokens(overlapped, "The quick brown fox", 16)
+        want, _ = _greedy_tokens(sequential, "The quick brown fox", 16)
+        stats = overlapped.decoder.overlap
+    assert got == want and drafted > 0
+    assert stats.overlapped > 0 and stats.steps_ahead > 0, stats
+
+
+def test_sampled_speculative_on_the_gpu_keeps_the_targets_distribution(vulkan, zoo):
+    """Rejection sampling with the draft on the CPU and the target on the GPU (drafting forced with
+    allow_inexact): the first sampled token follows the target's own distribution on the device
+    (chi-square), while both the accept and the reject branch run."""
+    import edgespec
+    from edgespec.decoding import SamplingParams, probabilities
+    from tests.chi2 import pooled_chi_square_p
+    from tests.zoo import AGREEING
+
+    params = SamplingParams(temperature=1.0, top_k=6)
+    path = zoo.bundle("gemma3", AGREEING, formats=GGUF)
+    with edgespec.load(path, backend="llamacpp_vulkan", device="GPU", k=1, allow_inexact=True, **CPU_DRAFT) as spec:
+        prompt = spec.tokenizer.encode("The quick brown fox")
+        target = spec.target
+        target.reset()
+        p = probabilities(target.forward(prompt)[-1], params)
+        target.reset()
+        n, counts, accepted = 400, np.zeros(len(p)), 0  # a software GPU: few samples, top-k keeps them dense
+        for i in range(n):
+            tokens = list(prompt)
+            step = next(spec.decoder.stream(tokens, SamplingParams(params.temperature, top_k=params.top_k, seed=i), 2))
+            assert step.drafted == 1
+            accepted += step.accepted
+            counts[tokens[len(prompt)]] += 1
+    assert 0 < accepted < n  # both branches of the rejection test ran
+    assert (p * n >= 5).sum() >= 2 and pooled_chi_square_p(counts, p) > 1e-3
+
+
+def test_the_same_device_peer_samples_with_llama_cpps_chain(vulkan, zoo):
+    """VulkanPeer's sampled decode: seeded runs repeat, other seeds wander, and greedy is the
+    device's own argmax text (llama.cpp's greedy sampler on the Vulkan build)."""
+    from edgespec.bench.measure import PEER
+    from edgespec.bench.peer import PeerSource, VulkanPeer
+    from edgespec.bundle import load_bundle
+    from edgespec.decoding import SamplingParams
+
+    b = load_bundle(zoo.bundle("gemma3", None, formats=GGUF))
+    path = b.file(b.manifest.target.formats["gguf"].file)
+    ids = zoo.hf_tokenizer("gemma3")("The quick brown fox").input_ids
+    with VulkanPeer(PeerSource(path, "given"), threads=2, n_ctx=128) as peer:
+        assert peer.describe()["device"] == "GPU" and peer.describe()["gpu"].startswith("Vulkan")
+        greedy = peer.decode(ids, 6)
+        hot = [peer.decode(ids, 6, params=SamplingParams(temperature=1.5, seed=s)).tokens for s in (1, 1, 2, 3, 4)]
+        rt = peer._rt
+        rt.reset()
+        want, logits = [], rt.forward(ids)
+        for _ in range(6):
+            want.append(int(np.argmax(logits[-1])))
+            logits = rt.forward(want[-1:])
+    assert greedy.config == PEER and greedy.tokens == want and greedy.ttft_s > 0
+    assert hot[0] == hot[1] and len(hot[0]) == 6 and len({tuple(t) for t in hot}) > 1

@@ -15,8 +15,16 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
-           "<start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n"]
-N_TOKENS = int(os.environ.get("EDGESPEC_GPU_TOKENS", "12"))  # few: a software GPU is slow
+           "<start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n",
+           "Water boils at", "The three primary colors are", "import numpy as np\n\ndef mean(xs):\n",
+           "Once upon a time, in a small village,", "The largest planet in the solar system is",
+           "To make a cup of tea, first", "SELECT name FROM users WHERE", "The opposite of hot is",
+           "<start_of_turn>user\nWhat is 7 times 8?<end_of_turn>\n<start_of_turn>model\n",
+           "A haiku about the sea:\n", "for i in range(10):\n    ", "The first month of the year is",
+           "Photosynthesis is the process by which"]
+# few tokens: a software GPU decodes about one a second; the first prompts' texts also go to the CPU check
+N_TOKENS = int(os.environ.get("EDGESPEC_GPU_TOKENS", "6"))
+CPU_PROMPTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +68,12 @@ def test_default_gguf_speculative_equals_plain_on_the_gpu(bundle):
         # drafting where the probe found exact widths, else plain decoding with the reason
         assert (opened.inexact_refusal is None) == bool(verdict.exact), (verdict, opened.inexact_refusal)
         print(f"\nGPU probe: {verdict.describe()}; refusal: {opened.inexact_refusal}")
+        varied = 0
         for prompt in PROMPTS:
             got, want = _greedy(spec, prompt), _greedy(plain, prompt)
             assert len(got) == N_TOKENS and got == want, prompt
-            assert len(set(want)) > 2
+            varied += len(set(want)) > 2
+        assert varied >= len(PROMPTS) // 2  # real text, not a model stuck on one token
 
 
 def test_default_gguf_gpu_text_against_the_cpu_build(bundle):
@@ -74,8 +84,8 @@ def test_default_gguf_gpu_text_against_the_cpu_build(bundle):
     with edgespec.load(bundle, backend="llamacpp_vulkan", device="GPU", use_draft=False) as gpu, \
             edgespec.load(bundle, backend="llamacpp", use_draft=False) as cpu:
         same = 0
-        for prompt in PROMPTS:
+        for prompt in PROMPTS[:CPU_PROMPTS]:
             g, c = _greedy(gpu, prompt), _greedy(cpu, prompt)
             assert g[:4] == c[:4], prompt
             same += g == c
-        print(f"\nGPU == CPU build on {same}/{len(PROMPTS)} prompts ({N_TOKENS} tokens)")
+        print(f"\nGPU == CPU build on {same}/{CPU_PROMPTS} prompts ({N_TOKENS} tokens)")

@@ -210,3 +210,65 @@ def test_a_graph_without_an_edgespec_head_is_a_one_line_error(tmp_path):
     with pytest.raises(BackendError, match="not an edgespec decoder graph with a head to cut") as e:
         open_shared_pair(path, path)
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- the target head's rows, for the draft
+
+
+@pytest.mark.parametrize("bundle", ["llama", "gemma3-tied", "lean"])
+def test_the_draft_holds_the_target_heads_row_of_any_token(zoo, lean, bundle):
+    """vocab_rows(ids): the target head's weights, exactly: the head fed one-hot rows (which its
+    int8 input quantization keeps exact) returns them; hidden @ rows.T is the target's logits at
+    those ids (a float head exactly, MatMulNBits to its input rounding). Untied (llama: the head's
+    own tensor), tied fp32 and tied GGUF blocks."""
+    path = lean if bundle == "lean" else zoo.bundle(bundle, DISAGREEING)
+    pair = open_shared_pair(*files(path))
+    with pair[0] as t, pair[1] as d:
+        assert t.vocab_rows is None and d.vocab_rows is not None
+        pick = np.array([0, 5, t.vocab_size - 1, 7, 3])
+        rows = d.vocab_rows(pick)
+        h = rows.shape[1]
+        assert rows.shape == (len(pick), t.head.hidden_size) and rows.dtype == np.float32
+        one_hot = np.array(t.head(np.eye(h, dtype=np.float32)))[:, pick].T
+        np.testing.assert_allclose(rows, one_hot, rtol=1e-5, atol=1e-7)
+        ids = ids_of(t.vocab_size, 12)
+        logits = np.array(t.forward(ids, n_logits=4))
+        got = d.hidden_rows(ids, 4) @ rows.T
+        tol = 1e-4 if bundle != "lean" else 2e-2 * float(np.abs(logits).max())
+        np.testing.assert_allclose(got, logits[:, pick], atol=tol)
+        with pytest.raises(ValueError, match="outside the head's vocabulary"):
+            d.vocab_rows(np.array([t.vocab_size]))
+
+
+@pytest.mark.parametrize("bits, zero_points", [(4, False), (4, True), (8, False), (8, True)])
+def test_nbits_rows_dequantize_as_onnxruntime_multiplies(bits, zero_points):
+    """A MatMulNBits node built here (every bit width and zero-point form the exporter may write):
+    its product with the identity is W transposed, which `nbits_rows` reads row by row."""
+    onnx = pytest.importorskip("onnx")
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from edgespec.runtimes.onnxruntime.head_rows import nbits_rows
+
+    k, n, block = 80, 12, 32
+    blocks, blob = -(-k // block), block * bits // 8
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (n, blocks, blob), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, n * blocks).astype(np.float32)
+    zp = rng.integers(0, 256, n * -(-blocks * bits // 8), dtype=np.uint8) if zero_points else None
+    inits = [helper.make_tensor("B", TensorProto.UINT8, codes.shape, codes.tobytes(), raw=True),
+             helper.make_tensor("S", TensorProto.FLOAT, scales.shape, scales)]
+    if zp is not None:
+        inits.append(helper.make_tensor("Z", TensorProto.UINT8, zp.shape, zp.tobytes(), raw=True))
+    node = helper.make_node("MatMulNBits", ["A", "B", "S"] + (["Z"] if zero_points else []), ["Y"],
+                            domain="com.microsoft", K=k, N=n, bits=bits, block_size=block)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [k, k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [k, n])], inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    weights_t = sess.run(None, {"A": np.eye(k, dtype=np.float32)})[0]  # (K, N)
+    read = nbits_rows(codes, scales, zp, k, bits)
+    ids = np.array([3, 0, 11, 3])
+    np.testing.assert_allclose(read(ids), weights_t[:, ids].T, rtol=1e-6, atol=1e-7)
+    assert onnx is not None

@@ -107,6 +107,20 @@ def test_acceptance_counts():
     assert decayed_counts(0.0, 0.0, 4, 1, 0.8) == (1, 2)  # one success, then the first rejection
     h, t = decayed_counts(10.0, 10.0, 3, 0, 0.5)
     assert (h, t) == (5.0, 6.0)
+    # under sampling the tested drafts' acceptance probabilities count instead of their coin flips
+    assert decayed_counts(0.0, 0.0, 4, 1, 0.8, expected=1.7) == (1.7, 2)
+    assert decayed_counts(1.0, 1.0, 4, 4, 0.5, expected=3.6) == (4.1, 4.5)
+
+
+def test_sampled_acceptance_is_learned_from_probabilities_not_coin_flips():
+    """A draft accepted with probability 0.85 a token: from the flips one step's rejection drags
+    the decayed estimate far down; from the probabilities it stays at 0.85."""
+    flips, probs = CostAwareK(), CostAwareK()
+    for accepted in (4, 4, 0, 0, 1):  # an unlucky stretch
+        tested = accepted + (accepted < 4)
+        flips.update(4, accepted, 1.0, 1.0, source="model")
+        probs.update(4, accepted, 1.0, 1.0, source="model", expected=0.85 * tested)
+    assert probs.acceptance("model") > 0.8 > 0.7 > flips.acceptance("model")
 
 
 # ---------------------------------------------------------------- policy objects
@@ -409,3 +423,22 @@ def test_a_source_is_one_typed_value_with_one_string_form():
     for bad in ({"kind": "ngram:3"}, {"kind": ""}, {"kind": "ngram", "n": -1}, {"kind": "ngram", "n": True}):
         with pytest.raises(ConfigError):
             Source(**bad)
+
+
+def test_lookahead_guesses_are_fed_while_their_hits_pay_for_the_wider_forwards():
+    """A model draft costs 3 ms against a 30 ms plain step (0.1 of a step), and each guess drawn
+    saves one. With rows at 0.2 of a step three guesses cost 0.6 a forward, which one hit in four
+    forwards does not pay; with rows at 0.001 of a step it does."""
+    assert FixedK(4).lookahead("model", 3) == 3  # policies that weigh no costs feed them all
+    dear_rows = primed_policy(0.9, 0.5, slope=0.2)
+    assert dear_rows.lookahead("model", 3) == 3  # no hit rate measured yet
+    for _ in range(10):
+        dear_rows.learn_lookahead("model", forwards=4, hits=1)
+    plans = [dear_rows.lookahead("model", 3) for _ in range(2 * dear_rows.probe_every)]
+    assert plans.count(0) == len(plans) - 2 and plans.count(3) == 2  # a probe now and then
+
+    cheap_rows = primed_policy(0.9, 0.5, slope=0.001)  # a row costs 0.001 step: one hit in 40 forwards pays
+    for _ in range(10):
+        cheap_rows.learn_lookahead("model", forwards=4, hits=1)
+    assert [cheap_rows.lookahead("model", 3) for _ in range(20)] == [3] * 20
+    assert cheap_rows.lookahead("model", 0) == 0

@@ -162,7 +162,7 @@ class Learning(FixedK):
         super().__post_init__()
         self.learned: list[tuple[str, int, int]] = []
 
-    def learn(self, source, drafted, accepted):
+    def learn(self, source, drafted, accepted, expected=None):
         self.learned.append((source, drafted, accepted))
 
 

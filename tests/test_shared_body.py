@@ -4,6 +4,8 @@ runtime keeps its own prefix of the one body's sequence. The OpenVINO split is t
 test_openvino.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -192,3 +194,60 @@ def test_a_draft_catching_up_on_a_long_prompt_never_runs_the_body_over_it_again(
     assert drafted > 0 and tokens[len(prompt):] == naive_greedy(ToyRuntime(VOCAB), prompt, 24)
     # a faithful draft: every committed position through the body once, in the order it came
     assert sorted(body.fed_positions) == list(range(len(tokens) - 1))
+
+
+# ---------------------------------------------------------------- the context's tokens in the draft
+
+
+def widened_pair(n_keep: int = 12):
+    """A faithful draft that keeps `n_keep` of the 40 ids, and the target head's rows (the identity's)."""
+    keep = np.random.default_rng(3).permutation(VOCAB)[:n_keep]
+    body = ToyRuntime(VOCAB)
+    target, draft = shared_pair(body, MatrixHead(np.eye(VOCAB)), MatrixHead(np.eye(VOCAB)[:, keep]),
+                                vocab_rows=lambda ids: np.eye(VOCAB, dtype=np.float32)[ids])
+    return target, draft, keep
+
+
+def test_a_draft_with_the_target_rows_proposes_the_context_tokens_its_head_lacks():
+    """Greedy: the drafts the widened draft adds are the target's own argmax wherever that token
+    is in the context, so more are accepted, and the output is plain greedy output all the same."""
+    prompt = [int(t) for t in np.random.default_rng(7).integers(0, VOCAB, 30)]
+    accepted = {}
+    for widened in (False, True):
+        target, draft, keep = widened_pair()
+        if not widened:
+            draft.vocab_rows = None
+        dec = SpeculativeDecoder(target, draft, id_map=keep, drafter="model", policy=FixedK(4))
+        tokens = list(prompt)
+        accepted[widened] = sum(s.accepted for s in dec.stream(tokens, SamplingParams(), 40))
+        assert tokens[len(prompt):] == naive_greedy(ToyRuntime(VOCAB), prompt, 40)
+    assert accepted[True] > accepted[False], accepted
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=6)],
+                         ids=["pure-temperature", "top-k"])
+def test_sampling_with_the_widened_draft_follows_the_target(params):
+    """The first sampled token after a prompt, over many seeded runs, follows the target's
+    distribution (chi-square), with the draft's row widened by the prompt's tokens; and the
+    widened draft is accepted more often than the trimmed one."""
+    from edgespec.decoding import probabilities
+    from tests.chi2 import pooled_chi_square_p
+
+    prompt = [int(t) for t in np.random.default_rng(8).integers(0, VOCAB, 24)]
+    p = probabilities(fresh_logits(prompt, 1)[-1], params)
+    n = 2000
+    stats = {}
+    for widened in (False, True):
+        target, draft, keep = widened_pair(8)
+        if not widened:
+            draft.vocab_rows = None
+        dec = SpeculativeDecoder(target, draft, id_map=keep, drafter="model", policy=FixedK(1))
+        counts, accepted = np.zeros(VOCAB), 0
+        for seed in range(n):
+            tokens = list(prompt)
+            step = next(dec.stream(tokens, dataclasses.replace(params, seed=seed), 2))
+            counts[step.tokens[0]] += 1
+            accepted += step.accepted
+        stats[widened] = (pooled_chi_square_p(counts, p), accepted)
+    assert stats[True][0] > 1e-3 and stats[False][0] > 1e-3, stats
+    assert stats[True][1] > stats[False][1], stats

@@ -77,6 +77,11 @@ def test_a_request_s_greedy_reply_does_not_depend_on_the_one_before(cache):
         assert _greedy(served, second) == alone
 
 
+# llama.cpp keeps a window-sized cache on sliding layers and cannot roll it back past its window, so
+# each question after the document prefills the whole document again: fewer questions there
+QUESTIONS_BY_BACKEND = {"llamacpp": 4}
+
+
 def _contexts(backend: str, n_tokens: int):
     import edgespec
     from edgespec.runtimes import installed_backends
@@ -90,15 +95,15 @@ def _contexts(backend: str, n_tokens: int):
         source = str(preset_source())  # a .gguf runs directly
     kw = {"backend": backend, "max_context": n_tokens + 512}
     with edgespec.load(source, **kw) as spec, edgespec.load(source, use_draft=False, **kw) as plain:
-        speculative_equals_plain(spec, plain, n_tokens)
+        speculative_equals_plain(spec, plain, n_tokens, QUESTIONS[:QUESTIONS_BY_BACKEND.get(backend)])
 
 
-def speculative_equals_plain(spec, plain, n_tokens: int) -> None:
+def speculative_equals_plain(spec, plain, n_tokens: int, questions: list[str] = QUESTIONS) -> None:
     """Every question after a ~`n_tokens` document: the speculative engine's greedy reply is the
     plain one's, and it drafted unless the probe left it decoding plainly."""
     doc = _document(spec.tokenizer, n_tokens)
     drafted = 0
-    for q in QUESTIONS:
+    for q in questions:
         ids = spec.tokenizer.encode(f"{doc}Question: {q}\nAnswer:")
         assert _greedy(spec, ids) == _greedy(plain, ids), q
         drafted += spec.last_stats.drafted

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .suites import jsonl_records
 
-__all__ = ["LONG_CLASS", "licence_text", "cut_to_tokens", "long_prompts", "read_questions"]
+__all__ = ["LONG_CLASS", "long_class", "licence_text", "cut_to_tokens", "long_prompts", "read_questions"]
 
 LONG_CLASS = "long"
 _PROMPT = ("Read the document below, then answer the question that follows it in two or three sentences.\n\n"
@@ -59,6 +59,12 @@ def cut_to_tokens(text: str, n_tokens: int, count: Callable[[str], int]) -> str:
     return text[:cut if cut > 0 else lo].rstrip()
 
 
+def long_class(doc_tokens: int) -> str:
+    """The class of a question over a document of `doc_tokens` tokens: `long-2k`, `long-8k`, ...
+    (`long-300` below a thousand), so a report gives each document length its own row."""
+    return f"{LONG_CLASS}-{round(doc_tokens / 1000)}k" if doc_tokens >= 1000 else f"{LONG_CLASS}-{doc_tokens}"
+
+
 def read_questions(path: str | os.PathLike) -> list[dict]:
     """Question records of a JSONL file: {"id", "doc_tokens", "question"}; a one-line ConfigError
     for a bad one."""
@@ -82,5 +88,5 @@ def long_prompts(questions: Sequence[dict], count: Callable[[str], int], text: s
         if n not in docs:
             docs[n] = cut_to_tokens(text, n, count)
         content = _PROMPT.format(doc=docs[n], question=q["question"])
-        out.append({"id": q["id"], "class": LONG_CLASS, "messages": [{"role": "user", "content": content}]})
+        out.append({"id": q["id"], "class": long_class(n), "messages": [{"role": "user", "content": content}]})
     return out

@@ -64,20 +64,23 @@ def check_request(req: BenchRequest) -> None:
 def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     """The llama.cpp peer for this bundle (or `peer_gguf`), or None: no GGUF to run it on, or
     llama-cpp-python missing (then `notify` says how to get it, and the bench runs without it)."""
-    from .peer import LlamaCppPeer, find_peer_gguf, missing_reason
+    from .peer import LlamaCppPeer, VulkanPeer, find_peer_gguf, missing_reason, on_gpu, vulkan_missing_reason
 
     source = find_peer_gguf(engine.bundle, req.peer_gguf)
     if source is None:
         return None
-    reason = missing_reason()
+    gpu = on_gpu(engine.target)  # the peer runs where the target runs, or the column compares devices
+    reason = missing_reason() or (vulkan_missing_reason() if gpu else None)
     if reason is not None:
         notify(f"no llama.cpp column: {reason}")
         return None
     threads = req.engine.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                      else os.cpu_count())
-    peer = LlamaCppPeer(source, threads=threads, n_ctx=engine.context_limit or 4096,
-                        vocab_size=engine.target.vocab_size)
-    notify(f"peer llama.cpp (llama-cpp-python {peer.describe()['version']}) on {source.path.name}, {threads} threads")
+    peer = (VulkanPeer if gpu else LlamaCppPeer)(source, threads=threads, n_ctx=engine.context_limit or 4096,
+                                                 vocab_size=engine.target.vocab_size)
+    d = peer.describe()
+    notify(f"peer llama.cpp ({d['library']} {d['version']}{', on ' + d['gpu'] if gpu else ''}) on "
+           f"{source.path.name}, {threads} threads")
     return peer
 
 

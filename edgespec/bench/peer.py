@@ -11,6 +11,12 @@ temperature after top-p and min-p, edgespec before them (decoding/sampling.py), 
 settings the two sample from slightly different distributions; the work per token is the same.
 
 llama_cpp is imported only when a peer is opened; without it the bench runs without the column.
+
+With the target on a GPU the peer must run on that GPU too, or the column compares devices, not
+decoders: VulkanPeer is the Vulkan build of llama.cpp (runtimes/llamacpp_vulkan) decoding the same
+GGUF plainly, one llama_decode per token with every layer offloaded, sampled by that build's own
+sampler chain at the same settings. llama-cpp-python's `Llama` cannot drive that build (its
+functions are bound to its own CPU library), so the loop is `generate`'s, written out.
 """
 from __future__ import annotations
 
@@ -27,8 +33,8 @@ from ..decoding import SamplingParams
 from ..errors import ConfigError
 from .measure import PEER, RunRecord
 
-__all__ = ["PEER", "INSTALL_HINT", "PeerSource", "LlamaCppPeer", "find_peer_gguf", "check_gguf", "missing_reason",
-           "sampler_settings"]
+__all__ = ["PEER", "INSTALL_HINT", "PeerSource", "LlamaCppPeer", "VulkanPeer", "find_peer_gguf", "check_gguf",
+           "missing_reason", "vulkan_missing_reason", "sampler_settings", "on_gpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +211,113 @@ class LlamaCppPeer:
             llm.close()
 
     def __enter__(self) -> LlamaCppPeer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def on_gpu(runtime) -> bool:
+    """Whether a runtime offloads its layers to a GPU (llama.cpp's n_gpu_layers, where it has one)."""
+    return bool(runtime.capabilities.extra.get("gpu_layers"))
+
+
+def vulkan_missing_reason() -> str | None:
+    """Why the Vulkan build of llama.cpp cannot run a GPU peer here (one line), or None."""
+    from ..errors import BackendError
+    from ..runtimes.llamacpp_vulkan.library import load_vulkan_library
+
+    try:
+        lib = load_vulkan_library()
+    except BackendError as e:
+        return str(e)
+    return None if lib.devices() else "the Vulkan build of llama.cpp registered no GPU"
+
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.h: a random seed per sampler
+
+
+class VulkanPeer:
+    """The Vulkan build of llama.cpp's plain decode of one GGUF on the GPU, timed like an edgespec run."""
+
+    name = PEER
+
+    def __init__(self, source: PeerSource, *, threads: int, n_ctx: int = DEFAULT_N_CTX,
+                 vocab_size: int | None = None) -> None:
+        from ..errors import BackendError
+        from ..runtimes.llamacpp_vulkan.runtime import LlamaCppVulkanRuntime
+
+        self.source, self.threads, self.n_ctx = source, int(threads), int(n_ctx)
+        try:
+            self._rt = LlamaCppVulkanRuntime(source.path, threads=self.threads, device="GPU", kv_capacity=self.n_ctx)
+        except BackendError as e:
+            raise ConfigError(f"llama.cpp (Vulkan build) cannot run {source.path.name}: {e}") from None
+        self._lib = self._rt._lib
+        if vocab_size is not None and self._rt.vocab_size != vocab_size:
+            n = self._rt.vocab_size
+            self.close()
+            raise ConfigError(f"the peer GGUF {source.path.name} has {n} tokens, the bundle's target "
+                              f"{vocab_size}: not the same model (--peer-gguf)")
+
+    def describe(self) -> dict:
+        """What the JSON records about the peer: the build and the GPU it decoded on."""
+        rt = self._rt
+        return {"name": PEER, "library": "llama.cpp (Vulkan build)", "version": self._lib.build,
+                "device": "GPU", "gpu": "; ".join(rt.gpus), "gpu_layers": rt.capabilities.extra["gpu_layers"],
+                "gguf": self.source.path.name, "origin": self.source.origin, "threads": self.threads,
+                "n_ctx": self.n_ctx, "sampling": "llama.cpp's sampler chain at the bench's settings"}
+
+    def _sampler(self, params: SamplingParams):
+        """llama.cpp's chain as llama-cpp-python builds it for `generate` with these settings."""
+        lib = self._lib
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if params.greedy:
+            parts = [lib.llama_sampler_init_greedy()]
+        else:
+            seed = LLAMA_DEFAULT_SEED if params.seed is None else int(params.seed) & 0xFFFFFFFF
+            parts = [lib.llama_sampler_init_top_k(params.top_k), lib.llama_sampler_init_top_p(params.top_p, 1),
+                     lib.llama_sampler_init_min_p(params.min_p, 1), lib.llama_sampler_init_temp(params.temperature),
+                     lib.llama_sampler_init_dist(seed)]
+        for part in parts:
+            lib.llama_sampler_chain_add(chain, part)  # the chain owns them from here
+        return chain
+
+    def decode(self, ids: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (), rss=None,
+               params: SamplingParams = SamplingParams()) -> RunRecord:
+        """As LlamaCppPeer.decode: `max_tokens` tokens after `ids` from an empty cache, timed."""
+        rt = self._rt
+        rt.reset()
+        sampler = self._sampler(params)
+        if rss is not None:
+            rss.mark()
+        rec = RunRecord(PEER, "", "", 0, len(ids), [], 0.0, 0.0)
+        out: list[int] = []
+        stops = set(stop_ids)
+        t0 = time.perf_counter()
+        try:
+            rt.forward(list(ids), n_logits=1)
+            while True:
+                tok = rt.sample(sampler)
+                if not out:
+                    rec.ttft_s = time.perf_counter() - t0
+                out.append(tok)
+                if len(out) >= max_tokens or tok in stops:
+                    break  # before one more forward, as generate() stops
+                rt.forward([tok], n_logits=1)
+        finally:
+            self._lib.llama_sampler_free(sampler)
+        rec.total_s = time.perf_counter() - t0
+        rec.tokens, rec.steps = out, len(out)
+        if rss is not None:
+            rec.peak_rss = rss.mark()
+        return rec
+
+    def close(self) -> None:
+        rt, self._rt = getattr(self, "_rt", None), None
+        if rt is not None:
+            rt.close()
+
+    def __enter__(self) -> VulkanPeer:
         return self
 
     def __exit__(self, *exc) -> None:

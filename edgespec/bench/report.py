@@ -94,7 +94,8 @@ def _results_table(run: dict) -> list[str]:
     rows = [head, "|" + " --- |" * (13 if peer else 11)]
     for cls, block in [*run["classes"].items(), ("**overall**", run["overall"])]:
         p, s = block[PLAIN], _spec(block) or {}
-        same = "yes" if s.get("identical", True) else "**NO**"
+        # sampled output is not meant to equal plain output: nothing to check there
+        same = "n/a" if s.get("identical", True) is None else "yes" if s.get("identical", True) else "**NO**"
         if peer:
             q = block.get(PEER) or {}
             peer_cells = (f"{_f(q.get('tok_s'), '.1f')} | {_f(p.get('x_llamacpp'), '.2f')}× / "
@@ -134,13 +135,26 @@ def _peer_lines(run: dict) -> list[str]:
     q = run["overall"].get(PEER, {})
     agree = "; ".join(f"{cls} {_f(b.get(PEER, {}).get('agree_tokens'), '.0f')}"
                       for cls, b in run["classes"].items() if PEER in b)
-    return ["", f"Peer: {info.get('library')} {info.get('version')}'s own plain greedy decode of "
-            f"`{info.get('gguf')}` ({origin}), {info.get('threads')} thread(s), in the same process, interleaved "
-            f"with edgespec on the same prompt token ids. `x llama.cpp` is the median over prompts of paired "
-            f"per-prompt ratios (edgespec tok/s over llama.cpp's in the same repeat). Its greedy text agrees "
-            f"with edgespec plain for a median of {_f(q.get('agree_tokens'), '.0f')} tokens before the first "
-            f"difference (per class: {agree}); {q.get('agree_prompts', 0)} of {q.get('prompts', 0)} prompts "
-            f"agree throughout (a quantized GGUF in another program need not round as edgespec does).", ""]
+    sampled = _sampling_text(run)
+    agreement = (f" Its greedy text agrees with edgespec plain for a median of {_f(q.get('agree_tokens'), '.0f')} "
+                 f"tokens before the first difference (per class: {agree}); {q.get('agree_prompts', 0)} of "
+                 f"{q.get('prompts', 0)} prompts agree throughout (a quantized GGUF in another program need not "
+                 f"round as edgespec does).") if sampled is None else ""
+    return ["", f"Peer: {info.get('library')} {info.get('version')}'s own plain decode of "
+            f"`{info.get('gguf')}` ({origin}), {sampled or 'greedy'}, {info.get('threads')} thread(s)"
+            f"{' on the GPU ' + str(info['gpu']) if info.get('gpu') else ''}, in the same process, interleaved "
+            f"with edgespec on the same prompt token ids. `x llama.cpp` is the ratio of totals: the class's "
+            f"decoded tokens over its decode time, edgespec's over llama.cpp's on the same prompts and repeats "
+            f"(the median of paired per-prompt ratios is in the JSON, `x_llamacpp_paired`).{agreement}", ""]
+
+
+def _sampling_text(run: dict) -> str | None:
+    """The run's sampler in words, or None for greedy decoding."""
+    sp = (run.get("config") or {}).get("sampling")
+    if not isinstance(sp, dict) or not sp.get("temperature"):
+        return None
+    return (f"sampled at temperature {sp['temperature']:g}, top-p {sp.get('top_p', 1.0):g}, "
+            f"top-k {sp.get('top_k', 0)}, min-p {sp.get('min_p', 0.0):g}")
 
 
 def _mismatch_lines(run: dict) -> list[str]:
@@ -221,10 +235,12 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
                   f"RSS {_f(mem.get('rss_before_load'), ',')} B before loading, "
                   f"{_f(mem.get('rss_after_load'), ',')} B after.", ""]
     lines += ["## Plots", ""] + [f"![{p.split('.')[0]}]({p})" for p in plots] + [""]
+    modes = sorted({_sampling_text(r) or "greedy decoding" for r in runs})
     lines += ["## How this was measured", "",
               "Plain and speculative decoding ran in one process on the same loaded model runtimes, alternating per "
-              "prompt and repeat (rotating which goes first), each from empty KV caches, after a warm-up. Greedy "
-              "decoding; runs are fixed-length unless `--stop-at-eos` was given. Per prompt, the median over "
+              "prompt and repeat (rotating which goes first), each from empty KV caches, after a warm-up. "
+              f"{'; '.join(modes).capitalize()}; runs are fixed-length unless `--stop-at-eos` was given. Per prompt, "
+              "the median over "
               "repeats; a class's tok/s is its prompts' decoded tokens (after the first) over the sum of their "
               "median decode times. The speed-up is speculative tok/s divided by plain tok/s, both measured; "
               "it is never computed from the acceptance rate. TTFT covers the prompt's prefill (and the draft "

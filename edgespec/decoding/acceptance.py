@@ -44,6 +44,7 @@ def accept_sampled(
     draft_dists: Sequence[TokenDist],
     target_dists: Sequence[TokenDist],
     rng: np.random.Generator,
+    ratios: list[float] | None = None,
 ) -> tuple[int, int]:
     """Speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
 
@@ -53,7 +54,9 @@ def accept_sampled(
     renormalised, computed on p's support (token_dist.py), never on a full-vocabulary row. Every
     committed token is then distributed exactly as if sampled from the target alone. Target
     rows are read in order and only while drafts are accepted (a lazy sequence builds only those).
-    Returns (n_accepted, next_token).
+    Returns (n_accepted, next_token). `ratios`, when given, receives min(1, p/q) of each draft
+    tested: the probability it had of being accepted, whose mean over drafts from q is the
+    acceptance rate sum(min(p, q)), an estimate without the coin flip's noise.
     """
     k = len(draft_tokens)
     if len(draft_dists) != k or len(target_dists) != k + 1:
@@ -61,6 +64,8 @@ def accept_sampled(
     for i, tok in enumerate(draft_tokens):
         p_row = target_dists[i]
         p, q = p_row.prob(tok), draft_dists[i].prob(tok)
+        if ratios is not None:
+            ratios.append(min(1.0, p / q) if q > 0 else 1.0)
         # accept with probability min(1, p/q), written without a division by q
         if rng.random() * q < p:
             continue
@@ -71,20 +76,25 @@ def accept_sampled(
 
 
 def accept_point_masses(
-    draft_tokens: Sequence[int], target_dists: Sequence[TokenDist], rng: np.random.Generator
+    draft_tokens: Sequence[int], target_dists: Sequence[TokenDist], rng: np.random.Generator,
+    ratios: list[float] | None = None,
 ) -> tuple[int, int]:
     """`accept_sampled` for drafts proposed deterministically (prompt lookup).
 
     The draft distribution is a point mass q = one_hot(x), so the test accepts x with
     probability p(x) and the residual max(0, p − q) is p with x removed: still exactly lossless.
-    Draws the same random numbers as `accept_sampled` given point masses, without building them.
+    Draws the same random numbers as `accept_sampled` given point masses, without building them;
+    `ratios` receives p(x) of each draft tested, as there.
     """
     k = len(draft_tokens)
     if len(target_dists) != k + 1:
         raise ValueError(f"need {k + 1} target rows for {k} drafts, got {len(target_dists)}")
     for i, tok in enumerate(draft_tokens):
         p_row = target_dists[i]
-        if rng.random() < p_row.prob(tok):
+        p = p_row.prob(tok)
+        if ratios is not None:
+            ratios.append(min(1.0, p))
+        if rng.random() < p:
             continue
         residual = p_row.without([tok])
         # p(x) == 1 up to rounding leaves nothing else: fall back to p, as accept_sampled does

@@ -38,6 +38,7 @@ import numpy as np
 
 from edgespec.decoding.acceptance import map_draft_ids
 from edgespec.decoding.cache import TrackedCache
+from edgespec.decoding.context_vocab import ContextVocab, Extension
 from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.head_drafter import HeadDrafter, draft_distribution, draft_index
 from edgespec.decoding.policy import DraftPolicy
@@ -113,7 +114,12 @@ class ModelDrafter(Drafter):
         # whole prefix again (a long prompt's prefill, inside a decode step)
         shared = runtime.capabilities.extra.get("shared_body") == "draft"
         self._cache = TrackedCache(runtime, None if shared else max_batch)
-        self.guessed = self.guess_hits = 0  # lookahead tokens fed, and those the draft then drew
+        # lookahead tokens fed, the forwards that fed any, and the guesses the draft then drew
+        self.guessed = self.guess_forwards = self.guess_hits = 0
+        # a trimmed head on the target's body also scores the context's tokens it lacks
+        rows = getattr(runtime, "vocab_rows", None)
+        self._context = (ContextVocab(self.id_map, target_vocab, rows, lambda: self._index)
+                         if rows is not None and self.id_map is not None else None)
 
     def propose(self, tokens, limit, policy, params, rng) -> Draft:
         k = min(policy.next_k(self.source), limit)
@@ -125,17 +131,24 @@ class ModelDrafter(Drafter):
         steady: list[float] = []
         ahead: list[tuple[int, np.ndarray]] = []  # guesses fed past the last draft, with the logits after each
         pending = self._cache.pending(tokens)  # fed next; empty when the last draft was a guess already fed
+        ext = self._context.update(tokens) if self._context is not None else None
+        id_map = self.id_map if ext is None else ext.id_map
+        # how many lookahead guesses a forward may feed: each costs a wider forward, each one drawn
+        # saves one (likely under greedy decoding, rarer the flatter the sampler)
+        n_guess = policy.lookahead(self.source, GUESSES) if self.guess is not None else 0
+        forwards, hits = self.guess_forwards, self.guess_hits
         for _ in range(k):
             t0 = self.clock()
             computed = 0  # catch-up rows this iteration's forward computed (a guess hit needs none)
             if pending:
-                ahead = self._feed(tokens, drafts, pending, len(ahead))
+                ahead = self._feed(tokens, drafts, pending, len(ahead), ext, n_guess)
                 computed = len(pending) - min(self.runtime.reused_rows, len(pending))
             logits = ahead.pop(0)[1]
             if params.greedy:
-                new = map_draft_ids([int(np.argmax(logits))], self.id_map)
+                new = map_draft_ids([int(np.argmax(logits))], id_map)
             else:
-                dists.append(draft_distribution(logits, params, self.id_map, lambda: self._index))
+                dists.append(draft_distribution(logits, params, id_map,
+                                                (lambda: self._index) if ext is None else (lambda: ext.index)))
                 new = [dists[-1].sample(rng)]  # a target id
             if policy.uses_confidence:
                 confidences.append(top_probability(logits))
@@ -149,6 +162,8 @@ class ModelDrafter(Drafter):
             if confidences and not policy.keep_drafting(confidences):
                 break
         ms = 1e3 * sum(steady) / len(steady) if steady else None
+        if self.guess_forwards > forwards:
+            policy.learn_lookahead(self.source, self.guess_forwards - forwards, self.guess_hits - hits)
         return Draft(drafts, dists or None, self.source, ms)
 
     @cached_property
@@ -156,13 +171,14 @@ class ModelDrafter(Drafter):
         """Target id -> draft id: built once, and only for a dense (pure temperature) trimmed row."""
         return draft_index(self.id_map, self.target_vocab)
 
-    def _feed(self, tokens: list[int], drafts: list[int], pending: list[int],
-              stale: int) -> list[tuple[int, np.ndarray]]:
+    def _feed(self, tokens: list[int], drafts: list[int], pending: list[int], stale: int,
+              ext: Extension | None = None, n_guess: int = GUESSES) -> list[tuple[int, np.ndarray]]:
         """Drop the rows of `stale` guesses the draft did not draw, feed `pending` and new guesses;
-        (fed id, logits after it) for the last pending id and each guess."""
+        (fed id, logits after it) for the last pending id and each guess, widened by `ext`'s
+        tokens when given (their scores from the hidden rows the forward just computed)."""
         if stale:
             self._cache.trim(len(self._cache.ids) - stale)
-        guesses = self.guess(tokens, drafts) if self.guess is not None and len(pending) <= 2 else []
+        guesses = self.guess(tokens, drafts)[:n_guess] if n_guess and len(pending) <= 2 else []
         # guesses are extra: they must fit the forward and the cache, never make either fail
         for cap in (self._cache.limit, self.max_width):
             if cap is not None:
@@ -171,6 +187,9 @@ class ModelDrafter(Drafter):
             guesses = guesses[:max(capacity - len(self._cache.ids) - len(pending), 0)]
         out = self._cache.feed(pending + guesses, n_logits=1 + len(guesses))
         self.guessed += len(guesses)
+        self.guess_forwards += bool(guesses)
+        if ext is not None:  # only a runtime with vocab_rows builds an extension: it has last_hidden too
+            out = ext.logits(out, self.runtime.last_hidden)
         # the rows are a view valid until the next forward: keep copies
         return [(t, np.array(row)) for t, row in zip([pending[-1], *guesses], out)]
 

@@ -5,6 +5,7 @@ A policy answers four questions for the decoder:
   keep_drafting(confs)  should a model draft go on, given the draft's own top probabilities
   prefers(a, b)         of two drafters that could draft now, should `a` rather than `b`
   next_tail(...)        how many free tokens (a prompt-lookup continuation) to append to a draft
+  lookahead(source, n)  how many prompt-lookup guesses a model draft's forward may feed along
   update(...), learn()  what the finished step cost and how much of its draft was accepted
 A source is a drafter label ("model", "ngram:3", ...); adaptive policies keep their estimates
 per source, so a long prompt-lookup match and a model draft earn separate acceptance rates.
@@ -14,15 +15,24 @@ policy by subclassing DraftPolicy and registering a factory `k -> policy` in POL
 from __future__ import annotations
 
 import abc
-import bisect
 import dataclasses
 import logging
-import math
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from edgespec.decoding.policy_rules import (
+    best_k,
+    best_tail,
+    confidence_stop,
+    decayed_counts,
+    expected_tokens,
+    heuristic_k,
+    isotonic,
+    step_rate,
+    verify_table,
+)
 from edgespec.decoding.sources import family
 from edgespec.errors import ConfigError
 
@@ -38,114 +48,8 @@ DEFAULT_POLICY = "cost"  # see dev/bench_policies.py: the only policy never slow
 DEFAULT_MIN_JOINT = 0.3  # confidence stop: end a draft once P(all accepted) looks below this
 
 
-# ---------------------------------------------------------------- pure rules
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens one step commits on average when each of k drafts is accepted with probability
-    alpha (until the first rejection), counting the target's own token: (1 − α^(k+1)) / (1 − α)."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-def step_rate(alpha: float, k: int, draft_ms_per_token: float, verify_ms: Sequence[float]) -> float:
-    """Expected tokens per millisecond of a step drafting k tokens (verify_ms as in `best_k`)."""
-    return expected_tokens(alpha, k) / (k * draft_ms_per_token + verify_ms[k])
-
-
-def best_k(alpha: float, draft_ms_per_token: float, verify_ms: Sequence[float]) -> int:
-    """The draft length maximising expected tokens per millisecond.
-
-    verify_ms[i] is the target-side cost of a step that verifies i + 1 tokens (i drafts plus
-    the bonus position), so k ranges over [0, len(verify_ms) - 1]. Ties go to the shorter draft.
-    """
-    rates = [step_rate(alpha, k, draft_ms_per_token, verify_ms) for k in range(len(verify_ms))]
-    return max(range(len(rates)), key=lambda k: (rates[k], -k))
-
-
-def best_tail(head_alpha: float, head_k: int, head_ms_per_token: float, tail_alpha: float,
-              verify_ms: Sequence[float]) -> int:
-    """How many free tokens to append after a draft of `head_k` tokens, maximising expected
-    tokens per millisecond of the whole step.
-
-    A tail (a prompt-lookup continuation of the draft's end) costs no drafting, only the wider
-    verify; it is tested only when the whole head was accepted (probability head_alpha^head_k),
-    and then stands where the bonus token would. verify_ms as in `best_k`; the tail ranges over
-    [0, len(verify_ms) - 1 - head_k]. With head_k = 0 this is `best_k` of a free drafter.
-    """
-    head = expected_tokens(head_alpha, head_k)
-    reach = head_alpha ** head_k
-    cost = head_k * head_ms_per_token
-    rates = [(head + reach * (expected_tokens(tail_alpha, t) - 1.0)) / (cost + verify_ms[head_k + t])
-             for t in range(len(verify_ms) - head_k)]
-    return max(range(len(rates)), key=lambda t: (rates[t], -t))
-
-
-def verify_table(measured: dict[int, float], max_width: int, slope: float) -> list[float]:
-    """Target-side cost of widths 1..max_width from the widths measured so far.
-
-    The measured costs are first made non-decreasing in width by pooling neighbours that
-    disagree (isotonic regression), so neither a noisy cheap sample at a wide verify nor a noisy
-    dear one at a narrow verify steers the plan alone. Between measured widths: linear
-    interpolation. Beyond them: the prior that each extra verified token costs `slope` times a
-    one-token step.
-    """
-    if not measured:
-        raise ValueError("need at least one measured width")
-    widths = sorted(measured)
-    measured = dict(zip(widths, isotonic([measured[w] for w in widths])))
-    out: list[float] = []
-    for w in range(1, max_width + 1):
-        # the nearest measured widths at or below and at or above w (bisect: this runs every step)
-        below, above = bisect.bisect_right(widths, w), bisect.bisect_left(widths, w)
-        lo = widths[below - 1] if below else None
-        hi = widths[above] if above < len(widths) else None
-        if lo is not None and hi is not None:
-            est = measured[lo] if lo == hi else measured[lo] + (measured[hi] - measured[lo]) * (w - lo) / (hi - lo)
-        else:
-            near = lo if lo is not None else hi
-            # the one-token cost: measured, or what the prior implies
-            unit = measured[1] if 1 in measured else measured[near] / (1.0 + slope * (near - 1))
-            est = measured[near] + slope * unit * (w - near)
-        out.append(max(est, out[-1]) if out else est)
-    return out
-
-
-def heuristic_k(k: int, drafted: int, accepted: int, k_min: int, k_max: int) -> int:
-    """+2 after a fully accepted draft, −1 otherwise (transformers' "heuristic" schedule)."""
-    if drafted == 0:
-        return k
-    return min(k + 2, k_max) if accepted == drafted else max(k - 1, k_min)
-
-
-def confidence_stop(confidences: Sequence[float], min_joint: float) -> bool:
-    """Training-free SpecDec++ stop (arXiv 2405.19715): the product of the draft's top
-    probabilities stands in for P(every drafted token is accepted); stop once it drops below
-    `min_joint`, i.e. once a rejection somewhere in the draft has become likely."""
-    return min_joint > 0 and math.prod(confidences) < min_joint
-
-
-def decayed_counts(hits: float, trials: float, drafted: int, accepted: int, decay: float) -> tuple[float, float]:
-    """Exponentially forgetting acceptance counts; hits / trials estimates alpha.
-
-    A draft is tested token by token until its first rejection, so one step contributes
-    `accepted` successes and one failure when the draft was not accepted in full.
-    """
-    return decay * hits + accepted, decay * trials + accepted + (1 if accepted < drafted else 0)
-
-
-def isotonic(values: Sequence[float]) -> list[float]:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [m for m, n in blocks for _ in range(int(n))]
-
-
+# the pure rules live in policy_rules.py; imported here, where the policies use them and callers
+# have always found them
 # ---------------------------------------------------------------- policies
 
 
@@ -181,15 +85,28 @@ class DraftPolicy(abc.ABC):
         tokens drafted by `head_source`. Policies that do not weigh costs append none."""
         return 0
 
+    def lookahead(self, source: str, most: int) -> int:
+        """How many lookahead guesses (prompt lookup's continuation of the draft) each forward of
+        `source`, a model drafter, may feed along, at most `most`. Policies that do not weigh
+        costs feed them all."""
+        return most
+
+    def learn_lookahead(self, source: str, forwards: int, hits: int) -> None:  # noqa: B027
+        """Learn that `forwards` forwards of `source` fed guesses, and `hits` guesses were drawn
+        (each then needed no forward of its own)."""
+
     def update(self, drafted: int, accepted: int, draft_ms: float, verify_ms: float | None, *,  # noqa: B027
-               source: str = "model", ms_per_token: float | None = None, width: int | None = None) -> None:
+               source: str = "model", ms_per_token: float | None = None, width: int | None = None,
+               expected: float | None = None) -> None:
         """Learn from one finished step; stateless policies ignore it.
 
         drafted/accepted count `source`'s own tokens (a tail's are reported through `learn`);
         verify_ms is the target side of the step (verify forward, acceptance, rollback), None
         when its time is no measure of one (a plain step whose row was computed ahead);
         `width` is the tokens that verify scored (default drafted + 1; more with a tail);
-        ms_per_token is the drafter's marginal cost per drafted token, when it measured one.
+        ms_per_token is the drafter's marginal cost per drafted token, when it measured one;
+        `expected`, under sampling, the summed acceptance probabilities of the drafts tested
+        (the accepted ones and the first rejected), which policies may learn instead of `accepted`.
         """
 
     def verify_costs(self, source: str, max_width: int) -> list[float] | None:
@@ -197,10 +114,11 @@ class DraftPolicy(abc.ABC):
         measured (None: this policy does not measure costs)."""
         return None
 
-    def learn(self, source: str, drafted: int, accepted: int) -> None:  # noqa: B027
+    def learn(self, source: str, drafted: int, accepted: int, expected: float | None = None) -> None:  # noqa: B027
         """Learn the acceptance of `drafted` tokens of `source` that cost no step of their own, of which
         the target kept `accepted`: a tail (called only when it was tested: the draft before it was
-        kept whole), or a free trial a drafter scored against a step it did not draft (Drafter.observe)."""
+        kept whole), or a free trial a drafter scored against a step it did not draft (Drafter.observe).
+        `expected`: as in `update`."""
 
 
 def _check_k(name: str, value: int) -> None:
@@ -249,7 +167,7 @@ class HeuristicK(DraftPolicy):
         return self._k.get(source, self.k)
 
     def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None,
-               width=None) -> None:
+               width=None, expected=None) -> None:
         self._k[source] = heuristic_k(self.next_k(source), drafted, accepted, self.k_min, self.k_max)
 
 
@@ -261,6 +179,9 @@ class _SourceStats:
     idle: int = 0  # consecutive steps this source chose not to draft
     interval: int = 0  # idle steps until the next probe (doubles while probes keep losing)
     drafting: int = 0  # steps this source drafted (every explore_every-th tries one token more)
+    look_hits: float = 0.0  # lookahead guesses drawn (decayed counts), over
+    look_forwards: float = 0.0  # forwards that fed guesses
+    look_idle: int = 0  # forwards planned without guesses since the last that fed them
 
 
 @dataclass
@@ -273,6 +194,8 @@ class CostAwareK(DraftPolicy):
     a quiet minute and a busy one stay comparable, and one outlier does not steer the plan.
     Acceptance alpha is kept per source (decayed counts). Every `explore_every`-th
     drafting step drafts one token more than planned, so the next wider verify stays measured.
+    A model drafter's forwards feed prompt lookup's guesses along (`lookahead`) while the guesses
+    it draws save more draft forwards than the wider forwards cost, measured per regime.
     When plain decoding wins (k = 0), a source still drafts `probe_k` tokens now and then so its
     alpha stays fresh; the interval doubles while probes keep losing, so a draft that never pays
     costs almost nothing. The unit itself, a plain step, is measured `warmup` times before any
@@ -300,6 +223,7 @@ class CostAwareK(DraftPolicy):
     verify_slope: float = 0.1
     warmup: int = 3
     refresh_every: int = 32
+    look_decay: float = 0.9  # per-draft forgetting of the lookahead's hit rate
     free_width: int = 1  # see DraftPolicy
     _since_plain: int = field(default=0, init=False, repr=False)  # steps since the last plain one
     _plain: deque = field(default_factory=deque, init=False, repr=False)  # ms of recent one-token steps
@@ -317,7 +241,7 @@ class CostAwareK(DraftPolicy):
             raise ConfigError("window, explore_every, warmup and refresh_every must be >= 1")
         if self.free_width < 1:
             raise ConfigError(f"free_width must be >= 1, got {self.free_width}")
-        for name in ("accept_decay", "prior_alpha"):
+        for name in ("accept_decay", "prior_alpha", "look_decay"):
             if not 0 < getattr(self, name) <= 1:
                 raise ConfigError(f"{name} must be in (0, 1], got {getattr(self, name)}")
         if not self.prior_trials > 0 or not self.verify_slope >= 0:
@@ -381,6 +305,28 @@ class CostAwareK(DraftPolicy):
         return best_tail(self.acceptance(head_source), head_k, statistics.median(head.cost),
                          self.acceptance(source), table)
 
+    def lookahead(self, source: str, most: int) -> int:
+        s = self._stats(source)
+        if most <= 0 or s.look_forwards < self.warmup or not s.cost or not self._plain:
+            return most
+        # a guess row costs what a row adds to a lookup's verify (the body runs it alike); a hit
+        # saves a draft forward. Without guesses, one draft in probe_every feeds them again, so the
+        # hit rate stays measured as the text changes
+        table = self._verify_table("ngram", most + 1)
+        if (s.look_hits / s.look_forwards) * statistics.median(s.cost) >= table[most] - table[0]:
+            s.look_idle = 0
+            return most
+        s.look_idle += 1
+        if s.look_idle >= self.probe_every:
+            s.look_idle = 0
+            return most
+        return 0
+
+    def learn_lookahead(self, source: str, forwards: int, hits: int) -> None:
+        s = self._stats(source)
+        s.look_hits = self.look_decay * s.look_hits + hits
+        s.look_forwards = self.look_decay * s.look_forwards + forwards
+
     def verify_costs(self, source: str, max_width: int) -> list[float] | None:
         return self._verify_table(source, max_width) if self._plain else None
 
@@ -410,7 +356,7 @@ class CostAwareK(DraftPolicy):
         return min(self.probe_k, self.k_max)
 
     def update(self, drafted, accepted, draft_ms, verify_ms, *, source="model", ms_per_token=None,
-               width=None) -> None:
+               width=None, expected=None) -> None:
         width = drafted + 1 if width is None else width
         if width <= self.free_width and verify_ms is not None:  # the same forward as a plain step
             self._plain.append(verify_ms)
@@ -424,13 +370,13 @@ class CostAwareK(DraftPolicy):
             widths.setdefault(width, deque(maxlen=self.window)).append(verify_ms / unit)
         if drafted == 0:
             return
-        self.learn(source, drafted, accepted)
+        self.learn(source, drafted, accepted, expected)
         if unit is not None and ms_per_token is not None:
             self._stats(source).cost.append(ms_per_token / unit)
 
-    def learn(self, source: str, drafted: int, accepted: int) -> None:
+    def learn(self, source: str, drafted: int, accepted: int, expected: float | None = None) -> None:
         s = self._stats(source)
-        s.hits, s.trials = decayed_counts(s.hits, s.trials, drafted, accepted, self.accept_decay)
+        s.hits, s.trials = decayed_counts(s.hits, s.trials, drafted, accepted, self.accept_decay, expected)
 
     def _stats(self, source: str) -> _SourceStats:
         if source not in self._sources:

@@ -191,6 +191,7 @@ class SpeculativeDecoder:
                 t1 = self.clock()
                 # 2-4. verify (one target forward scores every draft plus the bonus position),
                 #      accept / resample, commit
+                ratios: list[float] = []  # each tested draft's acceptance probability (sampled chains)
                 if draft.tree is not None:
                     new, n_acc, trials, reused = self._tree_step(tokens, draft.tree, params, rng, budget, stop_ids)
                 else:
@@ -199,19 +200,13 @@ class SpeculativeDecoder:
                     reused = self.target.reused_rows
                     # what the target computed anyway, for a drafter that learns from it
                     trials = self.drafter.observe(pending[len(pending) - len(logits):], logits) if self.drafter else []
-                    n_acc, nxt = self._accept(draft, logits, params, rng)
+                    n_acc, nxt = self._accept(draft, logits, params, rng, ratios)
                     new = truncate_commit(draft.tokens[:n_acc] + [nxt], stop_ids, budget)
                 tokens.extend(new)
                 n_new += len(new)
                 # 5. rollback: drop rejected drafts from every cache
                 self._rollback(tokens)
-                t2 = self.clock()
-                step = StepResult(new, len(draft.tokens), n_acc, (t1 - t0) * 1e3, (t2 - t1) * 1e3, draft.source,
-                                  draft.tail)
-                self._learn(policy, step, draft, reused)
-                for source, drafted, accepted in trials:
-                    policy.learn(source, drafted, accepted)
-                yield step
+                yield self._record(policy, draft, new, n_acc, (t0, t1, self.clock()), reused, ratios, trials)
                 if new[-1] in stop_ids:
                     return
         finally:
@@ -234,6 +229,14 @@ class SpeculativeDecoder:
     def _propose(self, tokens: list[int], budget: int, params: SamplingParams, rng: np.random.Generator,
                  policy: DraftPolicy) -> Draft:
         """Phase 1: the drafter's proposal, capped so the commit fits the budget and the verify one batch."""
+        limit = self._draft_limit(len(tokens), budget)
+        if self.drafter is None or limit <= 0:
+            return Draft([])
+        return self.drafter.propose(tokens, limit, policy, params, rng)
+
+    def _draft_limit(self, n_tokens: int, budget: int) -> int:
+        """Most tokens a step may draft after `n_tokens` committed ones with `budget` left to
+        generate (overlap.py sizes the drafts it makes ahead with it too)."""
         limit = budget - 1  # verify always adds one token of its own
         if (cap := self._target.limit) is not None:
             limit = min(limit, cap - 1)
@@ -243,19 +246,32 @@ class SpeculativeDecoder:
         if lim.verify_width is not None:  # wider verifies would round unlike plain decoding here
             limit = min(limit, lim.verify_width - 1)
         if lim.context_limit is not None:  # the verify writes len(tokens) + drafts positions
-            limit = min(limit, lim.context_limit - len(tokens))
-        if self.drafter is None or limit <= 0:
-            return Draft([])
-        return self.drafter.propose(tokens, limit, policy, params, rng)
+            limit = min(limit, lim.context_limit - n_tokens)
+        return limit
 
-    def _learn(self, policy: DraftPolicy, step: StepResult, draft: Draft, reused: int) -> None:
+    def _record(self, policy: DraftPolicy, draft: Draft, new: list[int], n_acc: int, times: tuple[float, float, float],
+                reused: int, ratios: list[float], trials: list) -> StepResult:
+        """The finished step (`times`: its start, the draft's end, the step's end, in seconds), after
+        the policy has learned from it and from the drafter's free trials."""
+        t0, t1, t2 = times
+        step = StepResult(new, len(draft.tokens), n_acc, (t1 - t0) * 1e3, (t2 - t1) * 1e3, draft.source, draft.tail)
+        self._learn(policy, step, draft, reused, ratios)
+        for source, drafted, accepted in trials:
+            policy.learn(source, drafted, accepted)
+        return step
+
+    def _learn(self, policy: DraftPolicy, step: StepResult, draft: Draft, reused: int,
+               ratios: list[float]) -> None:
         """Tell the policy the step's cost and each drafter's acceptance. A plain step whose row
         was computed ahead (a lookahead guess on a shared body) is no measure of a plain step; a
-        tail was tested only if the draft before it was accepted whole."""
+        tail was tested only if the draft before it was accepted whole. Under sampling the
+        drafts' acceptance probabilities (`ratios`) stand for their coin flips: the same mean,
+        without the flips' noise, which would otherwise stop a good draft on one unlucky step."""
         head = step.drafted - draft.tail
         verify_ms = None if reused and not step.drafted else step.verify_ms
-        policy.update(head, min(step.accepted, head), step.draft_ms, verify_ms,
-                      source=draft.source, ms_per_token=draft.ms_per_token, width=step.drafted + 1)
+        expected = sum(ratios[:head]) if ratios and head else None
+        policy.update(head, min(step.accepted, head), step.draft_ms, verify_ms, source=draft.source,
+                      ms_per_token=draft.ms_per_token, width=step.drafted + 1, expected=expected)
         if draft.tail and step.accepted >= head:
             policy.learn(draft.tail_source, draft.tail, step.accepted - head)
 
@@ -281,15 +297,17 @@ class SpeculativeDecoder:
         return new, len(nodes), trials, reused
 
     @staticmethod
-    def _accept(draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
-        """Phase 3: how many drafts the target keeps, and its own next token."""
+    def _accept(draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+                ratios: list[float]) -> tuple[int, int]:
+        """Phase 3: how many drafts the target keeps, and its own next token; under sampling each
+        tested draft's acceptance probability goes to `ratios`."""
         if params.greedy:
             return accept_greedy(draft.tokens, logits)
         # row i is built only if drafts 0..i-1 were accepted
         target = LazyDists(logits, params)
         if draft.dists is None:  # deterministic proposals: point masses
-            return accept_point_masses(draft.tokens, target, rng)
-        return accept_sampled(draft.tokens, draft.dists, target, rng)
+            return accept_point_masses(draft.tokens, target, rng, ratios)
+        return accept_sampled(draft.tokens, draft.dists, target, rng, ratios)
 
     def _rollback(self, tokens: list[int]) -> None:
         """Trim every cache to its common prefix with `tokens` (keeping the last token unfed)."""

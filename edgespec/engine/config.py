@@ -156,6 +156,11 @@ class EngineConfig:
         help="where --backend or --draft-body is left open and several configurations run the bundle, measure "
              "each here at the first load (cached) and open the fastest exact one; `edgespec info BUNDLE` shows "
              "the figures. Default: on (EDGESPEC_TUNE=0 turns it off)"))
+    overlap: bool = field(default=False, metadata=_opt(
+        "--overlap", kind="true",
+        help="draft the next step while the target verifies (PEARL): the verify runs in a thread of its own; "
+             "needs a draft model on its own body (--draft-body own), and pays only where draft and target "
+             "compute on separate units (a GPU target, a CPU draft), not on one CPU"))
     retune: bool = field(default=False, metadata=_opt(
         "--retune", kind="true",
         help="measure this machine again (the exactness probe and the tuning) instead of reading the cache"))
@@ -190,7 +195,7 @@ class EngineConfig:
 
             # kept in bytes once parsed: "1.5GB" and 1500000000 are the same config
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
-        for name in ("use_draft", "static", "allow_inexact", "tune", "retune"):
+        for name in ("use_draft", "static", "allow_inexact", "tune", "retune", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

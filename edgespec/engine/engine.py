@@ -34,6 +34,7 @@ from ..decoding import (
     make_policy,
 )
 from ..decoding.limits import DecoderLimits
+from ..decoding.overlap import OverlappedDecoder
 from ..errors import BusyError, ConfigError, ContextFullError, EngineClosedError
 from ..runtimes import BACKENDS, installed_backends
 from ..tokenizer import IncrementalDecoder, Tokenizer
@@ -221,8 +222,9 @@ class Engine:
                                  free_width=max(1, self.target.capabilities.free_batch_tokens))
         draft = self.draft if needs_model else None
         limits = self.limits if trees is not False else self.limits.replace(trees=False)
-        return SpeculativeDecoder(self.target, draft, id_map=self.bundle.id_map() if draft is not None else None,
-                                  drafter=name, policy=policy, limits=limits, clock=clock)
+        decoder = OverlappedDecoder if self.config.overlap else SpeculativeDecoder  # overlap.py: why and where
+        return decoder(self.target, draft, id_map=self.bundle.id_map() if draft is not None else None,
+                       drafter=name, policy=policy, limits=limits, clock=clock)
 
     def describe(self) -> dict[str, Any]:
         """What this engine runs, as plain values for reports: backends, formats and precisions

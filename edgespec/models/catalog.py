@@ -13,9 +13,9 @@ from pathlib import Path
 
 from ..errors import BundleError, ConfigError
 
-__all__ = ["Preset", "PRESETS", "DEFAULT_PRESET", "BUNDLE_REVISION", "cache_dir", "default_bundle_path",
-           "format_suffix", "gguf_bundles_dir", "preset_source", "assembled", "file_sha256", "read_cache_entry",
-           "write_cache_entry"]
+__all__ = ["Preset", "PRESETS", "DEFAULT_PRESET", "BUNDLE_REVISION", "FORMAT_REVISIONS", "cache_dir",
+           "default_bundle_path", "format_suffix", "gguf_bundles_dir", "preset_source", "assembled", "file_sha256",
+           "read_cache_entry", "write_cache_entry"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,10 +84,19 @@ def write_cache_entry(path: Path, obj: object, what: str) -> None:
 BUNDLE_REVISION = 4
 
 
+# formats whose files changed since BUNDLE_REVISION without the others changing: a cached bundle
+# of that format is built again (the IR records its sliding window since revision 2), the others kept
+FORMAT_REVISIONS = {"openvino": 2}
+
+
 def format_suffix(fmt: str) -> str:
     """What a cached bundle's folder name carries for its format: nothing for ONNX, the default
-    (so the folders of earlier revisions keep their names), else `-FORMAT`."""
-    return "" if fmt == "onnx" else f"-{fmt}"
+    (so the folders of earlier revisions keep their names), else `-FORMAT`, with the format's own
+    revision after it where it has one (`-openvino2`)."""
+    if fmt == "onnx":
+        return ""
+    rev = FORMAT_REVISIONS.get(fmt, 1)
+    return f"-{fmt}{rev if rev > 1 else ''}"
 
 
 def default_bundle_path(preset: str = DEFAULT_PRESET, fmt: str = "onnx") -> Path:

@@ -24,7 +24,7 @@ rejected draft was).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Protocol
 
@@ -125,11 +125,17 @@ class SharedBodyRuntime(Runtime):
 
     The owner (the target) reports the body's weights and KV cache and closes the body; the
     other (the draft) reports only its head, and its trained feature head when it has one
-    (`feature_head`, read by decoding/head_drafter.py with `hidden_rows`)."""
+    (`feature_head`, read by decoding/head_drafter.py with `hidden_rows`). A draft may also hold
+    `vocab_rows(ids)`: the target head's weight rows (M, H) of any target ids, with which
+    decoding/context_vocab.py scores tokens its trimmed head lacks (None: it has none), against
+    `last_hidden`, the hidden rows under the last forward's logits."""
 
     def __init__(self, shared: SharedBody, head: Head, *, owner: bool, role: str,
-                 feature_head: FeatureHead | None = None) -> None:
+                 feature_head: FeatureHead | None = None,
+                 vocab_rows: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
         self.shared, self.head, self.owner, self.feature_head = shared, head, owner, feature_head
+        self.vocab_rows = vocab_rows
+        self.last_hidden = np.zeros((0, 0), dtype=np.float32)
         body = shared.body
         self.vocab_size = head.vocab_size
         self._ids: list[int] = []
@@ -150,6 +156,7 @@ class SharedBodyRuntime(Runtime):
         seq = self._ids + list(token_ids)
         rows = self.shared.hidden(seq, min(max(n_logits, 1), len(token_ids)))
         self.reused_rows = max(len(token_ids) - self.shared.fed, 0)
+        self.last_hidden = rows  # the rows under the logits returned: a view valid until the body's next forward
         logits = self.head(rows)
         self._ids = seq
         return logits
@@ -221,11 +228,13 @@ def check_feature_head(draft_head: Head, feature_head: FeatureHead) -> None:
                            f"target's body makes {draft_head.hidden_size}: distill it again for this target")
 
 
-def shared_pair(body: Runtime, target_head: Head, draft_head: Head,
-                feature_head: FeatureHead | None = None) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
+def shared_pair(body: Runtime, target_head: Head, draft_head: Head, feature_head: FeatureHead | None = None,
+                vocab_rows: Callable[[np.ndarray], np.ndarray] | None = None,
+                ) -> tuple[SharedBodyRuntime, SharedBodyRuntime]:
     """(target, draft) runtimes sharing `body`; the target owns it; the draft holds the trained
-    feature head, if given."""
+    feature head, if given, and the target head's weight rows (`vocab_rows`), if given."""
     shared = SharedBody(body)
     return (SharedBodyRuntime(shared, target_head, owner=True, role="target"),
-            SharedBodyRuntime(shared, draft_head, owner=False, role="draft", feature_head=feature_head))
+            SharedBodyRuntime(shared, draft_head, owner=False, role="draft", feature_head=feature_head,
+                              vocab_rows=vocab_rows))
 

@@ -36,9 +36,10 @@ from ...bundle import Artifact
 from ...errors import ExportError
 from ..gguf.transcode import BlockWeight, fold_mins
 from ..onnx.graph import build_decoder
+from ..onnx.masks import window_align
 
 __all__ = ["OVScheme", "OV_SCHEMES", "INFERENCE_PRECISION", "write_openvino", "compress", "convert_graph",
-           "source_weights"]
+           "source_weights", "window_info", "set_window_info"]
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,27 @@ def convert_graph(spec, weights: dict, opts, scratch_dir: Path, what: str = "mod
     return model
 
 
+def window_info(spec, layers: tuple[int, ...] | None, align: int | None = None) -> dict[str, str]:
+    """The IR's record of its sliding-window layers, for the runtime to bind their pasts from an
+    aligned start (runtimes/openvino/kv.window_of): the window, the alignment of the first bound
+    position and which past_key_<j>/past_value_<j> slide ({} where none may: no window, or no
+    full-attention layer kept to say where the context ends)."""
+    kept = tuple(range(spec.n_layers)) if layers is None else tuple(layers)
+    if not spec.sliding_window:
+        return {}
+    sliding = [j for j, li in enumerate(kept) if spec.layer_types[li] == "sliding_attention"]
+    if not sliding or len(sliding) == len(kept):
+        return {}
+    return {"window": str(spec.sliding_window), "window_align": str(align or window_align(spec.head_dim)),
+            "window_layers": ",".join(map(str, sliding))}
+
+
+def set_window_info(model, info: dict[str, str]) -> None:
+    """Write `window_info` into `model`'s rt_info, under "edgespec"."""
+    for key, value in info.items():
+        model.set_rt_info(value, ["edgespec", key])
+
+
 def _source_quantization(job) -> tuple[str, dict]:
     """Manifest precision and quantization of a GGUF's blocks as compressed constants."""
     m = job.source.model
@@ -195,6 +217,8 @@ def write_openvino(job, bar) -> Artifact:
     quant = dict(quant or {}, inference_precision=INFERENCE_PRECISION, kv_layout="buffer")
     model.set_rt_info(INFERENCE_PRECISION, ["runtime_options", "INFERENCE_PRECISION_HINT"])
     model.set_rt_info("buffer", ["edgespec", "kv_layout"])
+    # a runtime that finds no record binds every past whole (the IRs written before it)
+    set_window_info(model, window_info(job.spec, opts.layers, opts.window_align))
     bar.set_postfix_str(f"writing {job.role} IR")
     ov.save_model(model, str(out), compress_to_fp16=job.precision == "fp16")
     return Artifact(file=str(out.relative_to(job.bundle_dir)), precision=precision, quantization=quant)

@@ -88,6 +88,11 @@ class LlamaCppVulkanRuntime(LlamaCppRuntime):
             extra={"gpu_layers": gpu_layers, "kv_capacity": self.kv_capacity,
                    "input_embeddings": self._embd is not None, "gpu": "; ".join(self.gpus)})
 
+    def sample(self, sampler) -> int:
+        """The token llama.cpp's `sampler` (a llama_sampler of this build) picks from the last
+        forward's last logits, read in place (the bench's same-device peer, bench/peer.py)."""
+        return int(self._lib.llama_sampler_sample(sampler, self._ctx, -1))
+
     def kernel_options(self) -> dict:
         # the probe's verdict belongs to this build and these devices
         return {**super(LlamaCppRuntime, self).kernel_options(), "build": self._lib.build, "system": system_info(),

@@ -36,6 +36,7 @@ import numpy as np
 
 from ...errors import BackendError, BundleError, ContextFullError
 from ..heap import lazy_zeros
+from ..window import WINDOW_FORWARD, WINDOW_ROLLBACK, KVWindow, window_start
 
 __all__ = ["DEFAULT_KV_CAPACITY", "F32", "I64", "WINDOW_FORWARD", "WINDOW_ROLLBACK", "FixedBufferKV", "KVHolder",
            "KVLayout", "KVPlan", "KVWindow", "RawBinding", "TreeRows", "graph_io", "kv_kind", "plan_kv",
@@ -44,11 +45,6 @@ __all__ = ["DEFAULT_KV_CAPACITY", "F32", "I64", "WINDOW_FORWARD", "WINDOW_ROLLBA
 # positions preallocated when no capacity is planned; numpy's zeroed buffers are committed
 # page by page as they fill, so an unused tail costs address space, not memory
 DEFAULT_KV_CAPACITY = 4096
-# a sliding layer's buffer takes forwards of up to WINDOW_FORWARD rows (wider ones run in pieces
-# that end at its multiples, as the decoder's chunked prefill does) and keeps WINDOW_ROLLBACK rows
-# before the window of the last move, so that a rejected draft's rollback (a draft model's spans a
-# few one-token forwards) stays exact; the memory planner's prefill chunk is at most WINDOW_FORWARD
-WINDOW_FORWARD, WINDOW_ROLLBACK = 256, 64
 _LOGIT_ROWS = 17  # logits buffer rows kept ready: verify width for drafts up to 16 tokens
 _INPUTS = ["input_ids", "n_logits", "past_key_0"]  # the first inputs of every edgespec decoder graph
 F32, I64 = 1, 7  # ONNX element types (TensorProto.FLOAT, INT64): what both bind paths take as they are
@@ -140,43 +136,6 @@ class KVLayout:
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.kv_heads * self.head_dim * 4
-
-
-def window_start(n_past: int, window: int, align: int) -> int:
-    """The first position a sliding layer's past is bound from, for a forward whose first new
-    position is `n_past`: the first key its window can see, n_past - window + 1, rounded down to a
-    multiple of `align`.
-
-    A verify row and the same position decoded alone must sum the same terms in the same order.
-    Starting every forward exactly at its first query's window would move a position's key to
-    another column in each (a verify's earlier rows need earlier keys), and onnxruntime's Softmax
-    sums in SIMD lanes by column, its SGEMM sums P @ V in depth slices by column: the sums would
-    round apart. Rounded down to a multiple of `align` (chosen by the exporter for the head size,
-    exporters/onnx/masks.window_align), the two start a whole number of aligned blocks apart: the
-    extra leading columns are masked (exact zeros, summed before any real term) and every real key
-    keeps its lane and its slice. The exactness probe checks the machine at hand."""
-    return max(0, n_past - window + 1) // align * align
-
-
-@dataclass(frozen=True)
-class KVWindow:
-    """A graph's sliding-window layers, whose pasts are bound from `window_start` on."""
-
-    size: int  # keys a sliding layer's query sees, itself included
-    align: int  # the bound past's first position is a multiple of this
-    layers: frozenset[int]  # j of past_key_<j> / past_value_<j>
-
-    def __post_init__(self) -> None:
-        if self.size < 1 or self.align < 1 or not self.layers:
-            raise ValueError(f"bad sliding window: {self}")
-
-    def start(self, n_past: int) -> int:
-        return window_start(n_past, self.size, self.align)
-
-    def rows(self, pad: int) -> int:
-        """Rows a sliding layer's buffer holds: after a move before a forward at P, the rows from
-        start(P - WINDOW_ROLLBACK) (at most rollback + size + align - 2 of them) and the forward's."""
-        return WINDOW_ROLLBACK + self.size + self.align + WINDOW_FORWARD + pad
 
 
 @dataclass(frozen=True)

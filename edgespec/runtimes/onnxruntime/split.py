@@ -47,6 +47,7 @@ from .graphs import (
     session,
     shared_names,
 )
+from .head_rows import HeadRows, head_rows
 from .kv import F32, RawBinding, kv_kind
 from .runtime import OnnxRuntime
 
@@ -180,4 +181,19 @@ def open_shared_pair(target_path: str | os.PathLike, draft_path: str | os.PathLi
             body.close()
         raise
     trim_heap()  # the draft head's read buffers
-    return shared_pair(body, heads[0], heads[1], heads[2] if draft_head is not None else None)
+    rows = _target_rows(head_proto, tables, target_path.parent, heads[0].hidden_size)
+    return shared_pair(body, heads[0], heads[1], heads[2] if draft_head is not None else None, vocab_rows=rows)
+
+
+def _target_rows(head_proto: OnnxModel, tables: MappedTables, folder: Path, hidden: int) -> HeadRows | None:
+    """The target head's weight rows for any token (head_rows.py): from the tied table mapped for
+    the sessions, or from the head's own tensors mapped here (their pages read only as rows are)."""
+    own = [t.name for t in head_proto.initializers if t.name not in tables.arrays]
+    mapped = MappedTables(head_proto, folder, own) if own else None
+    if mapped is not None:
+        mapped.drop_pages()
+    arrays = {**tables.arrays, **(mapped.arrays if mapped is not None else {})}
+    rows = head_rows(head_proto, arrays.get, hidden)
+    if rows is None:
+        logger.debug("the target's head has no plain weight rows: the draft keeps its trimmed vocabulary")
+    return rows

@@ -8,6 +8,9 @@
 - `pad_queries`: every attention gets one query row more (a copy of the last, dropped after),
   so its MatMuls never run one row. With both, a k-token verify rounds exactly like k one-token
   decodes, and a decode still runs its FullyConnecteds, nearly all of its cost, on one row.
+- `window_keys`: a sliding-window layer's past may be bound shorter than the others (the keys its
+  window can see, from an aligned start on): its mask keeps only those columns, so its attention
+  costs the same at every context length (runtimes/openvino/kv.py binds it; docs/long-context.md).
 - `repacked_bytes`: what a second compiled copy of the model adds (runtimes/openvino/runtime.py, wide).
 - `cut_head` / `head_model`: the IR split at the final hidden state (the rows `logits_index`
   picks), into a body that returns those hidden rows and a head that maps hidden rows to logits
@@ -36,7 +39,7 @@ import numpy as np
 from ...errors import BackendError
 
 __all__ = ["BLOCK", "HIDDEN", "cut_head", "head_model", "make_stateful", "pad_keys", "pad_queries",
-           "repacked_bytes"]
+           "repacked_bytes", "window_keys"]
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +141,63 @@ def _attentions(model) -> list[tuple]:
             raise BackendError("this OpenVINO IR lacks edgespec's attention layout (export the bundle again)")
         out.append((scores, add, users[0]))
     return out
+
+
+def _past_of(scores) -> str:
+    """The name of the past K input an attention's score MatMul reads its keys from, through
+    Unsqueeze/Reshape/Transpose to Concat(past, new[, padding])."""
+    node = scores.input_value(1).get_node()
+    while node.get_type_name() in ("Unsqueeze", "Reshape", "Transpose", "Convert"):
+        node = node.input_value(0).get_node()
+    past = node.input_value(0).get_node() if node.get_type_name() == "Concat" else None
+    if past is None or past.get_type_name() != "Parameter":
+        raise BackendError("this OpenVINO IR lacks edgespec's attention layout (export the bundle again)")
+    return past.get_friendly_name()
+
+
+def window_keys(model, layers: frozenset[int]) -> int:
+    """Let the past K/V of `layers` (j of past_key_<j>) be bound shorter than a full-attention
+    layer's, in place: such a past holds the last positions only, from kv_start = P - its length
+    on (P: a full layer's past), and those layers' masks keep the columns from kv_start on.
+    Returns how many attentions read a windowed past. A caller that binds every past whole gets
+    the same model (kv_start 0). Run after `pad_keys`: the padding stays at the end, and keys and
+    mask keep one length as long as kv_start is a multiple of its block."""
+    import openvino.opset13 as ops
+
+    i64 = np.int64
+    names = {n for p in model.inputs for n in p.get_names()}
+    full = next((j for j in range(len(names)) if f"past_key_{j}" in names and j not in layers), None)
+    if full is None or not layers:
+        return 0
+    first = min(layers)
+    # the graph reads P (where the query positions start) off the first past's shape: from now on
+    # a full layer's, the one whole past
+    whole = model.input(f"past_key_{full}").get_node().output(0)
+    for j in layers:
+        for target in list(model.input(f"past_key_{j}").get_node().output(0).get_target_inputs()):
+            if target.get_node().get_type_name() == "ShapeOf":
+                target.replace_source_output(whole)
+
+    def length(j: int):
+        return ops.gather(ops.shape_of(model.input(f"past_key_{j}").get_node(), "i64"), ops.constant([2], i64),
+                          ops.constant(0, i64))  # (1,)
+
+    kv_start = ops.subtract(length(full), length(first))
+    masks, n = {}, 0
+    for scores, add, _ in _attentions(model):
+        if int(_past_of(scores).rsplit("_", 1)[1]) not in layers:
+            continue
+        mask = add.input_value(1)
+        key = (mask.get_node().get_name(), mask.get_index())  # the sliding layers share one mask
+        if key not in masks:
+            rank = mask.get_partial_shape().rank.get_length()
+            masks[key] = ops.slice(mask, kv_start, ops.constant([np.iinfo(i64).max], i64), ops.constant([1], i64),
+                                   ops.constant([rank - 1], i64))
+        add.input(1).replace_source_output(masks[key].output(0))
+        n += 1
+    model.validate_nodes_and_infer_types()
+    logger.debug("windowed the keys of %d attentions", n)
+    return n
 
 
 def _rows(x, start: int, stop: int, axis: int):

@@ -12,7 +12,9 @@ of n tokens is fed (`feed`), what it keeps of the outputs (`commit`, `rows`), ho
   whole blocks and its queries by one row (openvino/graph.pad_keys, pad_queries), so the CPU
   plugin's dynamic int8 quantization of activations stays on and a k-token verify still rounds
   bit for bit like k one-token decodes. `pad_rows` feeds every forward one row more (the exact
-  mode where one-row kernels round unlike taller ones).
+  mode where one-row kernels round unlike taller ones). Where the IR records sliding-window layers
+  (`window_of`), their pasts are bound from an aligned start (openvino/graph.window_keys): views of
+  the same buffers, so a sliding layer's attention costs the same at every context length.
 - `StaticKV` (NPUs need it; runs anywhere): the IR is reshaped to a fixed capacity C and width W;
   every forward feeds W tokens (padded), the whole buffer, and a mask admitting the held positions
   and the real new tokens: rollback is the mask.
@@ -31,10 +33,12 @@ import numpy as np
 
 from ...errors import BackendError, ContextFullError
 from ..heap import lazy_zeros
-from .graph import pad_keys, pad_queries
+from ..window import KVWindow
+from .graph import pad_keys, pad_queries, window_keys
 
 __all__ = ["DEFAULT_KV_CAPACITY", "DEFAULT_STATIC_CAPACITY", "DynamicBufferKV", "Feed", "KV_KINDS", "KVHolder",
-           "KVLayout", "KVPlan", "StaticKV", "dynamic_inputs", "plan_kv"]
+           "KVLayout", "KVPlan", "KVWindow", "StaticKV", "dynamic_inputs", "plan_kv", "window_of",
+           "window_pieces"]
 
 DEFAULT_STATIC_CAPACITY = 1024  # positions a static-shape model holds unless kv_capacity says otherwise
 # the dynamic mode's limit unless kv_capacity says otherwise, as onnxruntime's and llama.cpp's:
@@ -75,6 +79,21 @@ class KVPlan:
     pad_rows: bool  # every forward one row wider, that row dropped (never one row)
     wide: bool  # forwards of more than one token run on a second compiled copy
     quantize: bool  # the CPU plugin may quantize activations to int8 on the fly
+    window: KVWindow | None = None  # sliding layers whose pasts are bound from an aligned start
+
+
+def window_of(model) -> KVWindow | None:
+    """The sliding-window record an IR's exporter wrote in its rt_info (exporters/openvino/export.window_info),
+    or None: an IR without one (written before it, or a model with no window) binds every past whole."""
+    keys = ("window", "window_align", "window_layers")
+    if not all(model.has_rt_info(["edgespec", k]) for k in keys):
+        return None
+    raw = [model.get_rt_info(["edgespec", k]).astype(str) for k in keys]
+    try:
+        return KVWindow(int(raw[0]), int(raw[1]), frozenset(int(j) for j in raw[2].split(",")))
+    except ValueError as e:  # a hand-edited or damaged record: say so, in one line
+        raise BackendError(f"this OpenVINO IR's sliding window record is not valid ({', '.join(raw)}): "
+                           "export the bundle again") from e
 
 
 # an input of a forward: an array, or (buffer, shape): a prefix of a buffer kept across forwards
@@ -117,6 +136,10 @@ class KVHolder(abc.ABC):
         (buffer, shape), the first prod(shape) elements of a C-contiguous buffer the holder keeps
         (the runtime then wraps the buffer once and only reshapes it per forward)."""
 
+    def pieces(self, n_new: int) -> list[int]:
+        """How a forward of `n_new` tokens runs: the sizes of consecutive forwards (one by default)."""
+        return [n_new]
+
     def commit(self, new: list[tuple[np.ndarray, np.ndarray]], n_new: int) -> None:
         """After a forward of `n_new` tokens: keep them; `new` holds each layer's (K, V) output rows."""
         self._n += n_new
@@ -149,6 +172,29 @@ def dynamic_inputs(token_ids: Sequence[int], n_past: int, n_logits: int, rows: i
             "attention_mask": np.ones((1, n_past + S), dtype=np.int64),
             # a padded forward's head takes two rows where one is asked: its one-row kernel rounds apart too
             "logits_index": np.arange(rows - n_logits, rows + (S > rows and n_logits == 1), dtype=np.int64)}
+
+
+def window_pieces(n_past: int, n_new: int, window: KVWindow) -> list[int]:
+    """The sizes of the consecutive forwards that append `n_new` tokens after `n_past` so that
+    every row binds the window start its position would decoded alone (KVWindow.start): a cut
+    wherever the start moves.
+
+    OpenVINO's CPU MatMul sums probabilities @ V in an order that follows the number of key
+    columns once a window holds more keys than one of its blocks (removing some whole numbers of
+    aligned masked leading columns moves bits, others do not, and it changes with the row count),
+    so no alignment alone makes a row whose forward starts its window an aligned block earlier
+    round like the same position decoded alone. With the cut, a verify's rows and their decodes
+    bind the same start, and their key counts differ only by the trailing padding, as over the
+    whole cache. The alignment keeps the cuts rare: a verify straddles a move once in `align`
+    positions."""
+    sizes, pos, end = [], n_past, n_past + n_new
+    while pos < end:
+        # the next position whose window starts one aligned block later
+        step = (max(0, pos - window.size + 1) // window.align + 1) * window.align + window.size - 1
+        nxt = min(end, step)
+        sizes.append(nxt - pos)
+        pos = nxt
+    return sizes
 
 
 class _Buffers(KVHolder):
@@ -193,6 +239,8 @@ class DynamicBufferKV(_Buffers):
     def prepare(cls, model, layout: KVLayout, plan: KVPlan) -> None:
         # only a buffer can leave padded keys out of the cache (OpenVINO's state would keep them)
         pad_keys(model)
+        if plan.window is not None:  # after pad_keys: the sliding masks are cut from the padded ones
+            window_keys(model, plan.window.layers)
         pad_queries(model)
 
     def _first_size(self) -> int:
@@ -210,6 +258,21 @@ class DynamicBufferKV(_Buffers):
         room = plan.capacity + 2
         self._ids, self._pos = np.zeros((1, room), dtype=np.int64), np.zeros((1, room), dtype=np.int64)
         self._mask, self._index = np.ones((1, room), dtype=np.int64), np.zeros(room, dtype=np.int64)
+        # per sliding layer: (start, K buffer, K view, V view), views of its buffers from an aligned
+        # start, kept while the start and the buffers stay (the runtime then only reshapes their Tensors)
+        self._views: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def pieces(self, n_new: int) -> list[int]:
+        if self.plan.window is None:
+            return [n_new]
+        return window_pieces(self._n, n_new, self.plan.window)
+
+    def _window_views(self, j: int, start: int) -> tuple[np.ndarray, np.ndarray]:
+        k, v = self._buf[2 * j], self._buf[2 * j + 1]
+        held = self._views.get(j)
+        if held is None or held[0] != start or held[1] is not k:
+            held = self._views[j] = (start, k, k[:, :, start:], v[:, :, start:])
+        return held[2], held[3]
 
     def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, Feed]:
         S, n = len(token_ids), self._n
@@ -227,15 +290,24 @@ class DynamicBufferKV(_Buffers):
         feed: dict[str, Feed] = {"input_ids": (self._ids, (1, fed)), "position_ids": (self._pos, (1, fed)),
                                  "attention_mask": (self._mask, (1, n + fed)),
                                  "logits_index": (self._index, (len(index),))}
-        shape = self.layout.shape(n)
+        window = self.plan.window
+        start = window.start(n) if window is not None else 0
         for j in range(self.layout.n_layers):
             k, v = self._buf[2 * j], self._buf[2 * j + 1]
-            if self.layout.kv_heads == 1:  # the prefix is the buffer's first n rows: fed in place
+            first = start if window is not None and j in window.layers else 0
+            if self.layout.kv_heads == 1:  # the rows are contiguous in the buffer: fed in place
+                if first:
+                    k, v = self._window_views(j, first)
+                shape = self.layout.shape(n - first)
                 feed[f"past_key_{j}"], feed[f"past_value_{j}"] = (k, shape), (v, shape)
-            else:  # one prefix per head: copied together
-                feed[f"past_key_{j}"] = np.ascontiguousarray(k[:, :, :n])
-                feed[f"past_value_{j}"] = np.ascontiguousarray(v[:, :, :n])
+            else:  # one run of rows per head: copied together
+                feed[f"past_key_{j}"] = np.ascontiguousarray(k[:, :, first:n])
+                feed[f"past_value_{j}"] = np.ascontiguousarray(v[:, :, first:n])
         return feed
+
+    def close(self) -> None:
+        self._views = {}
+        super().close()
 
 
 class StaticKV(_Buffers):
@@ -279,11 +351,12 @@ KV_KINDS: dict[str, type[KVHolder]] = {"buffer": DynamicBufferKV}
 
 def plan_kv(device: str, precision: str, *, static: bool = False, kv: str | None = None,
             width: int | None = None, capacity: int | None = None, pad_rows: bool = False,
-            wide: bool = False) -> KVPlan:
+            wide: bool = False, window: KVWindow | None = None) -> KVPlan:
     """The holder and its settings for a model compiled for `device` in `precision`: static shapes
     where asked or on an NPU (which compiles nothing else); `kv` a name in KV_KINDS; pad_rows and
     wide only where the holder has dynamic shapes (and wide on the CPU, whose plugin re-prepares its
-    graph per width)."""
+    graph per width). `window` (the IR's record, window_of) only for the dynamic buffer: static
+    shapes bind one fixed size for every layer, and OpenVINO's state keeps the whole past."""
     static = static or device.startswith("NPU")
     kind = KV_KINDS.get(kv or "buffer") if isinstance(kv, str) or kv is None else None
     if static and kind is DynamicBufferKV:
@@ -294,4 +367,5 @@ def plan_kv(device: str, precision: str, *, static: bool = False, kv: str | None
     quantize = kind.quantize if kind.quantize is not None else kind.padded or precision != "f32"
     return KVPlan(kind, capacity or (DEFAULT_STATIC_CAPACITY if static else DEFAULT_KV_CAPACITY),
                   max(int(width or 1), 1) if static else None, pad_rows and kind.dynamic,
-                  wide and kind.dynamic and device.startswith("CPU"), quantize)
+                  wide and kind.dynamic and device.startswith("CPU"), quantize,
+                  window if issubclass(kind, DynamicBufferKV) else None)

@@ -12,6 +12,11 @@ forwards (draft tokens, plain steps) with wider ones (verifies), so it would pay
 step. With `wide`, the IR is compiled a second time and forwards of more than one token run there:
 each compiled model mostly sees one width. The price is a second copy of the repacked weights
 (`memory_bytes()["weights"]` counts it).
+
+Sliding-window layers (an IR with the exporter's window record, kv.window_of): the dynamic buffer
+binds their pasts from an aligned start, and a forward whose rows would start their windows in two
+places runs as consecutive forwards cut where the start moves (kv.window_pieces), so each row rounds
+as its position decoded alone (docs/long-context.md).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from ...errors import BackendError
 from ..base import Capabilities, Runtime
 from .compile_cache import compile_cache_dir
 from .graph import HIDDEN, cut_head, repacked_bytes
-from .kv import DEFAULT_KV_CAPACITY, DEFAULT_STATIC_CAPACITY, KV_KINDS, KVLayout, KVPlan, plan_kv
+from .kv import DEFAULT_KV_CAPACITY, DEFAULT_STATIC_CAPACITY, KV_KINDS, KVLayout, KVPlan, plan_kv, window_of
 
 __all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "KV_KINDS",
            "OUTPUTS", "PRECISIONS", "check_device", "compile_model", "import_ov",
@@ -188,7 +193,7 @@ class OpenVinoRuntime(Runtime):
         if device.startswith("NPU") and not static:
             logger.info("NPU compiles static shapes only: using the static-shape mode")
         plan = plan_kv(device, self.precision, static=static, kv=kv, width=width, capacity=kv_capacity,
-                       pad_rows=pad_rows, wide=wide)
+                       pad_rows=pad_rows, wide=wide, window=window_of(model))
         plan.kind.prepare(model, layout, plan)
         if output == HIDDEN:
             cut_head(model)
@@ -217,7 +222,8 @@ class OpenVinoRuntime(Runtime):
             free_batch_tokens=plan.width or 1, devices=(device,),
             batch_variance=batch_variance(device, self.precision, plan),
             extra={"precision": self.precision, "kv_capacity": plan.capacity, "kv": plan.kind.name,
-                   "dynamic_quantization": plan.quantize, "wide": plan.wide, "pad_rows": plan.pad_rows})
+                   "dynamic_quantization": plan.quantize, "wide": plan.wide, "pad_rows": plan.pad_rows,
+                   "window": plan.window.size if plan.window else None})
 
     @property
     def n_past(self) -> int:
@@ -226,8 +232,35 @@ class OpenVinoRuntime(Runtime):
     def forward(self, token_ids: Sequence[int], n_logits: int = 1) -> np.ndarray:
         if not token_ids:
             raise ValueError("forward needs at least one token")
-        S, n = len(token_ids), self.kv.n_past
+        S = len(token_ids)
         n_logits = min(max(n_logits, 1), S)
+        pieces = self.kv.pieces(S)
+        if len(pieces) > 1:
+            return self._forward_pieces(token_ids, n_logits, pieces)
+        return self._forward(token_ids, n_logits)
+
+    def _forward_pieces(self, token_ids: Sequence[int], n_logits: int, pieces: list[int]) -> np.ndarray:
+        """One forward run as consecutive forwards of `pieces` tokens (the holder's cut: each
+        piece's rows bind the same window start as each of those positions decoded alone); the
+        logits of the last `n_logits` rows, copied out of each piece's."""
+        n, S = self.kv.n_past, len(token_ids)
+        self.kv.reserve(n + S)  # past the capacity: ContextFullError before any piece runs
+        out, start = [], 0
+        try:
+            for size in pieces:
+                end = start + size
+                want = min(size, n_logits - (S - end))  # this piece's rows among the last n_logits
+                rows = self._forward(token_ids[start:end], max(want, 1))
+                if want > 0:
+                    out.append(rows[-want:].copy())
+                start = end
+        except BaseException:
+            self.kv.trim(n)  # as before the call: the earlier pieces' rows are let go
+            raise
+        return np.concatenate(out)
+
+    def _forward(self, token_ids: Sequence[int], n_logits: int) -> np.ndarray:
+        S, n = len(token_ids), self.kv.n_past
         feed = self.kv.feed(token_ids, n_logits)  # past the capacity: ContextFullError, nothing run
         wide = S > 1 and self._wide_req is not None
         req, bound = (self._wide_req, self._wide_bound) if wide else (self._req, self._bound)
