@@ -236,3 +236,143 @@ def test_static_shapes_keep_every_past_whole(irs):
         b = [dyn.forward(ids[i:i + 4], n_logits=4).copy() for i in range(0, 40, 4)]
     for x, y in zip(a, b):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+# a sliding layer's buffer rows with the tiny model's window (KVWindow.rows): rollback, window, align, forward
+ROWS = 64 + WINDOW + ALIGN + 256
+ROW_BYTES = 256 * 4  # one KV head of 256 floats a position
+
+
+def _drive_moves(rt, ids: list[int], end: int) -> list[np.ndarray]:
+    """A prefill wider than WINDOW_FORWARD, then 5-row verifies, rollbacks of 3, decodes and
+    20-token chunks up to `end` positions: the window-sized buffers' live rows move several times."""
+    out = [rt.forward(ids[:300], n_logits=3).copy()]
+    for start in range(300, end - 30, 23):
+        out.append(rt.forward(ids[start:start + 5], n_logits=5).copy())
+        rt.trim(start + 2)
+        out.append(rt.forward([ids[start + 2]]).copy())
+        out.append(rt.forward(ids[start + 3:start + 23], n_logits=2).copy())
+    return out
+
+
+def test_the_plan_sizes_sliding_buffers_by_the_window_where_that_is_smaller():
+    from edgespec.runtimes.openvino.kv import cut_every, plan_kv
+
+    win = KVWindow(WINDOW, ALIGN, frozenset({0, 1}))
+    plan = plan_kv("CPU", "f32", capacity=4096, window=win)
+    assert plan.sliding_rows == ROWS and plan.sliding_kv(3) == (2 / 3, ROWS)
+    assert plan_kv("CPU", "f32", capacity=4096, window=win, pad_rows=True).sliding_rows == ROWS + 1
+    small = plan_kv("CPU", "f32", capacity=ROWS, window=win)  # whole buffers are no larger
+    assert small.sliding_rows is None and small.sliding_kv(3) == (0.0, 0)
+    assert plan_kv("CPU", "f32", capacity=4096).sliding_rows is None  # no window record
+    static = plan_kv("CPU", "f32", static=True, capacity=4096, window=win)
+    assert static.window is None and static.sliding_rows is None
+    assert cut_every(250, [10, 300], 256) == [6, 4, 252, 48]
+    assert cut_every(0, [767, 256, 77], 256) == [256, 256, 255, 1, 255, 1, 76]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_window_sized_buffers_compute_the_whole_buffers_logits_bit_for_bit(irs, threads, monkeypatch):
+    ids = _ids(1800, seed=10 + threads)
+    with OpenVinoRuntime(irs[True], kv_capacity=2048, threads=threads) as rt:
+        assert rt.kv.plan.sliding_rows == ROWS and rt.kv_sliding == (2 / 3, ROWS)
+        small = _drive_moves(rt, ids, 1800)
+        assert [b.shape[2] for b in rt.kv._buf] == [ROWS] * 4 + [2048] * 2
+        assert rt.kv._base >= 1024  # the live rows moved to the front several times
+    monkeypatch.setattr(KVWindow, "rows", lambda self, pad: 10**6)  # whole buffers for every layer
+    with OpenVinoRuntime(irs[True], kv_capacity=2048, threads=threads) as whole:
+        assert whole.kv.plan.sliding_rows is None and whole.kv_sliding == (0.0, 0)
+        ref = _drive_moves(whole, ids, 1800)
+        assert [b.shape[2] for b in whole.kv._buf] == [2048] * 6
+    assert len(small) == len(ref) == 1 + 3 * len(range(300, 1770, 23))
+    bad = [i for i, (a, b) in enumerate(zip(small, ref)) if not np.array_equal(a, b)]
+    assert not bad, bad
+
+
+def test_window_sized_buffers_verify_like_decodes_after_moves(irs):
+    ids = _ids(1800, seed=12)
+    with OpenVinoRuntime(irs[True], kv_capacity=2048, threads=2, pad_rows=True) as rt:
+        assert rt.kv.plan.sliding_rows == ROWS + 1
+        # past the live rows' first moves, below 1024 keys on the full layer (where verifies round apart)
+        edges = (3 * ALIGN + WINDOW - 4, 3 * ALIGN + WINDOW - 2, 1000)
+        bad = [b for p in edges for b in _verify_matches_decodes(rt, ids, p, WIDTHS)]
+        assert rt.kv._base > 0
+    assert not bad, bad
+
+
+def test_a_rollback_across_a_move_of_the_live_rows_restores_exactly(irs):
+    """A 9-token draft whose verify moves the window-sized buffers' live rows to the front,
+    rejected after 2: the decodes that follow equal a run that verified only those 2 (and moved
+    later), bit for bit."""
+    ids, draft = _ids(1200, seed=13), _ids(9, seed=14)
+    runs, bases = [], []
+    for rejected in (True, False):
+        with OpenVinoRuntime(irs[True], kv_capacity=2048, threads=2) as rt:
+            rt.forward(ids[:256], n_logits=1)
+            P = 256
+            while P + 9 <= rt.kv._base + ROWS:  # decode up to where a 9-row forward passes the end
+                rt.forward([ids[P]])
+                P += 1
+            before = rt.kv._base
+            if rejected:
+                rt.forward(draft, n_logits=9)
+                rt.trim(P + 2)
+            else:
+                rt.forward(draft[:2], n_logits=2)
+            assert rt.n_past == P + 2
+            bases.append((before, rt.kv._base))
+            runs.append([rt.forward([t]).copy() for t in ids[P:P + 12]])
+    assert bases[0][1] > bases[0][0] and bases[1][1] == bases[1][0], bases  # only the rejected draft moved
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_trim_past_the_window_sized_buffers_is_fed_again_and_gives_a_fresh_runs_logits(irs, monkeypatch):
+    """TrackedCache learns from n_past that the runtime kept nothing and feeds the prefix again;
+    the fresh run holds whole buffers."""
+    from edgespec.decoding.cache import TrackedCache
+
+    ids = _ids(1000, seed=15)
+    with monkeypatch.context() as m:
+        m.setattr(KVWindow, "rows", lambda self, pad: 10**6)
+        fresh = OpenVinoRuntime(irs[True], kv_capacity=2048, threads=1)
+    with OpenVinoRuntime(irs[True], kv_capacity=2048, threads=1) as rt, fresh:
+        assert rt.kv.plan.sliding_rows == ROWS and fresh.kv.plan.sliding_rows is None
+        cache = TrackedCache(rt, max_batch=128)
+        cache.feed(ids, n_logits=1)
+        assert rt.kv._base > 0
+        cache.align(ids[:301])  # a later request sharing only the first 300 positions
+        assert rt.n_past == 0 and rt.kv._base == 0 and cache.ids == [] and cache.pending(ids[:301]) == ids[:301]
+        got = np.array(cache.feed(cache.pending(ids[:301]), n_logits=3))
+        want = TrackedCache(fresh, max_batch=128).feed(ids[:301], n_logits=3)
+        assert np.array_equal(got, want) and rt.n_past == 301
+        cache.feed(ids[301:1000], n_logits=1)
+        cache.align(ids[:990])  # a short rollback stays exact without feeding again
+        assert rt.n_past == 989
+        got = np.array(cache.feed(cache.pending(ids[:990]), n_logits=1))
+        fresh.reset()
+        want = TrackedCache(fresh, max_batch=128).feed(ids[:990], n_logits=1)
+    assert np.array_equal(got, want)
+
+
+def test_a_sliding_layers_memory_stays_window_sized_at_a_long_context(irs):
+    from edgespec.memory.footprint import ModelMemory
+    from edgespec.memory.loading import _windowed, measured_memory
+    from edgespec.runtimes.openvino.kv import sliding_kv_of
+
+    ids = _ids(3000, seed=16)
+    with OpenVinoRuntime(irs[True], kv_capacity=4096, threads=1) as rt:
+        rt.forward(ids, n_logits=1)
+        assert rt.n_past == 3000
+        sizes = [b.nbytes for b in rt.kv._buf]
+        assert sizes[:4] == [ROWS * ROW_BYTES] * 4  # the sliding layers' K and V: R rows each
+        assert sizes[4:] == [3000 * ROW_BYTES] * 2  # the full layer grew to hold the 3000 positions
+        assert rt.memory_bytes()["kv"] == sum(sizes) == (4 * ROWS + 2 * 3000) * ROW_BYTES
+        assert rt.kv_sliding == (2 / 3, ROWS) == sliding_kv_of(irs[True])  # the planner's estimate before loading
+        assert sliding_kv_of(irs[False]) == (0.0, 0)
+        bare = ModelMemory("target", 0, {"float32": rt.kv_bytes_per_token}, 96)
+        assert _windowed(bare, irs[True], "openvino").sliding == (2 / 3, ROWS)
+        mem = measured_memory("target", rt, 0)
+        per = rt.kv_bytes_per_token
+        assert mem.sliding == (2 / 3, ROWS)
+        # the memory model counts what the runtime holds: the full layer per position, the sliding ones R rows
+        assert mem.kv("float32", 3000) == rt.memory_bytes()["kv"] < per * 3000 * 0.55

@@ -200,12 +200,15 @@ class BudgetedLoad:
 
 
 def _windowed(mem: ModelMemory, path, fmt: str) -> ModelMemory:
-    """`mem` with the window-sized KV onnxruntime holds for the graph at `path` (read from its
-    metadata, runtimes/onnxruntime/kv.sliding_kv_of); other formats' holders keep every layer whole."""
-    if fmt != "onnx":
+    """`mem` with the window-sized KV onnxruntime and OpenVINO hold for the model at `path` (read
+    from its metadata, runtimes/onnxruntime/kv.sliding_kv_of, runtimes/openvino/kv.sliding_kv_of);
+    other formats' holders keep every layer whole."""
+    if fmt == "onnx":
+        from ..runtimes.onnxruntime.kv import sliding_kv_of
+    elif fmt == "openvino":
+        from ..runtimes.openvino.kv import sliding_kv_of
+    else:
         return mem
-    from ..runtimes.onnxruntime.kv import sliding_kv_of
-
     return replace(mem, sliding=sliding_kv_of(path))
 
 

@@ -14,7 +14,10 @@ of n tokens is fed (`feed`), what it keeps of the outputs (`commit`, `rows`), ho
   bit for bit like k one-token decodes. `pad_rows` feeds every forward one row more (the exact
   mode where one-row kernels round unlike taller ones). Where the IR records sliding-window layers
   (`window_of`), their pasts are bound from an aligned start (openvino/graph.window_keys): views of
-  the same buffers, so a sliding layer's attention costs the same at every context length.
+  the same buffers, so a sliding layer's attention costs the same at every context length. Their
+  buffers hold a window's worth of rows (`KVPlan.sliding_rows`, as onnxruntime's FixedBufferKV):
+  position p at row p - base, the live rows moved to the front before a forward would pass the
+  end, so their memory stops growing too (docs/long-context.md).
 - `StaticKV` (NPUs need it; runs anywhere): the IR is reshaped to a fixed capacity C and width W;
   every forward feeds W tokens (padded), the whole buffer, and a mask admitting the held positions
   and the real new tokens: rollback is the mask.
@@ -33,12 +36,12 @@ import numpy as np
 
 from ...errors import BackendError, ContextFullError
 from ..heap import lazy_zeros
-from ..window import KVWindow
+from ..window import WINDOW_FORWARD, WINDOW_ROLLBACK, KVWindow
 from .graph import pad_keys, pad_queries, window_keys
 
 __all__ = ["DEFAULT_KV_CAPACITY", "DEFAULT_STATIC_CAPACITY", "DynamicBufferKV", "Feed", "KV_KINDS", "KVHolder",
-           "KVLayout", "KVPlan", "KVWindow", "StaticKV", "dynamic_inputs", "plan_kv", "window_of",
-           "window_pieces"]
+           "KVLayout", "KVPlan", "KVWindow", "StaticKV", "cut_every", "dynamic_inputs", "plan_kv",
+           "sliding_kv_of", "window_of", "window_pieces"]
 
 DEFAULT_STATIC_CAPACITY = 1024  # positions a static-shape model holds unless kv_capacity says otherwise
 # the dynamic mode's limit unless kv_capacity says otherwise, as onnxruntime's and llama.cpp's:
@@ -80,6 +83,13 @@ class KVPlan:
     wide: bool  # forwards of more than one token run on a second compiled copy
     quantize: bool  # the CPU plugin may quantize activations to int8 on the fly
     window: KVWindow | None = None  # sliding layers whose pasts are bound from an aligned start
+    sliding_rows: int | None = None  # rows a sliding layer's buffer holds (None: whole, as every layer)
+
+    def sliding_kv(self, n_layers: int) -> tuple[float, int]:
+        """(share of a position's KV bytes on window-sized buffers, rows those hold): (0.0, 0) for none."""
+        if self.sliding_rows is None or self.window is None:
+            return 0.0, 0
+        return len(self.window.layers) / n_layers, self.sliding_rows
 
 
 def window_of(model) -> KVWindow | None:
@@ -94,6 +104,21 @@ def window_of(model) -> KVWindow | None:
     except ValueError as e:  # a hand-edited or damaged record: say so, in one line
         raise BackendError(f"this OpenVINO IR's sliding window record is not valid ({', '.join(raw)}): "
                            "export the bundle again") from e
+
+
+def sliding_kv_of(path) -> tuple[float, int]:
+    """KVPlan.sliding_kv of the IR at `path` as the dynamic buffer would hold it, read without
+    compiling (the memory planner's estimate before loading): (0.0, 0) for none."""
+    from .runtime import import_ov, ov_reason
+
+    try:
+        model = import_ov().Core().read_model(str(path))
+    except Exception as e:  # OpenVINO raises plain exceptions: one line with the reason
+        raise BackendError(f"cannot read {path}: {ov_reason(e)}") from e
+    window = window_of(model)
+    if window is None:
+        return 0.0, 0
+    return len(window.layers) / KVLayout.of(model).n_layers, window.rows(0)
 
 
 # an input of a forward: an array, or (buffer, shape): a prefix of a buffer kept across forwards
@@ -197,6 +222,20 @@ def window_pieces(n_past: int, n_new: int, window: KVWindow) -> list[int]:
     return sizes
 
 
+def cut_every(n_past: int, sizes: Sequence[int], every: int) -> list[int]:
+    """`sizes` (consecutive forwards after `n_past`) cut again wherever a piece passes a multiple
+    of `every`: a window-sized buffer takes at most WINDOW_FORWARD rows a forward, and the cuts
+    fall where the decoder's chunked prefill cuts the same ids."""
+    out, pos = [], n_past
+    for size in sizes:
+        end = pos + size
+        while pos < end:
+            nxt = min(end, (pos // every + 1) * every)
+            out.append(nxt - pos)
+            pos = nxt
+    return out
+
+
 class _Buffers(KVHolder):
     """K and V arrays per layer, slot j = position j: stale rows past n_past are never read."""
 
@@ -215,11 +254,15 @@ class _Buffers(KVHolder):
         self._nbytes = sum(b.nbytes for b in buf)  # nbytes() runs with every streamed Response
         return buf
 
+    def _base_of(self, j: int) -> int:
+        """The position row 0 of layer j's buffers holds."""
+        return 0
+
     def commit(self, new: list[tuple[np.ndarray, np.ndarray]], n_new: int) -> None:
-        n = self._n
         for j, (k, v) in enumerate(new):
-            self._buf[2 * j][:, :, n:n + n_new] = k[:, :, :n_new]
-            self._buf[2 * j + 1][:, :, n:n + n_new] = v[:, :, :n_new]
+            at = self._n - self._base_of(j)
+            self._buf[2 * j][:, :, at:at + n_new] = k[:, :, :n_new]
+            self._buf[2 * j + 1][:, :, at:at + n_new] = v[:, :, :n_new]
         super().commit(new, n_new)
 
     def nbytes(self) -> int:
@@ -230,7 +273,8 @@ class _Buffers(KVHolder):
 
 
 class DynamicBufferKV(_Buffers):
-    """Grows by doubling up to the capacity; a forward is fed the held prefix."""
+    """Grows by doubling up to the capacity; a forward is fed the held prefix. With window-sized
+    sliding buffers (plan.sliding_rows), a sliding layer's row r holds position base + r."""
 
     name = "buffer"
     padded = dynamic = True
@@ -243,35 +287,74 @@ class DynamicBufferKV(_Buffers):
             window_keys(model, plan.window.layers)
         pad_queries(model)
 
-    def _first_size(self) -> int:
-        return min(self.plan.capacity, _FIRST_CAPACITY)
-
-    def reserve(self, total: int) -> None:
-        super().reserve(total)
-        size = self._buf[0].shape[2]
-        if total > size:
-            self._buf = self._alloc(min(max(total, 2 * size), self.plan.capacity), self._buf)
-
     def __init__(self, layout: KVLayout, plan: KVPlan, request) -> None:
+        # set before the first allocation, which sizes the sliding layers' buffers by it
+        self._sliding = plan.window.layers if plan.sliding_rows and plan.window is not None else frozenset()
+        self._base = 0  # the position a window-sized buffer's row 0 holds
         super().__init__(layout, plan, request)
         # the token inputs' buffers, kept: a forward writes its prefix (pad_rows: one row more)
         room = plan.capacity + 2
         self._ids, self._pos = np.zeros((1, room), dtype=np.int64), np.zeros((1, room), dtype=np.int64)
         self._mask, self._index = np.ones((1, room), dtype=np.int64), np.zeros(room, dtype=np.int64)
-        # per sliding layer: (start, K buffer, K view, V view), views of its buffers from an aligned
-        # start, kept while the start and the buffers stay (the runtime then only reshapes their Tensors)
+        # per sliding layer: (first row, K buffer, K view, V view), views of its buffers from the row of
+        # the aligned start, kept while those stay (the runtime then only reshapes their Tensors)
         self._views: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _first_size(self) -> int:
+        return min(self.plan.capacity, _FIRST_CAPACITY)
+
+    def _alloc(self, capacity: int, old: list[np.ndarray]) -> list[np.ndarray]:
+        self._size = capacity  # rows of a full layer's buffers
+        if not self._sliding:
+            return super()._alloc(capacity, old)
+        # a window-sized buffer is allocated once and never grows; the full layers' double
+        buf = []
+        for i in range(2 * self.layout.n_layers):
+            if i // 2 in self._sliding:
+                buf.append(old[i] if old else lazy_zeros(self.layout.shape(self.plan.sliding_rows)))
+                continue
+            new = lazy_zeros(self.layout.shape(capacity))
+            if old:
+                new[:, :, :self._n] = old[i][:, :, :self._n]
+            buf.append(new)
+        self._nbytes = sum(b.nbytes for b in buf)
+        return buf
+
+    def _base_of(self, j: int) -> int:
+        return self._base if j in self._sliding else 0
+
+    def reserve(self, total: int) -> None:
+        super().reserve(total)
+        if total > self._size:
+            self._buf = self._alloc(min(max(total, 2 * self._size), self.plan.capacity), self._buf)
 
     def pieces(self, n_new: int) -> list[int]:
         if self.plan.window is None:
             return [n_new]
-        return window_pieces(self._n, n_new, self.plan.window)
+        sizes = window_pieces(self._n, n_new, self.plan.window)
+        return cut_every(self._n, sizes, WINDOW_FORWARD) if self._sliding else sizes
 
-    def _window_views(self, j: int, start: int) -> tuple[np.ndarray, np.ndarray]:
+    def _make_room(self, p: int, s: int) -> None:
+        """Before a forward of `s` rows (padding included) at `p`: where they would pass the end of
+        the window-sized buffers, move the rows from start(p - WINDOW_ROLLBACK) on to the front. The
+        bound past stays one contiguous view, and its columns keep their aligned positions."""
+        if not self._sliding or p + s <= self._base + self.plan.sliding_rows:
+            return
+        if s > WINDOW_FORWARD + self.plan.pad_rows:  # pieces() cuts every forward the runtime runs
+            raise BackendError(f"a forward of {s} rows does not fit a window-sized KV buffer "
+                               f"(at most {WINDOW_FORWARD + self.plan.pad_rows})")
+        keep = self.plan.window.start(max(0, p - WINDOW_ROLLBACK))
+        lo, hi = keep - self._base, p - self._base
+        for i, buf in enumerate(self._buf):
+            if i // 2 in self._sliding:
+                buf[:, :, :hi - lo] = buf[:, :, lo:hi]  # numpy copies overlapping rows as if through a temporary
+        self._base = keep
+
+    def _window_views(self, j: int, first: int) -> tuple[np.ndarray, np.ndarray]:
         k, v = self._buf[2 * j], self._buf[2 * j + 1]
         held = self._views.get(j)
-        if held is None or held[0] != start or held[1] is not k:
-            held = self._views[j] = (start, k, k[:, :, start:], v[:, :, start:])
+        if held is None or held[0] != first or held[1] is not k:
+            held = self._views[j] = (first, k, k[:, :, first:], v[:, :, first:])
         return held[2], held[3]
 
     def feed(self, token_ids: Sequence[int], n_logits: int) -> dict[str, Feed]:
@@ -281,6 +364,7 @@ class DynamicBufferKV(_Buffers):
         # forward multiplies one row: on CPUs whose one-row FullyConnected kernel rounds unlike
         # the taller one (AVX2 with int8/int4 weights), a decode then rounds like a verify's rows
         fed = S + self.plan.pad_rows
+        self._make_room(n, fed)
         self._ids[0, :S] = token_ids
         self._ids[0, S:fed] = token_ids[-1]
         self._pos[0, :fed] = np.arange(n, n + fed)
@@ -294,16 +378,26 @@ class DynamicBufferKV(_Buffers):
         start = window.start(n) if window is not None else 0
         for j in range(self.layout.n_layers):
             k, v = self._buf[2 * j], self._buf[2 * j + 1]
-            first = start if window is not None and j in window.layers else 0
+            base = self._base_of(j)
+            # buffer rows of the bound past: from the aligned start on a sliding layer, else whole
+            first = (start if window is not None and j in window.layers else 0) - base
             if self.layout.kv_heads == 1:  # the rows are contiguous in the buffer: fed in place
                 if first:
                     k, v = self._window_views(j, first)
-                shape = self.layout.shape(n - first)
+                shape = self.layout.shape(n - base - first)
                 feed[f"past_key_{j}"], feed[f"past_value_{j}"] = (k, shape), (v, shape)
             else:  # one run of rows per head: copied together
-                feed[f"past_key_{j}"] = np.ascontiguousarray(k[:, :, first:n])
-                feed[f"past_value_{j}"] = np.ascontiguousarray(v[:, :, first:n])
+                feed[f"past_key_{j}"] = np.ascontiguousarray(k[:, :, first:n - base])
+                feed[f"past_value_{j}"] = np.ascontiguousarray(v[:, :, first:n - base])
         return feed
+
+    def trim(self, n_past: int) -> None:
+        if self._sliding and self.plan.window.start(n_past) < self._base:
+            # the window-sized buffers no longer hold the keys a forward at n_past reads: hold
+            # nothing, and the caller, which sees n_past fall to 0, feeds the prefix again
+            self._n = self._base = 0
+            return
+        super().trim(n_past)
 
     def close(self) -> None:
         self._views = {}
@@ -356,7 +450,8 @@ def plan_kv(device: str, precision: str, *, static: bool = False, kv: str | None
     where asked or on an NPU (which compiles nothing else); `kv` a name in KV_KINDS; pad_rows and
     wide only where the holder has dynamic shapes (and wide on the CPU, whose plugin re-prepares its
     graph per width). `window` (the IR's record, window_of) only for the dynamic buffer: static
-    shapes bind one fixed size for every layer, and OpenVINO's state keeps the whole past."""
+    shapes bind one fixed size for every layer, and OpenVINO's state keeps the whole past; its
+    sliding layers then hold window-sized buffers (KVWindow.rows) where those are smaller."""
     static = static or device.startswith("NPU")
     kind = KV_KINDS.get(kv or "buffer") if isinstance(kv, str) or kv is None else None
     if static and kind is DynamicBufferKV:
@@ -365,7 +460,10 @@ def plan_kv(device: str, precision: str, *, static: bool = False, kv: str | None
         raise BackendError(f"OpenVINO: kv must be one of {', '.join(KV_KINDS)} ('buffer' with static shapes), "
                            f"got {kv!r}")
     quantize = kind.quantize if kind.quantize is not None else kind.padded or precision != "f32"
-    return KVPlan(kind, capacity or (DEFAULT_STATIC_CAPACITY if static else DEFAULT_KV_CAPACITY),
-                  max(int(width or 1), 1) if static else None, pad_rows and kind.dynamic,
-                  wide and kind.dynamic and device.startswith("CPU"), quantize,
-                  window if issubclass(kind, DynamicBufferKV) else None)
+    capacity = capacity or (DEFAULT_STATIC_CAPACITY if static else DEFAULT_KV_CAPACITY)
+    pad_rows = pad_rows and kind.dynamic
+    window = window if issubclass(kind, DynamicBufferKV) else None
+    rows = window.rows(int(pad_rows)) if window is not None else None  # window-sized where smaller
+    return KVPlan(kind, capacity, max(int(width or 1), 1) if static else None, pad_rows,
+                  wide and kind.dynamic and device.startswith("CPU"), quantize, window,
+                  rows if rows is not None and rows < capacity else None)

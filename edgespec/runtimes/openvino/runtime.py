@@ -16,7 +16,10 @@ each compiled model mostly sees one width. The price is a second copy of the rep
 Sliding-window layers (an IR with the exporter's window record, kv.window_of): the dynamic buffer
 binds their pasts from an aligned start, and a forward whose rows would start their windows in two
 places runs as consecutive forwards cut where the start moves (kv.window_pieces), so each row rounds
-as its position decoded alone (docs/long-context.md).
+as its position decoded alone. Their buffers are window-sized where that is smaller than the
+capacity (kv.KVPlan.sliding_rows): forwards are cut at multiples of WINDOW_FORWARD as well, and a
+trim further back than those buffers hold leaves n_past at 0, so the caller feeds the prefix again
+(docs/long-context.md).
 """
 from __future__ import annotations
 
@@ -217,6 +220,9 @@ class OpenVinoRuntime(Runtime):
                      ] if plan.kind.new_rows else []
         self.output, self.device = output, device
         self.kv_bytes_per_token, self.kv_capacity = layout.bytes_per_token, plan.capacity
+        # (share of kv_bytes_per_token on window-sized buffers, rows they hold): the memory planner's
+        # footprint counts those layers' KV once, not per position
+        self.kv_sliding = plan.sliding_kv(layout.n_layers)
         self.capabilities = Capabilities(
             backend="openvino", can_trim=True, static_shapes=plan.kind.static, max_batch_tokens=plan.width,
             free_batch_tokens=plan.width or 1, devices=(device,),
