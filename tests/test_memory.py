@@ -253,6 +253,22 @@ def test_an_engine_without_max_context_holds_the_trained_context(zoo):
         assert engine.context_limit == engine.target.kv_capacity == 64  # --max-context still caps it
 
 
+def test_openvino_holds_the_trained_context_but_static_shapes_keep_their_own(zoo):
+    """OpenVINO's dynamic buffer commits memory as it fills: the trained context by default, as on
+    onnxruntime; static shapes hold their whole capacity from the start and keep their default."""
+    pytest.importorskip("openvino")
+    from edgespec.bundle import load_bundle
+    from edgespec.memory.planner import MAX_CONTEXT
+    from edgespec.runtimes.openvino.kv import DEFAULT_STATIC_CAPACITY
+
+    bundle = zoo.bundle("llama", None, formats=("openvino",))
+    trained = load_bundle(bundle).manifest.target.context_length
+    with load(bundle, backend="openvino", use_draft=False, drafter="none") as engine:
+        assert engine.context_limit == engine.target.kv_capacity == min(trained, MAX_CONTEXT)
+    with load(bundle, backend="openvino", use_draft=False, drafter="none", static=True) as engine:
+        assert engine.target.kv_capacity == DEFAULT_STATIC_CAPACITY != min(trained, MAX_CONTEXT)
+
+
 def test_measured_memory_takes_the_runtimes_window_sized_kv():
     from types import SimpleNamespace
 

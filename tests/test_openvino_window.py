@@ -357,7 +357,7 @@ def test_a_trim_past_the_window_sized_buffers_is_fed_again_and_gives_a_fresh_run
 def test_a_sliding_layers_memory_stays_window_sized_at_a_long_context(irs):
     from edgespec.memory.footprint import ModelMemory
     from edgespec.memory.loading import _windowed, measured_memory
-    from edgespec.runtimes.openvino.kv import sliding_kv_of
+    from edgespec.runtimes.openvino.runtime import sliding_kv_of
 
     ids = _ids(3000, seed=16)
     with OpenVinoRuntime(irs[True], kv_capacity=4096, threads=1) as rt:

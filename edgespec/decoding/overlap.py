@@ -155,9 +155,7 @@ class OverlappedDecoder(SpeculativeDecoder):
         n_new = 0
         ahead = Draft([])  # drafted during the previous verify, continuing the committed sequence
         try:
-            self._target.align(tokens, new_request=self.independent_requests)
-            self._rollback(tokens)
-            self._target.feed(self._target.pending(tokens)[:-1], n_logits=1)
+            self._prefill(tokens)
             while n_new < max_new_tokens:
                 budget = max_new_tokens - n_new
                 t0 = self.clock()

@@ -178,11 +178,7 @@ class SpeculativeDecoder:
         policy = self.policy_for(params)
         n_new = 0
         try:
-            # 0. prefill: keep the target's common prefix with `tokens`, feed all but the last token
-            #    (a model drafter catches up by itself the next time it drafts)
-            self._target.align(tokens, new_request=self.independent_requests)
-            self._rollback(tokens)
-            self._target.feed(self._target.pending(tokens)[:-1], n_logits=1)
+            self._prefill(tokens)
             while n_new < max_new_tokens:
                 budget = max_new_tokens - n_new
                 # 1. draft
@@ -212,6 +208,13 @@ class SpeculativeDecoder:
         finally:
             # a consumer that stops the stream, or a failed forward, must leave no uncommitted tokens cached
             self._rollback(tokens)
+
+    def _prefill(self, tokens: list[int]) -> None:
+        """Phase 0: keep the target's common prefix with `tokens`, feed all but the last token (a
+        model drafter catches up by itself the next time it drafts)."""
+        self._target.align(tokens, new_request=self.independent_requests)
+        self._rollback(tokens)
+        self._target.feed(self._target.pending(tokens)[:-1], n_logits=1)
 
     def policy_for(self, params: SamplingParams) -> DraftPolicy:
         """The draft-length policy that learns under `params`' sampling regime (sampling_regime):

@@ -177,7 +177,9 @@ def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tun
                           f"(it has: {', '.join(sorted(m.target.formats))})")
     wants_draft = drafter is not None and DRAFTERS[drafter].needs_model
     budgeted = c.memory_budget is not None
-    ctx = c.max_context if c.max_context is not None or budgeted or c.static else _default_context(m, backend)
+    # static shapes (asked for, or an NPU's) hold their whole capacity from the start: their own default
+    fixed = c.static or (c.device or "").upper().startswith("NPU")
+    ctx = c.max_context if c.max_context is not None or budgeted or fixed else _default_context(m, backend)
     common = {"threads": c.threads, "device": c.device,
               **({"kv_capacity": ctx} if ctx is not None and not budgeted else {})}
     shared, reason = False, "no draft model"  # the draft's body is decided here, and only here

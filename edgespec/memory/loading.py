@@ -206,7 +206,7 @@ def _windowed(mem: ModelMemory, path, fmt: str) -> ModelMemory:
     if fmt == "onnx":
         from ..runtimes.onnxruntime.kv import sliding_kv_of
     elif fmt == "openvino":
-        from ..runtimes.openvino.kv import sliding_kv_of
+        from ..runtimes.openvino.runtime import sliding_kv_of
     else:
         return mem
     return replace(mem, sliding=sliding_kv_of(path))

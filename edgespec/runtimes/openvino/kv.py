@@ -41,7 +41,7 @@ from .graph import pad_keys, pad_queries, window_keys
 
 __all__ = ["DEFAULT_KV_CAPACITY", "DEFAULT_STATIC_CAPACITY", "DynamicBufferKV", "Feed", "KV_KINDS", "KVHolder",
            "KVLayout", "KVPlan", "KVWindow", "StaticKV", "cut_every", "dynamic_inputs", "plan_kv",
-           "sliding_kv_of", "window_of", "window_pieces"]
+           "window_of", "window_pieces"]
 
 DEFAULT_STATIC_CAPACITY = 1024  # positions a static-shape model holds unless kv_capacity says otherwise
 # the dynamic mode's limit unless kv_capacity says otherwise, as onnxruntime's and llama.cpp's:
@@ -104,21 +104,6 @@ def window_of(model) -> KVWindow | None:
     except ValueError as e:  # a hand-edited or damaged record: say so, in one line
         raise BackendError(f"this OpenVINO IR's sliding window record is not valid ({', '.join(raw)}): "
                            "export the bundle again") from e
-
-
-def sliding_kv_of(path) -> tuple[float, int]:
-    """KVPlan.sliding_kv of the IR at `path` as the dynamic buffer would hold it, read without
-    compiling (the memory planner's estimate before loading): (0.0, 0) for none."""
-    from .runtime import import_ov, ov_reason
-
-    try:
-        model = import_ov().Core().read_model(str(path))
-    except Exception as e:  # OpenVINO raises plain exceptions: one line with the reason
-        raise BackendError(f"cannot read {path}: {ov_reason(e)}") from e
-    window = window_of(model)
-    if window is None:
-        return 0.0, 0
-    return len(window.layers) / KVLayout.of(model).n_layers, window.rows(0)
 
 
 # an input of a forward: an array, or (buffer, shape): a prefix of a buffer kept across forwards

@@ -39,7 +39,7 @@ from .kv import DEFAULT_KV_CAPACITY, DEFAULT_STATIC_CAPACITY, KV_KINDS, KVLayout
 
 __all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "KV_KINDS",
            "OUTPUTS", "PRECISIONS", "check_device", "compile_model", "import_ov",
-           "model_precision", "ov_reason", "read_ir", "DEFAULT_KV_CAPACITY"]
+           "model_precision", "ov_reason", "read_ir", "sliding_kv_of", "DEFAULT_KV_CAPACITY"]
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,19 @@ def ov_reason(e: Exception) -> str:
     lines = [ln for ln in lines if ln and not (ln.startswith("Exception from ") and ln.endswith(":"))]
     text = " ".join(lines) or type(e).__name__
     return text if len(text) <= 400 else text[:397] + "..."
+
+
+def sliding_kv_of(path) -> tuple[float, int]:
+    """KVPlan.sliding_kv of the IR at `path` as the dynamic buffer would hold it, read without
+    compiling (the memory planner's estimate before loading): (0.0, 0) for none."""
+    try:
+        model = import_ov().Core().read_model(str(path))
+    except Exception as e:  # OpenVINO raises plain exceptions: one line with the reason
+        raise BackendError(f"cannot read {path}: {ov_reason(e)}") from e
+    window = window_of(model)
+    if window is None:
+        return 0.0, 0
+    return len(window.layers) / KVLayout.of(model).n_layers, window.rows(0)
 
 
 def read_ir(path: Path, device: str | None):
@@ -175,6 +188,11 @@ class OpenVinoRuntime(Runtime):
 
     Forwards return logits, or with output="hidden" the final hidden rows the head would read:
     the IR's body alone, whose head runs apart (openvino/split.py)."""
+
+    # the dynamic buffer commits memory as it fills (full-attention layers grow by doubling,
+    # sliding layers hold their window), so an engine may give it the model's trained context by
+    # default (engine/assembly.py); static shapes, fixed at their capacity, never get it
+    lazy_kv = True
 
     def __init__(self, model_path: str | os.PathLike, *, threads: int | None = None, device: str | None = None,
                  kv_capacity: int | None = None, static: bool = False, width: int | None = None,
