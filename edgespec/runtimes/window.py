@@ -50,3 +50,14 @@ class KVWindow:
         """Rows a sliding layer's buffer holds: after a move before a forward at P, the rows from
         start(P - WINDOW_ROLLBACK) (at most rollback + size + align - 2 of them) and the forward's."""
         return WINDOW_ROLLBACK + self.size + self.align + WINDOW_FORWARD + pad
+
+    def moved_base(self, base: int, rows: int, p: int, s: int) -> int | None:
+        """Before a forward of `s` rows at position `p` into window-sized buffers of `rows` rows
+        whose row 0 holds position `base`: the position the live rows move to row 0 from,
+        start(p - WINDOW_ROLLBACK), where the forward would pass the end; None where it fits."""
+        return None if p + s <= base + rows else self.start(max(0, p - WINDOW_ROLLBACK))
+
+    def holds(self, n_past: int, base: int) -> bool:
+        """Whether buffers whose row 0 holds position `base` still hold every key a forward at
+        `n_past` reads (a trim back to n_past is exact); if not, they must be filled again."""
+        return self.start(n_past) >= base

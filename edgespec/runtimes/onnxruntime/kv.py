@@ -281,9 +281,9 @@ class FixedBufferKV(KVHolder):
         """Before a forward of `s` rows (padding included) at `p`: where they would pass the end of
         the sliding buffers, move the rows from start(p - WINDOW_ROLLBACK) on to the front. The
         bound past stays one contiguous view, and its columns keep their aligned positions."""
-        if p + s <= self._base + self.plan.sliding_rows:
+        keep = self.plan.window.moved_base(self._base, self.plan.sliding_rows, p, s)
+        if keep is None:
             return
-        keep = self.plan.window.start(max(0, p - WINDOW_ROLLBACK))
         lo, hi = keep - self._base, p - self._base
         for buf, (_, _, _, sliding) in zip(self._kv, self._slots):
             if sliding:
@@ -352,7 +352,7 @@ class FixedBufferKV(KVHolder):
         self._n = start + idx.size
 
     def _keep(self, n_past: int) -> None:
-        if self.plan.sliding_rows and self.plan.window.start(n_past) < self._base:
+        if self.plan.sliding_rows and not self.plan.window.holds(n_past, self._base):
             # the sliding buffers no longer hold the keys a forward at n_past reads: hold nothing,
             # and the caller, which sees n_past fall to 0, feeds the prefix again
             self.reset()

@@ -36,7 +36,7 @@ import numpy as np
 
 from ...errors import BackendError, ContextFullError
 from ..heap import lazy_zeros
-from ..window import WINDOW_FORWARD, WINDOW_ROLLBACK, KVWindow
+from ..window import WINDOW_FORWARD, KVWindow
 from .graph import pad_keys, pad_queries, window_keys
 
 __all__ = ["DEFAULT_KV_CAPACITY", "DEFAULT_STATIC_CAPACITY", "DynamicBufferKV", "Feed", "KV_KINDS", "KVHolder",
@@ -323,12 +323,12 @@ class DynamicBufferKV(_Buffers):
         """Before a forward of `s` rows (padding included) at `p`: where they would pass the end of
         the window-sized buffers, move the rows from start(p - WINDOW_ROLLBACK) on to the front. The
         bound past stays one contiguous view, and its columns keep their aligned positions."""
-        if not self._sliding or p + s <= self._base + self.plan.sliding_rows:
+        keep = self.plan.window.moved_base(self._base, self.plan.sliding_rows, p, s) if self._sliding else None
+        if keep is None:
             return
         if s > WINDOW_FORWARD + self.plan.pad_rows:  # pieces() cuts every forward the runtime runs
             raise BackendError(f"a forward of {s} rows does not fit a window-sized KV buffer "
                                f"(at most {WINDOW_FORWARD + self.plan.pad_rows})")
-        keep = self.plan.window.start(max(0, p - WINDOW_ROLLBACK))
         lo, hi = keep - self._base, p - self._base
         for i, buf in enumerate(self._buf):
             if i // 2 in self._sliding:
@@ -377,7 +377,7 @@ class DynamicBufferKV(_Buffers):
         return feed
 
     def trim(self, n_past: int) -> None:
-        if self._sliding and self.plan.window.start(n_past) < self._base:
+        if self._sliding and not self.plan.window.holds(n_past, self._base):
             # the window-sized buffers no longer hold the keys a forward at n_past reads: hold
             # nothing, and the caller, which sees n_past fall to 0, feeds the prefix again
             self._n = self._base = 0
