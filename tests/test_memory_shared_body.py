@@ -12,6 +12,7 @@ import pytest
 from edgespec.bundle import load_bundle
 from edgespec.memory import ModelMemory, candidate_bytes, describe_plan, lower_bounds, plan_memory
 from edgespec.memory.loading import BudgetedLoad, EngineBudget
+from edgespec.memory.measure import rss_bytes
 from edgespec.memory.planner import PLAN_HEADROOM
 from tests.zoo import DISAGREEING
 
@@ -72,8 +73,10 @@ def test_engine_budget_opens_measures_and_plans_the_pair(bundle):
     from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     b = load_bundle(bundle)
-    own = EngineBudget(2**30, b, "onnx", "onnx", OnnxRuntime.kv_dtypes, 4, 8, True)
-    eb = EngineBudget(2**30, b, "onnx", "onnx", OnnxRuntime.kv_dtypes, 4, 8, True, shared_body=True)
+    # a budget counts the whole process, and a test process holds what earlier tests loaded
+    budget = rss_bytes() + 2**30
+    own = EngineBudget(budget, b, "onnx", "onnx", OnnxRuntime.kv_dtypes, 4, 8, True)
+    eb = EngineBudget(budget, b, "onnx", "onnx", OnnxRuntime.kv_dtypes, 4, 8, True, shared_body=True)
     assert eb._d_est.shares_body and eb._d_est.fixed <= own._d_est.fixed
     assert eb.load_draft
     target, draft = eb.open_pair(functools.partial(open_pair, bundle))
