@@ -184,18 +184,18 @@ def test_sampled_overlapped_follows_the_target(kind):
 
 class Sleepy(ToyRuntime):
     """A toy runtime whose forwards sleep (releasing the GIL, as a backend's forward does) and
-    record (thread, start, end)."""
+    record (thread, start, end); the thread object itself, as an ident may be reused."""
 
     def __init__(self, *args, delay: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.delay = delay
-        self.spans: list[tuple[int, float, float]] = []
+        self.spans: list[tuple[threading.Thread, float, float]] = []
 
     def forward(self, token_ids, n_logits=1):
         t0 = time.perf_counter()
         time.sleep(self.delay)
         out = super().forward(token_ids, n_logits)
-        self.spans.append((threading.get_ident(), t0, time.perf_counter()))
+        self.spans.append((threading.current_thread(), t0, time.perf_counter()))
         return out
 
 
@@ -211,11 +211,13 @@ def test_the_draft_runs_while_the_verify_is_in_flight_and_its_drafts_are_used():
     assert dec.overlap.steps_ahead == len(steps) - 1 and dec.overlap.used_ahead == 2 * (len(steps) - 1)
     # ... so its draft phase ran no forward (a median: a busy machine may preempt one step)
     assert statistics.median(s.draft_ms for s in steps[1:]) < 1.0 < steps[0].draft_ms, [s.draft_ms for s in steps]
-    main = threading.get_ident()
-    verifies = [(t, a, b) for t, a, b in target.spans if t != main]
+    main = threading.current_thread()
+    verifies = [(t, a, b) for t, a, b in target.spans if t is not main]
     assert len(verifies) == len(steps)  # every verify ran in the worker, the prefill in the caller
+    assert len({id(t) for t, _, _ in verifies}) == 1  # one worker for the stream, not a thread per verify
+    assert not [t for t in threading.enumerate() if t.name.startswith("edgespec-verify")]  # and it is gone
     during = [(a, b) for t, a, b in draft.spans
-              if t == main and any(a < vb and va < b for _, va, vb in verifies)]
+              if t is main and any(a < vb and va < b for _, va, vb in verifies)]
     assert len(during) >= 2 * (len(steps) - 1)  # draft forwards that ran while a verify was running
 
 

@@ -25,7 +25,7 @@ import importlib.util
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,10 +142,57 @@ def sampler_settings(params: SamplingParams) -> dict:
             "temp": params.temperature}
 
 
-class LlamaCppPeer:
-    """llama-cpp-python's plain decode of one GGUF, timed like an edgespec run."""
+def _timed(prompt_len: int, tokens: Iterator[int], max_tokens: int, stop_ids: Sequence[int], rss) -> RunRecord:
+    """Drain `tokens` (a peer's decode loop, started lazily) to `max_tokens` or a stop id, timed as
+    measure.measure_run times edgespec; the record's config/class/prompt fields are left for the
+    caller. The loop is closed at the last token kept, before it evaluates one more."""
+    if rss is not None:
+        rss.mark()
+    rec = RunRecord(PEER, "", "", 0, prompt_len, [], 0.0, 0.0)
+    out: list[int] = []
+    stops = set(stop_ids)
+    first = None
+    t0 = time.perf_counter()
+    try:
+        for tok in tokens:
+            if first is None:
+                first = time.perf_counter() - t0
+            out.append(int(tok))
+            if len(out) >= max_tokens or tok in stops:
+                break
+    finally:
+        tokens.close()
+    rec.total_s = time.perf_counter() - t0
+    rec.ttft_s = rec.total_s if first is None else first
+    rec.tokens, rec.steps = out, len(out)  # one forward per token
+    if rss is not None:
+        rec.peak_rss = rss.mark()
+    return rec
+
+
+class _Peer:
+    """What both peers share: the vocabulary check against the bundle's target and closing."""
 
     name = PEER
+
+    def _check_vocab(self, n_vocab: int, vocab_size: int | None) -> None:
+        if vocab_size is not None and n_vocab != vocab_size:
+            self.close()
+            raise ConfigError(f"the peer GGUF {self.source.path.name} has {n_vocab} tokens, the bundle's target "
+                              f"{vocab_size}: not the same model (--peer-gguf)")
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class LlamaCppPeer(_Peer):
+    """llama-cpp-python's plain decode of one GGUF, timed like an edgespec run."""
 
     def __init__(self, source: PeerSource, *, threads: int, n_ctx: int = DEFAULT_N_CTX,
                  vocab_size: int | None = None) -> None:
@@ -160,11 +207,7 @@ class LlamaCppPeer:
                                         n_threads_batch=self.threads, n_ctx=self.n_ctx, verbose=False)
         except (ValueError, RuntimeError, OSError) as e:  # llama-cpp-python's "Failed to load model from file"
             raise ConfigError(f"llama.cpp cannot load {source.path.name}: {str(e).splitlines()[0]}") from None
-        n_vocab = self._llm.n_vocab()
-        if vocab_size is not None and n_vocab != vocab_size:
-            self.close()
-            raise ConfigError(f"the peer GGUF {source.path.name} has {n_vocab} tokens, the bundle's target "
-                              f"{vocab_size}: not the same model (--peer-gguf)")
+        self._check_vocab(self._llm.n_vocab(), vocab_size)
 
     def describe(self) -> dict:
         """What the JSON records about the peer (a file name, no local path)."""
@@ -175,46 +218,18 @@ class LlamaCppPeer:
     def decode(self, ids: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (), rss=None,
                params: SamplingParams = SamplingParams()) -> RunRecord:
         """Decode `max_tokens` tokens after `ids` from an empty cache, timed (greedy unless
-        `params` say otherwise); the record's config/class/prompt fields are left for the caller,
-        as measure.measure_run leaves them."""
+        `params` say otherwise)."""
         llm = self._llm
         llm.reset()  # n_tokens = 0: generate() then reuses no cached prefix, every run prefills
         if params.seed is not None:
             llm.set_seed(params.seed)
-        if rss is not None:
-            rss.mark()
-        rec = RunRecord(PEER, "", "", 0, len(ids), [], 0.0, 0.0)
-        out: list[int] = []
-        stops = set(stop_ids)
-        t0 = time.perf_counter()
-        first = None
         gen = llm.generate(list(ids), **sampler_settings(params), repeat_penalty=1.0, reset=True)
-        try:
-            for tok in gen:
-                if first is None:
-                    first = time.perf_counter() - t0
-                out.append(int(tok))
-                if len(out) >= max_tokens or tok in stops:
-                    break  # before generate() evaluates one more token
-        finally:
-            gen.close()
-        rec.total_s = time.perf_counter() - t0
-        rec.ttft_s = rec.total_s if first is None else first
-        rec.tokens, rec.steps = out, len(out)  # one forward per token
-        if rss is not None:
-            rec.peak_rss = rss.mark()
-        return rec
+        return _timed(len(ids), gen, max_tokens, stop_ids, rss)
 
     def close(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None and hasattr(llm, "close"):
             llm.close()
-
-    def __enter__(self) -> LlamaCppPeer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def on_gpu(runtime) -> bool:
@@ -237,10 +252,8 @@ def vulkan_missing_reason() -> str | None:
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.h: a random seed per sampler
 
 
-class VulkanPeer:
+class VulkanPeer(_Peer):
     """The Vulkan build of llama.cpp's plain decode of one GGUF on the GPU, timed like an edgespec run."""
-
-    name = PEER
 
     def __init__(self, source: PeerSource, *, threads: int, n_ctx: int = DEFAULT_N_CTX,
                  vocab_size: int | None = None) -> None:
@@ -253,11 +266,7 @@ class VulkanPeer:
         except BackendError as e:
             raise ConfigError(f"llama.cpp (Vulkan build) cannot run {source.path.name}: {e}") from None
         self._lib = self._rt._lib
-        if vocab_size is not None and self._rt.vocab_size != vocab_size:
-            n = self._rt.vocab_size
-            self.close()
-            raise ConfigError(f"the peer GGUF {source.path.name} has {n} tokens, the bundle's target "
-                              f"{vocab_size}: not the same model (--peer-gguf)")
+        self._check_vocab(self._rt.vocab_size, vocab_size)
 
     def describe(self) -> dict:
         """What the JSON records about the peer: the build and the GPU it decoded on."""
@@ -285,40 +294,23 @@ class VulkanPeer:
     def decode(self, ids: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (), rss=None,
                params: SamplingParams = SamplingParams()) -> RunRecord:
         """As LlamaCppPeer.decode: `max_tokens` tokens after `ids` from an empty cache, timed."""
-        rt = self._rt
-        rt.reset()
+        self._rt.reset()
         sampler = self._sampler(params)
-        if rss is not None:
-            rss.mark()
-        rec = RunRecord(PEER, "", "", 0, len(ids), [], 0.0, 0.0)
-        out: list[int] = []
-        stops = set(stop_ids)
-        t0 = time.perf_counter()
         try:
-            rt.forward(list(ids), n_logits=1)
-            while True:
-                tok = rt.sample(sampler)
-                if not out:
-                    rec.ttft_s = time.perf_counter() - t0
-                out.append(tok)
-                if len(out) >= max_tokens or tok in stops:
-                    break  # before one more forward, as generate() stops
-                rt.forward([tok], n_logits=1)
+            return _timed(len(ids), self._tokens(ids, sampler), max_tokens, stop_ids, rss)
         finally:
             self._lib.llama_sampler_free(sampler)
-        rec.total_s = time.perf_counter() - t0
-        rec.tokens, rec.steps = out, len(out)
-        if rss is not None:
-            rec.peak_rss = rss.mark()
-        return rec
+
+    def _tokens(self, ids: Sequence[int], sampler) -> Iterator[int]:
+        """generate()'s loop: the prompt in one forward, then a forward per sampled token."""
+        rt = self._rt
+        rt.forward(list(ids), n_logits=1)
+        while True:
+            tok = rt.sample(sampler)
+            yield tok
+            rt.forward([tok], n_logits=1)
 
     def close(self) -> None:
         rt, self._rt = getattr(self, "_rt", None), None
         if rt is not None:
             rt.close()
-
-    def __enter__(self) -> VulkanPeer:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -25,8 +25,8 @@ decoder then runs the plain loop and says why once. Tree drafts verify without o
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable, Container, Iterator
+from collections.abc import Container, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,33 +102,6 @@ class _OneMore:
         return getattr(self._policy, name)
 
 
-class _Forward:
-    """`feed(ids, n_logits)` run in a thread of its own; `result` joins it and returns its logits
-    or raises its error on the caller's thread."""
-
-    def __init__(self, feed: Callable[[list[int], int], np.ndarray], ids: list[int], n_logits: int) -> None:
-        self._out: list = []
-        self._error: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, args=(feed, ids, n_logits), name="edgespec-verify",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self, feed, ids, n_logits) -> None:
-        try:
-            self._out.append(feed(ids, n_logits))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread, raised there
-            self._error.append(e)
-
-    def join(self) -> None:
-        self._thread.join()
-
-    def result(self) -> np.ndarray:
-        self._thread.join()
-        if self._error:
-            raise self._error[0]
-        return self._out[0]
-
-
 class OverlappedDecoder(SpeculativeDecoder):
     """SpeculativeDecoder whose draft model drafts the next step while the target verifies
     (module docstring). Built with the same arguments; output is the plain loop's (greedy:
@@ -154,6 +127,8 @@ class OverlappedDecoder(SpeculativeDecoder):
         policy = self.policy_for(params)
         n_new = 0
         ahead = Draft([])  # drafted during the previous verify, continuing the committed sequence
+        # one thread runs the stream's verifies; each is waited for within its step
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgespec-verify")
         try:
             self._prefill(tokens)
             while n_new < max_new_tokens:
@@ -170,7 +145,7 @@ class OverlappedDecoder(SpeculativeDecoder):
                     ahead = Draft([])
                 else:
                     new, n_acc, trials, reused, ahead = self._chain_step(tokens, draft, params, rng, budget,
-                                                                         stop_ids, policy, ratios)
+                                                                         stop_ids, policy, ratios, pool)
                 tokens.extend(new)
                 n_new += len(new)
                 self._target.align(tokens)
@@ -179,23 +154,24 @@ class OverlappedDecoder(SpeculativeDecoder):
                 if new[-1] in stop_ids:
                     return
         finally:
+            pool.shutdown()
             # a consumer that stops the stream, or a failed forward, must leave no uncommitted tokens cached
             self._rollback(tokens)
 
     def _chain_step(self, tokens: list[int], draft: Draft, params: SamplingParams, rng: np.random.Generator,
                     budget: int, stop_ids: Container[int], policy: DraftPolicy,
-                    ratios: list[float]) -> tuple[list[int], int, list, int, Draft]:
-        """Phases 2-4 for a chain, the draft model drafting on while the verify runs. Returns
-        (committed ids, accepted drafts, free trials, reused rows, the next step's drafts)."""
+                    ratios: list[float], pool: ThreadPoolExecutor) -> tuple[list[int], int, list, int, Draft]:
+        """Phases 2-4 for a chain, the draft model drafting on while the verify runs on `pool`'s
+        thread. Returns (committed ids, accepted drafts, free trials, reused rows, the next step's drafts)."""
         pending = self._target.pending(tokens) + draft.tokens
         made = Draft([])
         if draft.tokens:
-            job = _Forward(self._target.feed, pending, len(draft.tokens) + 1)
+            job = pool.submit(self._target.feed, pending, len(draft.tokens) + 1)
             try:
                 made = self._draft_ahead(tokens, draft, budget, params, rng, policy)
             finally:
-                job.join()  # the target's cache is touched again only once its forward is done
-            logits = job.result()
+                wait([job])  # the target's cache is touched again only once its forward is done
+            logits = job.result()  # its error, if it failed, raised on this thread
         else:  # a plain step: nothing drafted, nothing worth drafting on (the policy said so)
             logits = self._target.feed(pending, n_logits=1)
         reused = self.target.reused_rows
