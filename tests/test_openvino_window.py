@@ -15,7 +15,7 @@ from edgespec.errors import BackendError, ContextFullError  # noqa: E402
 from edgespec.exporters.openvino.export import convert_graph, set_window_info, window_info  # noqa: E402
 from edgespec.runtimes.openvino.kv import KVWindow, StaticKV, window_of, window_pieces  # noqa: E402
 from edgespec.runtimes.openvino.runtime import OpenVinoRuntime  # noqa: E402
-from tests.test_window_attention import _gemma3, _ids, _verify_matches_decodes  # noqa: E402
+from tests.test_window_attention import _gemma3, _ids, _rollbacks_against_a_fresh_run, _verify_matches_decodes  # noqa: E402
 
 WINDOW = 200  # as tests/test_window_attention.py: wider than one 64-key block of the padded attention
 ALIGN = 256  # masks.window_align(256): Gemma 3's head size
@@ -216,14 +216,20 @@ def test_a_rollback_after_a_rejected_draft_restores_exactly(wide_window_ir):
     for rejected in (True, False):
         with OpenVinoRuntime(wide_window_ir, kv_capacity=1024, threads=2) as rt:
             rt.forward(ids[:P], n_logits=1)
-            if rejected:
-                rt.forward(draft, n_logits=9)
-                rt.trim(P + 2)
-            else:
-                rt.forward(draft[:2], n_logits=2)
-            assert rt.n_past == P + 2
+            _two_kept(rt, P, draft, rejected)
             runs.append([rt.forward([t]).copy() for t in ids[P:P + 12]])
     assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
+def _two_kept(rt, P: int, draft: list[int], rejected: bool) -> None:
+    """Two of `draft` kept after position P: the whole draft verified and rejected after 2
+    (trimmed back), or only those 2 verified."""
+    if rejected:
+        rt.forward(draft, n_logits=len(draft))
+        rt.trim(P + 2)
+    else:
+        rt.forward(draft[:2], n_logits=2)
+    assert rt.n_past == P + 2
 
 
 def test_static_shapes_keep_every_past_whole(irs):
@@ -314,12 +320,7 @@ def test_a_rollback_across_a_move_of_the_live_rows_restores_exactly(irs):
                 rt.forward([ids[P]])
                 P += 1
             before = rt.kv._base
-            if rejected:
-                rt.forward(draft, n_logits=9)
-                rt.trim(P + 2)
-            else:
-                rt.forward(draft[:2], n_logits=2)
-            assert rt.n_past == P + 2
+            _two_kept(rt, P, draft, rejected)
             bases.append((before, rt.kv._base))
             runs.append([rt.forward([t]).copy() for t in ids[P:P + 12]])
     assert bases[0][1] > bases[0][0] and bases[1][1] == bases[1][0], bases  # only the rejected draft moved
@@ -329,28 +330,18 @@ def test_a_rollback_across_a_move_of_the_live_rows_restores_exactly(irs):
 def test_a_trim_past_the_window_sized_buffers_is_fed_again_and_gives_a_fresh_runs_logits(irs, monkeypatch):
     """TrackedCache learns from n_past that the runtime kept nothing and feeds the prefix again;
     the fresh run holds whole buffers."""
-    from edgespec.decoding.cache import TrackedCache
-
     ids = _ids(1000, seed=15)
     with monkeypatch.context() as m:
         m.setattr(KVWindow, "rows", lambda self, pad: 10**6)
         fresh = OpenVinoRuntime(irs[True], kv_capacity=2048, threads=1)
     with OpenVinoRuntime(irs[True], kv_capacity=2048, threads=1) as rt, fresh:
         assert rt.kv.plan.sliding_rows == ROWS and fresh.kv.plan.sliding_rows is None
-        cache = TrackedCache(rt, max_batch=128)
-        cache.feed(ids, n_logits=1)
+
+        def check(when):  # the live rows moved; the far rollback starts the buffers over
+            assert (rt.kv._base > 0) if when == "fed" else (rt.kv._base == 0)
+
+        got, want = _rollbacks_against_a_fresh_run(rt, fresh, ids, check)
         assert rt.kv._base > 0
-        cache.align(ids[:301])  # a later request sharing only the first 300 positions
-        assert rt.n_past == 0 and rt.kv._base == 0 and cache.ids == [] and cache.pending(ids[:301]) == ids[:301]
-        got = np.array(cache.feed(cache.pending(ids[:301]), n_logits=3))
-        want = TrackedCache(fresh, max_batch=128).feed(ids[:301], n_logits=3)
-        assert np.array_equal(got, want) and rt.n_past == 301
-        cache.feed(ids[301:1000], n_logits=1)
-        cache.align(ids[:990])  # a short rollback stays exact without feeding again
-        assert rt.n_past == 989
-        got = np.array(cache.feed(cache.pending(ids[:990]), n_logits=1))
-        fresh.reset()
-        want = TrackedCache(fresh, max_batch=128).feed(ids[:990], n_logits=1)
     assert np.array_equal(got, want)
 
 

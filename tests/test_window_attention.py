@@ -189,26 +189,39 @@ def test_window_sized_buffers_compute_the_whole_buffers_logits_bit_for_bit(graph
 
 def test_a_rollback_past_the_window_is_fed_again_and_gives_a_fresh_runs_logits(graphs):
     """TrackedCache learns from n_past that the runtime kept nothing and feeds the prefix again."""
-    from edgespec.decoding.cache import TrackedCache
     from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     ids = _ids(1400, seed=6)
     with OnnxRuntime(graphs[True], kv_capacity=2048, threads=1) as rt, \
             OnnxRuntime(graphs[True], kv_capacity=2048, threads=1) as fresh:
-        cache = TrackedCache(rt, max_batch=128)
-        cache.feed(ids, n_logits=1)
-        cache.align(ids[:301])  # a later request sharing only the first 300 positions
-        assert rt.n_past == 0 and cache.ids == [] and cache.pending(ids[:301]) == ids[:301]
-        got = np.array(cache.feed(cache.pending(ids[:301]), n_logits=3))
-        want = TrackedCache(fresh, max_batch=128).feed(ids[:301], n_logits=3)
-        assert np.array_equal(got, want) and rt.n_past == 301
-        cache.feed(ids[301:1400], n_logits=1)
-        cache.align(ids[:1390])  # a short rollback stays exact without feeding again
-        assert rt.n_past == 1389
-        got = np.array(cache.feed(cache.pending(ids[:1390]), n_logits=1))
-        fresh.reset()
-        want = TrackedCache(fresh, max_batch=128).feed(ids[:1390], n_logits=1)
+        got, want = _rollbacks_against_a_fresh_run(rt, fresh, ids, check=lambda when: None)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # decode vs prefill rows: close, not equal
+
+
+def _rollbacks_against_a_fresh_run(rt, fresh, ids: list[int], check) -> tuple[np.ndarray, np.ndarray]:
+    """Through a TrackedCache on `rt`: a rollback far past the window (to the first 300 positions)
+    leaves n_past 0 and is fed again, equal to `fresh`'s run; then a short rollback near the end of
+    `ids` stays without feeding again. Returns (rt's, fresh's) logits after the short one, for the
+    caller's own tolerance; `check(when)` looks at the runtime once `ids` are fed ("fed") and
+    after the far rollback ("far")."""
+    from edgespec.decoding.cache import TrackedCache
+
+    cache = TrackedCache(rt, max_batch=128)
+    cache.feed(ids, n_logits=1)
+    check("fed")
+    cache.align(ids[:301])  # a later request sharing only the first 300 positions
+    assert rt.n_past == 0 and cache.ids == [] and cache.pending(ids[:301]) == ids[:301]
+    check("far")
+    got = np.array(cache.feed(cache.pending(ids[:301]), n_logits=3))
+    want = TrackedCache(fresh, max_batch=128).feed(ids[:301], n_logits=3)
+    assert np.array_equal(got, want) and rt.n_past == 301
+    cache.feed(ids[301:], n_logits=1)
+    n = len(ids) - 10
+    cache.align(ids[:n])  # a short rollback stays exact without feeding again
+    assert rt.n_past == n - 1
+    got = np.array(cache.feed(cache.pending(ids[:n]), n_logits=1))
+    fresh.reset()
+    return got, np.array(TrackedCache(fresh, max_batch=128).feed(ids[:n], n_logits=1))
 
 
 def _verify_matches_decodes(rt, ids: list[int], prefix: int, widths) -> list[tuple]:

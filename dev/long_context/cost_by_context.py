@@ -26,6 +26,27 @@ def _time(rt, n_new: int, n_ctx: int) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def time_by_context(rts: dict, contexts: list[int], width: int, reps: int, time_one, key: str) -> list[dict]:
+    """Median and least ms of a one-token decode and a `width`-row verify of each runtime at each
+    context, the runtimes interleaved rep by rep; `time_one(rt, rows, context)` times one forward."""
+    rows = []
+    for ctx in contexts:
+        times: dict[tuple[str, int], list[float]] = {(m, w): [] for m in rts for w in (1, width)}
+        for rt in rts.values():  # warm-up: the first run at a new shape plans its buffers
+            for w in (1, width):
+                time_one(rt, w, ctx)
+        for _ in range(reps):
+            for m, rt in rts.items():
+                for w in (1, width):
+                    times[(m, w)].append(time_one(rt, w, ctx))
+        for (m, w), ts in times.items():
+            row = {key: m, "context": ctx, "rows": w, "ms_median": round(statistics.median(ts), 3),
+                   "ms_min": round(min(ts), 3)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     from edgespec.bench.machine import library_versions, machine_info
     from edgespec.models.catalog import default_bundle_path
@@ -42,21 +63,7 @@ def main() -> None:
     models = a.models or [str(default_bundle_path() / "target" / "model.onnx")]
     contexts = [int(c) for c in a.contexts.split(",")]
     rts = {m: OnnxRuntime(m, threads=a.threads, kv_capacity=max(contexts) + a.width + 1) for m in models}
-    rows = []
-    for ctx in contexts:
-        times: dict[tuple[str, int], list[float]] = {(m, w): [] for m in models for w in (1, a.width)}
-        for rt in rts.values():  # warm-up: the first run at a new shape plans its buffers
-            for w in (1, a.width):
-                _time(rt, w, ctx)
-        for _ in range(a.reps):
-            for m, rt in rts.items():
-                for w in (1, a.width):
-                    times[(m, w)].append(_time(rt, w, ctx))
-        for (m, w), ts in times.items():
-            row = {"model": m, "context": ctx, "rows": w, "ms_median": round(statistics.median(ts), 3),
-                   "ms_min": round(min(ts), 3)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = time_by_context(rts, contexts, a.width, a.reps, _time, "model")
     result = {"machine": machine_info(), "versions": library_versions(), "threads": a.threads, "rows": rows}
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")

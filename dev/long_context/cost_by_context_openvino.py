@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cost_by_context import time_by_context  # noqa: E402
 
 
 def _open(path: str, threads: int, capacity: int, windowed: bool):
@@ -72,21 +76,7 @@ def main() -> None:
     window = rts["window"].kv.plan.window
     if window is None:
         raise SystemExit(f"{path} records no sliding window: export it again with this edgespec")
-    rows = []
-    for ctx in contexts:
-        times: dict[tuple[str, int], list[float]] = {(m, w): [] for m in rts for w in (1, a.width)}
-        for rt in rts.values():  # warm-up: the first run at a new shape plans its buffers
-            for w in (1, a.width):
-                _time(rt, w, ctx)
-        for _ in range(a.reps):
-            for m, rt in rts.items():
-                for w in (1, a.width):
-                    times[(m, w)].append(_time(rt, w, ctx))
-        for (m, w), ts in times.items():
-            row = {"attention": m, "context": ctx, "rows": w, "ms_median": round(statistics.median(ts), 3),
-                   "ms_min": round(min(ts), 3)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    rows = time_by_context(rts, contexts, a.width, a.reps, _time, "attention")
     # the file's last folders only: a result names no machine's paths
     result = {"machine": machine_info(), "versions": library_versions(), "threads": a.threads,
               "model": "/".join(Path(path).parts[-3:]),
