@@ -20,6 +20,7 @@ functions are bound to its own CPU library), so the loop is `generate`'s, writte
 """
 from __future__ import annotations
 
+import abc
 import importlib
 import importlib.util
 import logging
@@ -170,7 +171,7 @@ def _timed(prompt_len: int, tokens: Iterator[int], max_tokens: int, stop_ids: Se
     return rec
 
 
-class _Peer:
+class _Peer(abc.ABC):
     """What both peers share: the vocabulary check against the bundle's target and closing."""
 
     name = PEER
@@ -181,8 +182,9 @@ class _Peer:
             raise ConfigError(f"the peer GGUF {self.source.path.name} has {n_vocab} tokens, the bundle's target "
                               f"{vocab_size}: not the same model (--peer-gguf)")
 
+    @abc.abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Free the peer's model (idempotent)."""
 
     def __enter__(self):
         return self
