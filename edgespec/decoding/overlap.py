@@ -35,7 +35,7 @@ from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.drafters import ModelDrafter
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.sampling import SamplingParams
-from edgespec.decoding.speculative import SpeculativeDecoder, StepResult, truncate_commit
+from edgespec.decoding.speculative import SpeculativeDecoder, StepResult
 from edgespec.runtimes.base import Runtime
 
 __all__ = ["OverlapStats", "OverlappedDecoder", "ahead_drafter", "overlap_blocker", "kept_ahead"]
@@ -174,11 +174,7 @@ class OverlappedDecoder(SpeculativeDecoder):
             logits = job.result()  # its error, if it failed, raised on this thread
         else:  # a plain step: nothing drafted, nothing worth drafting on (the policy said so)
             logits = self._target.feed(pending, n_logits=1)
-        reused = self.target.reused_rows
-        # what the target computed anyway, for a drafter that learns from it
-        trials = self.drafter.observe(pending[len(pending) - len(logits):], logits)
-        n_acc, nxt = self._accept(draft, logits, params, rng, ratios)
-        new = truncate_commit(draft.tokens[:n_acc] + [nxt], stop_ids, budget)
+        new, n_acc, trials, reused = self._judge(draft, pending, logits, params, rng, budget, stop_ids, ratios)
         return new, n_acc, trials, reused, kept_ahead(made, draft, new, stop_ids)
 
     def _draft_ahead(self, tokens: list[int], draft: Draft, budget: int, params: SamplingParams,

@@ -193,11 +193,8 @@ class SpeculativeDecoder:
                 else:
                     pending = self._target.pending(tokens) + draft.tokens
                     logits = self._target.feed(pending, n_logits=len(draft.tokens) + 1)
-                    reused = self.target.reused_rows
-                    # what the target computed anyway, for a drafter that learns from it
-                    trials = self.drafter.observe(pending[len(pending) - len(logits):], logits) if self.drafter else []
-                    n_acc, nxt = self._accept(draft, logits, params, rng, ratios)
-                    new = truncate_commit(draft.tokens[:n_acc] + [nxt], stop_ids, budget)
+                    new, n_acc, trials, reused = self._judge(draft, pending, logits, params, rng, budget, stop_ids,
+                                                             ratios)
                 tokens.extend(new)
                 n_new += len(new)
                 # 5. rollback: drop rejected drafts from every cache
@@ -208,6 +205,17 @@ class SpeculativeDecoder:
         finally:
             # a consumer that stops the stream, or a failed forward, must leave no uncommitted tokens cached
             self._rollback(tokens)
+
+    def _judge(self, draft: Draft, pending: list[int], logits: np.ndarray, params: SamplingParams,
+               rng: np.random.Generator, budget: int, stop_ids: Container[int],
+               ratios: list[float]) -> tuple[list[int], int, list, int]:
+        """Phases 3-4 for a chain whose verify fed `pending` and returned `logits`: (committed ids,
+        accepted drafts, the drafter's free trials, rows the verify reused)."""
+        reused = self.target.reused_rows
+        # what the target computed anyway, for a drafter that learns from it
+        trials = self.drafter.observe(pending[len(pending) - len(logits):], logits) if self.drafter else []
+        n_acc, nxt = self._accept(draft, logits, params, rng, ratios)
+        return truncate_commit(draft.tokens[:n_acc] + [nxt], stop_ids, budget), n_acc, trials, reused
 
     def _prefill(self, tokens: list[int]) -> None:
         """Phase 0: keep the target's common prefix with `tokens`, feed all but the last token (a
