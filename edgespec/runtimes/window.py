@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["WINDOW_FORWARD", "WINDOW_ROLLBACK", "KVWindow", "window_start"]
+__all__ = ["WINDOW_FORWARD", "WINDOW_ROLLBACK", "KVWindow", "sliding_kv", "window_start"]
 
 # a sliding layer's buffer takes forwards of up to WINDOW_FORWARD rows (wider ones run in pieces
 # that end at its multiples, as the decoder's chunked prefill does) and keeps WINDOW_ROLLBACK rows
@@ -61,3 +61,12 @@ class KVWindow:
         """Whether buffers whose row 0 holds position `base` still hold every key a forward at
         `n_past` reads (a trim back to n_past is exact); if not, they must be filled again."""
         return self.start(n_past) >= base
+
+
+def sliding_kv(window: KVWindow | None, n_layers: int, rows: int | None) -> tuple[float, int]:
+    """(share of a position's KV bytes on `window`'s layers, the rows each of their window-sized
+    buffers holds), what the memory planner counts once rather than per position: (0.0, 0) with no
+    window or whole buffers (rows None)."""
+    if window is None or rows is None:
+        return 0.0, 0
+    return len(window.layers) / n_layers, rows

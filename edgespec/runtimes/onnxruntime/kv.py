@@ -36,7 +36,7 @@ import numpy as np
 
 from ...errors import BackendError, BundleError, ContextFullError
 from ..heap import lazy_zeros
-from ..window import WINDOW_FORWARD, WINDOW_ROLLBACK, KVWindow, window_start
+from ..window import WINDOW_FORWARD, WINDOW_ROLLBACK, KVWindow, sliding_kv, window_start
 
 __all__ = ["DEFAULT_KV_CAPACITY", "F32", "I64", "WINDOW_FORWARD", "WINDOW_ROLLBACK", "FixedBufferKV", "KVHolder",
            "KVLayout", "KVPlan", "KVWindow", "RawBinding", "TreeRows", "graph_io", "kv_kind", "plan_kv",
@@ -151,10 +151,8 @@ class KVPlan:
     sliding_rows: int | None = None  # rows a sliding layer's buffer holds (None: capacity + pad, as every layer)
 
     def sliding_kv(self) -> tuple[float, int]:
-        """(share of a position's KV bytes on window-sized buffers, rows those hold): (0.0, 0) for none."""
-        if self.sliding_rows is None or self.window is None:
-            return 0.0, 0
-        return len(self.window.layers) / self.layout.n_layers, self.sliding_rows
+        """runtimes/window.sliding_kv of this plan's buffers."""
+        return sliding_kv(self.window, self.layout.n_layers, self.sliding_rows)
 
 
 class KVHolder(abc.ABC):
@@ -449,4 +447,4 @@ def sliding_kv_of(path) -> tuple[float, int]:
     window = _window(model.metadata_props, str(path))
     if window is None or "tree_path" in names:
         return 0.0, 0
-    return len(window.layers) / sum(1 for n in names if n.startswith("past_key_")), window.rows(0)
+    return sliding_kv(window, sum(1 for n in names if n.startswith("past_key_")), window.rows(0))

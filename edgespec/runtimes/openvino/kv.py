@@ -36,7 +36,7 @@ import numpy as np
 
 from ...errors import BackendError, ContextFullError
 from ..heap import lazy_zeros
-from ..window import WINDOW_FORWARD, KVWindow
+from ..window import WINDOW_FORWARD, KVWindow, sliding_kv
 from .graph import pad_keys, pad_queries, window_keys
 
 __all__ = ["DEFAULT_KV_CAPACITY", "DEFAULT_STATIC_CAPACITY", "DynamicBufferKV", "Feed", "KV_KINDS", "KVHolder",
@@ -86,10 +86,8 @@ class KVPlan:
     sliding_rows: int | None = None  # rows a sliding layer's buffer holds (None: whole, as every layer)
 
     def sliding_kv(self, n_layers: int) -> tuple[float, int]:
-        """(share of a position's KV bytes on window-sized buffers, rows those hold): (0.0, 0) for none."""
-        if self.sliding_rows is None or self.window is None:
-            return 0.0, 0
-        return len(self.window.layers) / n_layers, self.sliding_rows
+        """runtimes/window.sliding_kv of this plan's buffers."""
+        return sliding_kv(self.window, n_layers, self.sliding_rows)
 
 
 def window_of(model) -> KVWindow | None:

@@ -33,6 +33,7 @@ import numpy as np
 
 from ...errors import BackendError
 from ..base import Capabilities, Runtime
+from ..window import sliding_kv
 from .compile_cache import compile_cache_dir
 from .graph import HIDDEN, cut_head, repacked_bytes
 from .kv import DEFAULT_KV_CAPACITY, DEFAULT_STATIC_CAPACITY, KV_KINDS, KVLayout, KVPlan, plan_kv, window_of
@@ -93,9 +94,7 @@ def sliding_kv_of(path) -> tuple[float, int]:
     except Exception as e:  # OpenVINO raises plain exceptions: one line with the reason
         raise BackendError(f"cannot read {path}: {ov_reason(e)}") from e
     window = window_of(model)
-    if window is None:
-        return 0.0, 0
-    return len(window.layers) / KVLayout.of(model).n_layers, window.rows(0)
+    return sliding_kv(window, KVLayout.of(model).n_layers, window.rows(0) if window is not None else None)
 
 
 def read_ir(path: Path, device: str | None):
