@@ -201,7 +201,7 @@ class BudgetedLoad:
 
 def _windowed(mem: ModelMemory, path, fmt: str) -> ModelMemory:
     """`mem` with the window-sized KV onnxruntime and OpenVINO hold for the model at `path` (read
-    from its metadata, runtimes/onnxruntime/kv.sliding_kv_of, runtimes/openvino/kv.sliding_kv_of);
+    from its metadata, runtimes/onnxruntime/kv.sliding_kv_of, runtimes/openvino/runtime.sliding_kv_of);
     other formats' holders keep every layer whole."""
     if fmt == "onnx":
         from ..runtimes.onnxruntime.kv import sliding_kv_of
