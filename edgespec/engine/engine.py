@@ -70,16 +70,19 @@ class Response:
         return sum(v for parts in self.memory.values() for k, v in parts.items() if k != "kv_used")
 
 
-def default_bundle(fmt: str = "onnx") -> Path:
-    """The default bundle in format `fmt`, exported from the embedded Gemma 3 270M the first time."""
+def default_bundle(fmt: str = "onnx", memory_budget: int | None = None) -> Path:
+    """The default bundle in format `fmt`, exported from the embedded Gemma 3 270M the first time
+    (within `memory_budget` bytes for the whole process, where one is given)."""
     from ..models.catalog import DEFAULT_PRESET, default_bundle_path
 
     path = default_bundle_path(DEFAULT_PRESET, fmt)
     if not path.exists():
         from ..exporters.export import ExportConfig, export_bundle
+        from ..runtimes.heap import trim_heap
 
         logger.warning("building the default bundle in %s (one time, a few minutes)", path)
-        export_bundle(ExportConfig(output=path, formats=(fmt,)))
+        export_bundle(ExportConfig(output=path, formats=(fmt,), memory_budget=memory_budget))
+        trim_heap()  # the build's freed pages back to the OS before the engine measures what it holds
     return path
 
 
@@ -452,11 +455,11 @@ def load(bundle: str | Path | None = None, config: EngineConfig | None = None, *
     cfg = engine_config(config, **overrides)  # checked before any bundle is built
     fmt = first_use_format(cfg)
     if bundle is None:
-        path = default_bundle(fmt)
+        path = default_bundle(fmt, cfg.memory_budget)
     else:
         from ..exporters.gguf.bundles import resolve_bundle
 
-        path = resolve_bundle(bundle, fmt)
+        path = resolve_bundle(bundle, fmt, cfg.memory_budget)
     b = load_bundle(path)
     return Engine(b, plan=resolve(b, cfg))
 
