@@ -12,9 +12,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("onnx")
-from gguf import GGMLQuantizationType as T  # noqa: E402
-
 import onnx  # noqa: E402
+from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from edgespec.errors import MemoryBudgetError  # noqa: E402
 from edgespec.exporters.export import ExportConfig, export_bundle, write_streamed  # noqa: E402

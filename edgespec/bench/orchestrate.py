@@ -74,14 +74,35 @@ def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     if reason is not None:
         notify(f"no llama.cpp column: {reason}")
         return None
-    threads = req.engine.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                     else os.cpu_count())
+    # the engine's threads (the fast cores of a big.LITTLE CPU: the process is pinned to them), else one per core
+    threads = engine.plan.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                      else os.cpu_count())
     peer = (VulkanPeer if gpu else LlamaCppPeer)(source, threads=threads, n_ctx=engine.context_limit or 4096,
                                                  vocab_size=engine.target.vocab_size)
     d = peer.describe()
     notify(f"peer llama.cpp ({d['library']} {d['version']}{', on ' + d['gpu'] if gpu else ''}) on "
            f"{source.path.name}, {threads} threads")
     return peer
+
+
+def _thermal(engine):
+    """The clocks and temperatures to read around each run (thermal.py): of the cores the engine runs on."""
+    from .thermal import Thermal
+
+    cores = engine.plan.cores
+    cpus = cores.cpus if cores is not None else (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                                                 else range(os.cpu_count() or 1))
+    return Thermal(cpus)
+
+
+def _heat(runs, thermal, cfg: BenchConfig, notify: Callable[[str], None]) -> dict:
+    """The runs' thermal record (thermal.summarise_heat), its warnings said at once."""
+    from .thermal import summarise_heat
+
+    heat = summarise_heat(runs, thermal.source(), cfg.cooldown_s)
+    for warning in heat["warnings"]:
+        notify(f"WARNING: {warning}")
+    return heat
 
 
 def describe_sampling(params) -> str:
@@ -147,23 +168,28 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
             table = LiveTable(configs, list(dict.fromkeys(p.cls for p in prompts)), repeat=cfg.repeat,
                               greedy=cfg.sampling.greedy) if live else None
             started, t0 = datetime.now(timezone.utc), time.perf_counter()
+            thermal = _thermal(engine)
             try:
-                runs = run_bench(engine, prompts, cfg, on_run=table.update if table else None, rss=rss, peer=peer)
+                runs = run_bench(engine, prompts, cfg, on_run=table.update if table else None, rss=rss, peer=peer,
+                                 thermal=thermal)
             finally:
                 if table is not None:
                     table.close()
+            heat = _heat(runs, thermal, cfg, notify)
             c = engine.config
             return build_document(
                 engine, runs, cfg, prompts_spec=req.prompts, configs=configs, machine=machine, label=req.label,
                 prompts=prompts,
                 backend={"name": engine.backend, "device": c.device, "draft_backend": engine.draft_backend,
                          "draft_device": c.draft_device or (c.device if engine.draft_backend else None),
-                         "threads": c.threads,
+                         "threads": engine.plan.threads,
+                         # the cores run on, and why (edgespec/engine/cores.py)
+                         "cores": engine.plan.cores.to_dict() if engine.plan.cores is not None else None,
                          # whether onnxruntime's sessions shared the process-wide pool (runtimes/onnxruntime/pool.py)
                          "onnxruntime_pool": pool_state()},
                 memory={"rss_before_load": rss_before, "rss_after_load": rss_after, "engine": engine.memory()},
                 memory_budget=c.memory_budget, started=started, duration_s=time.perf_counter() - t0,
-                peer=peer.describe() if peer is not None else None, verify_costs=costs)
+                peer=peer.describe() if peer is not None else None, verify_costs=costs, thermal=heat)
     finally:
         rss.stop()
 

@@ -71,10 +71,11 @@ class Core:
     implementer: str | None = None  # "CPU implementer", e.g. "0x41" (Arm)
     part: str | None = None  # "CPU part", e.g. "0xd0b"
     efficient: bool = False  # an in-order efficiency design (Cortex-A55, A510, an Intel E-core...)
+    model: str | None = None  # x86's "model name"
 
     @property
     def name(self) -> str | None:
-        return part_name(self.implementer, self.part)
+        return part_name(self.implementer, self.part) or self.model
 
     @property
     def kind(self) -> tuple:
@@ -159,13 +160,15 @@ def _online(cpu_dir: Path) -> list[int]:
         return sorted(int(m.group(1)) for p in cpu_dir.glob("cpu*") if (m := re.fullmatch(r"cpu(\d+)", p.name)))
 
 
-def _cpuinfo_parts(text: str) -> dict[int, tuple[str | None, str | None]]:
-    """processor -> (CPU implementer, CPU part) from /proc/cpuinfo (ARM lists them per core)."""
-    out: dict[int, tuple[str | None, str | None]] = {}
+def _cpuinfo_parts(text: str) -> dict[int, tuple[str | None, str | None, str | None]]:
+    """processor -> (CPU implementer, CPU part, model name) from /proc/cpuinfo (ARM lists the part
+    per core, x86 the model name)."""
+    out: dict[int, tuple[str | None, str | None, str | None]] = {}
     for block in re.split(r"\n\s*\n", text):
         fields = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in block.splitlines())}
         if fields.get("processor", "").isdigit():
-            out[int(fields["processor"])] = (fields.get("cpu implementer"), fields.get("cpu part"))
+            out[int(fields["processor"])] = (fields.get("cpu implementer"), fields.get("cpu part"),
+                                             fields.get("model name"))
     return out
 
 
@@ -184,10 +187,10 @@ def read_cores(root: Path | str = "/") -> CoreLayout:
     cores = []
     for n in _online(cpu_dir):
         d = cpu_dir / f"cpu{n}"
-        impl, part = parts.get(n, (None, None))
+        impl, part, model = parts.get(n, (None, None, None))
         known = PARTS.get(((impl or "").lower(), (part or "").lower()))
         cores.append(Core(n, _read_int(d / "cpu_capacity"), _read_int(d / "cpufreq" / "cpuinfo_max_freq"), impl, part,
-                          efficient=n in atoms or bool(known and known[1])))
+                          efficient=n in atoms or bool(known and known[1]), model=model))
     return CoreLayout(tuple(cores))
 
 
@@ -204,14 +207,13 @@ def choose_cores(layout: CoreLayout, usable: set[int], threads: int | None) -> C
     text = here.describe()
     every = tuple(sorted(usable)) or tuple(c.cpu for c in cores)
     if not cores or here.uniform:
-        why = "every core alike" if cores else "no core layout readable"
-        return CoreChoice(every, threads, False, f"{why}: {len(every)} cores, threads as given", text)
+        return CoreChoice(every, threads, False, "every core alike" if cores else "no core layout readable", text)
     ranked = sorted(cores, key=lambda c: (-here.speed(c), c.cpu))
     top = here.speed(ranked[0])
     if threads is None:
         chosen = [c for c in ranked if here.speed(c) >= BIG_SHARE * top]
-        why = (f"the {len(chosen)} fast cores of {len(cores)} (the others run under "
-               f"{BIG_SHARE:.0%} of the fastest's speed and would pace every step)")
+        why = (f"the {len(chosen)} fast cores of {len(cores)}; the others run under {BIG_SHARE:.0%} of the "
+               "fastest's speed and would pace every step")
     else:
         chosen = ranked[:threads]
         why = f"--threads {threads}: the {len(chosen)} fastest of {len(cores)} cores"
@@ -225,10 +227,10 @@ def machine_cores(threads: int | None, root: Path | str = "/") -> CoreChoice:
     return choose_cores(read_cores(root), _usable(), threads)
 
 
-def pin_process(choice: CoreChoice) -> None:
+def pin_process(choice: CoreChoice | None) -> None:
     """Pin every thread of this process to `choice.cpus` (threads started later inherit the mask);
-    a no-op unless the choice pins. Done when an engine opens, not at import."""
-    if not choice.pin or not hasattr(os, "sched_setaffinity"):
+    a no-op unless the choice pins (None: no choice made). Done when an engine opens, not at import."""
+    if choice is None or not choice.pin or not hasattr(os, "sched_setaffinity"):
         return
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]

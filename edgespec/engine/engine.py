@@ -41,6 +41,7 @@ from ..tokenizer import IncrementalDecoder, Tokenizer
 from .assembly import EnginePlan, plan_engine
 from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
 from .config import EngineConfig, engine_config
+from .cores import machine_cores
 from .inputs import check_stop, check_text
 from .opening import open_plan
 from .tuning import tune
@@ -126,7 +127,8 @@ class Engine:
     def __init__(self, bundle: Bundle, config: EngineConfig | None = None, *, plan: EnginePlan | None = None,
                  clock: Callable[[], float] = time.perf_counter, **overrides) -> None:
         if plan is None:
-            plan = plan_engine(bundle.manifest, engine_config(config, **overrides), installed_backends())
+            cfg = engine_config(config, **overrides)
+            plan = plan_engine(bundle.manifest, cfg, installed_backends(), cores=machine_cores(cfg.threads))
         elif config is not None or overrides:
             raise ConfigError("give Engine a config (and overrides) or a plan, not both")
         self.config, self.plan, self.bundle = plan.config, plan, bundle
@@ -438,8 +440,9 @@ def resolve(bundle: Bundle, config: EngineConfig | None = None, *, installed: li
     it: this runs before the engine that is kept exists."""
     cfg = engine_config(config, **overrides)
     installed = installed_backends() if installed is None else installed
-    tuning = tune(bundle, cfg, installed, lambda plan: Engine(bundle, plan=plan, clock=clock))
-    plan = plan_engine(bundle.manifest, cfg, installed, tuning.choice if tuning else None)
+    cores = machine_cores(cfg.threads)  # the fast cores of a big.LITTLE CPU (cores.py)
+    tuning = tune(bundle, cfg, installed, lambda plan: Engine(bundle, plan=plan, clock=clock), cores)
+    plan = plan_engine(bundle.manifest, cfg, installed, tuning.choice if tuning else None, cores)
     return plan if tuning is None else dataclasses.replace(plan, tuning=tuning)
 
 

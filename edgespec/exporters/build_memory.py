@@ -10,7 +10,8 @@ the files before the phase starts:
 - VocabTrim calibration: an onnxruntime session on the written target (its files, as the memory
   planner estimates a model before loading it: memory/footprint.estimate_fixed), its KV cache
   and a logits row;
-- before anything is read, the calibration estimated from the GGUF file's size.
+- before anything is read, the tokenizer (from the vocabulary's length) and the calibration
+  (from the GGUF file's size) together.
 
 A phase whose need, added to the resident set as it is then (the heap trimmed first), passes the
 budget stops the build with a MemoryBudgetError naming both figures and the way out; nothing is
@@ -27,7 +28,7 @@ from ..memory.budget import format_bytes
 from ..memory.footprint import estimate_fixed, kv_bytes_per_token
 from ..memory.measure import rss_bytes, trim_heap
 
-__all__ = ["BuildBudget", "CALIBRATION_KV_TOKENS", "SOURCE_GROWTH"]
+__all__ = ["BuildBudget", "CALIBRATION_KV_TOKENS", "SOURCE_GROWTH", "TOKENIZER_BYTES_PER_TOKEN"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,10 @@ CALIBRATION_KV_TOKENS = 1024  # the calibration runtime's KV capacity (exporters
 # transcoded ONNX weights against the GGUF's bytes: 8-bit codes for 5- and 6-bit types, float scales
 # (Gemma 3 270M Q4_K_M: 297 MB of ONNX data from a 253 MB file)
 SOURCE_GROWTH = 1.25
+# what the exporter's tokenizer holds per vocabulary entry while the bundle is built (its vocabulary,
+# merges and added tokens in tokenizers' Rust structures, and the token strings): measured ~580 bytes
+# on Gemma 3's 262k-token SentencePiece vocabulary
+TOKENIZER_BYTES_PER_TOKEN = 600
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,16 @@ class BuildBudget:
                 "(`edgespec export -o DIR`) and copy it here")
 
     def check_source(self, path: Path) -> None:
-        """Before any work: the calibration session, estimated from the GGUF file itself."""
-        if self.budget is not None and path.is_file():
-            self.check("the VocabTrim calibration", estimate_fixed(int(path.stat().st_size * SOURCE_GROWTH)))
+        """Before any work: the tokenizer held through the build and the calibration session beside
+        it, estimated from the GGUF itself (its size, its vocabulary's length)."""
+        if self.budget is None or not path.is_file() or path.suffix.lower() != ".gguf":
+            return
+        from .gguf.reader import open_gguf
+
+        tokens = open_gguf(path).fields.get("tokenizer.ggml.tokens")
+        n_tokens = len(tokens.value) if tokens is not None and isinstance(tokens.value, list) else 0
+        self.check("the build (its tokenizer and the VocabTrim calibration)",
+                   n_tokens * TOKENIZER_BYTES_PER_TOKEN + estimate_fixed(int(path.stat().st_size * SOURCE_GROWTH)))
 
     def check_matrices(self, weights, role: str) -> None:
         """Before a model is written: its largest matrix transcoded, and one chunk of the file."""

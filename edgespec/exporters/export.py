@@ -120,11 +120,14 @@ class ExportConfig:
             raise ConfigError("--calibration only matters with --draft-vocab or --draft-head trained")
         if self.tree and "onnx" not in self.formats:
             raise ConfigError("--tree writes the ONNX target's graph for tree verification: add --format onnx")
+        self._parse_budget()
+        self._check_draft_head()
+
+    def _parse_budget(self) -> None:
         if self.memory_budget is not None:
             from ..memory.budget import parse_bytes
 
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))  # bytes once built
-        self._check_draft_head()
 
     def _check_draft_head(self) -> None:
         if self.draft_head not in (None, "trained"):
@@ -274,7 +277,7 @@ def _check_draft_vocab(target: Source, draft: Source) -> None:
 
 
 def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx: Path | None,
-                         budget: BuildBudget = BuildBudget()):
+                         budget: BuildBudget | None = None):
     """A factory of an onnxruntime Runtime on the exported target, for VocabTrim calibration
     without torch; None for a transformers source (its model generates). Without an ONNX target
     in the bundle, a scratch one is built (and removed with the staging folder's scratch)."""
@@ -298,7 +301,8 @@ def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx
             path = tmp / ".calibration" / "model.onnx"
             write_streamed(spec, source.model.tensors,
                            GraphOptions(kv_layout="append", nbits_accuracy=SOURCE_ACCURACY_LEVEL), path)
-        budget.check_session(path.with_name(path.name + ".data"), spec)
+        if budget is not None:
+            budget.check_session(path.with_name(path.name + ".data"), spec)
         return OnnxRuntime(path, kv_capacity=CALIBRATION_KV_TOKENS)
     return make
 

@@ -14,7 +14,8 @@ data_offset, data) and `data`, the file's memory map.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field as dc_field
+from dataclasses import dataclass
+from dataclasses import field as dc_field
 from functools import cached_property
 from pathlib import Path
 

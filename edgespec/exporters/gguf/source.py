@@ -414,6 +414,13 @@ def _check_tensors(spec: ModelSpec, tensors: dict) -> None:
                                   f"metadata's head counts give {shape}")
 
 
+def _loader(path: Path, reader, load):
+    """(read_gguf's `load`, whether it decodes weights): None leaves matrices in the file (deferred)."""
+    if load is None:
+        return deferring(path, reader), True
+    return load, load is transcode
+
+
 def read_gguf(path: Path, reader=None, load=None) -> GGUFModel:
     """Read `path`'s config and weights; every unsupported feature is a one-line ExportError.
 
@@ -426,8 +433,7 @@ def read_gguf(path: Path, reader=None, load=None) -> GGUFModel:
         raise ExportError(f"GGUF architecture {arch[:40]!r} is not supported (supported: {', '.join(sorted(ARCHS))})")
     facts = ARCHS[arch]
     family = family_for(facts.model_type)
-    decodes = load is None or load is transcode
-    load = deferring(path, reader) if load is None else load
+    load, decodes = _loader(path, reader, load)
     if facts.moe and decodes:  # before any weight is decoded: a graph computes every expert
         check_dense_experts(arch, *_experts(reader, arch))
     tensors: dict[str, BlockWeight | np.ndarray] = {}

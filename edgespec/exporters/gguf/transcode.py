@@ -47,7 +47,8 @@ import numpy as np
 
 from ...errors import ExportError
 
-__all__ = ["BlockWeight", "transcode", "check_transcodable", "TRANSCODABLE", "dequantize_blockweight", "quant_type_name", "fold_mins"]
+__all__ = ["BlockWeight", "transcode", "check_transcodable", "TRANSCODABLE", "dequantize_blockweight",
+           "quant_type_name", "fold_mins"]
 
 logger = logging.getLogger(__name__)
 
