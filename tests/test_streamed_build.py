@@ -103,6 +103,23 @@ def test_deferred_tensors_transcode_as_the_whole_tensor_does(matrices, chunk):
         _equal(picked.load(chunk), whole.rows(pick[1:]) if isinstance(whole, BlockWeight) else whole[pick[1:]])
 
 
+def test_sparse_rows_are_read_a_chunk_at_a_time(tmp_path):
+    """The first and last rows of a 4 MB table: two reads of a chunk each, never the span between
+    them (a trimmed head keeps one row in sixteen, spread over the whole table)."""
+    table = np.random.default_rng(1).normal(size=(4096, 256)).astype(np.float32)
+    src = _write(tmp_path / "t.gguf", {"t": (table, T.F32)})
+    t = open_gguf(src).tensors[0]
+    d = Deferred(src, int(t.data_offset), int(t.n_bytes), int(t.tensor_type), table.shape, t.name)
+    tracemalloc.start()
+    try:
+        rows = d.rows([4095, 0]).load(chunk_bytes=64 << 10)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(rows, table[[4095, 0]])
+    assert peak < table.nbytes / 8, peak  # a chunk's worth (64 KiB) and the file's buffer, not the table
+
+
 def test_a_gguf_model_reads_its_matrices_only_when_asked(tmp_path):
     """read_gguf leaves matrices in the file (LazyTensors of Deferred): each read gives what the
     eager reader decoded, a trimmed head reads its rows only, and nothing is kept between reads."""
