@@ -117,7 +117,7 @@ class CoreLayout:
         return [(cs[0].describe(), tuple(c.cpu for c in cs)) for cs in ordered]
 
     def describe(self) -> str:
-        """"4x Cortex-A78 (capacity 1024, 2.50 GHz) + 4x Cortex-A55 (capacity 388, 2.00 GHz)"."""
+        """"4x Cortex-A78 (capacity 1024, 2.50 GHz) + 4x Cortex-A55 (capacity 372, 2.00 GHz)"."""
         return " + ".join(f"{len(cpus)}x {what}" for what, cpus in self.kinds()) or "unknown"
 
 

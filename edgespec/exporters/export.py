@@ -90,7 +90,7 @@ class ExportConfig:
     tree: bool = False
     # bytes the whole process may hold while building (build_memory.py): each costly phase is
     # checked before it runs, and one that would not fit stops the build (None: no budget)
-    memory_budget: int | None = None
+    memory_budget: int | str | None = None
 
     def __post_init__(self) -> None:
         if not self.formats:

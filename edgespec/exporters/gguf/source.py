@@ -424,8 +424,8 @@ def _loader(path: Path, reader, load):
 def read_gguf(path: Path, reader=None, load=None) -> GGUFModel:
     """Read `path`'s config and weights; every unsupported feature is a one-line ExportError.
 
-    load: how a tensor is taken from the file, (raw, qtype, shape, name) -> weight. None: large
-    tensors stay in the file until a writer reads them (gguf/deferred.py), the rest transcoded
+    load: how a tensor is taken from the file, (raw, qtype, shape, name) -> weight. None: matrices
+    stay in the file until a writer reads them (gguf/deferred.py), norms and biases are transcoded
     now; `transcode` decodes everything now; reader.lazy_tensor only describes them."""
     reader = reader or open_gguf(path)
     arch = str(_field(reader, "general.architecture", ""))
