@@ -94,6 +94,14 @@ def test_benchmarks_hold_only_maintained_scripts_and_no_test_imports_them():
     assert importers == []
 
 
+def test_the_lab_imports_nothing_from_the_tests():
+    """dev/ holds experiments: what they share with the tests lives in edgespec or in dev/ itself."""
+    scripts = list((ROOT / "dev").rglob("*.py"))
+    importers = [p.relative_to(ROOT).as_posix() for p in scripts
+                 if re.search(r"^\s*(from|import) tests\b", p.read_text(encoding="utf-8"), flags=re.M)]
+    assert scripts and importers == []
+
+
 def _pytest(*args: str, slow_env: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "EDGESPEC_SLOW"}
     if slow_env is not None:
