@@ -36,6 +36,11 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert any(line.startswith(tests) for line in ci), ".ci/run must run the README's test command as written"
 
 
+def test_every_run_lists_its_skips_and_its_slowest_tests():
+    """CI's log says why each skipped test did not run and where the time went (pyproject's addopts)."""
+    addopts = re.search(r'^addopts = "([^"]*)"', (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1).split()
+    assert "-ra" in addopts and any(re.fullmatch(r"--durations=\d+", o) for o in addopts), addopts
+
 def test_the_readme_is_a_front_page():
     assert len(README.read_text().splitlines()) <= 250
 
