@@ -36,6 +36,11 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert any(line.startswith(tests) for line in ci), ".ci/run must run the README's test command as written"
 
 
+def test_every_run_lists_its_skips_and_its_slowest_tests():
+    """CI's log says why each skipped test did not run and where the time went (pyproject's addopts)."""
+    addopts = re.search(r'^addopts = "([^"]*)"', (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1).split()
+    assert "-ra" in addopts and any(re.fullmatch(r"--durations=\d+", o) for o in addopts), addopts
+
 def test_the_readme_is_a_front_page():
     assert len(README.read_text().splitlines()) <= 250
 
@@ -92,6 +97,14 @@ def test_benchmarks_hold_only_maintained_scripts_and_no_test_imports_them():
     importers = [p.name for p in (ROOT / "tests").glob("*.py")
                  if re.search(r"^\s*(from|import) benchmarks\b", p.read_text(), flags=re.M)]
     assert importers == []
+
+
+def test_the_lab_imports_nothing_from_the_tests():
+    """dev/ holds experiments: what they share with the tests lives in edgespec or in dev/ itself."""
+    scripts = list((ROOT / "dev").rglob("*.py"))
+    importers = [p.relative_to(ROOT).as_posix() for p in scripts
+                 if re.search(r"^\s*(from|import) tests\b", p.read_text(encoding="utf-8"), flags=re.M)]
+    assert scripts and importers == []
 
 
 def _pytest(*args: str, slow_env: str | None = None) -> subprocess.CompletedProcess:
