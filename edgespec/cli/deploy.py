@@ -60,13 +60,15 @@ def main(argv: list[str]) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     setup_logging(args.verbose)
-    from ..deploy import DeployConfig, deploy_command, locate, read_help
+    from ..deploy import DeployConfig, ServerCommand, locate, read_help, server_argv
+    from ..deploy.command import deploy_options
 
     cfg = DeployConfig(bundle=args.bundle, spec=args.spec, draft_n_max=args.draft_max, draft_n_min=args.draft_min,
                        draft_p_min=args.draft_p_min, context=args.context, threads=args.threads, host=args.host,
                        port=args.port, parallel=args.parallel, rpc=args.rpc, extra=tuple(extra))
+    opts, notes = deploy_options(cfg)  # the bundle first: a bad one fails before llama.cpp is looked for
     build = locate(args.llama_server)
-    cmd = deploy_command(cfg, read_help(build.server))
+    cmd = ServerCommand(argv=tuple(server_argv(read_help(build.server), opts)), options=opts, notes=notes)
     print(f"# llama-server: {build.server} ({build.source})", file=sys.stderr)
     for note in cmd.notes:
         print(f"# {note}", file=sys.stderr)

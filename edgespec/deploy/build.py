@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DeployError
@@ -98,11 +98,10 @@ class LlamaCppBuild:
     key: str = ""
 
     def record(self) -> dict[str, object]:
-        """What a benchmark records about the peer it ran (JSON-ready)."""
-        out = asdict(self)
-        for name in ("folder", "server", "rpc_server"):
-            out[name] = str(out[name]) if out[name] is not None else None
-        return out
+        """What a benchmark records about the build it ran (JSON-ready; no local paths): its source,
+        CMake options, compiler, the CPU it was compiled on (model only) and its cache key."""
+        return {"source": self.source, "cmake": dict(self.cmake), "compiler": self.compiler,
+                "cpu": " | ".join(self.cpu.split(" | ")[:2]), "key": self.key}
 
 
 def installed_version() -> str | None:
@@ -110,7 +109,7 @@ def installed_version() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("llama_cpp_python")
+        return version("llama-cpp-python")
     except PackageNotFoundError:
         return None
 
@@ -153,28 +152,39 @@ def build_key(options: BuildOptions, compiler: str, cpu: str) -> str:
     return f"{options.version}-{digest}"
 
 
-def _from_folder(folder: Path, source: str) -> LlamaCppBuild:
-    server = folder / "llama-server"
-    if not (server.is_file() and os.access(server, os.X_OK)):
-        raise DeployError(f"{folder} holds no executable llama-server")
-    rpc = next((folder / n for n in ("rpc-server", "ggml-rpc-server")
-                if (folder / n).is_file() and os.access(folder / n, os.X_OK)), None)
-    return LlamaCppBuild(folder=folder, server=server, rpc_server=rpc, source=source)
-
-
-def _read_cached(folder: Path) -> LlamaCppBuild | None:
+def _manifest(folder: Path) -> dict:
     try:
         meta = json.loads((folder / MANIFEST).read_text())
     except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _from_folder(folder: Path, how: str, server: Path | None = None) -> LlamaCppBuild:
+    """The binaries in `folder` (`server`: the llama-server, if not named so), with what built them
+    when it holds edgespec's build.json, else `how` they were found: "given", "PATH",
+    "$EDGESPEC_LLAMA_BIN" (no local path: it goes into benchmark JSON)."""
+    server = server or folder / "llama-server"
+    if not (server.is_file() and os.access(server, os.X_OK)):
+        raise DeployError(f"{folder} holds no executable llama-server" if server == folder / "llama-server"
+                          else f"not an executable llama-server: {server}")
+    rpc = next((folder / n for n in ("rpc-server", "ggml-rpc-server")
+                if (folder / n).is_file() and os.access(folder / n, os.X_OK)), None)
+    meta = _manifest(folder)
+    return LlamaCppBuild(folder=folder, server=server, rpc_server=rpc, source=str(meta.get("source") or how),
+                         cmake={str(k): str(v) for k, v in (meta.get("cmake") or {}).items()},
+                         compiler=str(meta.get("compiler", "")), cpu=str(meta.get("cpu", "")),
+                         key=folder.name if meta else "")
+
+
+def _read_cached(folder: Path) -> LlamaCppBuild | None:
+    """The cached build in `folder`, or None: not built, or left incomplete."""
+    if not _manifest(folder):
         return None
     try:
-        found = _from_folder(folder, str(meta["source"]))
-    except (DeployError, KeyError):
+        return _from_folder(folder, "cache")
+    except DeployError:
         return None
-    return LlamaCppBuild(folder=folder, server=found.server, rpc_server=found.rpc_server,
-                         source=found.source, cmake=dict(meta.get("cmake", {})),
-                         compiler=str(meta.get("compiler", "")), cpu=str(meta.get("cpu", "")),
-                         key=folder.name)
 
 
 def find_build(options: BuildOptions | None = None) -> LlamaCppBuild | None:
@@ -182,7 +192,7 @@ def find_build(options: BuildOptions | None = None) -> LlamaCppBuild | None:
     build for `options` on this machine, else None."""
     env = os.environ.get(BIN_ENV)
     if env:
-        return _from_folder(Path(env).expanduser(), f"${BIN_ENV}={env}")
+        return _from_folder(Path(env).expanduser(), f"${BIN_ENV}")
     options = options or BuildOptions()
     return _read_cached(cache_root() / build_key(options, _compiler(), _cpu()))
 
@@ -293,13 +303,15 @@ def _fetch_source(version: str, work: Path) -> Path:
 
 
 def _compile(source: Path, build: Path, options: BuildOptions, log: Path, progress: bool | None) -> None:
-    nice = ["nice", "-n", str(options.nice)] if options.nice and shutil.which("nice") else []
+    # niceness `options.nice` in all, not on top of the caller's own (a niced caller would starve it)
+    extra_nice = max(0, options.nice - os.nice(0))
+    prefix = ["nice", "-n", str(extra_nice)] if extra_nice and shutil.which("nice") else []
     # line-buffered output all the way down (cmake, ninja), so the progress bar moves as it builds
-    nice += ["stdbuf", "-oL"] if shutil.which("stdbuf") else []
+    prefix += ["stdbuf", "-oL"] if shutil.which("stdbuf") else []
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    configure = [*nice, "cmake", "-S", str(source), "-B", str(build), *generator,
+    configure = [*prefix, "cmake", "-S", str(source), "-B", str(build), *generator,
                  *(f"-D{k}={v}" for k, v in options.cmake)]
-    compile_ = [*nice, "cmake", "--build", str(build), "-j", str(options.jobs),
+    compile_ = [*prefix, "cmake", "--build", str(build), "-j", str(options.jobs),
                 "--target", *TARGETS]
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(source.parent)}  # no parent repo's commit
     with log.open("w") as sink:
@@ -360,25 +372,17 @@ def locate(given: str | os.PathLike | None = None, *, build: bool = True,
     DeployError saying how to get one instead)."""
     if given is not None:
         path = Path(given).expanduser()
-        return _from_folder(path, f"given: {path}") if path.is_dir() else _given_binary(path)
+        return _from_folder(path, "given") if path.is_dir() else _from_folder(path.parent, "given", path)
     found = find_build()
     if found is not None:
         return found
     on_path = shutil.which("llama-server")
     if on_path:
-        return _given_binary(Path(on_path), source=f"PATH: {on_path}")
+        return _from_folder(Path(on_path).parent, "PATH", Path(on_path))
     if not build:
         raise DeployError("no llama-server found: build the project's with `python -m edgespec.deploy`, "
                           f"or pass its path (or set ${BIN_ENV})")
     return find_or_build(progress=progress)
-
-
-def _given_binary(path: Path, source: str | None = None) -> LlamaCppBuild:
-    if not (path.is_file() and os.access(path, os.X_OK)):
-        raise DeployError(f"not an executable llama-server: {path}")
-    rpc = shutil.which("rpc-server", path=str(path.parent)) or shutil.which("ggml-rpc-server", path=str(path.parent))
-    return LlamaCppBuild(folder=path.parent, server=path, rpc_server=Path(rpc) if rpc else None,
-                         source=source or f"given: {path}")
 
 
 def main(argv: list[str] | None = None) -> int:

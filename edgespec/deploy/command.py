@@ -20,7 +20,7 @@ from ..errors import DeployError
 from .flags import ServerHelp
 
 __all__ = ["SpecSettings", "ServerOptions", "ServerCommand", "DeployConfig", "SPEC_CHOICES", "NGRAM_TYPES",
-           "server_argv", "deploy_command", "default_threads", "bundle_models"]
+           "server_argv", "deploy_options", "deploy_command", "default_threads", "bundle_models", "draft_cost"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,10 +65,6 @@ class SpecSettings:
                               f"{self.draft_n_max} and {self.draft_n_min}")
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise DeployError(f"draft p_min must be in [0, 1], got {self.draft_p_min}")
-
-    @property
-    def label(self) -> str:
-        return self.type
 
 
 @dataclass(frozen=True)
@@ -268,8 +264,9 @@ def _chat_template(bundle) -> tuple[Path | None, str | None]:
     return path, f"chat template: the bundle's ({tok.chat_template_source}), written to {path}"
 
 
-def deploy_command(cfg: DeployConfig, h: ServerHelp) -> ServerCommand:
-    """The llama-server command that serves `cfg.bundle` on the build `h` describes."""
+def deploy_options(cfg: DeployConfig) -> tuple[ServerOptions, tuple[str, ...]]:
+    """What serves `cfg.bundle` (its models, speculative type, context, threads, chat template) and
+    why, decided from the bundle alone: a bad bundle fails here, before any llama.cpp is looked for."""
     from ..bundle import load_bundle
 
     bundle = load_bundle(cfg.bundle)
@@ -282,4 +279,10 @@ def deploy_command(cfg: DeployConfig, h: ServerHelp) -> ServerCommand:
     opts = ServerOptions(model=target, spec=spec, draft=draft, context=context,
                          threads=cfg.threads or default_threads(), host=cfg.host, port=cfg.port,
                          parallel=cfg.parallel, rpc=cfg.rpc, chat_template_file=template, extra=cfg.extra)
-    return ServerCommand(argv=tuple(server_argv(h, opts)), options=opts, notes=tuple(notes))
+    return opts, tuple(notes)
+
+
+def deploy_command(cfg: DeployConfig, h: ServerHelp) -> ServerCommand:
+    """The llama-server command that serves `cfg.bundle` on the build `h` describes."""
+    opts, notes = deploy_options(cfg)
+    return ServerCommand(argv=tuple(server_argv(h, opts)), options=opts, notes=notes)

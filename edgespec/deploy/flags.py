@@ -35,7 +35,6 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "chat_template_file": ("--chat-template-file",),
     "gpu_layers": ("--gpu-layers", "--n-gpu-layers", "-ngl"),
     "rpc": ("--rpc",),
-    "no_webui": ("--no-webui", "--no-ui"),
     "spec_type": ("--spec-type",),
     "draft_model": ("--spec-draft-model", "--model-draft", "-md"),
     "draft_n_max": ("--spec-draft-n-max", "--draft-max", "--draft-n", "--draft"),
