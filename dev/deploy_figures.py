@@ -33,7 +33,7 @@ def export(out: Path, layers: int) -> Path:
         from edgespec.models.catalog import preset_source
 
         export_bundle(ExportConfig(output=bundle, target=preset_source("gemma3-270m"), formats=("gguf",),
-                                   draft_layers=layers, force=True))
+                                   draft_layers=layers, draft_vocab=None, force=True))
     return bundle
 
 

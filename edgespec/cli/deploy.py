@@ -22,7 +22,7 @@ def _rpc_list(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..deploy.command import DEFAULT_CONTEXT, SPEC_CHOICES
+    from ..deploy.command import DEFAULT_CONTEXT, DRAFT_N_MAX, DRAFT_N_MIN, DRAFT_P_MIN, SPEC_CHOICES
 
     p = argparse.ArgumentParser(
         prog="edgespec deploy", description="Print (or --run) the llama-server command for a bundle's GGUF target and "
@@ -37,10 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec", choices=SPEC_CHOICES, default="auto",
                    help="auto: the bundle's standalone draft (draft-simple) when it is cheaper than the target, else "
                         "ngram-simple (prompt lookup); none: the target alone (default: auto)")
-    g.add_argument("--draft-max", type=int, default=8, help="longest draft per step (default: 8)")
-    g.add_argument("--draft-min", type=int, default=0, help="shortest draft worth verifying (default: 0)")
-    g.add_argument("--draft-p-min", type=float, default=0.75,
-                   help="the draft stops drafting below this probability of its own token (default: 0.75)")
+    g.add_argument("--draft-max", type=int, default=DRAFT_N_MAX,
+                   help=f"longest draft per step (default: {DRAFT_N_MAX}, llama.cpp's)")
+    g.add_argument("--draft-min", type=int, default=DRAFT_N_MIN,
+                   help=f"shortest draft worth verifying (default: {DRAFT_N_MIN})")
+    g.add_argument("--draft-p-min", type=float, default=DRAFT_P_MIN,
+                   help=f"the draft stops below this probability of its own token (default: {DRAFT_P_MIN:g})")
     g = p.add_argument_group("server")
     g.add_argument("-c", "--context", type=int, default=None,
                    help=f"tokens of context (default: {DEFAULT_CONTEXT}, or the model's trained context if shorter)")
@@ -48,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8080, help="port to listen on (default: 8080)")
     g.add_argument("--parallel", type=int, default=None, help="requests served at once (default: llama-server's)")
+    g.add_argument("--repack", action="store_true",
+                   help="let llama.cpp repack the weights (faster one-token kernels on some CPUs, which round apart "
+                        "from its batches: drafting may then change greedy output; default: off)")
     g.add_argument("--rpc", type=_rpc_list, default=(), metavar="HOST:PORT,...",
                    help="spread the target's layers over these llama.cpp rpc-server workers (the draft stays here)")
     p.add_argument("-v", "--verbose", action="count", default=0)
@@ -65,7 +70,7 @@ def main(argv: list[str]) -> int:
 
     cfg = DeployConfig(bundle=args.bundle, spec=args.spec, draft_n_max=args.draft_max, draft_n_min=args.draft_min,
                        draft_p_min=args.draft_p_min, context=args.context, threads=args.threads, host=args.host,
-                       port=args.port, parallel=args.parallel, rpc=args.rpc, extra=tuple(extra))
+                       port=args.port, parallel=args.parallel, rpc=args.rpc, repack=args.repack, extra=tuple(extra))
     opts, notes = deploy_options(cfg)  # the bundle first: a bad one fails before llama.cpp is looked for
     build = locate(args.llama_server)
     cmd = ServerCommand(argv=tuple(server_argv(read_help(build.server), opts)), options=opts, notes=notes)

@@ -35,6 +35,9 @@ NGRAM_SETTINGS: dict[str, tuple[tuple[str, int], ...]] = {
     "ngram-mod": (("ngram_mod_n_match", 24), ("ngram_mod_n_min", 48), ("ngram_mod_n_max", 64)),
 }
 DEFAULT_CONTEXT = 4096  # edgespec's own default context
+# a draft model's settings: llama.cpp's own defaults in the pinned release, written out so that a
+# release changing them changes nothing here
+DRAFT_N_MAX, DRAFT_N_MIN, DRAFT_P_MIN = 3, 0, 0.0
 # above this share of the target's bytes per token a draft model cannot pay for itself: with k
 # drafts a step costs 1 + k*c target tokens and yields at most k + 1 (docs/deploy.md)
 MAX_DRAFT_COST = 0.5
@@ -51,9 +54,9 @@ class SpecSettings:
     step, the shortest worth verifying, and the draft's least probability to go on drafting."""
 
     type: str = "none"  # "none", "draft-simple" or one of NGRAM_TYPES
-    draft_n_max: int = 8
-    draft_n_min: int = 0
-    draft_p_min: float = 0.75
+    draft_n_max: int = DRAFT_N_MAX
+    draft_n_min: int = DRAFT_N_MIN
+    draft_p_min: float = DRAFT_P_MIN
     ngram: tuple[tuple[str, int], ...] = ()  # overrides of NGRAM_SETTINGS values, by flag key
 
     def __post_init__(self) -> None:
@@ -84,6 +87,9 @@ class ServerOptions:
     jinja: bool = True
     metrics: bool = True
     seed: int | None = None
+    # llama.cpp's repacked weights (None: its default, on): their one-token kernels round apart from
+    # its batches, so a speculative verify could turn greedy output from the target alone's
+    repack: bool | None = None
     extra: tuple[str, ...] = ()  # more flags, passed through (checked against the build's --help)
 
     def __post_init__(self) -> None:
@@ -133,6 +139,8 @@ def server_argv(h: ServerHelp, o: ServerOptions) -> list[str]:
         argv += [h.flag("seed"), str(o.seed)]
     if o.metrics:
         argv.append(h.flag("metrics"))
+    if o.repack is not None:
+        argv.append(h.flag("repack" if o.repack else "no_repack"))
     if o.jinja and h.has("jinja"):
         argv.append(h.flag("jinja"))
     if o.chat_template_file is not None:
@@ -151,15 +159,18 @@ class DeployConfig:
 
     bundle: str
     spec: str = "auto"  # one of SPEC_CHOICES
-    draft_n_max: int = 8
-    draft_n_min: int = 0
-    draft_p_min: float = 0.75
+    draft_n_max: int = DRAFT_N_MAX
+    draft_n_min: int = DRAFT_N_MIN
+    draft_p_min: float = DRAFT_P_MIN
     context: int | None = None  # None: DEFAULT_CONTEXT, capped at the target's trained context
     threads: int | None = None  # None: the cores this process may use
     host: str = "127.0.0.1"
     port: int = 8080
     parallel: int | None = None
     rpc: tuple[str, ...] = ()
+    # llama.cpp's repacked weights, off: a verify batch, one token and an RPC worker (which does not
+    # repack) then round alike, so drafting and splitting keep the target's greedy text
+    repack: bool = False
     extra: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -197,11 +208,14 @@ def bundle_models(bundle) -> tuple[Path, Path | None, bool]:
     d = m.draft.formats.get("gguf") if m.draft is not None else None
     if d is None:
         return target, None, False
-    rel = (d.quantization or {}).get("standalone")
+    quant = d.quantization or {}
+    # a draft with the whole vocabulary is itself loadable alone; a trimmed one names its twin
+    rel = quant.get("standalone") or (d.file if m.draft.id_map is None and "input_embedding" not in quant else None)
     if not rel:
         return target, None, False  # a trimmed head with no full-vocabulary twin: not loadable alone
     draft = bundle.file(rel)
-    same = m.self_draft or (draft.exists() and target.exists() and os.path.samefile(draft, target))
+    # `--draft self` without a cut or another precision: the draft file is the target file
+    same = draft.exists() and target.exists() and os.path.samefile(draft, target)
     return target, draft, same
 
 
@@ -278,7 +292,8 @@ def deploy_options(cfg: DeployConfig) -> tuple[ServerOptions, tuple[str, ...]]:
     notes += [note] if note else []
     opts = ServerOptions(model=target, spec=spec, draft=draft, context=context,
                          threads=cfg.threads or default_threads(), host=cfg.host, port=cfg.port,
-                         parallel=cfg.parallel, rpc=cfg.rpc, chat_template_file=template, extra=cfg.extra)
+                         parallel=cfg.parallel, rpc=cfg.rpc, chat_template_file=template, repack=cfg.repack,
+                         extra=cfg.extra)
     return opts, tuple(notes)
 
 

@@ -35,6 +35,8 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "chat_template_file": ("--chat-template-file",),
     "gpu_layers": ("--gpu-layers", "--n-gpu-layers", "-ngl"),
     "rpc": ("--rpc",),
+    "repack": ("--repack",),
+    "no_repack": ("--no-repack", "-nr"),
     "spec_type": ("--spec-type",),
     "draft_model": ("--spec-draft-model", "--model-draft", "-md"),
     "draft_n_max": ("--spec-draft-n-max", "--draft-max", "--draft-n", "--draft"),
