@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import stat
+import tempfile
 import threading
 from pathlib import Path
 
@@ -339,3 +340,27 @@ def test_auto_drafts_with_the_bundles_draft_only_where_it_can_pay(tmp_path):
     assert (spec.type, draft) == ("draft-simple", dear)
     with pytest.raises(DeployError, match="needs a standalone draft"):
         _resolve_spec(DeployConfig(bundle="b", spec="draft-simple"), target, None, False)
+
+
+def test_an_ngram_setting_can_be_changed_and_only_its_own_types():
+    spec = SpecSettings(type="ngram-mod", ngram=(("ngram_mod_n_match", 8),))
+    got = _pairs(server_argv(_help(), ServerOptions(model=Path("t.gguf"), spec=spec)))
+    assert (got["--spec-ngram-mod-n-match"], got["--spec-ngram-mod-n-min"]) == ("8", "48")
+    with pytest.raises(DeployError, match="ngram_simple_size_n: not a setting of ngram-mod"):
+        SpecSettings(type="ngram-mod", ngram=(("ngram_simple_size_n", 4),))
+
+
+def test_a_server_that_dies_at_start_is_one_error_quoting_its_log(tmp_path, monkeypatch):
+    import sys
+
+    from edgespec.deploy.process import ServerProcess, child_env, free_port
+
+    argv = [sys.executable, "-c", "import sys; print('error: model file is damaged'); sys.exit(3)"]
+    with pytest.raises(DeployError, match=r"exited with 3 before it was ready: error: model file is damaged \(log: "):
+        ServerProcess(argv, host="127.0.0.1", port=free_port(), timeout=30)
+    kept = [p for p in Path(tempfile.gettempdir()).glob("edgespec-python*.log") if "damaged" in p.read_text()]
+    assert kept  # the log a failure quotes stays
+    for p in kept:
+        p.unlink()
+    monkeypatch.setenv("LLAMA_ARG_SPEC_TYPE", "ngram-mod")
+    assert "LLAMA_ARG_SPEC_TYPE" not in child_env() and "PATH" in child_env()

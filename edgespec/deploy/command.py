@@ -10,7 +10,6 @@ the target's layers.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shlex
 from dataclasses import dataclass, field
@@ -21,8 +20,6 @@ from .flags import ServerHelp
 
 __all__ = ["SpecSettings", "ServerOptions", "ServerCommand", "DeployConfig", "SPEC_CHOICES", "NGRAM_TYPES",
            "server_argv", "deploy_options", "deploy_command", "default_threads", "bundle_models", "draft_cost"]
-
-logger = logging.getLogger(__name__)
 
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod")
 SPEC_CHOICES = ("auto", "none", "draft-simple", *NGRAM_TYPES)
@@ -68,6 +65,11 @@ class SpecSettings:
                               f"{self.draft_n_max} and {self.draft_n_min}")
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise DeployError(f"draft p_min must be in [0, 1], got {self.draft_p_min}")
+        known = dict(NGRAM_SETTINGS.get(self.type, ()))
+        stray = [key for key, _ in self.ngram if key not in known]
+        if stray:
+            raise DeployError(f"{', '.join(stray)}: not a setting of {self.type} (its settings: "
+                              f"{', '.join(known) or 'none'})")
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,8 @@ class _Child:
 
     def __init__(self, argv: Sequence[str], *, log: Path | None = None) -> None:
         self.argv = [str(a) for a in argv]
+        # a log of its own is removed on a clean close; one that a failure quotes stays
+        self._own_log = log is None
         if log is None:
             fd, name = tempfile.mkstemp(prefix=f"edgespec-{Path(self.argv[0]).name}-", suffix=".log")
             os.close(fd)
@@ -100,19 +102,21 @@ class _Child:
         return lines[-1] if lines else ""
 
     def _failed(self, why: str) -> DeployError:
+        self._own_log = False
         self.close()
         return DeployError(f"{self.what} {why}: {self.last_line() or 'no output'} (log: {self.log})")
 
     def close(self) -> None:
         proc = getattr(self, "proc", None)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if getattr(self, "_own_log", False):
+            self.log.unlink(missing_ok=True)
 
     def __enter__(self):
         return self
