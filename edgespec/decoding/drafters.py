@@ -40,6 +40,7 @@ from edgespec.decoding.acceptance import map_draft_ids
 from edgespec.decoding.cache import TrackedCache
 from edgespec.decoding.context_vocab import ContextVocab, Extension
 from edgespec.decoding.draft import Draft, Drafter
+from edgespec.decoding.grammar import Constraint
 from edgespec.decoding.head_drafter import HeadDrafter, draft_distribution, draft_index
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.recycling import RecyclingDrafter
@@ -92,6 +93,7 @@ class ModelDrafter(Drafter):
     """
 
     source = "model"
+    constrained = True
 
     def __init__(self, runtime: Runtime, target_vocab: int, id_map: np.ndarray | None = None,
                  guess: Callable[[list[int], list[int]], list[int]] | None = None,
@@ -121,7 +123,7 @@ class ModelDrafter(Drafter):
         self._context = (ContextVocab(self.id_map, target_vocab, rows, lambda: self._index)
                          if rows is not None and self.id_map is not None else None)
 
-    def propose(self, tokens, limit, policy, params, rng) -> Draft:
+    def propose(self, tokens, limit, policy, params, rng, constraint: Constraint | None = None) -> Draft:
         k = min(policy.next_k(self.source), limit)
         if k <= 0:
             return Draft([])
@@ -144,6 +146,10 @@ class ModelDrafter(Drafter):
                 ahead = self._feed(tokens, drafts, pending, len(ahead), ext, n_guess)
                 computed = len(pending) - min(self.runtime.reused_rows, len(pending))
             logits = ahead.pop(0)[1]
+            if constraint is not None:  # a grammar: draw only what it allows (the draft ends where nothing is)
+                logits = constraint.masked(logits, drafts, id_map)
+                if logits is None:
+                    break
             if params.greedy:
                 new = map_draft_ids([int(np.argmax(logits))], id_map)
             else:
@@ -164,6 +170,8 @@ class ModelDrafter(Drafter):
         ms = 1e3 * sum(steady) / len(steady) if steady else None
         if self.guess_forwards > forwards:
             policy.learn_lookahead(self.source, self.guess_forwards - forwards, self.guess_hits - hits)
+        if not drafts:  # a grammar allowed none of the draft's tokens
+            return Draft([])
         return Draft(drafts, dists or None, self.source, ms)
 
     @cached_property
@@ -304,10 +312,13 @@ class BothDrafter(Drafter):
         self.lookup, self.model, self.recycle = lookup, model, recycle
         self.runtimes = model.runtimes if model is not None else ()
         self.trees = recycle is not None and recycle.trees  # its recycled drafts may be trees
+        self.constrained = True  # a grammar cuts the lookup's and recycling's proposals before the choice
 
-    def propose(self, tokens, limit, policy, params, rng) -> Draft:
+    def propose(self, tokens, limit, policy, params, rng, constraint: Constraint | None = None) -> Draft:
         t0 = self.lookup.clock()
         found, source = self.lookup.candidate(tokens, limit)
+        if constraint is not None:
+            found = found[:constraint.valid_prefix(found)]
         rivals = [d.source for d in (self.recycle, self.model) if d is not None]
         if found and all(policy.prefers(source, rival) for rival in rivals):
             draft = self.lookup.take(found, source, policy, t0)
@@ -315,12 +326,15 @@ class BothDrafter(Drafter):
                 return draft
         if self.recycle is not None and (self.model is None or policy.prefers(self.recycle.source, self.model.source)):
             draft = self.recycle.propose(tokens, limit, policy, params, rng)
+            if constraint is not None and draft.tree is None:
+                draft = constraint.fit(draft)
             if draft.tokens:
                 return draft
         if self.model is None:  # recycling found nothing: the lookup's match, if the policy wants it
             return self.lookup.take(found, source, policy, t0) if found else Draft([])
-        draft = self.model.propose(tokens, limit, policy, params, rng)
-        return self.lookup.extend(tokens, draft, limit, policy, self.model.target_vocab)
+        draft = self.model.propose(tokens, limit, policy, params, rng, constraint)
+        draft = self.lookup.extend(tokens, draft, limit, policy, self.model.target_vocab)
+        return draft if constraint is None else constraint.fit(draft)  # the tail is a lookup's
 
     def sync(self, tokens: list[int]) -> None:
         if self.model is not None:
