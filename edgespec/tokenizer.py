@@ -68,6 +68,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.info.chat_template)
 
+    def serialized(self) -> str:
+        """The tokenizer as tokenizer.json text (a grammar engine builds its view of it from this)."""
+        return self._tok.to_str()
+
     def token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edgespec.errors import ConfigError
+from edgespec.errors import ConfigError, GrammarError
 
 if TYPE_CHECKING:
     from edgespec.decoding.draft import Draft
@@ -52,10 +52,6 @@ MAX_SPEC_BYTES = 256 << 10
 # fixed separators are text the grammar forces. A schema's own "x-guidance" object overrides these.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHED = 32  # compiled formats an engine keeps (a server sees a few schemas again and again)
-
-
-class GrammarError(ConfigError):
-    """A response format that cannot be compiled or followed, or a reply too short to complete it."""
 
 
 def _first_line(text: object, limit: int = 300) -> str:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import threading
 
     from ..bundle import Manifest
+    from ..decoding.grammar import Grammar, ResponseFormat
     from ..tokenizer import Tokenizer
     from .engine import Engine, Response
 
@@ -150,20 +151,25 @@ class ChatSession:
 
     def send(self, message: str, *, max_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop: Sequence[str] = (),
-             stop_event: threading.Event | None = None, wait: bool | float = False) -> Iterator[Response]:
+             stop_event: threading.Event | None = None, wait: bool | float = False,
+             response_format: ResponseFormat | dict | None = None) -> Iterator[Response]:
         """Add a user message and stream the reply. The reply is recorded in the history
         even when the stream is stopped early (a Stop button setting `stop_event`, leaving the
         loop, Ctrl-C); a turn refused before its first token (BusyError) leaves no trace.
-        stop, stop_event, wait: as in Engine.stream; the chat format's stop strings are added.
+        stop, stop_event, wait, response_format: as in Engine.stream; the chat format's stop
+        strings are added, except under a response format, whose grammar decides where the reply
+        ends (a transcript's markers and blank lines would cut it short).
         Greedy by default (reproducible); CLI chat samples with models.chat_formats.CHAT_SAMPLING."""
         if not check_text(message, "the message").strip():
             raise ConfigError("empty message")
         check_max_tokens(max_tokens)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
-        return self._turn(message, params, max_tokens, check_stop(stop) + self.format.stop, stop_event, wait)
+        grammar = self.engine.grammar(response_format)
+        stop = check_stop(stop) + (self.format.stop if grammar is None else ())
+        return self._turn(message, params, max_tokens, stop, stop_event, wait, grammar)
 
     def _turn(self, message: str, params: SamplingParams, max_tokens: int, stop: tuple[str, ...],
-              stop_event, wait) -> Iterator[Response]:
+              stop_event, wait, grammar: Grammar | None = None) -> Iterator[Response]:
         self.messages.append({"role": "user", "content": message})
         reply, stats = [], GenerationStats()
         tokens = None
@@ -171,9 +177,9 @@ class ChatSession:
             # may drop the oldest turns; a message too long for the context raises ContextFullError
             tokens = self._fit_context(max_tokens)
             t = self.format.transcript
-            shaper = ReplyShaper(t.blank_line_ends) if t is not None else None
+            shaper = ReplyShaper(t.blank_line_ends) if t is not None and grammar is None else None
             stream = self.engine.stream_ids(tokens, params, max_tokens, stop, stats=stats,
-                                            stop_event=stop_event, wait=wait)
+                                            stop_event=stop_event, wait=wait, grammar=grammar)
             try:
                 for r in stream:
                     if shaper is not None:
