@@ -11,8 +11,8 @@ import pytest
 from scipy.stats import chi2, ncx2
 
 from edgespec.decoding import FixedK, RecyclingDrafter, SamplingParams, SpeculativeDecoder, probabilities
-from edgespec.decoding.limits import DecoderLimits
 from edgespec.decoding.grammar import MAX_SPEC_BYTES, GrammarError, ResponseFormat, _bounded, response_format
+from edgespec.decoding.limits import DecoderLimits
 from edgespec.errors import ConfigError
 from tests.char_tokenizer import EOS, VOCAB, char_compiler, char_tokenizer, char_vocab
 from tests.chi2 import MIN_EXPECTED, pooled_chi_square_p
@@ -216,7 +216,8 @@ def test_constrained_greedy_speculative_equals_plain(drafter):
         elif drafter == "recycle-tree":
             dec = SpeculativeDecoder(target, drafter=RecyclingDrafter(VOCAB, shape=(2, 2, 1)), policy=FixedK(3))
         else:
-            draft, id_map = trimmed_draft(seed) if drafter == "trimmed" else (ToyRuntime(VOCAB, seed=seed, noise=0.3), None)
+            draft, id_map = (trimmed_draft(seed) if drafter == "trimmed"
+                             else (ToyRuntime(VOCAB, seed=seed, noise=0.3), None))
             dec = SpeculativeDecoder(target, draft, id_map=id_map, drafter="both" if drafter == "both" else "model",
                                      policy=FixedK(4))
         for _ in range(2):  # a second stream on warm caches

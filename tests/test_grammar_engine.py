@@ -76,7 +76,8 @@ def test_json_object_regex_and_gbnf(engines):
                        (ResponseFormat.grammar('root ::= "the " animal " is " ("big" | "small")\n'
                                                'animal ::= "cat" | "dog" | "bird"'),
                         lambda t: t.split()[1] in ("cat", "dog", "bird") and t.split()[-1] in ("big", "small")),
-                       (ResponseFormat.grammar('start: "n=" /[0-9]{1,4}/ ";"'), lambda t: t.startswith("n=") and t[-1] == ";")):
+                       (ResponseFormat.grammar('start: "n=" /[0-9]{1,4}/ ";"'),
+                        lambda t: t.startswith("n=") and t[-1] == ";")):
         text = spec.generate(PROMPTS[1], max_tokens=30, response_format=fmt)
         assert check(text), (fmt, text)
         assert text == plain.generate(PROMPTS[1], max_tokens=30, response_format=fmt)
@@ -86,7 +87,8 @@ def test_chat_replies_follow_the_format(zoo):
     for bundle in (zoo.bundle("qwen2", None), zoo.bundle("llama", None)):  # a chat template; a base model's transcript
         with load(bundle) as engine:
             chat = engine.chat()
-            item("".join(r.text for r in chat.send("the cat", max_tokens=80, response_format=ResponseFormat.json_schema(ITEM))))
+            fmt = ResponseFormat.json_schema(ITEM)
+            item("".join(r.text for r in chat.send("the cat", max_tokens=80, response_format=fmt)))
             text = "".join(r.text for r in chat.send("and the dog", max_tokens=8,
                                                      response_format=ResponseFormat.regex("(yes|no)")))
             assert text in ("yes", "no")

@@ -11,7 +11,8 @@ from collections.abc import Callable
 from ..errors import ConfigError, EdgespecError
 
 __all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "sampling_params", "cli_entry", "setup_logging",
-           "open_engine", "engine_config_from_args", "print_memory_plan", "add_format_args", "response_format_from_args"]
+           "open_engine", "engine_config_from_args", "print_memory_plan", "add_format_args",
+           "response_format_from_args"]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -134,28 +134,20 @@ class ModelDrafter(Drafter):
         ahead: list[tuple[int, np.ndarray]] = []  # guesses fed past the last draft, with the logits after each
         pending = self._cache.pending(tokens)  # fed next; empty when the last draft was a guess already fed
         ext = self._context.update(tokens) if self._context is not None else None
-        id_map = self.id_map if ext is None else ext.id_map
         # how many lookahead guesses a forward may feed: each costs a wider forward, each one drawn
         # saves one (likely under greedy decoding, rarer the flatter the sampler)
         n_guess = policy.lookahead(self.source, GUESSES) if self.guess is not None else 0
-        forwards, hits = self.guess_forwards, self.guess_hits
+        before = self.guess_forwards, self.guess_hits
         for _ in range(k):
             t0 = self.clock()
             computed = 0  # catch-up rows this iteration's forward computed (a guess hit needs none)
             if pending:
                 ahead = self._feed(tokens, drafts, pending, len(ahead), ext, n_guess)
                 computed = len(pending) - min(self.runtime.reused_rows, len(pending))
-            logits = ahead.pop(0)[1]
-            if constraint is not None:  # a grammar: draw only what it allows (the draft ends where nothing is)
-                logits = constraint.masked(logits, drafts, id_map)
-                if logits is None:
-                    break
-            if params.greedy:
-                new = map_draft_ids([int(np.argmax(logits))], id_map)
-            else:
-                dists.append(draft_distribution(logits, params, id_map,
-                                                (lambda: self._index) if ext is None else (lambda: ext.index)))
-                new = [dists[-1].sample(rng)]  # a target id
+            drawn = self._draw(ahead.pop(0)[1], drafts, params, rng, ext, constraint, dists)
+            if drawn is None:  # a grammar allows none of the draft's tokens here
+                break
+            new, logits = [drawn[0]], drawn[1]
             if policy.uses_confidence:
                 confidences.append(top_probability(logits))
             # a long catch-up is not the cost of one more token; one the runtime held already
@@ -167,12 +159,34 @@ class ModelDrafter(Drafter):
             self.guess_hits += not pending
             if confidences and not policy.keep_drafting(confidences):
                 break
-        ms = 1e3 * sum(steady) / len(steady) if steady else None
+        return self._drafted(drafts, dists, steady, policy, before)
+
+    def _draw(self, logits: np.ndarray, drafts: list[int], params, rng, ext: Extension | None,
+              constraint: Constraint | None, dists: list[TokenDist]) -> tuple[int, np.ndarray] | None:
+        """One drafted token (a target id) from a draft row, and the row it was drawn from: the
+        argmax, or a draw from the sampler's distribution (appended to `dists`); under a grammar,
+        from the row masked by it (None: it allows none of the row's tokens)."""
+        id_map = self.id_map if ext is None else ext.id_map
+        if constraint is not None:
+            logits = constraint.masked(logits, drafts, id_map)
+            if logits is None:
+                return None
+        if params.greedy:
+            return map_draft_ids([int(np.argmax(logits))], id_map)[0], logits
+        index = (lambda: self._index) if ext is None else (lambda: ext.index)
+        dists.append(draft_distribution(logits, params, id_map, index))
+        return dists[-1].sample(rng), logits
+
+    def _drafted(self, drafts: list[int], dists: list[TokenDist], steady: list[float], policy: DraftPolicy,
+                 before: tuple[int, int]) -> Draft:
+        """The draft, its marginal cost per token, and what the lookahead's guesses earned (told
+        to the policy): `before` holds the guess counters when the draft began."""
+        forwards, hits = before
         if self.guess_forwards > forwards:
             policy.learn_lookahead(self.source, self.guess_forwards - forwards, self.guess_hits - hits)
-        if not drafts:  # a grammar allowed none of the draft's tokens
+        if not drafts:
             return Draft([])
-        return Draft(drafts, dists or None, self.source, ms)
+        return Draft(drafts, dists or None, self.source, 1e3 * sum(steady) / len(steady) if steady else None)
 
     @cached_property
     def _index(self) -> np.ndarray:
@@ -325,16 +339,13 @@ class BothDrafter(Drafter):
             if draft.tokens:
                 return draft
         if self.recycle is not None and (self.model is None or policy.prefers(self.recycle.source, self.model.source)):
-            draft = self.recycle.propose(tokens, limit, policy, params, rng)
-            if constraint is not None and draft.tree is None:
-                draft = constraint.fit(draft)
+            draft = _fit(self.recycle.propose(tokens, limit, policy, params, rng), constraint)
             if draft.tokens:
                 return draft
         if self.model is None:  # recycling found nothing: the lookup's match, if the policy wants it
             return self.lookup.take(found, source, policy, t0) if found else Draft([])
         draft = self.model.propose(tokens, limit, policy, params, rng, constraint)
-        draft = self.lookup.extend(tokens, draft, limit, policy, self.model.target_vocab)
-        return draft if constraint is None else constraint.fit(draft)  # the tail is a lookup's
+        return _fit(self.lookup.extend(tokens, draft, limit, policy, self.model.target_vocab), constraint)
 
     def sync(self, tokens: list[int]) -> None:
         if self.model is not None:
@@ -346,6 +357,11 @@ class BothDrafter(Drafter):
 
     def observe(self, tokens: list[int], logits: np.ndarray) -> list[tuple[str, int, int]]:
         return self.recycle.observe(tokens, logits) if self.recycle is not None else []
+
+
+def _fit(draft: Draft, constraint: Constraint | None) -> Draft:
+    """A chain cut where a grammar refuses it (grammar.Constraint.fit); trees are masked at the verify."""
+    return draft if constraint is None or draft.tree is not None else constraint.fit(draft)
 
 
 # ---------------------------------------------------------------- registry

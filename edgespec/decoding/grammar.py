@@ -139,9 +139,11 @@ class ResponseFormat:
 
     def describe(self) -> str:
         """The format as messages name it, e.g. "the JSON schema 'person'"."""
+        if self.kind == "grammar":
+            return f"the {self.name} grammar" if self.name else "the grammar"
         named = f" '{self.name}'" if self.name else ""
         return {"json_schema": f"the JSON schema{named}", "json_object": "a JSON object",
-                "regex": "the regular expression", "grammar": f"the grammar{named}"}[self.kind]
+                "regex": "the regular expression"}[self.kind]
 
     def llguidance_grammar(self) -> str:
         """The format as llguidance's grammar text (a GBNF grammar converted to Lark first)."""
@@ -322,13 +324,7 @@ class Constraint:
             if a != b:
                 break
             common += 1
-        if common < len(self._path):
-            back = len(self._path) - common - self._ended
-            if back:
-                self._m.rollback(back)
-            self._ended = False
-            del self._path[common:]
-            del self._masks[common + 1:]
+        self._back_to(common)
         rest = [int(t) for t in path[common:]]
         if not rest or self._ended or self.finished:
             return common
@@ -344,6 +340,17 @@ class Constraint:
             self._ended = True
             n += 1
         return common + n
+
+    def _back_to(self, depth: int) -> None:
+        """Roll the matcher back to `depth` tokens of the current path."""
+        if depth >= len(self._path):
+            return
+        back = len(self._path) - depth - self._ended  # a stop id was never fed
+        if back:
+            self._m.rollback(back)
+        self._ended = False
+        del self._path[depth:]
+        del self._masks[depth + 1:]
 
     def _here(self) -> np.ndarray:
         """The mask after the whole current path (which does not end with a stop id)."""

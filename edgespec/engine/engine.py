@@ -34,7 +34,7 @@ from ..decoding import (
     check_max_tokens,
     make_policy,
 )
-from ..decoding.grammar import Grammar, GrammarCompiler, GrammarError, ResponseFormat, response_format
+from ..decoding.grammar import Constraint, Grammar, GrammarCompiler, GrammarError, ResponseFormat, response_format
 from ..decoding.limits import DecoderLimits
 from ..decoding.overlap import OverlappedDecoder
 from ..errors import BusyError, ConfigError, ContextFullError, EngineClosedError
@@ -310,7 +310,7 @@ class Engine:
         self.last_stats = st
         st.prompt_tokens = len(tokens)
         max_tokens = self._fit_context(tokens, max_tokens)
-        constraint = None if grammar is None else _constraint(grammar, max_tokens)
+        constraint = _constraint(grammar, max_tokens)
         dec = IncrementalDecoder(self.tokenizer)
         text, sent = "", 0
         t0 = self._clock()
@@ -330,9 +330,7 @@ class Engine:
                 if done and not hit:
                     cut = len(text)
                 reason = "stop" if (ended or hit) else ("length" if done else None)
-                if reason == "length" and constraint is not None and not constraint.accepting:
-                    raise GrammarError(f"the reply reached max_tokens ({max_tokens}) before it completed "
-                                       f"{grammar.format.describe()}; raise max_tokens")
+                _check_complete(reason, constraint, max_tokens)
                 yield Response(text[sent:cut], step.tokens, min(step.accepted, len(step.tokens) - 1),
                                st.tokens_per_s, reason, st, self.memory())
                 sent = cut
@@ -437,15 +435,25 @@ class Engine:
         self.close()
 
 
-def _constraint(grammar: Grammar, max_tokens: int):
-    """A generation's grammar state; a GrammarError at once where the text the grammar forces at
-    the start alone is longer than max_tokens."""
+def _constraint(grammar: Grammar | None, max_tokens: int) -> Constraint | None:
+    """A generation's grammar state (None: no grammar); a GrammarError at once where the text the
+    grammar forces at the start alone is longer than max_tokens."""
+    if grammar is None:
+        return None
     constraint = grammar.constraint()
     opening = constraint.opening()
     if opening > max_tokens:
         raise GrammarError(f"{grammar.format.describe()} forces {opening} tokens before any choice, more than "
                            f"max_tokens ({max_tokens}); raise max_tokens")
     return constraint
+
+
+def _check_complete(reason: str | None, constraint: Constraint | None, max_tokens: int) -> None:
+    """A reply that ends at max_tokens before its grammar is complete is an error, not a reply:
+    it would not parse (or match its format) as the caller was promised."""
+    if reason == "length" and constraint is not None and not constraint.accepting:
+        raise GrammarError(f"the reply reached max_tokens ({max_tokens}) before it completed "
+                           f"{constraint.format.describe()}; raise max_tokens")
 
 
 def _with_config_fields(fn):
