@@ -42,12 +42,13 @@ MAX_REGIMES = 8  # sampling settings whose policies a decoder keeps (a chat uses
 GREEDY_REGIME = ("greedy",)
 
 
-def sampling_regime(params: SamplingParams) -> tuple:
+def sampling_regime(params: SamplingParams, constrained: bool = False) -> tuple:
     """What a draft-length policy's estimates depend on in `params`: greedy, or the sampler's
-    settings (the seed changes neither acceptance nor cost)."""
-    if params.greedy:
-        return GREEDY_REGIME
-    return ("sampled", params.temperature, params.top_p, params.top_k, params.min_p)
+    settings (the seed changes neither acceptance nor cost); and whether a grammar constrains the
+    reply (masked drafts, forced tokens: another acceptance)."""
+    regime = GREEDY_REGIME if params.greedy else ("sampled", params.temperature, params.top_p, params.top_k,
+                                                  params.min_p)
+    return (*regime, "grammar") if constrained else regime
 
 
 @dataclass
@@ -180,7 +181,7 @@ class SpeculativeDecoder:
         constraint: Constraint | None = None,
     ) -> Iterator[StepResult]:
         rng = np.random.default_rng(params.seed)
-        policy = self.policy_for(params)
+        policy = self.policy_for(params, constrained=constraint is not None)
         n_new = 0
         try:
             self._prefill(tokens)
@@ -241,10 +242,11 @@ class SpeculativeDecoder:
         self._rollback(tokens)
         self._target.feed(self._target.pending(tokens)[:-1], n_logits=1)
 
-    def policy_for(self, params: SamplingParams) -> DraftPolicy:
+    def policy_for(self, params: SamplingParams, constrained: bool = False) -> DraftPolicy:
         """The draft-length policy that learns under `params`' sampling regime (sampling_regime):
-        the given policy for greedy decoding, a fresh copy of it for each sampled setting."""
-        key = sampling_regime(params)
+        the given policy for greedy decoding, a fresh copy of it for each sampled setting and for
+        each under a grammar."""
+        key = sampling_regime(params, constrained)
         policy = self._policies.get(key)
         if policy is None:
             policy = self._policies[key] = copy.deepcopy(self._fresh_policy)

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from ..engine.engine import Response
     from .tools import ReplyCalls
 
-__all__ = ["ReplyShape", "CHAT", "COMPLETION", "Envelope", "usage", "finish_reason", "reply", "chunk", "usage_chunk",
-           "events", "sse", "sse_done", "sse_error", "collect"]
+__all__ = ["ReplyShape", "CHAT", "COMPLETION", "Envelope", "usage", "timings", "finish_reason", "reply", "chunk",
+           "usage_chunk", "events", "sse", "sse_done", "sse_error", "collect"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -77,6 +77,16 @@ def usage(st: GenerationStats) -> dict[str, int]:
             "total_tokens": st.prompt_tokens + st.new_tokens}
 
 
+def timings(st: GenerationStats) -> dict[str, Any]:
+    """How the reply was made, in llama.cpp's server's `timings` names (so one benchmark reads
+    both): prompt_* covers the prompt and the first step, predicted_* the tokens after it; then
+    what the drafts and a grammar did."""
+    decode_ms = max(st.elapsed_s - st.first_token_s, 0.0) * 1e3
+    return {"prompt_n": st.prompt_tokens, "prompt_ms": st.first_token_s * 1e3, "predicted_n": st.decode_tokens,
+            "predicted_ms": decode_ms, "predicted_per_second": st.tokens_per_s, "steps": st.steps,
+            "drafted": st.drafted, "accepted": st.accepted, "forced": st.forced}
+
+
 def finish_reason(reason: str | None) -> str:
     # "cancelled" only reaches a client when the server shuts down mid-reply: the text stopped
     return reason if reason in ("length", "tool_calls") else "stop"
@@ -88,6 +98,7 @@ def _body(obj: str, env: Envelope, choice: dict[str, Any] | None, st: Generation
                             "choices": [] if choice is None else [{"index": 0, **choice}]}
     if st is not None:
         body["usage"] = usage(st) if env.note is None else {**usage(st), "edgespec": env.note}
+        body["timings"] = timings(st)
     return body
 
 

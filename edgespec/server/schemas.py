@@ -159,9 +159,11 @@ class _Sampling(_Request):
     logit_bias: dict[str, float] | None = None
     logprobs: Any = None
     user: str | None = None
-    # structured output: OpenAI's response_format; `grammar` (GBNF or Lark) as llama.cpp's server takes it
+    # structured output: OpenAI's response_format; `grammar` (GBNF or Lark) and `json_schema` as
+    # llama.cpp's server takes them
     response_format: ResponseFormatBody | None = None
     grammar: Text | None = None
+    json_schema: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -243,9 +245,10 @@ def unsupported_features(req: _Sampling) -> list[tuple[str, str]]:
 
 def format_conflicts(req: _Sampling) -> list[tuple[str, str]]:
     """(param, message) for structured-output and tool fields that contradict each other."""
-    out = []
-    if req.grammar is not None and req.response_format is not None and req.response_format.type != "text":
-        out.append(("grammar", "give grammar or response_format, not both"))
+    given = [name for name, value in (("response_format", req.response_format), ("grammar", req.grammar),
+                                      ("json_schema", req.json_schema))
+             if value is not None and not (name == "response_format" and value.type == "text")]
+    out = [(given[1], f"give one of {' and '.join(given)}, not both")] if len(given) > 1 else []
     if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none") and not req.tools:
         out.append(("tool_choice", "tool_choice needs tools"))
     return out

@@ -36,6 +36,8 @@ def _choice(req: ChatCompletionRequest) -> ToolChoice:
 def _response_format(req: ChatCompletionRequest | CompletionRequest) -> ResponseFormat | None:
     if req.grammar is not None:
         return ResponseFormat.grammar(req.grammar)
+    if req.json_schema is not None:
+        return ResponseFormat.json_schema(req.json_schema)
     body = req.response_format
     if body is None or body.type == "text":
         return None
