@@ -108,10 +108,12 @@ class Tokenizer:
         return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
 
     def special_token_id(self, text: str) -> int | None:
-        """The id of the special token whose text is `text` (None: no special token is): a
-        grammar names such a token by id, since it is no text to spell."""
+        """The id of the added token whose text is `text`, where the grammar engine holds it as a
+        special token (None: it is text): a grammar names such a token by id, since it is no text
+        to spell. llguidance holds as special every added token marked so, and every added
+        token of the form <...> (Qwen's <tool_call>, say)."""
         for token_id, added in self._tok.get_added_tokens_decoder().items():
-            if added.content == text and added.special:
+            if added.content == text and (added.special or (text.startswith("<") and text.endswith(">"))):
                 return int(token_id)
         return None
 
