@@ -203,6 +203,8 @@ def test_tool_prompts(hermes_bundle, base_bundle):
                                                                                          "maximum": 1}}}},
      "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"json_schema": {"type": "string", "minLength": 3, "maxLength": 1}}, "json_schema"),
+    ({"json_schema": {"enum": ["x" * 1000] * 300}}, "json_schema"),  # past 256 KiB
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"grammar": 'root ::= "a" | ('}, "grammar"),
     ({"grammar": "root ::= x", "response_format": {"type": "json_object"}}, "grammar"),

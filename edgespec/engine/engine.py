@@ -13,7 +13,6 @@ leaves the iterator, or when the engine is closed; the caches are rewound in eve
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -145,6 +144,9 @@ class Engine:
             opened = open_plan(bundle, plan, self._stack, retune=self.config.retune and plan.tuning is None)
             self.target, self.draft, self.opened = opened.target, opened.draft, opened.opened
             self.decoder = self.variant()
+            # builds the grammar engine's view of the tokenizer at its first compile, once (under its lock)
+            self._grammars = GrammarCompiler(self.tokenizer.serialized, self.target.vocab_size,
+                                             sorted(self.tokenizer.stop_ids))
         except BaseException:  # a later step failed: what was opened must not outlive the error
             self._stack.close()
             raise
@@ -237,10 +239,6 @@ class Engine:
                 "tuning": None if tuning is None else tuning.to_dict(), "config": self.config.to_dict()}
 
     # -- structured output -----------------------------------------------------------------
-    @functools.cached_property
-    def _grammars(self) -> GrammarCompiler:
-        return GrammarCompiler(self.tokenizer.serialized, self.target.vocab_size, sorted(self.tokenizer.stop_ids))
-
     def grammar(self, fmt: ResponseFormat | dict | None) -> Grammar | None:
         """`fmt` (a ResponseFormat, OpenAI's response_format object, or None) compiled for this
         model's tokenizer, cached; a GrammarError names what is wrong with it. The first call

@@ -42,7 +42,7 @@ from .schemas import (
     now,
     unsupported_features,
 )
-from .tools import ReplyCalls, RequestFormat
+from .tools import ReplyCalls, RequestFormat, format_param
 from .worker import GenerationWorker, Job, QueueFull
 
 if TYPE_CHECKING:
@@ -172,10 +172,13 @@ async def _generate(request: Request, req: _GenerationRequest, endpoint: _Endpoi
     # the cheap checks first: a refused request never waits for a chat template
     params = _sampling(req)
     max_tokens = _reply_limit(req.asked_tokens(), endpoint.default_tokens(cfg), cfg.max_tokens_cap)
-    fmt = RequestFormat.of(req)
+    try:
+        fmt = RequestFormat.of(req)
+    except ConfigError as e:  # a schema too large, say
+        raise APIError(400, str(e), param=format_param(req), code="invalid_response_format") from None
     prompt = await endpoint.prompt(state, req, fmt)
     _check_context(state.engine, prompt.tokens, endpoint.param)
-    grammar, calls = await _reply_grammar(state.engine, fmt, prompt)
+    grammar, calls = await _reply_grammar(state.engine, fmt, prompt, format_param(req))
     if grammar is not None:  # the grammar says where the reply ends: no transcript stop cuts it short
         prompt = _Prompt(prompt.tokens, req.stop_list(), None, prompt.tool_syntax)
     job = _submit(state.worker, Job(prompt.tokens, params, max_tokens, list(prompt.stop), asyncio.get_running_loop(),
@@ -193,11 +196,11 @@ async def _generate(request: Request, req: _GenerationRequest, endpoint: _Endpoi
     return JSONResponse(out.reply(endpoint.shape, env, text, reason, st, calls))
 
 
-async def _reply_grammar(engine: Engine, fmt: RequestFormat,
-                         prompt: _Prompt) -> tuple[Grammar | None, ReplyCalls | None]:
+async def _reply_grammar(engine: Engine, fmt: RequestFormat, prompt: _Prompt,
+                         param: str) -> tuple[Grammar | None, ReplyCalls | None]:
     """The compiled grammar the reply follows (None: free text), off the event loop (the first
     one builds the grammar engine's view of the tokenizer), and its calls' reader where tools may
-    be called. A format that does not compile is a 400 naming it."""
+    be called. A format that does not compile is a 400 naming its field, `param`."""
     from ..models.tool_calls import SYNTAXES
 
     syntax = SYNTAXES[prompt.tool_syntax]
@@ -205,8 +208,6 @@ async def _reply_grammar(engine: Engine, fmt: RequestFormat,
         spec = fmt.grammar_format(syntax, engine.tokenizer.special_token_id)
         grammar = None if spec is None else await asyncio.to_thread(engine.grammar, spec)
     except ConfigError as e:
-        param = "tools" if fmt.calls else ("grammar" if fmt.response and fmt.response.kind == "grammar"
-                                           else "response_format")
         raise APIError(400, str(e), param=param, code="invalid_response_format") from None
     return grammar, (ReplyCalls(fmt, syntax) if fmt.calls else None)
 

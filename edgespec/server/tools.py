@@ -20,7 +20,7 @@ from .schemas import ChatCompletionRequest, CompletionRequest, new_id
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["RequestFormat", "ReplyCalls", "openai_calls"]
+__all__ = ["RequestFormat", "ReplyCalls", "format_param", "openai_calls"]
 
 
 def _choice(req: ChatCompletionRequest) -> ToolChoice:
@@ -44,6 +44,14 @@ def _response_format(req: ChatCompletionRequest | CompletionRequest) -> Response
     if body.type == "json_object":
         return ResponseFormat.json_object()
     return ResponseFormat.json_schema(body.json_schema.schema_, name=body.json_schema.name)
+
+
+def format_param(req: ChatCompletionRequest | CompletionRequest) -> str:
+    """The request field an error about its format names."""
+    if isinstance(req, ChatCompletionRequest) and req.tools and req.tool_choice != "none":
+        return "tools"
+    return "grammar" if req.grammar is not None else ("json_schema" if req.json_schema is not None
+                                                      else "response_format")
 
 
 @dataclass(frozen=True)
