@@ -319,6 +319,8 @@ class BothDrafter(Drafter):
     drafters after it), else Token Recycling's chain (when given, and preferred to the model),
     else the draft model (when given), whose draft the lookup then extends with a tail."""
 
+    constrained = True  # masks its model's drafts; cuts the lookup's and recycling's before choosing
+
     def __init__(self, lookup: NgramDrafter, model: ModelDrafter | None = None,
                  recycle: RecyclingDrafter | None = None) -> None:
         if model is None and recycle is None:
@@ -326,7 +328,6 @@ class BothDrafter(Drafter):
         self.lookup, self.model, self.recycle = lookup, model, recycle
         self.runtimes = model.runtimes if model is not None else ()
         self.trees = recycle is not None and recycle.trees  # its recycled drafts may be trees
-        self.constrained = True  # a grammar cuts the lookup's and recycling's proposals before the choice
 
     def propose(self, tokens, limit, policy, params, rng, constraint: Constraint | None = None) -> Draft:
         t0 = self.lookup.clock()
