@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["EdgespecError", "ConfigError", "BundleError", "ExportError", "BackendError", "BusyError",
-           "EngineClosedError", "MemoryBudgetError", "ContextFullError", "DeployError"]
+           "EngineClosedError", "MemoryBudgetError", "ContextFullError", "DeployError", "GrammarError"]
 
 
 class EdgespecError(Exception):
@@ -43,3 +43,7 @@ class ContextFullError(EdgespecError):
 
 class DeployError(EdgespecError):
     """llama.cpp's server cannot be built, found, configured or started for a bundle."""
+
+
+class GrammarError(ConfigError):
+    """A response format that cannot be compiled or followed, or a reply too short to complete it."""
