@@ -44,7 +44,10 @@ Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of another JSON type is refused, not coerced ("7" is no seed, true no token
+    # id, 5.0 no count); an integer still stands for a number. NaN and Infinity, which Python's
+    # JSON parser accepts, are no numbers: refused by name (errors.validation_message)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -93,7 +96,7 @@ class _Sampling(_Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
+    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None  # chat: true/false; completions: a count
     user: str | None = None
 
     @field_validator("stop")
@@ -121,7 +124,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def asked_tokens(self) -> int | None:
         # max_completion_tokens is OpenAI's newer name; it wins where a client sends both
@@ -150,22 +153,35 @@ def unsupported_features(req: _Sampling) -> list[tuple[str, str]]:
                     "distribution that speculative decoding keeps exactly)"))
     if req.logit_bias:
         out.append(("logit_bias", "logit_bias is not supported"))
-    if req.logprobs not in (None, False, 0):
-        out.append(("logprobs", "logprobs are not supported"))
+    out += _logprobs_unsupported(req)
     if isinstance(req, ChatCompletionRequest):
         if req.tools or req.tool_choice not in (None, "none"):
             out.append(("tools", "tools and function calling are not supported"))
         if req.response_format and req.response_format.get("type", "text") != "text":
             out.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
     if isinstance(req, CompletionRequest):
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) > 1:
-            out.append(("prompt", "one prompt per request is supported"))
-        if req.echo:
-            out.append(("echo", "echo is not supported"))
-        if req.suffix:
-            out.append(("suffix", "suffix (insertion) is not supported"))
-        if req.best_of not in (None, 1):
-            out.append(("best_of", "only best_of=1 is supported"))
+        out += _completion_unsupported(req)
+    return out
+
+
+def _logprobs_unsupported(req: _Sampling) -> list[tuple[str, str]]:
+    if req.logprobs not in (None, False, 0):
+        return [("logprobs", "logprobs are not supported")]
+    if getattr(req, "top_logprobs", None):  # it asks for logprobs too, and needs them
+        return [("top_logprobs", "top_logprobs are not supported (nor logprobs, which they need)")]
+    return []
+
+
+def _completion_unsupported(req: CompletionRequest) -> list[tuple[str, str]]:
+    out = []
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) > 1:
+        out.append(("prompt", "one prompt per request is supported"))
+    if req.echo:
+        out.append(("echo", "echo is not supported"))
+    if req.suffix:
+        out.append(("suffix", "suffix (insertion) is not supported"))
+    if req.best_of not in (None, 1):
+        out.append(("best_of", "only best_of=1 is supported"))
     return out
 
 

@@ -138,13 +138,10 @@ def _install(root: Path, stage: Path, entry: DraftHeadEntry) -> None:
 
 def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
     """Train a draft head for the bundle `cfg.bundle` and add it; its manifest entry."""
-    from tqdm.auto import tqdm
-
-    from ..runtimes.onnxruntime.split import open_shared_pair
     from ..tokenizer import Tokenizer
 
     try:
-        from .draft_head_train import train_head
+        from . import draft_head_train  # noqa: F401  (imported where it trains)
     except ImportError as e:  # the runtime install has no torch; training is an export-time job
         raise ConfigError(f"training a draft head needs torch ({e.name} is not installed): "
                           "pip install 'edgespec[export]'") from None
@@ -157,6 +154,41 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
     sequences = prompt_ids(tokenizer, prompts)
     if not sequences:
         raise ConfigError("the calibration prompts hold no text to train a draft head on")
+    stage = _stage(bundle.path)  # before the minutes of work: a bundle it cannot write to fails now
+    try:
+        entry = _train_into(cfg, bundle, stage, target_path, draft_path, sequences, source)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    logger.info("draft head written to %s: held-out agreement %.3f", bundle.path / HEAD_FILE, entry.held_out_agreement)
+    return entry
+
+
+def _stage(root: Path) -> Path:
+    """The staging folder of the new head inside the bundle, made now: making it is the one sure
+    test that the bundle can be written (a read-only mount refuses root too), and that its draft
+    head, if it has one, can be moved aside."""
+    old = root / HEAD_DIR
+    try:
+        if old.exists() and not os.access(old, os.W_OK):  # moving a folder rewrites its '..' entry
+            raise PermissionError(13, "Permission denied", str(old))
+        stage = Path(tempfile.mkdtemp(prefix=f".{HEAD_DIR}.{os.getpid()}.stage-", dir=root))
+    except OSError as e:
+        raise ConfigError(f"cannot write to the bundle {root} ({e.strerror or e}): distill adds the trained head "
+                          "to it; copy the bundle somewhere writable") from None
+    stage.chmod(0o755)  # mkdtemp's 0700 would keep the head from other users of a shared bundle
+    return stage
+
+
+def _train_into(cfg: DistillConfig, bundle, stage: Path, target_path: Path, draft_path: Path, sequences,
+                source: str) -> DraftHeadEntry:
+    """Make the data, train, write the head into `stage`, check it, and install it in the bundle."""
+    from tqdm.auto import tqdm
+
+    from ..runtimes.onnxruntime.split import open_shared_pair
+    from .draft_head_train import train_head
+
+    m = bundle.manifest
     try:
         target, draft = open_shared_pair(target_path, draft_path, threads=cfg.threads)
     except BackendError as e:
@@ -169,25 +201,17 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
     index = draft_index(bundle.id_map(), m.target.vocab_size)
     result = train_head(data, out_w, index, seconds=60 * cfg.train_minutes, seed=cfg.seed, progress=cfg.progress,
                         threads=cfg.threads)
-    stage = Path(tempfile.mkdtemp(prefix=f".{HEAD_DIR}.{os.getpid()}.stage-", dir=bundle.path))
-    stage.chmod(0o755)  # mkdtemp's 0700 would keep the head from other users of a shared bundle
-    try:
-        build = build_onnx(result.weights)
-        import onnx
+    import onnx
 
-        onnx.save(build, stage / Path(HEAD_FILE).name)
-        _check_onnx(stage / Path(HEAD_FILE).name, result.weights, cfg.threads)
-        entry = DraftHeadEntry(
-            file=HEAD_FILE, k=result.weights.k, hidden_size=result.weights.hidden_size, feature_layer=FEATURE_LAYER,
-            inner_size=int(result.weights.w_gate.shape[1]), training_tokens=result.samples,
-            held_out_tokens=result.held_out, train_minutes=float(cfg.train_minutes),
-            train_seconds=round(float(result.seconds), 1), data_seconds=round(float(data.seconds), 1),
-            held_out_agreement=round(result.agreement, 4),
-            held_out_agreement_chained=round(result.agreement_chained, 4),
-            calibration=source, peak_rss_mb=round(result.peak_rss_mb, 1))
-        _install(bundle.path, stage, entry)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    logger.info("draft head written to %s: held-out agreement %.3f", bundle.path / HEAD_FILE, entry.held_out_agreement)
+    onnx.save(build_onnx(result.weights), stage / Path(HEAD_FILE).name)
+    _check_onnx(stage / Path(HEAD_FILE).name, result.weights, cfg.threads)
+    entry = DraftHeadEntry(
+        file=HEAD_FILE, k=result.weights.k, hidden_size=result.weights.hidden_size, feature_layer=FEATURE_LAYER,
+        inner_size=int(result.weights.w_gate.shape[1]), training_tokens=result.samples,
+        held_out_tokens=result.held_out, train_minutes=float(cfg.train_minutes),
+        train_seconds=round(float(result.seconds), 1), data_seconds=round(float(data.seconds), 1),
+        held_out_agreement=round(result.agreement, 4),
+        held_out_agreement_chained=round(result.agreement_chained, 4),
+        calibration=source, peak_rss_mb=round(result.peak_rss_mb, 1))
+    _install(bundle.path, stage, entry)
     return entry

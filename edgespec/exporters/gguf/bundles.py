@@ -13,15 +13,15 @@ import logging
 import os
 import re
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from ...bundle import MANIFEST, SCHEMA_VERSION
-from ...errors import BundleError, ConfigError, ExportError
+from ...bundle import MANIFEST, SCHEMA_VERSION, built_once
+from ...errors import ConfigError, ExportError
+from ...files import path_problem
 from ...models.catalog import BUNDLE_REVISION, cache_dir, file_sha256, format_suffix, gguf_bundles_dir
+from ...progress import task
 
-__all__ = ["GGUF_MAGIC", "bundle_for_gguf", "content_digest", "gguf_bundle_path", "is_gguf",
+__all__ = ["GGUF_MAGIC", "bundle_for_gguf", "content_digest", "gguf_bundle_path", "is_gguf", "link_hashed",
            "resolve_bundle"]
 
 logger = logging.getLogger(__name__)
@@ -98,9 +98,22 @@ def content_digest(path: Path) -> str:
     if isinstance(entry, dict) and entry.get("stat") == _stat_key(st) and isinstance(entry.get("sha256"), str):
         return entry["sha256"]
     logger.info("hashing %s (%.0f MiB)", path, st.st_size / 2**20)
-    digest = file_sha256(path)
+    with task(f"hashing {path.name} ({st.st_size / 2**30:.1f} GiB) to find its bundle"):
+        digest = file_sha256(path)
     # the stat from before the read: a file changed while it was hashed no longer matches it
     files[str(path)] = {"stat": _stat_key(st), "sha256": digest}
+    _write_index(index, files)
+    return digest
+
+
+def link_hashed(src: Path, dst: Path) -> str:
+    """Hard-link `dst` to `src` and return their sha256, keeping the index's entry of `src`
+    current: a new link changes the file's ctime, which would otherwise cost a second hash."""
+    digest = content_digest(src)  # the index's, as the cache lookup just left it
+    os.link(src, dst)
+    index = cache_dir() / INDEX_FILE
+    files = _read_index(index)
+    files[str(src.resolve())] = {"stat": _stat_key(src.stat()), "sha256": digest}
     _write_index(index, files)
     return digest
 
@@ -114,8 +127,11 @@ def gguf_bundle_path(gguf: Path, digest: str, fmt: str = "onnx") -> Path:
 
 
 def _check_gguf(path: Path) -> None:
-    if not path.exists():
+    problem = path_problem(path)
+    if problem == "missing":
         raise ConfigError(f"no such file: {path}")
+    if problem is not None:
+        raise ConfigError(f"{path} is {problem}, not a bundle folder or a GGUF file")
     if not path.is_file() or not is_gguf(path):
         raise ConfigError(f"{path} is neither a bundle folder nor a GGUF file (no GGUF magic bytes)")
 
@@ -132,29 +148,6 @@ def _check_architecture(path: Path) -> None:
                           f"(supported: {', '.join(sorted(ARCHS))})")
 
 
-@contextmanager
-def _build_lock(out: Path) -> Iterator[None]:
-    """Held while `out` is built, so a second process opening the same GGUF waits and reuses it
-    instead of exporting it again beside the first."""
-    from filelock import FileLock, Timeout
-
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(out.parent / f".{out.name}.lock")
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            logger.warning("waiting for another edgespec process building %s", out)
-            lock.acquire()
-    except OSError as e:  # an unwritable cache, said before the build is announced
-        where = f" {e.filename}" if e.filename else ""
-        raise BundleError(f"cannot write the bundle at {out}:{where} {e.strerror or e}") from None
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 def bundle_for_gguf(path: str | os.PathLike, fmt: str = "onnx") -> Path:
     """The `fmt` bundle of the GGUF file `path` in the user cache: reused when one was built from
     the same content by this bundle revision, else exported now (atomically: a run killed half-way
@@ -167,12 +160,15 @@ def bundle_for_gguf(path: str | os.PathLike, fmt: str = "onnx") -> Path:
         logger.info("reusing the bundle %s for %s", out, gguf)
         return out
     _check_architecture(gguf)
-    with _build_lock(out):
+    with built_once(out):
         if (out / MANIFEST).is_file():  # built by another process while this one waited
             return out
         from ..export import ExportConfig, export_bundle
 
-        logger.warning("building a bundle for %s in %s (one time; `edgespec export --target` makes one "
-                       "with other options)", gguf, out)
-        # ExportConfig's other defaults are the embedded default bundle's: a self-draft, the GGUF's own blocks
-        return export_bundle(ExportConfig(output=out, target=gguf.resolve(), formats=(fmt,), force=out.exists()))
+        logger.info("building a bundle for %s in %s", gguf, out)
+        with task(f"building a bundle for {gguf.name} (one time; `edgespec export --target` makes one with "
+                  "other options)", announce=True):
+            # ExportConfig's other defaults are the embedded default bundle's: a self-draft, the GGUF's own
+            # blocks; the target shares the user's file (a hard link, checked at load) rather than doubling it
+            return export_bundle(ExportConfig(output=out, target=gguf.resolve(), formats=(fmt,), force=out.exists(),
+                                              share_source=True))
