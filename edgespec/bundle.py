@@ -462,10 +462,11 @@ def staged_bundle_dir(out: Path, force: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary folder
-        _publish(tmp, out, force)
-    except FileExistsError:  # another export finished first; without --force its bundle stays
-        raise BundleError(f"output path exists: {out} (another export wrote it meanwhile); pass --force to "
-                          "replace it") from None
+        try:
+            _publish(tmp, out, force)
+        except FileExistsError:  # another export finished first; without --force its bundle stays
+            raise BundleError(f"output path exists: {out} (another export wrote it meanwhile); pass --force "
+                              "to replace it") from None
     except OSError as e:  # a full disk, a folder made read-only meanwhile
         where = f" {e.filename}" if e.filename else ""
         raise BundleError(f"cannot write the bundle at {out}:{where} {e.strerror or e}") from None

@@ -513,6 +513,20 @@ def test_distill_finds_a_bundle_it_cannot_write_before_any_work(zoo, tmp_path, m
             bundle.chmod(0o755)
 
 
+def test_sigterm_during_distill_leaves_the_bundle_as_it_was(zoo, tmp_path):
+    pytest.importorskip("torch")
+    bundle = Path(shutil.copytree(zoo.bundle("gemma3", AGREEING), tmp_path / "b"))
+    before = sorted(p.name for p in bundle.iterdir())
+    manifest = (bundle / MANIFEST).read_bytes()
+    proc = subprocess.Popen([sys.executable, "-m", "edgespec", "distill", str(bundle), "--train-minutes", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _wait_for(".draft_head.*.stage-*", bundle, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and b"Traceback" not in err, err
+    assert sorted(p.name for p in bundle.iterdir()) == before and (bundle / MANIFEST).read_bytes() == manifest
+
+
 def test_a_draft_gguf_whose_embedding_scale_is_not_a_number_is_refused(trimmed, tmp_path):
     from edgespec.errors import BackendError
     from edgespec.runtimes.llamacpp.runtime import EMBD_KEYS, LlamaCppRuntime

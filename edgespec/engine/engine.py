@@ -83,7 +83,8 @@ def default_bundle(fmt: str = "onnx") -> Path:
             from ..exporters.export import ExportConfig, export_bundle
 
             with task(f"building the default bundle in {path} (one time, a few minutes)", announce=True):
-                export_bundle(ExportConfig(output=path, formats=(fmt,)))
+                # a GGUF target shares the assembled file (written by rename, never in place) by a link
+                export_bundle(ExportConfig(output=path, formats=(fmt,), share_source=True))
     return path
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import numpy as np
 from ..bundle import MANIFEST, DraftHeadEntry, load_bundle
 from ..errors import BackendError, ConfigError
 from ..exporters.vocabtrim import builtin_prompts, read_prompt_file
+from ..progress import reporting, task
 from .draft_head import FEATURE_LAYER, HEAD_DIR, HEAD_FILE, build_onnx, draft_index, reference
 from .draft_head_data import collect, head_matrix, prompt_ids
 
@@ -40,7 +42,7 @@ class DistillConfig:
     builtin: bool = True  # the built-in calibration prompts too (tests train on a file alone)
     threads: int | None = None
     seed: int = 0
-    progress: bool | None = None  # None: progress bars only on a terminal
+    progress: bool | None = None  # False: silent; else progress.Console's bars or lines (progress.py)
 
     def __post_init__(self) -> None:
         m = self.train_minutes
@@ -71,11 +73,6 @@ def _bounded_threads(threads) -> int:
                        usable)
         return usable
     return threads
-
-
-def _quiet(progress: bool | None) -> bool | None:
-    """tqdm's `disable`: None shows a bar only on a terminal."""
-    return None if progress is None else not progress
 
 
 def _files(bundle) -> tuple[Path, Path]:
@@ -141,7 +138,7 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
     from ..tokenizer import Tokenizer
 
     try:
-        from . import draft_head_train  # noqa: F401  (imported where it trains)
+        from .draft_head_train import train_head  # noqa: F401  (used in _train_into; checked before any work)
     except ImportError as e:  # the runtime install has no torch; training is an export-time job
         raise ConfigError(f"training a draft head needs torch ({e.name} is not installed): "
                           "pip install 'edgespec[export]'") from None
@@ -183,8 +180,6 @@ def _stage(root: Path) -> Path:
 def _train_into(cfg: DistillConfig, bundle, stage: Path, target_path: Path, draft_path: Path, sequences,
                 source: str) -> DraftHeadEntry:
     """Make the data, train, write the head into `stage`, check it, and install it in the bundle."""
-    from tqdm.auto import tqdm
-
     from ..runtimes.onnxruntime.split import open_shared_pair
     from .draft_head_train import train_head
 
@@ -193,8 +188,9 @@ def _train_into(cfg: DistillConfig, bundle, stage: Path, target_path: Path, draf
         target, draft = open_shared_pair(target_path, draft_path, threads=cfg.threads)
     except BackendError as e:
         raise ConfigError(f"{bundle.path}: {e}") from None
-    with target, draft:
-        with tqdm(total=len(sequences), unit="prompt", desc="draft-head data", disable=_quiet(cfg.progress)) as bar:
+    with target, draft, reporting(None) if cfg.progress is False else nullcontext():
+        with task("draft-head data: the target writes after each prompt", total=len(sequences),
+                  unit="prompt") as bar:
             data = collect(target, sequences, gen_tokens=cfg.gen_tokens, stop_ids=m.tokenizer.stop_token_ids,
                            draft=draft, id_map=bundle.id_map(), progress=bar.update)
         out_w = head_matrix(draft.head, draft.head.hidden_size)

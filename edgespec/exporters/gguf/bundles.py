@@ -5,30 +5,26 @@ the embedded default bundle is built with, and reused from then on. The bundle i
 file's content (sha256), not its name or mtime, so an edited or replaced file never runs a stale
 bundle; and by the bundle schema and exporter revision, so an edgespec upgrade that writes
 bundles differently rebuilds it. Hashing a multi-GB file takes seconds, so each file's digest is
-remembered against its (size, mtime, ctime, inode) in a small JSON index in the cache."""
+remembered against its (size, mtime, ctime, inode) in a small JSON index in the cache (hashes.py)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import tempfile
 from pathlib import Path
 
 from ...bundle import MANIFEST, SCHEMA_VERSION, built_once
 from ...errors import ConfigError, ExportError
 from ...files import path_problem
-from ...models.catalog import BUNDLE_REVISION, cache_dir, file_sha256, format_suffix, gguf_bundles_dir
+from ...models.catalog import BUNDLE_REVISION, format_suffix, gguf_bundles_dir
 from ...progress import task
+from .hashes import content_digest
 
-__all__ = ["GGUF_MAGIC", "bundle_for_gguf", "content_digest", "gguf_bundle_path", "is_gguf", "link_hashed",
-           "resolve_bundle"]
+__all__ = ["GGUF_MAGIC", "bundle_for_gguf", "gguf_bundle_path", "is_gguf", "resolve_bundle"]
 
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-INDEX_FILE = "gguf-hashes.json"
-INDEX_VERSION = 1
 DIGEST_CHARS = 16  # 64 bits of sha256 in the folder name: no collision among one user's files
 STEM_CHARS = 48
 
@@ -51,71 +47,6 @@ def resolve_bundle(arg: str | os.PathLike, fmt: str = "onnx") -> Path:
     if path.is_file() or path.suffix.lower() == ".gguf":
         return bundle_for_gguf(path, fmt)
     return path
-
-
-def _stat_key(st: os.stat_result) -> list[int]:
-    # ctime too: a tool that keeps the mtime while rewriting (cp -p, rsync -t) still changes it
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-
-
-def _read_index(index: Path) -> dict:
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing or damaged: it is only a shortcut, start afresh
-        return {}
-    if not isinstance(data, dict) or data.get("version") != INDEX_VERSION or not isinstance(data.get("files"), dict):
-        return {}
-    return data["files"]
-
-
-def _write_index(index: Path, files: dict) -> None:
-    """Replace the index atomically; entries of files that are gone are dropped so it stays small."""
-    files = {p: v for p, v in files.items() if os.path.exists(p)}
-    try:
-        index.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{index.name}.", dir=index.parent)
-    except OSError as e:  # an unwritable cache: the bundle's own write reports it
-        logger.debug("cannot update %s: %s", index, e.strerror or e)
-        return
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump({"version": INDEX_VERSION, "files": files}, fh)
-        os.replace(tmp, index)  # readers see the old index or the new one, never a half-written file
-    except OSError as e:  # a full disk
-        logger.debug("cannot update %s: %s", index, e.strerror or e)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def content_digest(path: Path) -> str:
-    """The file's sha256, from the index when its size, times and inode are unchanged."""
-    path = path.resolve()
-    st = path.stat()
-    index = cache_dir() / INDEX_FILE
-    files = _read_index(index)
-    entry = files.get(str(path))
-    if isinstance(entry, dict) and entry.get("stat") == _stat_key(st) and isinstance(entry.get("sha256"), str):
-        return entry["sha256"]
-    logger.info("hashing %s (%.0f MiB)", path, st.st_size / 2**20)
-    with task(f"hashing {path.name} ({st.st_size / 2**30:.1f} GiB) to find its bundle"):
-        digest = file_sha256(path)
-    # the stat from before the read: a file changed while it was hashed no longer matches it
-    files[str(path)] = {"stat": _stat_key(st), "sha256": digest}
-    _write_index(index, files)
-    return digest
-
-
-def link_hashed(src: Path, dst: Path) -> str:
-    """Hard-link `dst` to `src` and return their sha256, keeping the index's entry of `src`
-    current: a new link changes the file's ctime, which would otherwise cost a second hash."""
-    digest = content_digest(src)  # the index's, as the cache lookup just left it
-    os.link(src, dst)
-    index = cache_dir() / INDEX_FILE
-    files = _read_index(index)
-    files[str(src.resolve())] = {"stat": _stat_key(src.stat()), "sha256": digest}
-    _write_index(index, files)
-    return digest
 
 
 def gguf_bundle_path(gguf: Path, digest: str, fmt: str = "onnx") -> Path:

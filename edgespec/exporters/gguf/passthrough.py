@@ -52,7 +52,7 @@ def copy_file(src: Path, dst: Path, *, share: bool = False) -> dict | None:
     if clone_file(src, dst):
         return None
     if share:
-        from .bundles import link_hashed
+        from .hashes import link_hashed
 
         try:
             digest = link_hashed(src, dst)
