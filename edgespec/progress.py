@@ -121,9 +121,19 @@ class Console:
 
     def begin(self, what: str, total: int | None, unit: str, announce: bool) -> Shown:
         stream = self.stream if self.stream is not None else sys.stderr
+        if stream is None:  # started with stderr closed (`2>&-`): nowhere to say it
+            return _Unshown()
         tty = self.tty if self.tty is not None else bool(getattr(stream, "isatty", lambda: False)())
         kind = _Bar if tty else _Lines
         return kind(stream, what, total, unit, 0.0 if announce else self.delay_s, self.every_s)
+
+
+class _Unshown:
+    def show(self, done: int, note: str | None) -> None:
+        pass
+
+    def end(self, ok: bool) -> None:
+        pass
 
 
 class _Ticking:

@@ -421,6 +421,37 @@ def test_an_export_counts_its_steps_and_its_calibration_on_llama_cpp(trimmed):
     assert exp["done"] == exp["total"] and "loading model.gguf" in exp["notes"]
 
 
+def test_tuning_announces_and_counts_the_configurations_it_measures(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from edgespec.engine import tuning
+    from edgespec.engine.config import EngineConfig
+    from tests.test_tuning import fake
+
+    plans = {(b, "shared"): SimpleNamespace(backend=b, draft_body="shared") for b in ("onnxruntime", "openvino")}
+    monkeypatch.setattr(tuning, "candidate_plans", lambda *a: plans)
+    monkeypatch.setattr(tuning, "_cache_path", lambda bundle, plan: tmp_path / f"{plan.backend}.json")
+    monkeypatch.setattr(tuning, "measure_engine", lambda engine: fake(engine.backend, one=engine.one))
+
+    class Opened:
+        def __init__(self, plan):
+            self.backend, self.one = plan.backend, 10.0 if plan.backend == "openvino" else 30.0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    rec = Recorder()
+    with reporting(rec):
+        chosen = tuning.tune(SimpleNamespace(manifest=None), EngineConfig(tune=True), list(b for b, _ in plans),
+                             Opened)
+    t = rec.find("tuning: timing this bundle's configurations")
+    assert chosen.choice.backend == "openvino" and t["announce"] and t["total"] == 2 == t["done"] and t["ok"]
+    assert any("openvino" in n for n in t["notes"])
+
+
 def test_a_first_run_build_speaks_on_a_pipe(sources, tmp_path):
     """`edgespec generate X.gguf` with stdin and stderr piped: the build says what it does at once."""
     proc = subprocess.run([sys.executable, "-m", "edgespec", "generate", str(sources[0]), "the cat", "--max-tokens",
@@ -428,8 +459,10 @@ def test_a_first_run_build_speaks_on_a_pipe(sources, tmp_path):
                           env={**os.environ, "EDGESPEC_CACHE": str(tmp_path / "c")})
     err = proc.stderr.decode()
     assert proc.returncode == 0, err
-    assert err.splitlines()[0].startswith("edgespec: building a bundle for model.gguf (one time"), err
-    assert "edgespec: building a bundle for model.gguf" in err.splitlines()[-1] and "done in" in err
+    lines = err.splitlines()
+    assert lines[0].startswith("edgespec: building a bundle for model.gguf (one time"), err
+    assert any(ln.startswith("edgespec: building a bundle for model.gguf") and ": done in " in ln for ln in lines), err
+    assert all(ln.startswith("edgespec: ") for ln in lines), err  # progress lines only, no log-style WARNING
 
 
 # -- item 7: what a path is --------------------------------------------------------------------

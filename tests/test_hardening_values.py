@@ -80,6 +80,35 @@ def test_the_cli_at_a_tiny_temperature_gives_the_greedy_text(zoo):
     assert tiny.stdout == greedy.stdout and greedy.stdout.strip()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_rope_frequency_factor_that_is_not_a_positive_number_is_one_line(zoo, tmp_path, bad):
+    pytest.importorskip("gguf")
+    from gguf import GGUFReader, GGUFWriter
+
+    from edgespec.errors import ExportError
+    from edgespec.exporters.sources import load_source
+    from tests.test_hardening_gguf import tiny_gguf
+
+    src, dst = tiny_gguf(zoo), tmp_path / "freqs.gguf"
+    r = GGUFReader(str(src))
+    w = GGUFWriter(str(dst), "llama")
+    for key, f in r.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            w.add_key_value(key, f.contents(), f.types[0], sub_type=f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=[int(x) for x in reversed(t.shape)], raw_dtype=t.tensor_type)
+    freqs = np.ones(8, dtype=np.float32)
+    freqs[3] = bad
+    w.add_tensor("rope_freqs.weight", freqs)  # llama 3's long-context factors: every rotation divides by them
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ExportError, match="rope_freqs.weight must hold finite factors > 0") as e:
+        load_source(dst)
+    assert "\n" not in str(e.value)
+
+
 # -- item 6: strict request validation --------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -395,6 +395,26 @@ def _write(path: Path, m: Measurement) -> None:
     write_cache_entry(path, m.to_dict(), "tuning record")
 
 
+def _measured(plans: list, measure: Callable[[EnginePlan], Measurement | None], progress) -> list:
+    """(plan, cache path, figures) of each candidate that opens: its cached figures, else measured
+    now (`progress` counts those); the closest contenders, both measured now, once more."""
+    found = []
+    for plan, path, m in plans:
+        if m is None:
+            m = measure(plan)
+            progress.update()
+        if m is not None:
+            found.append((plan, path, m))
+    close = contenders([m for *_, m in found])
+    for i in reversed(close) if all(not found[i][2].cached for i in close) else ():
+        # measured minutes apart, the two best may have met different neighbours: once more, in
+        # the other order, keeping each one's fastest figures
+        again = measure(found[i][0])
+        if again is not None:
+            found[i] = (*found[i][:2], merged(found[i][2], again))
+    return found
+
+
 def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callable[[EnginePlan], object]
          ) -> Tuning | None:
     """Measure each candidate configuration of `bundle` under `config` (or read its figures from
@@ -431,22 +451,9 @@ def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callab
     # each candidate opened (probed the first time) and timed: minutes, once, then cached
     with task("tuning: timing this bundle's configurations on this machine (once, then cached; --no-tune "
               "skips it)", total=missing, unit="configuration", announce=bool(missing)) as progress:
-        found = []
-        for plan, path, m in plans:
-            if m is None:
-                m = measure(plan, progress)
-                progress.update()
-            if m is not None:
-                found.append((plan, path, m))
-        if not found:
-            return None
-        close = contenders([m for *_, m in found])
-        for i in reversed(close) if all(not found[i][2].cached for i in close) else ():
-            # measured minutes apart, the two best may have met different neighbours: once more, in
-            # the other order, keeping each one's fastest figures
-            again = measure(found[i][0], progress)
-            if again is not None:
-                found[i] = (*found[i][:2], merged(found[i][2], again))
+        found = _measured(plans, lambda plan: measure(plan, progress), progress)
+    if not found:
+        return None
     for _, path, m in found:
         if not m.cached:
             _write(path, m)
