@@ -69,9 +69,12 @@ def _renameat2():
 
 def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     """Rename `src` to `dst` unless `dst` exists (FileExistsError, `dst` untouched; an empty
-    folder counts as existing, where os.rename would replace it). Atomic on Linux; elsewhere, or
-    where the file system lacks the flag, `dst` is claimed first (a folder made, or a hard link)
-    and then replaced, so two callers still cannot both succeed."""
+    folder counts as existing, where os.rename would replace it). Atomic on Linux and Windows;
+    elsewhere, or where the file system lacks the flag, `dst` is claimed first (a folder made, or
+    a hard link) and then replaced, so two callers still cannot both succeed."""
+    if os.name == "nt":  # Windows' rename never replaces what is there
+        os.rename(src, dst)
+        return
     fn = _renameat2()
     if fn is not None:
         if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:

@@ -206,9 +206,8 @@ class ChatSession:
         if limit is None:
             return
         room = _room(check_max_tokens(max_tokens), limit)
-        empty = [*self.messages[:1], {"role": "user", "content": ""}] if self.system else [
-            {"role": "user", "content": ""}]
-        framing = len(self.format.encode(self.engine.tokenizer, empty))
+        empty = self.messages[:1] if self.system else []  # the system prompt, kept first by reset()
+        framing = len(self.format.encode(self.engine.tokenizer, [*empty, {"role": "user", "content": ""}]))
         if framing + room >= limit:
             what = f"the '{self.format.name}' chat format" + (" and the system prompt take" if self.system
                                                               else " takes")
