@@ -452,6 +452,33 @@ def test_tuning_announces_and_counts_the_configurations_it_measures(monkeypatch,
     assert any("openvino" in n for n in t["notes"])
 
 
+def test_hashing_a_gguf_and_assembling_the_default_model_report_themselves(tmp_path):
+    from edgespec.exporters.gguf.hashes import content_digest
+    from edgespec.models.catalog import assembled
+    from tests.test_hardening_files import _package
+
+    f = tmp_path / "w.gguf"
+    f.write_bytes(b"GGUF" + bytes(4096))
+    rec = Recorder()
+    with reporting(rec):
+        content_digest(f)
+        assembled(_package(tmp_path / "pkg"), tmp_path / "m.gguf")
+    assert rec.find("hashing w.gguf")["ok"] and rec.find("assembling the default model's weights")["ok"]
+
+
+def test_distill_counts_its_data_and_its_training(zoo, tmp_path):
+    pytest.importorskip("torch")
+    from edgespec.training.distill import DistillConfig, distill_bundle
+
+    bundle = Path(shutil.copytree(zoo.bundle("gemma3", AGREEING), tmp_path / "b"))
+    rec = Recorder()
+    with reporting(rec):
+        distill_bundle(DistillConfig(bundle, train_minutes=2 / 60, gen_tokens=2))
+    data, train = rec.find("draft-head data"), rec.find("training the draft head")
+    assert data["done"] == data["total"] > 0 and train["total"] == 2 and train["ok"]
+    assert any("held-out agreement" in n for n in train["notes"])
+
+
 def test_a_first_run_build_speaks_on_a_pipe(sources, tmp_path):
     """`edgespec generate X.gguf` with stdin and stderr piped: the build says what it does at once."""
     proc = subprocess.run([sys.executable, "-m", "edgespec", "generate", str(sources[0]), "the cat", "--max-tokens",
