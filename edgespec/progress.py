@@ -185,7 +185,8 @@ class _Ticking:
     def counted(self) -> str:
         if self.total is None:
             return ""
-        return f" [{self.done}/{self.total} {self.unit}{'s' if self.total != 1 else ''}]"
+        plural = "" if self.total == 1 else "es" if self.unit.endswith(("s", "x", "ch", "sh")) else "s"
+        return f" [{self.done}/{self.total} {self.unit}{plural}]"
 
     def tick(self, elapsed: float) -> None:
         raise NotImplementedError

@@ -300,7 +300,8 @@ def test_sigterm_during_the_default_bundles_first_build_leaves_nothing(default_c
         os.link(f, models / f.name)
     args = {"generate": ["generate", "hello"], "chat": ["chat"], "serve": ["serve", "--port", "0"]}[verb]
     proc = subprocess.Popen([sys.executable, "-m", "edgespec", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env={**os.environ, "EDGESPEC_CACHE": str(tmp_path / "c")})
+                            stderr=subprocess.PIPE, env={**os.environ, "EDGESPEC_CACHE": str(tmp_path / "c"),
+                                                         "EDGESPEC_PROGRESS": "1"})
     _wait_for(".*.stage-*", tmp_path / "c", proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -393,6 +394,7 @@ def test_a_terminal_gets_a_bar_that_is_gone_when_done():
 def test_progress_is_off_with_the_environment_switch(monkeypatch):
     from edgespec.progress import current
 
+    monkeypatch.delenv("EDGESPEC_PROGRESS", raising=False)  # as a user runs it (conftest turns it off)
     assert isinstance(current(), Console)
     monkeypatch.setenv("EDGESPEC_PROGRESS", "0")
     assert current() is None
@@ -483,7 +485,7 @@ def test_a_first_run_build_speaks_on_a_pipe(sources, tmp_path):
     """`edgespec generate X.gguf` with stdin and stderr piped: the build says what it does at once."""
     proc = subprocess.run([sys.executable, "-m", "edgespec", "generate", str(sources[0]), "the cat", "--max-tokens",
                            "2"], input=b"", capture_output=True, timeout=300,
-                          env={**os.environ, "EDGESPEC_CACHE": str(tmp_path / "c")})
+                          env={**os.environ, "EDGESPEC_CACHE": str(tmp_path / "c"), "EDGESPEC_PROGRESS": "1"})
     err = proc.stderr.decode()
     assert proc.returncode == 0, err
     lines = err.splitlines()
