@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import typing
@@ -456,12 +457,17 @@ def staged_bundle_dir(out: Path, force: bool = False) -> Iterator[Path]:
             raise BundleError(f"output path exists: {out}; pass --force to replace it")
         if out.exists():
             _replaceable(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.stage-", dir=out.parent))
     except OSError as e:
         raise BundleError(f"cannot write the bundle at {out}: {e.strerror or e}") from None
+    # named before it is made, inside the block that removes it: a signal arriving the moment it
+    # exists (SIGTERM unwinds as Ctrl-C) finds its name known
+    tmp = out.parent / f".{out.name}.{os.getpid()}.stage-{secrets.token_hex(6)}"
     try:
+        try:
+            tmp.mkdir()
+        except OSError as e:
+            raise BundleError(f"cannot write the bundle at {out}: {e.strerror or e}") from None
         yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary folder
         try:
             _publish(tmp, out, force)
         except FileExistsError:  # another export finished first; without --force its bundle stays

@@ -559,10 +559,14 @@ def test_distill_finds_a_bundle_it_cannot_write_before_any_work(zoo, tmp_path, m
     worked = []
     monkeypatch.setattr(distill, "collect", lambda *a, **k: worked.append(1))
 
-    def read_only(*a, **k):  # a read-only mount: what root meets too
-        raise OSError(30, "Read-only file system", str(bundle))
+    real_mkdir = Path.mkdir
 
-    monkeypatch.setattr(distill.tempfile, "mkdtemp", read_only)
+    def read_only(self, *a, **k):  # a read-only mount: what root meets too
+        if self.parent == bundle:
+            raise OSError(30, "Read-only file system", str(self))
+        return real_mkdir(self, *a, **k)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
     with pytest.raises(ConfigError, match=r"cannot write to the bundle .* \(Read-only file system\)"):
         distill.distill_bundle(distill.DistillConfig(bundle, train_minutes=0.01))
     assert worked == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 from contextlib import nullcontext
@@ -151,8 +152,11 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
     sequences = prompt_ids(tokenizer, prompts)
     if not sequences:
         raise ConfigError("the calibration prompts hold no text to train a draft head on")
-    stage = _stage(bundle.path)  # before the minutes of work: a bundle it cannot write to fails now
+    # made before the minutes of work (a bundle it cannot write to fails now), named before it is
+    # made: a SIGTERM the moment it exists still finds it
+    stage = bundle.path / f".{HEAD_DIR}.{os.getpid()}.stage-{secrets.token_hex(6)}"
     try:
+        _make_stage(stage)
         entry = _train_into(cfg, bundle, stage, target_path, draft_path, sequences, source)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -161,20 +165,18 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
     return entry
 
 
-def _stage(root: Path) -> Path:
-    """The staging folder of the new head inside the bundle, made now: making it is the one sure
-    test that the bundle can be written (a read-only mount refuses root too), and that its draft
+def _make_stage(stage: Path) -> None:
+    """Make the staging folder of the new head inside the bundle: making it is the one sure test
+    that the bundle can be written (a read-only mount refuses root too); and check that its draft
     head, if it has one, can be moved aside."""
-    old = root / HEAD_DIR
+    root, old = stage.parent, stage.parent / HEAD_DIR
     try:
         if old.exists() and not os.access(old, os.W_OK):  # moving a folder rewrites its '..' entry
             raise PermissionError(13, "Permission denied", str(old))
-        stage = Path(tempfile.mkdtemp(prefix=f".{HEAD_DIR}.{os.getpid()}.stage-", dir=root))
+        stage.mkdir(mode=0o755)  # readable by other users of a shared bundle
     except OSError as e:
         raise ConfigError(f"cannot write to the bundle {root} ({e.strerror or e}): distill adds the trained head "
                           "to it; copy the bundle somewhere writable") from None
-    stage.chmod(0o755)  # mkdtemp's 0700 would keep the head from other users of a shared bundle
-    return stage
 
 
 def _train_into(cfg: DistillConfig, bundle, stage: Path, target_path: Path, draft_path: Path, sequences,
