@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..decoding import GenerationStats, SamplingParams, check_max_tokens
-from ..errors import ConfigError, ContextFullError
+from ..errors import ConfigError, ContextFullError, EdgespecError
 from ..models.chat_formats import TEMPLATE, TRANSCRIPTS, Transcript, pick_chat_format
+from ..models.templates import ChatTemplateError
 from .inputs import check_stop, check_text
 
 if TYPE_CHECKING:
@@ -207,7 +208,12 @@ class ChatSession:
             return
         room = _room(check_max_tokens(max_tokens), limit)
         empty = self.messages[:1] if self.system else []  # the system prompt, kept first by reset()
-        framing = len(self.format.encode(self.engine.tokenizer, [*empty, {"role": "user", "content": ""}]))
+        try:
+            framing = len(self.format.encode(self.engine.tokenizer, [*empty, {"role": "user", "content": ""}]))
+        except ChatTemplateError:  # invalid or unsafe: no turn can succeed
+            raise
+        except EdgespecError:  # past a render limit, or failing on these messages: each turn says so itself
+            return
         if framing + room >= limit:
             what = f"the '{self.format.name}' chat format" + (" and the system prompt take" if self.system
                                                               else " takes")
