@@ -68,6 +68,9 @@ def private_cache(tmp_path_factory) -> Iterator[None]:
         # tests open the configuration their options name, not one measured here (tuning.py);
         # test_tuning and test_cli turn it on
         mp.setenv("EDGESPEC_TUNE", "0")
+        # progress lines come when a step outlasts a few seconds, so on a loaded machine a test reading
+        # stderr would depend on the clock; the tests of progress turn it on (test_hardening_builds)
+        mp.setenv("EDGESPEC_PROGRESS", "0")
         yield
 
 

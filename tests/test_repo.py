@@ -148,7 +148,7 @@ def test_the_python_api_example_runs(zoo, capsys):
 # lowest first: a module may import its own layer and those below, never one above. Imports under
 # `if TYPE_CHECKING:` are annotations only and do not count.
 LAYERS: list[set[str]] = [
-    {"edgespec", "errors", "models", "bundle", "tokenizer"},  # leaves everyone may import
+    {"edgespec", "errors", "files", "progress", "models", "bundle", "tokenizer"},  # leaves everyone may import
     {"runtimes"},
     # exporters stand beside the stack (they write bundles), training beside the exporters (torch),
     # deploy beside them (llama.cpp's own server for a bundle's GGUFs: it runs no edgespec model)

@@ -5,14 +5,17 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from ..errors import ConfigError, EdgespecError
 
 __all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "sampling_params", "cli_entry", "setup_logging",
            "open_engine", "engine_config_from_args", "print_memory_plan", "add_format_args",
-           "response_format_from_args"]
+           "response_format_from_args", "Terminated", "sigterm_as_interrupt"]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -142,18 +145,67 @@ def setup_logging(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP), unwinding as Ctrl-C does. Its own class because CPython marks a plain
+    KeyboardInterrupt that leaves exec'd source text (dataclasses and namedtuple build their
+    methods that way, all through transformers' import) as unhandled, and a `python -m` process
+    then ends by SIGINT, whatever exit code it returns after catching it; and so that a verb that
+    takes Ctrl-C as "stop this reply" (chat) can still tell that it must end."""
+
+
+# a terminal closing sends SIGHUP; both end the process by default, leaving a build's staging folder
+_ENDING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[list[int]]:
+    """While the block runs, SIGTERM and SIGHUP raise Terminated where the process is, so it
+    unwinds as Ctrl-C does (a bundle being built, GBs in its staging folder, is removed; an old
+    bundle stays) instead of dying outright. A signal the parent set to be ignored (`nohup`) stays
+    ignored. Yields a list that receives the signal that came."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield got
+        return
+
+    def terminate(signum, frame) -> None:
+        got.append(signum)
+        raise Terminated
+
+    previous = {sig: signal.getsignal(sig) for sig in _ENDING}
+    for sig, handler in previous.items():
+        if handler is signal.SIG_DFL:
+            signal.signal(sig, terminate)
+    try:
+        yield got
+    finally:
+        for sig, handler in previous.items():
+            if handler is signal.SIG_DFL:
+                signal.signal(sig, handler)
+
+
 def cli_entry(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
-    """Turn user-facing errors into one line on stderr and a non-zero exit code."""
+    """Turn user-facing errors into one line on stderr and a non-zero exit code; SIGTERM or
+    SIGHUP unwind the verb (cleaning up what it was writing) and exit as a shell reports a kill
+    by that signal (128 + its number)."""
 
     @functools.wraps(fn)
     def wrapper(argv: list[str]) -> int:
-        try:
-            return fn(argv)
-        except EdgespecError as e:
-            print(f"edgespec: error: {e}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print("", file=sys.stderr)
-            return 130
+        with sigterm_as_interrupt() as ended:
+            code = _run(fn, argv)
+        return 128 + ended[0] if ended else code
 
     return wrapper
+
+
+def _run(fn: Callable[[list[str]], int], argv: list[str]) -> int:
+    try:
+        return fn(argv)
+    except EdgespecError as e:
+        print(f"edgespec: error: {e}", file=sys.stderr)
+        return 2
+    except Terminated:
+        return 1  # the wrapper returns the signal's status
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130

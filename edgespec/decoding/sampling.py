@@ -88,7 +88,7 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         out = np.zeros_like(x)
         np.put_along_axis(out, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
         return out
-    x = x / params.temperature
+    x = _scaled(x, params.temperature)
     if 0 < params.top_k < x.shape[-1]:
         kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
         x = np.where(x >= kth, x, -np.inf)
@@ -101,6 +101,19 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.where(e >= params.min_p, p, 0.0)
         p /= p.sum(axis=-1, keepdims=True)
     return p
+
+
+def _scaled(x: np.ndarray, t: float) -> np.ndarray:
+    """x / T; where a temperature this small overflows it (5e-324 is a valid float), the same
+    distribution from the differences to each row's largest logit instead: 0 for it, -inf for the
+    logits T leaves no mass, which is the T -> 0 limit (the likeliest token, ties shared equally),
+    not the NaN an inf - inf gives."""
+    with np.errstate(over="ignore"):
+        q = x / t
+    if np.isinf(q[np.isfinite(x)]).any():
+        with np.errstate(over="ignore"):
+            q = (x - x.max(axis=-1, keepdims=True)) / t
+    return q
 
 
 def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..bundle import Bundle, load_bundle
+from ..bundle import Bundle, built_once, load_bundle
 from ..decoding import (
     DRAFTERS,
     DraftPolicy,
@@ -37,12 +37,13 @@ from ..decoding.grammar import Constraint, Grammar, GrammarCompiler, GrammarErro
 from ..decoding.limits import DecoderLimits
 from ..decoding.overlap import OverlappedDecoder
 from ..errors import BusyError, ConfigError, ContextFullError, EngineClosedError
+from ..progress import task
 from ..runtimes import BACKENDS, installed_backends
 from ..tokenizer import IncrementalDecoder, Tokenizer
 from .assembly import EnginePlan, plan_engine
 from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
 from .config import EngineConfig, engine_config
-from .inputs import check_stop, check_text
+from .inputs import check_stop, check_text, check_token_ids
 from .opening import open_plan
 from .tuning import tune
 
@@ -76,11 +77,15 @@ def default_bundle(fmt: str = "onnx") -> Path:
     from ..models.catalog import DEFAULT_PRESET, default_bundle_path
 
     path = default_bundle_path(DEFAULT_PRESET, fmt)
-    if not path.exists():
-        from ..exporters.export import ExportConfig, export_bundle
+    if path.exists():
+        return path
+    with built_once(path):  # a second first run waits for this one and takes its bundle
+        if not path.exists():
+            from ..exporters.export import ExportConfig, export_bundle
 
-        logger.warning("building the default bundle in %s (one time, a few minutes)", path)
-        export_bundle(ExportConfig(output=path, formats=(fmt,)))
+            with task(f"building the default bundle in {path} (one time, a few minutes)", announce=True):
+                # a GGUF target shares the assembled file (written by rename, never in place) by a link
+                export_bundle(ExportConfig(output=path, formats=(fmt,), share_source=True))
     return path
 
 
@@ -262,11 +267,7 @@ class Engine:
         if self._closed:
             raise EngineClosedError("the engine is closed; load the bundle again")
         # a negative id would index from the end of the embedding, a large one crash the backend
-        vocab = self.target.vocab_size
-        bad = next((t for t in tokens if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t < vocab),
-                   None)
-        if bad is not None:
-            raise ConfigError(f"token id {bad!r} is out of range (vocabulary size {vocab})")
+        check_token_ids(tokens, self.target.vocab_size)
         if grammar is not None and not isinstance(grammar, Grammar):
             raise ConfigError(f"grammar must come from engine.grammar(), got {type(grammar).__name__}")
         holder: list[weakref.ref] = []

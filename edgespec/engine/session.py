@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..decoding import GenerationStats, SamplingParams, check_max_tokens
-from ..errors import ConfigError, ContextFullError
+from ..errors import ConfigError, ContextFullError, EdgespecError
 from ..models.chat_formats import TEMPLATE, TRANSCRIPTS, Transcript, pick_chat_format
+from ..models.templates import ChatTemplateError
 from ..models.tool_calls import Function, ToolSyntax, plain_messages, template_messages, tool_syntax_for
 from .inputs import check_stop, check_text
 
@@ -138,6 +139,11 @@ class ChatFormat:
                 f"next speaker{' or a blank line' if t.blank_line_ends else ''})")
 
 
+def _room(max_tokens: int, limit: int) -> int:
+    """Context positions a turn keeps for its reply (which may still end early with "length")."""
+    return max(1, min(max_tokens, limit // 4))
+
+
 def chat_format_for(manifest: Manifest, tokenizer: Tokenizer, requested: str | None = None) -> ChatFormat:
     """The chat format of a bundle: `requested` ("auto", "template" or a transcript name; None is
     "auto") checked against what the bundle has. "auto" uses a model's own template, and for a
@@ -220,6 +226,28 @@ class ChatSession:
             if tokens is not None and stats.steps:
                 self.tokens = tokens
 
+    def check_room(self, max_tokens: int) -> None:
+        """Refuse, once and up front, a chat in which no message can fit: the chat format's own
+        tokens (a transcript's worked examples, a template's markers) and the system prompt
+        around an empty message, with the reply's room, already fill the context."""
+        limit = self.engine.opened.context_limit
+        if limit is None:
+            return
+        room = _room(check_max_tokens(max_tokens), limit)
+        empty = self.messages[:1] if self.system else []  # the system prompt, kept first by reset()
+        try:
+            framing = len(self.format.encode(self.engine.tokenizer, [*empty, {"role": "user", "content": ""}]))
+        except ChatTemplateError:  # invalid or unsafe: no turn can succeed
+            raise
+        except EdgespecError:  # past a render limit, or failing on these messages: each turn says so itself
+            return
+        if framing + room >= limit:
+            what = f"the '{self.format.name}' chat format" + (" and the system prompt take" if self.system
+                                                              else " takes")
+            other = "" if self.format.transcript is None else " or pick a shorter --chat-format"
+            raise ContextFullError(f"{what} {framing} tokens before any message, and the context holds {limit} "
+                                   f"including {room} for the reply, so no message fits: raise --max-context{other}")
+
     def _fit_context(self, max_tokens: int) -> list[int]:
         """Tokens of the conversation, dropping its oldest turns (never the system prompt) while
         it leaves less than a reply's room in the context; says so once per drop."""
@@ -230,7 +258,7 @@ class ChatSession:
         limit = self.engine.opened.context_limit
         if limit is None:
             return tokens
-        room = max(1, min(max_tokens, limit // 4))  # the reply may still end early with "length"
+        room = _room(max_tokens, limit)
         first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
         kept = list(self.messages)
         dropped = 0
@@ -240,6 +268,7 @@ class ChatSession:
             dropped += 1
             tokens = encode(kept)
         if len(tokens) + room > limit:
+            self.check_room(max_tokens)  # no message at all fits: say why, not "the message is too long"
             raise ContextFullError(f"the message is too long: {len(tokens)} tokens, and the context holds "
                                    f"{limit} including {room} for the reply")
         if dropped:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..progress import task
 from .base import Runtime
 
 __all__ = ["Exactness", "PROBE_STARTS", "DENSE_STARTS", "PROBE_VERSION", "PROBE_REACH", "machine_fingerprint",
@@ -267,6 +268,28 @@ def _probe_tree(rt: Runtime, ids: list[int], start: int, max_width: int, ref: li
     return max(worst, _row_diff(_forward(rt, [ids[start + depth + 1]], 1)[0], ref[depth + 1]))
 
 
+def _probe_plan(rt: Runtime, ids: list[int], plan: list, max_width: int, worst: dict[int, float],
+                progress) -> bool | None:
+    """Probe every (start, widths) of `plan`, raising `worst` in place to the largest difference
+    seen at each width; whether tree verifies were exact too (None: the runtime verifies chains
+    only). Leaves `rt`'s cache empty."""
+    trees: bool | None = None
+    try:
+        for s, widths in plan:  # ascending: one prefix, extended from start to start
+            found, tree = _probe_start(rt, ids, s, widths, max_width)
+            for w in worst:
+                # a width not probed from this start counts as off as the widest probed below it:
+                # a verify that rounds apart at some width is not trusted wider
+                d = found.get(w, max((found[v] for v in found if v <= w), default=0.0))
+                worst[w] = max(worst[w], d)
+            if tree is not None:
+                trees = tree == 0.0 and trees is not False
+            progress.update()
+    finally:
+        rt.reset()
+    return trees
+
+
 def probe(rt: Runtime, max_width: int, starts: Sequence[int] = DENSE_STARTS, *, threads: int | None = None,
           sampled: Sequence[int] | None = None) -> Exactness:
     """Measure which verify widths 2..max_width of `rt` are bit-identical to one-token forwards:
@@ -288,20 +311,11 @@ def probe(rt: Runtime, max_width: int, starts: Sequence[int] = DENSE_STARTS, *, 
                    **{s: tuple(range(2, max_width + 1)) for s in starts}}.items())
     ids = _ids(rt, max(s for s, _ in plan) + max_width + 1)
     worst: dict[int, float] = {w: 0.0 for w in range(2, max_width + 1)}
-    trees: bool | None = None  # None: the runtime verifies chains only
     rt.reset()
-    try:
-        for s, widths in plan:  # ascending: one prefix, extended from start to start
-            found, tree = _probe_start(rt, ids, s, widths, max_width)
-            for w in worst:
-                # a width not probed from this start counts as off as the widest probed below it:
-                # a verify that rounds apart at some width is not trusted wider
-                d = found.get(w, max((found[v] for v in found if v <= w), default=0.0))
-                worst[w] = max(worst[w], d)
-            if tree is not None:
-                trees = tree == 0.0 and trees is not False
-    finally:
-        rt.reset()
+    # once per machine, model and setting, then cached; minutes on a slow backend or a busy machine
+    with task("probing verify exactness on this machine (once, then cached)", total=len(plan),
+              unit="prefix") as progress:
+        trees = _probe_plan(rt, ids, plan, max_width, worst, progress)
     ms = (time.perf_counter() - t0) * 1e3
     exact = tuple(w for w, d in sorted(worst.items()) if d == 0.0)
     return Exactness(max_width, exact, max(worst.values(), default=0.0), round(ms, 1), trees=trees)

@@ -45,7 +45,10 @@ Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of another JSON type is refused, not coerced ("7" is no seed, true no token
+    # id, 5.0 no count); an integer still stands for a number. NaN and Infinity, which Python's
+    # JSON parser accepts, are no numbers: refused by name (errors.validation_message)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -157,7 +160,7 @@ class _Sampling(_Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
+    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None  # chat: true/false; completions: a count
     user: str | None = None
     # structured output: OpenAI's response_format; `grammar` (GBNF or Lark) and `json_schema` as
     # llama.cpp's server takes them
@@ -187,7 +190,7 @@ class _Sampling(_Request):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # tool calls (server/tools.py)
     tools: list[ToolDef] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -229,17 +232,30 @@ def unsupported_features(req: _Sampling) -> list[tuple[str, str]]:
                     "distribution that speculative decoding keeps exactly)"))
     if req.logit_bias:
         out.append(("logit_bias", "logit_bias is not supported"))
-    if req.logprobs not in (None, False, 0):
-        out.append(("logprobs", "logprobs are not supported"))
+    out += _logprobs_unsupported(req)
     if isinstance(req, CompletionRequest):
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) > 1:
-            out.append(("prompt", "one prompt per request is supported"))
-        if req.echo:
-            out.append(("echo", "echo is not supported"))
-        if req.suffix:
-            out.append(("suffix", "suffix (insertion) is not supported"))
-        if req.best_of not in (None, 1):
-            out.append(("best_of", "only best_of=1 is supported"))
+        out += _completion_unsupported(req)
+    return out
+
+
+def _logprobs_unsupported(req: _Sampling) -> list[tuple[str, str]]:
+    if req.logprobs not in (None, False, 0):
+        return [("logprobs", "logprobs are not supported")]
+    if getattr(req, "top_logprobs", None):  # it asks for logprobs too, and needs them
+        return [("top_logprobs", "top_logprobs are not supported (nor logprobs, which they need)")]
+    return []
+
+
+def _completion_unsupported(req: CompletionRequest) -> list[tuple[str, str]]:
+    out = []
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) > 1:
+        out.append(("prompt", "one prompt per request is supported"))
+    if req.echo:
+        out.append(("echo", "echo is not supported"))
+    if req.suffix:
+        out.append(("suffix", "suffix (insertion) is not supported"))
+    if req.best_of not in (None, 1):
+        out.append(("best_of", "only best_of=1 is supported"))
     return out
 
 

@@ -410,6 +410,16 @@ def _check_tensors(spec: ModelSpec, tensors: dict) -> None:
                                   f"metadata's head counts give {shape}")
 
 
+def _rope_freqs(t) -> np.ndarray:
+    """The rope frequency factors a GGUF stores (llama 3's long-context scaling): every rotation
+    divides by them, so each must be a finite number > 0 (a NaN would make every logit NaN)."""
+    freqs = np.asarray(transcode(t.data, t.tensor_type, (int(t.n_elements),), t.name), dtype=np.float32)
+    bad = ~(np.isfinite(freqs) & (freqs > 0))
+    if bad.any():
+        raise ExportError(f"the GGUF's {t.name} must hold finite factors > 0, got {freqs[bad][0]}")
+    return freqs
+
+
 def read_gguf(path: Path, reader=None, load=transcode) -> GGUFModel:
     """Read `path`'s config and weights; every unsupported feature is a one-line ExportError."""
     reader = reader or open_gguf(path)
@@ -425,7 +435,7 @@ def read_gguf(path: Path, reader=None, load=transcode) -> GGUFModel:
     freqs = None
     for t in reader.tensors:
         if t.name == "rope_freqs.weight" and family.gguf_rope_freqs:
-            freqs = np.asarray(transcode(t.data, t.tensor_type, (int(t.n_elements),), t.name), dtype=np.float32)
+            freqs = _rope_freqs(t)
             continue
         if t.name in _UNSUPPORTED_TENSORS:
             raise ExportError(f"GGUF tensor {t.name} ({_UNSUPPORTED_TENSORS[t.name]}) is not supported")

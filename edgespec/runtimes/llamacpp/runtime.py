@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -135,6 +136,22 @@ def _chunks(n: int, cap: int, n_logits: int) -> list[tuple[int, int]]:
     if len(starts) > 1 and n - starts[-1] < n_logits:
         starts[-1] = n - n_logits
     return list(zip(starts, starts[1:] + [n]))
+
+
+def _embedding_scale(name: str, text: str | None) -> float:
+    """The input embedding's scale a draft GGUF records (1 when it records none): a finite number
+    > 0. A NaN or infinite scale would turn every drafted row into NaN and acceptance to 0 without
+    a word; a zero or negative one is no embedding scale."""
+    if text is None:
+        return 1.0
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        raise BackendError(f"{name}: its '{EMBD_KEYS['scale']}' must be a finite number > 0, got {text[:40]!r}; "
+                           "export the bundle again")
+    return scale
 
 
 class _EmbeddingTable:
@@ -293,7 +310,7 @@ class LlamaCppRuntime(Runtime):
         except BundleError as e:
             raise BackendError(str(e)) from None
         table = _EmbeddingTable(path.parent / name, self._meta(EMBD_KEYS["tensor"]) or "token_embd.weight",
-                                float(self._meta(EMBD_KEYS["scale"]) or 1.0))
+                                _embedding_scale(path.name, self._meta(EMBD_KEYS["scale"])))
         if table.n_embd != self._n_embd:
             raise BackendError(f"{name} has {table.n_embd}-wide embeddings, the model {self._n_embd}")
         return table
