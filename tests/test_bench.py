@@ -275,6 +275,16 @@ def test_bench_seeds_each_prompt_and_repeat():
     assert run_params(chat, 2, 1).temperature == 0.7 and run_params(chat, 2, 1).top_k == 40
 
 
+
+def test_a_sampled_bench_without_a_seed_warms_up_and_runs(zoo):
+    """Warm-up runs take seeds apart from the measured runs', all valid without a --seed."""
+    from edgespec.decoding import SamplingParams
+
+    with load(zoo.bundle("llama"), drafter="model", k=2) as engine:
+        cfg = BenchConfig(repeat=1, max_tokens=4, warmup=2, sampling=SamplingParams(temperature=0.7, top_k=40))
+        runs = run_bench(engine, SMALL[:2], cfg)
+    assert len(runs) == 2 * 2 and all(len(r.tokens) == 4 for r in runs)
+
 # ---------------------------------------------------------------- schema, report, compare
 
 

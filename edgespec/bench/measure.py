@@ -205,7 +205,7 @@ def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
     for w in range(cfg.warmup):  # first runs pay for allocations; adaptive policies get first measurements
         for name in names:
             one(name, encoded[w % len(encoded)][1], min(WARMUP_TOKENS, cfg.max_tokens), None,
-                run_params(cfg.sampling, -1 - w, 0))
+                run_params(cfg.sampling, len(encoded) + w, 0))  # seeds apart from the measured runs'
     total = cfg.repeat * len(encoded) * len(names)
     runs: list[RunRecord] = []
     for rep in range(cfg.repeat):  # repeats outermost: a slow patch of the machine hits every class
