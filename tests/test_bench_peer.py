@@ -203,8 +203,13 @@ def test_llama_cpp_peer_on_the_bundles_own_gguf(zoo, tmp_path):
         assert 0 <= block[PEER]["agree_tokens"] <= 8
     costs = doc["verify_costs"]  # c(B) of the target, measured before the runs
     assert set(costs["c"]) == {"2", "4", "8"} and all(c > 0 for c in costs["c"].values()) and costs["one_token_ms"] > 0
+    rows = doc["roofline"]["rows"]  # bytes, time and bandwidth of each kind of forward (bench/roofline.py)
+    assert [r["role"] for r in rows] == ["plain", "verify", "verify", "verify", "draft"]
+    assert all(r["weights_bytes"] > 0 and r["gb_s"] > 0 and r["ops"] > 0 for r in rows)
+    assert rows[-1]["weights_bytes"] < rows[0]["weights_bytes"] and doc["roofline"]["bandwidth_gb_s"]["1"] > 0
     text = (tmp_path / "rep" / "report.md").read_text()
     assert "x llama.cpp" in text and "Peer: llama-cpp-python" in text and "c(2) = " in text
+    assert "Roofline (memory read bandwidth measured here" in text and "| draft | 1 |" in text
     assert png_ok(tmp_path / "rep" / "llamacpp.png")
 
 

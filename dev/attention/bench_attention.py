@@ -102,8 +102,12 @@ def main() -> None:
             b.bind_output("present_v", "cpu", 0, np.float32, vbuf.shape, vbuf.ctypes.data)
             tc, tg = [], []
             for _ in range(args.reps):
-                t = time.perf_counter(); cur.run(None, cf); tc.append(time.perf_counter() - t)
-                t = time.perf_counter(); gq.run_with_iobinding(b); tg.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                cur.run(None, cf)
+                tc.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                gq.run_with_iobinding(b)
+                tg.append(time.perf_counter() - t)
             c, g = statistics.median(tc) * 1e6, statistics.median(tg) * 1e6
             print(f"{p:6d} {s:3d} {c:11.1f} {g:8.1f} {c / g:6.2f}")
 

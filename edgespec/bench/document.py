@@ -74,9 +74,10 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
                    backend: dict, memory: dict, machine: dict | None = None, label: str | None = None,
                    memory_budget: int | None = None, started: datetime | None = None,
                    duration_s: float = 0.0, prompts: list | None = None, peer: dict | None = None,
-                   verify_costs: dict | None = None) -> dict:
+                   verify_costs: dict | None = None, roofline: dict | None = None) -> dict:
     """The run's JSON document (schema.py). `peer`: what the llama.cpp peer ran (peer.py's
-    describe()), when it ran; `verify_costs`: the target's c(B) curve (costs.py)."""
+    describe()), when it ran; `verify_costs`: the target's c(B) curve (costs.py); `roofline`:
+    roofline.py's figures."""
     machine = machine or machine_info()
     ran = {(r.cls, r.prompt) for r in runs}
     skipped = [f"{p.cls}/{p.id}" for p in prompts or [] if (p.cls, p.id) not in ran]
@@ -86,7 +87,7 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
     summary = summarise(runs, configs, greedy=cfg.sampling.greedy)
     started = started or datetime.now(timezone.utc)
     tuning = opened.tuning
-    extra = {"exactness": exactness_summary(opened), "verify_costs": verify_costs,
+    extra = {"exactness": exactness_summary(opened), "verify_costs": verify_costs, "roofline": roofline,
              "tuning": None if tuning is None else _jsonable(tuning.to_dict())}
     if peer is not None:
         extra["peer"] = peer

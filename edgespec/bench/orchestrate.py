@@ -61,6 +61,12 @@ def check_request(req: BenchRequest) -> None:
         check_report_dir(req.report)
 
 
+def _threads(req: BenchRequest) -> int:
+    """The threads the engine and its peer run on: the request's, or every usable CPU."""
+    return req.engine.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                  else os.cpu_count() or 1)
+
+
 def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     """The llama.cpp peer for this bundle (or `peer_gguf`), or None: no GGUF to run it on, or
     llama-cpp-python missing (then `notify` says how to get it, and the bench runs without it)."""
@@ -74,8 +80,7 @@ def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     if reason is not None:
         notify(f"no llama.cpp column: {reason}")
         return None
-    threads = req.engine.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                     else os.cpu_count())
+    threads = _threads(req)
     peer = (VulkanPeer if gpu else LlamaCppPeer)(source, threads=threads, n_ctx=engine.context_limit or 4096,
                                                  vocab_size=engine.target.vocab_size)
     d = peer.describe()
@@ -113,6 +118,27 @@ def _announce(engine, machine: dict, prompts, configs: list[str], cfg: BenchConf
     return costs
 
 
+def _roofline(engine, costs: dict | None, threads: int, notify) -> dict | None:
+    """The engine's roofline (roofline.py): the c(B) figures, a drafted token timed on the same
+    prefix, the weights each forward reads and the machine's read bandwidth measured now."""
+    from .costs import verify_costs
+    from .roofline import bandwidths, describe, roofline
+
+    if costs is None:
+        return None
+    if engine.draft is not None:
+        drafted = verify_costs(engine.target, (1,), draft=engine.draft)
+        costs = {**costs, "draft_ms": None if drafted is None else drafted.get("draft_ms")}
+    draft = engine.draft.streamed() if engine.draft is not None else None
+    doc = roofline(engine.target.streamed(), draft, costs, bandwidths(threads))
+    if doc is not None:
+        notify("memory read bandwidth " + ", ".join(f"{t} thread{'s' * (t != '1')} {v:.1f} GB/s"
+                                                    for t, v in doc["bandwidth_gb_s"].items()))
+        for line in describe(doc):
+            notify("roofline: " + line)
+    return doc
+
+
 def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = None, live: bool = True) -> dict:
     """Measure `req` and return its document; `notify` receives one-line progress notes, `live`
     shows the running table (live.py). Outputs are checked first (check_request), not written."""
@@ -144,6 +170,7 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
                 stack.callback(peer.close)
                 configs.append(peer.name)
             costs = _announce(engine, machine, prompts, configs, cfg, notify)
+            roof = _roofline(engine, costs, _threads(req), notify)
             table = LiveTable(configs, list(dict.fromkeys(p.cls for p in prompts)), repeat=cfg.repeat,
                               greedy=cfg.sampling.greedy) if live else None
             started, t0 = datetime.now(timezone.utc), time.perf_counter()
@@ -163,7 +190,7 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
                          "onnxruntime_pool": pool_state()},
                 memory={"rss_before_load": rss_before, "rss_after_load": rss_after, "engine": engine.memory()},
                 memory_budget=c.memory_budget, started=started, duration_s=time.perf_counter() - t0,
-                peer=peer.describe() if peer is not None else None, verify_costs=costs)
+                peer=peer.describe() if peer is not None else None, verify_costs=costs, roofline=roof)
     finally:
         rss.stop()
 
