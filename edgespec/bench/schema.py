@@ -24,8 +24,12 @@ Version 2 (`"kind": "edgespec-bench"`), one run on one device:
                 {backend, draft_body, verify_width}, tune_ms, candidates [{backend, draft_body, free,
                 one_token_ms, draft_ms, verify_ms {B: ms}, exact_width, measure_ms, cached, score}]
     peer        when llama.cpp was measured: name, library, version, gguf (file name), origin, threads, n_ctx
+    peers       every peer that ran, by configuration name: the same record; llama-server's adds build (source,
+                cmake flags, compiler, cpu), flags (its command line, file names only), spec_type, draft_gguf
     configs     configuration names: "plain", "speculative", then "k=N" of a sweep, then "llama.cpp"
-                (the peer: llama-cpp-python's own plain decode of the GGUF, same prompt token ids)
+                (the peer: llama-cpp-python's own plain decode of the GGUF, same prompt token ids), then
+                "llama-server" and "llama-server+TYPE" (llama.cpp's server, plain and speculative, timed by its
+                own timings; bench/server_peer.py)
     skipped     ["class/id"]: prompts that did not fit the engine's context limit (optional)
     classes     {class: {config: metrics}}; overall: {config: metrics} over every prompt
     prompts     [{class, id, prompt_tokens, new_tokens, configs: {config: per-repeat figures}}]
@@ -43,7 +47,8 @@ e2e_speedup. With a peer, every edgespec configuration has x_llamacpp (the ratio
 decode tok/s over the peer's on the same prompts and repeats) and x_llamacpp_paired (the median
 of paired per-prompt tok/s ratios), and the peer agree_tokens, agree_tokens_min, agree_prompts
 (greedy tokens agreeing with edgespec plain before the first difference); per prompt, `prompts`
-rows carry agree_tokens and each configuration's x_llamacpp_paired.
+rows carry agree_tokens and each configuration's x_llamacpp_paired. Over llama-server peers the same
+ratios are x_llama_server, x_llama_server_paired, x_llama_server_ngram_simple, ... (summary.peer_key).
 
 Version 2 changed tok_s (the first step's tokens are no longer counted without its time),
 x_llamacpp (a ratio of totals; version 1's median of paired ratios is now x_llamacpp_paired) and
@@ -133,11 +138,19 @@ def validate(doc: object, where: str = "bench result") -> dict:
             if c not in configs:
                 raise ConfigError(f"{where}: class '{cls}' has results for an unlisted configuration '{c}'")
             _check_metrics(m, f"{where}: {cls}/{c}", plain=c == "plain")
-    if "llama.cpp" in configs and not isinstance(doc.get("peer"), dict):
-        raise ConfigError(f"{where}: 'llama.cpp' results without a 'peer' record (what was measured)")
+    _check_peer_records(doc, configs, where)
     if doc["identical"] != (not doc["mismatches"]):
         raise ConfigError(f"{where}: 'identical' disagrees with 'mismatches'")
     return doc
+
+
+def _check_peer_records(doc: dict, configs: list[str], where: str) -> None:
+    """Every peer's results come with a record of what was measured (its library, build, flags)."""
+    if "llama.cpp" in configs and not isinstance(doc.get("peer"), dict):
+        raise ConfigError(f"{where}: 'llama.cpp' results without a 'peer' record (what was measured)")
+    unrecorded = [c for c in configs if c.startswith("llama-server") and c not in (doc.get("peers") or {})]
+    if unrecorded:
+        raise ConfigError(f"{where}: {', '.join(unrecorded)} results without a 'peers' record (what was measured)")
 
 
 def save(doc: dict, path: str | Path) -> Path:

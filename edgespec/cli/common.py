@@ -8,10 +8,11 @@ import logging
 import sys
 from collections.abc import Callable
 
-from ..errors import EdgespecError
+from ..errors import ConfigError, EdgespecError
 
 __all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "sampling_params", "cli_entry", "setup_logging",
-           "open_engine", "engine_config_from_args", "print_memory_plan"]
+           "open_engine", "engine_config_from_args", "print_memory_plan", "add_format_args",
+           "response_format_from_args"]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -61,6 +62,42 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None, temper
     if max_tokens is not None:
         g.add_argument("--max-tokens", type=int, default=max_tokens,
                        help=f"new tokens per reply (default: {max_tokens})")
+
+
+def add_format_args(p: argparse.ArgumentParser) -> None:
+    """The structured-output flags: at most one of --json-schema, --grammar, --regex."""
+    g = p.add_argument_group("structured output (the reply follows it; at most one)").add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="a JSON schema the reply is valid against (JSON, not free "
+                                                         "whitespace); '-' reads it from stdin")
+    g.add_argument("--grammar", metavar="FILE", help="a GBNF grammar (llama.cpp's, rule root) or a Lark grammar "
+                                                     "(llguidance's, rule start) the reply follows")
+    g.add_argument("--regex", metavar="PATTERN", help="a regular expression the whole reply matches")
+
+
+def _read_spec(path: str, what: str) -> str:
+    from pathlib import Path
+
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+def response_format_from_args(args: argparse.Namespace):
+    """The ResponseFormat the flags ask for (None: free text), validated before any model loads."""
+    from ..decoding.grammar import ResponseFormat
+
+    if getattr(args, "json_schema", None):
+        return ResponseFormat.json_schema(_read_spec(args.json_schema, "the JSON schema"))
+    if getattr(args, "grammar", None):
+        return ResponseFormat.grammar(_read_spec(args.grammar, "the grammar"))
+    if getattr(args, "regex", None) is not None:
+        return ResponseFormat.regex(args.regex)
+    return None
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:

@@ -33,6 +33,7 @@ import numpy as np
 
 from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.drafters import ModelDrafter
+from edgespec.decoding.grammar import Constraint
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.sampling import SamplingParams
 from edgespec.decoding.speculative import SpeculativeDecoder, StepResult
@@ -120,9 +121,10 @@ class OverlappedDecoder(SpeculativeDecoder):
             logger.warning("overlapped drafting off, decoding step by step: %s", self.blocker)
 
     def _steps(self, tokens: list[int], params: SamplingParams, max_new_tokens: int,
-               stop_ids: Container[int]) -> Iterator[StepResult]:
-        if self.blocker is not None:
-            return (yield from super()._steps(tokens, params, max_new_tokens, stop_ids))
+               stop_ids: Container[int], constraint: Constraint | None = None) -> Iterator[StepResult]:
+        # a grammar's masks follow one path at a time: drafting ahead under one runs step by step
+        if self.blocker is not None or constraint is not None:
+            return (yield from super()._steps(tokens, params, max_new_tokens, stop_ids, constraint))
         rng = np.random.default_rng(params.seed)
         policy = self.policy_for(params)
         n_new = 0
