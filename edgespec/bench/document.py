@@ -6,6 +6,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import __version__
+from ..engine.session import chat_format_for
 from .machine import library_versions, machine_info, run_label
 from .measure import BenchConfig, RunRecord
 from .schema import KIND, SCHEMA_VERSION
@@ -50,7 +51,7 @@ def bundle_summary(engine) -> dict:
     fmt = BACKENDS[opened.backend].bundle_format
     dfmt = BACKENDS[opened.draft_backend].bundle_format if opened.draft_backend else None
     return {"name": engine.bundle.path.name, "model_type": m.model_type, "family": m.family,
-            "base_model": m.base_model, "chat_format": prompt_format(engine.tokenizer),
+            "base_model": m.base_model, "chat_format": prompt_format(chat_format_for(m, engine.tokenizer)),
             "target": _entry(m.target, fmt), "draft": _entry(m.draft, dfmt)}
 
 

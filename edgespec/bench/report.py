@@ -285,8 +285,9 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
     lines += ["## How this was measured", "",
               "Plain and speculative decoding ran in one process on the same loaded model runtimes, alternating per "
               "prompt and repeat (rotating which goes first), each from empty KV caches, after a warm-up. "
-              f"{'; '.join(modes).capitalize()}; runs are fixed-length unless `--stop-at-eos` was given. Per prompt, "
-              "the median over "
+              f"{'; '.join(modes).capitalize()}; chat prompts end where `edgespec chat` ends a reply (an "
+              "end-of-turn token, the next speaker, a blank line); continuation prompts run to the token limit "
+              "unless `--stop-at-eos` was given. Per prompt, the median over "
               "repeats; a class's tok/s is its prompts' decoded tokens (after the first) over the sum of their "
               "median decode times. The speed-up is speculative tok/s divided by plain tok/s, both measured; "
               "it is never computed from the acceptance rate. TTFT covers the prompt's prefill (and the draft "
