@@ -57,11 +57,11 @@ def serve_in_thread(app) -> tuple[str, uvicorn.Server, threading.Thread]:
     return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
 
 
-def direct(engine, ids: list[int], n: int, sampling: dict) -> dict:
+def direct(engine, ids: list[int], n: int, sampling: dict, stop: list[str] = ()) -> dict:
     """The engine in-process: one run, timed as the HTTP paths are."""
     t0 = time.perf_counter()
     first, parts, tokens = None, [], 0
-    for r in engine.stream(list(ids), max_tokens=n, wait=True, **sampling):
+    for r in engine.stream(list(ids), max_tokens=n, wait=True, stop=list(stop), **sampling):
         if r.text and first is None:
             first = time.perf_counter() - t0
         parts.append(r.text)
@@ -77,9 +77,11 @@ def _result(text: str, wall: float, first: float | None, tokens: int) -> dict:
             "decode_tok_s": (tokens - 1) / decode if tokens > 1 and decode > 0 else 0.0}
 
 
-def over_http(url: str, ids: list[int], n: int, sampling: dict) -> dict:
+def over_http(url: str, ids: list[int], n: int, sampling: dict, stop: list[str] = ()) -> dict:
     """One streamed /v1/completions request: text, wall time, time to first text, completion tokens."""
     body = {"prompt": ids, "max_tokens": n, "stream": True, "stream_options": {"include_usage": True}, **sampling}
+    if stop:
+        body["stop"] = list(stop)
     t0 = time.perf_counter()
     first, parts, tokens = None, [], 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
@@ -132,12 +134,18 @@ def start_llama_servers(engine, args, stack: ExitStack) -> dict[str, str]:
     return urls
 
 
-def _prompts(engine, spec: str | None) -> list[list[int]]:
+def _prompts(engine, spec: str | None) -> list[tuple[list[int], list[str]]]:
+    """(prompt ids, stop strings) of each prompt: a suite's as `edgespec bench` renders and ends them
+    (bench/endings.py: chat prompts in chat's own format, ended where chat ends a reply)."""
     if spec is None:
-        return [engine.tokenizer.encode(PROMPT)]
-    from edgespec.bench.suites import encode_prompt, load_prompts
+        return [(engine.tokenizer.encode(PROMPT), [])]
+    from edgespec.bench.endings import render
+    from edgespec.bench.suites import load_prompts
+    from edgespec.engine.session import chat_format_for
 
-    return [encode_prompt(engine.tokenizer, p) for p in load_prompts(spec)]
+    fmt = chat_format_for(engine.bundle.manifest, engine.tokenizer)
+    rendered = [render(p, engine.tokenizer, fmt, stop_at_eos=True) for p in load_prompts(spec)]
+    return [(r.ids, r.ending.server_stop()) for r in rendered]
 
 
 def _totals(rs: list[dict]) -> tuple[float, float]:
@@ -196,18 +204,18 @@ def main() -> None:
         urls = {"server": url, **(start_llama_servers(engine, args, stack) if args.llama_server else {})}
         prompts = _prompts(engine, args.prompts)
         runs: dict[str, list] = {"engine": [], **{name: [] for name in urls}}
-        direct(engine, prompts[0], 8, sampling)  # warm up every path
+        direct(engine, prompts[0][0], 8, sampling)  # warm up every path
         for u in urls.values():
-            over_http(u, prompts[0], 8, sampling)
+            over_http(u, prompts[0][0], 8, sampling)
         for rep in range(args.repeats):  # interleaved, the order rotated: every path sees the same machine load
-            for ids in prompts:
+            for ids, stop in prompts:
                 order = list(runs)[rep % len(runs):] + list(runs)[:rep % len(runs)]
                 for name in order:
-                    runs[name].append(direct(engine, ids, args.tokens, sampling) if name == "engine"
-                                      else over_http(urls[name], ids, args.tokens, sampling))
+                    runs[name].append(direct(engine, ids, args.tokens, sampling, stop) if name == "engine"
+                                      else over_http(urls[name], ids, args.tokens, sampling, stop))
         figures = report(runs, args.tokens, args.repeats, args.temperature == 0)
-        seq = sum(over_http(url, prompts[0], args.tokens, sampling)["wall_s"] for _ in range(args.concurrent))
-        par = asyncio.run(burst(url, prompts[0], args.tokens, args.concurrent))
+        seq = sum(over_http(url, prompts[0][0], args.tokens, sampling)["wall_s"] for _ in range(args.concurrent))
+        par = asyncio.run(burst(url, prompts[0][0], args.tokens, args.concurrent))
         print(f"{args.concurrent} requests to edgespec serve: sequential {seq:.2f} s, concurrent (queued) {par:.2f} s")
         server.should_exit = True
         thread.join(30)

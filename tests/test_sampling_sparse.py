@@ -102,6 +102,29 @@ def test_distribution_keeps_the_reference_ties(params):
     assert kept.ids.tolist() == [1, 2, 3, 4, 5]  # the three logits tied with the 3rd largest
 
 
+def test_top_k_partitions_only_the_logits_near_the_maximum():
+    """The k-th largest logit is found among the logits near the maximum (a span that grows until
+    it holds k of them), never by partitioning the whole row: it must equal the whole row's."""
+    from edgespec.decoding import sampling
+
+    rng = np.random.default_rng(2)
+    rows = [(rng.standard_normal(50_000) * scale).astype(np.float32) for scale in (0.5, 3.0, 40.0, 400.0)]
+    rows.append(np.full(1000, 2.0, dtype=np.float32))  # one tie across the row
+    rows.append(np.r_[np.full(999, -np.inf), 1.0])  # fewer finite logits than k: the whole row decides
+    for row in rows:
+        for k in (1, 40, 999):
+            want = row[np.argpartition(row, len(row) - k)[len(row) - k:]].min()
+            assert sampling._kth_largest(row, k) == want
+        params = SamplingParams(temperature=0.7, top_k=40, top_p=0.95)
+        assert_same(distribution(row, params), probabilities(row, params))
+    calls = []
+    real = np.argpartition
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(np, "argpartition", lambda a, *args, **kw: calls.append(len(a)) or real(a, *args, **kw))
+        distribution(rows[1], SamplingParams(temperature=0.7, top_k=40))
+    assert calls and max(calls) < len(rows[1]) // 10  # only candidates were partitioned
+
+
 def test_top_p_alone_grows_its_prefix_exactly():
     rng = np.random.default_rng(1)
     vocab = 20_000  # beyond the first prefixes tried, so the growth and the whole-row sort both run

@@ -71,6 +71,11 @@ def check_request(req: BenchRequest) -> None:
         check_report_dir(req.report)
 
 
+def _threads(req: BenchRequest) -> int:
+    """The threads the engine and its peers run on: the request's, or every usable CPU."""
+    return req.engine.threads or _usable_cores()
+
+
 def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     """The llama.cpp peer for this bundle (or `peer_gguf`), or None: no GGUF to run it on, or
     llama-cpp-python missing (then `notify` says how to get it, and the bench runs without it)."""
@@ -84,7 +89,7 @@ def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     if reason is not None:
         notify(f"no llama.cpp column: {reason}")
         return None
-    threads = req.engine.threads or _usable_cores()
+    threads = _threads(req)
     peer = (VulkanPeer if gpu else LlamaCppPeer)(source, threads=threads, n_ctx=engine.context_limit or 4096,
                                                  vocab_size=engine.target.vocab_size)
     d = peer.describe()
@@ -126,7 +131,7 @@ def _open_server_peers(req: BenchRequest, engine, notify: Callable[[str], None],
                                               "the target runs on a GPU, llama-server on the CPU"))
         return []
     build = locate(req.llama_server)
-    threads = req.engine.threads or _usable_cores()
+    threads = _threads(req)
     out = []
     for name in names:
         kind = parse_peer(name)
@@ -173,6 +178,27 @@ def _announce(engine, machine: dict, prompts, configs: list[str], cfg: BenchConf
     return costs
 
 
+def _roofline(engine, costs: dict | None, threads: int, notify) -> dict | None:
+    """The engine's roofline (roofline.py): the c(B) figures, a drafted token timed on the same
+    prefix, the weights each forward reads and the machine's read bandwidth measured now."""
+    from .costs import verify_costs
+    from .roofline import bandwidths, describe, roofline
+
+    if costs is None:
+        return None
+    if engine.draft is not None:
+        drafted = verify_costs(engine.target, (1,), draft=engine.draft)
+        costs = {**costs, "draft_ms": None if drafted is None else drafted.get("draft_ms")}
+    draft = engine.draft.streamed() if engine.draft is not None else None
+    doc = roofline(engine.target.streamed(), draft, costs, bandwidths(threads))
+    if doc is not None:
+        notify("memory read bandwidth " + ", ".join(f"{t} thread{'s' * (t != '1')} {v:.1f} GB/s"
+                                                    for t, v in doc["bandwidth_gb_s"].items()))
+        for line in describe(doc):
+            notify("roofline: " + line)
+    return doc
+
+
 def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = None, live: bool = True) -> dict:
     """Measure `req` and return its document; `notify` receives one-line progress notes, `live`
     shows the running table (live.py). Outputs are checked first (check_request), not written."""
@@ -206,6 +232,7 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
             servers = _open_server_peers(req, engine, notify, stack)
             configs += [s.name for s in servers]
             costs = _announce(engine, machine, prompts, configs, cfg, notify)
+            roof = _roofline(engine, costs, _threads(req), notify)
             table = LiveTable(configs, list(dict.fromkeys(p.cls for p in prompts)), repeat=cfg.repeat,
                               greedy=cfg.sampling.greedy) if live else None
             started, t0 = datetime.now(timezone.utc), time.perf_counter()
@@ -226,7 +253,7 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
                          "onnxruntime_pool": pool_state()},
                 memory={"rss_before_load": rss_before, "rss_after_load": rss_after, "engine": engine.memory()},
                 memory_budget=c.memory_budget, started=started, duration_s=time.perf_counter() - t0,
-                peer=peer.describe() if peer is not None else None, verify_costs=costs,
+                peer=peer.describe() if peer is not None else None, verify_costs=costs, roofline=roof,
                 peers={p.name: p.describe() for p in ([peer] if peer is not None else []) + servers})
     finally:
         rss.stop()

@@ -236,6 +236,23 @@ def _compare_table(runs: list[dict]) -> list[str]:
     return rows + [""] + _devices_table(runs)
 
 
+def _roofline_table(roof: dict | None) -> list[str]:
+    """The run's roofline (bench/roofline.py): one row per kind of forward."""
+    if not roof:
+        return []
+    bw = ", ".join(f"{t} thread{'s' * (t != '1')}: {v:.1f} GB/s" for t, v in roof["bandwidth_gb_s"].items())
+    lines = [f"Roofline (memory read bandwidth measured here: {bw}):", "",
+             "| forward | rows | ms | weights read (MB) | GB/s | share of bandwidth | operators |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in roof["rows"]:
+        mb = None if row["weights_bytes"] is None else row["weights_bytes"] / 1e6
+        lines.append(f"| {row['role']} | {row['width']} | {_f(row['ms'], '.2f')} | {_f(mb, '.0f')} | "
+                     f"{_f(row['gb_s'], '.1f')} | {_f(row['of_bandwidth'], '.0%')} | {_f(row['ops'], 'd')} |")
+    if roof.get("draft_of_plain") is not None:
+        lines += ["", f"A drafted token costs {roof['draft_of_plain']:.2f} of a plain step."]
+    return lines + [""]
+
+
 def markdown(runs: list[dict], plots: list[str]) -> str:
     title = "edgespec bench" if len(runs) == 1 else f"edgespec bench: {len(runs)} runs compared"
     lines = [f"# {title}", "",
@@ -254,6 +271,7 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
             lines += ["Cost of a B-token target forward over a one-token forward (c(B)): "
                       + ", ".join(f"c({b}) = {c:.2f}" for b, c in vc["c"].items())
                       + f", at {vc['one_token_ms']:.1f} ms per one-token forward.", ""]
+        lines += _roofline_table(r.get("roofline"))
         lines += _mismatch_lines(r)
         if r.get("skipped"):
             lines += [f"Skipped (prompt + reply exceed the context limit): {', '.join(r['skipped'])}.", ""]
@@ -267,8 +285,9 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
     lines += ["## How this was measured", "",
               "Plain and speculative decoding ran in one process on the same loaded model runtimes, alternating per "
               "prompt and repeat (rotating which goes first), each from empty KV caches, after a warm-up. "
-              f"{'; '.join(modes).capitalize()}; runs are fixed-length unless `--stop-at-eos` was given. Per prompt, "
-              "the median over "
+              f"{'; '.join(modes).capitalize()}; chat prompts end where `edgespec chat` ends a reply (an "
+              "end-of-turn token, the next speaker, a blank line); continuation prompts run to the token limit "
+              "unless `--stop-at-eos` was given. Per prompt, the median over "
               "repeats; a class's tok/s is its prompts' decoded tokens (after the first) over the sum of their "
               "median decode times. The speed-up is speculative tok/s divided by plain tok/s, both measured; "
               "it is never computed from the acceptance rate. TTFT covers the prompt's prefill (and the draft "

@@ -18,6 +18,8 @@ Version 2 (`"kind": "edgespec-bench"`), one run on one device:
                 worst_diff, probe_ms, cached
     verify_costs  the target's c(B), or null: one_token_ms, ms {B: ms}, c {B: B-token forward over a
                 one-token forward}, prefix, repeats (bench/costs.py)
+    roofline    per forward kind, or null: bandwidth_gb_s {threads: GB/s read}, rows [{role (plain, verify,
+                draft), width, ms, weights_bytes, ops, gb_s, of_bandwidth}], draft_of_plain (bench/roofline.py)
     tuning      how the engine's configuration was chosen here (edgespec/engine/tuning.py), or null: choice
                 {backend, draft_body, verify_width}, tune_ms, candidates [{backend, draft_body, free,
                 one_token_ms, draft_ms, verify_ms {B: ms}, exact_width, measure_ms, cached, score}]

@@ -46,8 +46,10 @@ def parse_peer(name: str) -> str:
     return kind
 
 
-def completion_body(ids: Sequence[int], max_tokens: int, params: SamplingParams, stop_at_eos: bool) -> dict:
-    """llama-server's /completion request for one bench run."""
+def completion_body(ids: Sequence[int], max_tokens: int, params: SamplingParams, stop_at_eos: bool,
+                    stop: Sequence[str] = ()) -> dict:
+    """llama-server's /completion request for one bench run; `stop`: strings that end it (a chat
+    reply's next speaker and blank line, endings.Ending.server_stop)."""
     body = {"prompt": [int(i) for i in ids], "n_predict": int(max_tokens), "cache_prompt": False,
             "return_tokens": True, "stream": False, "ignore_eos": not stop_at_eos, "samplers": SAMPLERS,
             "repeat_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "dry_multiplier": 0.0,
@@ -58,6 +60,8 @@ def completion_body(ids: Sequence[int], max_tokens: int, params: SamplingParams,
         body.update(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
     if params.seed is not None:
         body["seed"] = int(params.seed) & 0xFFFFFFFF
+    if stop:
+        body["stop"] = list(stop)
     return body
 
 
@@ -124,9 +128,11 @@ class LlamaServerPeer(_Peer):
                 "sampling": "llama.cpp's sampler chain (top_k, top_p, min_p, temperature) at the bench's settings"}
 
     def decode(self, ids: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (), rss=None,
-               params: SamplingParams = SamplingParams()) -> RunRecord:
-        """One run from an empty cache, timed by the server."""
-        body = completion_body(ids, max_tokens, params, stop_at_eos=bool(stop_ids) or self.stop_at_eos)
+               params: SamplingParams = SamplingParams(), ending=None, ended=None) -> RunRecord:
+        """One run from an empty cache, timed by the server, ended where `ending` says (its stop
+        strings are the server's; `ended`, a watcher in this process, is not needed)."""
+        body = completion_body(ids, max_tokens, params, stop_at_eos=bool(stop_ids) or self.stop_at_eos,
+                               stop=ending.server_stop() if ending is not None else ())
         try:
             doc = self._proc.post("/completion", body)
         except (DeployError, OSError) as e:

@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per run (default: 64)")
     g.add_argument("--warmup", type=int, default=1, help="unmeasured passes before measuring (default: 1)")
     g.add_argument("--stop-at-eos", action="store_true",
-                   help="end a run at the model's end-of-turn/EOS token (default: fixed-length runs, as llama-bench)")
+                   help="end a continuation prompt's run at EOS (default: fixed length, as llama-bench); chat prompts "
+                        "always end where edgespec chat ends a reply")
     g.add_argument("--k-sweep", type=_k_list, default=(), metavar="K1,K2,...",
                    help="also measure fixed draft lengths, e.g. 1,2,4,8 (plotted as speed per draft length)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results (versioned schema) here")

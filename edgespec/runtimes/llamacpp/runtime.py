@@ -31,7 +31,7 @@ import numpy as np
 
 from ...errors import BackendError, BundleError, ContextFullError
 from ...models.gguf_layout import GGUFLayoutError, check_gguf_layout
-from ..base import Capabilities, Runtime
+from ..base import Capabilities, Runtime, Streamed
 
 __all__ = ["LlamaCppRuntime", "available_devices", "load_library", "route_native_log", "system_info",
            "use_extra_buffer_types", "DEFAULT_KV_CAPACITY", "EMBD_KEYS", "EXTRA_BUFTS_ENV", "batch_variance"]
@@ -199,6 +199,7 @@ class LlamaCppRuntime(Runtime):
         path = Path(model_path)
         if not path.is_file():
             raise BackendError(f"GGUF model not found: {path}")
+        self._path = path
         gpu_layers = self._gpu_layers(lib, device)
         extra_bufts = self._load(lib, path, gpu_layers, threads, kv_capacity)
         self.capabilities = Capabilities(backend="llamacpp", can_trim=True, max_batch_tokens=MAX_BATCH,
@@ -389,6 +390,19 @@ class LlamaCppRuntime(Runtime):
         if self._embd is not None:
             out["input_embedding"] = self._embd.nbytes  # memory-mapped: resident only where read
         return out
+
+    def streamed(self) -> Streamed | None:
+        """Every tensor of the file but an input embedding that a separate output matrix leaves
+        to row lookups; llama.cpp's graph size is not exposed."""
+        try:
+            from gguf import GGUFReader
+
+            tensors = {t.name: int(t.n_bytes) for t in GGUFReader(self._path).tensors}
+        except Exception as e:  # noqa: BLE001 - a roofline is a report: say nothing rather than fail
+            logger.debug("no roofline figures for %s: %s", self._path.name, e)
+            return None
+        gathered = tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
+        return Streamed(sum(tensors.values()) - gathered)
 
     def _kv_bytes_per_token(self) -> int:
         """K and V per layer, f16 (llama.cpp's default) or f32 for fp32 models."""
