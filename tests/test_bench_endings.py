@@ -6,7 +6,7 @@ import pytest
 
 from edgespec.bench import Prompt, load_prompts
 from edgespec.bench.endings import CONTINUATION, Ending, render, watcher
-from edgespec.bench.measure import PLAIN, BenchConfig, build_decoders, measure_run, run_bench
+from edgespec.bench.measure import PLAIN, BenchConfig, build_decoders, cut_at_ending, measure_run, run_bench
 from edgespec.bench.peer import _timed
 from edgespec.bench.server_peer import completion_body
 from edgespec.decoding import SamplingParams
@@ -64,8 +64,18 @@ def test_a_run_stops_at_the_step_its_text_ends(zoo):
         ending = Ending((), (stop,))
         cut = measure_run(plain, runtimes, ids, 12, (), ended=watcher(tok, ending)).tokens
         assert cut == full[:end + 1]
+        # a speculative step may commit tokens past the end: the run still ends at that token
+        spec = build_decoders(engine)["speculative"]
+        assert measure_run(spec, runtimes, ids, 12, (), ended=watcher(tok, ending)).tokens == full[:end + 1]
         peer = _timed(len(ids), (t for t in full), 12, (), None, watcher(tok, ending))  # a generator, as a peer's loop
         assert peer.tokens == full[:end + 1]
+
+
+def test_a_step_that_commits_past_the_end_is_cut_at_the_first_ending_token():
+    ended = lambda new: 7 in new  # noqa: E731
+    assert cut_at_ending([1, 2, 7, 8, 9], 1, ended) == [1, 2, 7]
+    assert cut_at_ending([1, 2, 3], 1, ended) == [1, 2, 3]  # to the limit: nothing to cut
+    assert cut_at_ending([7, 8], 0, ended) == [7]
 
 
 def test_the_bench_ends_chat_runs_like_chat_and_runs_continuations_to_the_limit(zoo, monkeypatch):

@@ -21,7 +21,7 @@ from .endings import Rendered, render, watcher
 from .suites import Prompt
 
 __all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "PEER", "SERVER_PEER", "is_peer", "build_decoders",
-           "measure_run", "run_bench", "rotated", "fits", "run_params"]
+           "measure_run", "cut_at_ending", "run_bench", "rotated", "fits", "run_params"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,17 +157,30 @@ def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_token
     st = GenerationStats(prompt_tokens=len(ids))
     t0 = clock()
     stream = decoder.stream(tokens, params, max_tokens, stop_ids)
+    before = 0  # new tokens before the last step: the reply had not ended there
     try:
         for step in stream:
             st.add(step, clock() - t0)
             if ended is not None and ended(tokens[len(ids):]):
                 break
+            before = len(tokens) - len(ids)
     finally:
         stream.close()  # a reply that ended by its text: the decoder rewinds its caches now
-    rec = RunRecord.from_stats(st, tokens[len(ids):], clock() - t0)
+    new = tokens[len(ids):]
+    rec = RunRecord.from_stats(st, new if ended is None else cut_at_ending(new, before, ended), clock() - t0)
     if rss is not None:
         rec.peak_rss = rss.mark()
     return rec
+
+
+def cut_at_ending(new: list[int], before: int, ended: Callable[[list[int]], bool]) -> list[int]:
+    """`new` up to the token at which `ended` first holds, looking past `before` (a step may commit
+    several tokens past a reply's end: what the user is shown, and what plain decoding would have
+    produced, stops there)."""
+    for n in range(before + 1, len(new) + 1):
+        if ended(new[:n]):
+            return new[:n]
+    return new
 
 
 def rotated(names: list[str], shift: int) -> list[str]:
