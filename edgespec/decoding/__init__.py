@@ -1,10 +1,5 @@
 """Decoding: sampling, speculative acceptance, drafters, draft-length policies and the decoding loop."""
-from edgespec.decoding.acceptance import (
-    accept_greedy,
-    accept_point_masses,
-    accept_sampled,
-    map_draft_ids,
-)
+from edgespec.decoding.acceptance import accept_coupled, accept_greedy, map_draft_ids
 from edgespec.decoding.drafters import DRAFTERS, BothDrafter, Draft, Drafter, ModelDrafter, NgramDrafter, build_drafter
 from edgespec.decoding.policy import (
     DEFAULT_POLICY,
@@ -15,6 +10,7 @@ from edgespec.decoding.policy import (
     HeuristicK,
     make_policy,
 )
+from edgespec.decoding.draws import Draws, Noise
 from edgespec.decoding.recycling import RecyclingDrafter
 from edgespec.decoding.sampling import LazyDists, SamplingParams, check_max_tokens, distribution, probabilities, sample
 from edgespec.decoding.speculative import DEFAULT_K, SpeculativeDecoder, StepResult
@@ -26,6 +22,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "DRAFTERS",
     "DenseDist",
+    "Draws",
     "POLICIES",
     "BothDrafter",
     "Candidates",
@@ -38,15 +35,15 @@ __all__ = [
     "HeuristicK",
     "LazyDists",
     "ModelDrafter",
+    "Noise",
     "NgramDrafter",
     "RecyclingDrafter",
     "SamplingParams",
     "SpeculativeDecoder",
     "StepResult",
     "TokenDist",
+    "accept_coupled",
     "accept_greedy",
-    "accept_point_masses",
-    "accept_sampled",
     "build_drafter",
     "check_max_tokens",
     "distribution",

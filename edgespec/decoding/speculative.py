@@ -18,14 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgespec.decoding.acceptance import accept_greedy, accept_point_masses, accept_sampled
+from edgespec.decoding.acceptance import accept_coupled, accept_greedy
 from edgespec.decoding.cache import TrackedCache, batch_limit, common_prefix
 from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.drafters import build_drafter
+from edgespec.decoding.draws import Draws
 from edgespec.decoding.limits import UNLIMITED, DecoderLimits
 from edgespec.decoding.policy import DraftPolicy, FixedK
 from edgespec.decoding.sampling import LazyDists, SamplingParams
-from edgespec.decoding.tree import DraftTree, accept_tree_greedy, accept_tree_point_masses
+from edgespec.decoding.tree import DraftTree, accept_tree_coupled, accept_tree_greedy
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Runtime
 
@@ -101,8 +102,9 @@ class SpeculativeDecoder:
 
     `drafter` is a name from DRAFTERS ("model", "ngram", "recycle", "both") or a Drafter; by default the
     draft model when one is given, else plain decoding. Greedy output is token-identical to
-    plain greedy decoding of the target; sampled output follows the target's distribution
-    exactly (rejection sampling). The decoder assumes it is the only user of its runtimes' caches.
+    plain greedy decoding of the target; sampled output is token-identical to plain sampled
+    decoding with the same seed, which follows the target's distribution exactly (draws.py). The
+    decoder assumes it is the only user of its runtimes' caches.
     """
 
     # a stream keeps only the cached rows whole prefill chunks computed (TrackedCache.align), so
@@ -174,7 +176,7 @@ class SpeculativeDecoder:
     def _steps(
         self, tokens: list[int], params: SamplingParams, max_new_tokens: int, stop_ids: Container[int]
     ) -> Iterator[StepResult]:
-        rng = np.random.default_rng(params.seed)
+        rng = Draws(params.seed)  # keyed by position: no step's draws move another's
         policy = self.policy_for(params)
         n_new = 0
         try:
@@ -207,14 +209,15 @@ class SpeculativeDecoder:
             self._rollback(tokens)
 
     def _judge(self, draft: Draft, pending: list[int], logits: np.ndarray, params: SamplingParams,
-               rng: np.random.Generator, budget: int, stop_ids: Container[int],
+               rng: Draws, budget: int, stop_ids: Container[int],
                ratios: list[float]) -> tuple[list[int], int, list, int]:
         """Phases 3-4 for a chain whose verify fed `pending` and returned `logits`: (committed ids,
         accepted drafts, the drafter's free trials, rows the verify reused)."""
         reused = self.target.reused_rows
         # what the target computed anyway, for a drafter that learns from it
         trials = self.drafter.observe(pending[len(pending) - len(logits):], logits) if self.drafter else []
-        n_acc, nxt = self._accept(draft, logits, params, rng, ratios)
+        start = len(self._target.ids) - len(draft.tokens)  # the first draft's position: the verify fed them all
+        n_acc, nxt = self._accept(draft, logits, params, rng, start, ratios)
         return truncate_commit(draft.tokens[:n_acc] + [nxt], stop_ids, budget), n_acc, trials, reused
 
     def _prefill(self, tokens: list[int]) -> None:
@@ -237,7 +240,7 @@ class SpeculativeDecoder:
         self._policies.move_to_end(key)
         return policy
 
-    def _propose(self, tokens: list[int], budget: int, params: SamplingParams, rng: np.random.Generator,
+    def _propose(self, tokens: list[int], budget: int, params: SamplingParams, rng: Draws,
                  policy: DraftPolicy) -> Draft:
         """Phase 1: the drafter's proposal, capped so the commit fits the budget and the verify one batch."""
         limit = self._draft_limit(len(tokens), budget)
@@ -286,7 +289,7 @@ class SpeculativeDecoder:
         if draft.tail and step.accepted >= head:
             policy.learn(draft.tail_source, draft.tail, step.accepted - head)
 
-    def _tree_step(self, tokens: list[int], tree: DraftTree, params: SamplingParams, rng: np.random.Generator,
+    def _tree_step(self, tokens: list[int], tree: DraftTree, params: SamplingParams, rng: Draws,
                    budget: int, stop_ids: Container[int]) -> tuple[list[int], int, list, int]:
         """Phases 2-4 for a draft tree: one forward over root and nodes, a walk down one path,
         the cache keeping that path. Returns (committed ids, accepted drafts, free trials, reused rows)."""
@@ -296,7 +299,7 @@ class SpeculativeDecoder:
             nodes, nxt = accept_tree_greedy(tree, logits)
         else:
             # only the rows on the walked path are built
-            nodes, nxt = accept_tree_point_masses(tree, LazyDists(logits, params), rng)
+            nodes, nxt = accept_tree_coupled(tree, LazyDists(logits, params), rng, len(tokens))
         # the table learns every row; the accepted path's last, so its context is what a later row
         # for the same token keeps (SuccessorTable.update: a later row wins)
         on_path = set(nodes)
@@ -308,17 +311,14 @@ class SpeculativeDecoder:
         return new, len(nodes), trials, reused
 
     @staticmethod
-    def _accept(draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+    def _accept(draft: Draft, logits: np.ndarray, params: SamplingParams, rng: Draws, start: int,
                 ratios: list[float]) -> tuple[int, int]:
-        """Phase 3: how many drafts the target keeps, and its own next token; under sampling each
-        tested draft's acceptance probability goes to `ratios`."""
+        """Phase 3: how many drafts (the first at sequence position `start`) the target keeps, and
+        its own next token; under sampling each tested draft's chance of being kept goes to `ratios`."""
         if params.greedy:
             return accept_greedy(draft.tokens, logits)
-        # row i is built only if drafts 0..i-1 were accepted
-        target = LazyDists(logits, params)
-        if draft.dists is None:  # deterministic proposals: point masses
-            return accept_point_masses(draft.tokens, target, rng, ratios)
-        return accept_sampled(draft.tokens, draft.dists, target, rng, ratios)
+        # row i is built only if drafts 0..i-1 were accepted; deterministic drafts have no dists
+        return accept_coupled(draft.tokens, LazyDists(logits, params), rng, start, draft.dists, ratios)
 
     def _rollback(self, tokens: list[int]) -> None:
         """Trim every cache to its common prefix with `tokens` (keeping the last token unfed)."""
