@@ -105,6 +105,7 @@ class PlainRows:
         self.rt, self.prompt = rt, list(prompt)
         self._cache = TrackedCache(rt, max_batch)
         self._rows: dict[tuple[int, ...], np.ndarray] = {}
+        self._released = False
 
     def __call__(self, prefix: Sequence[int]) -> np.ndarray:
         key = tuple(prefix)
@@ -115,12 +116,16 @@ class PlainRows:
             if len(pending) > 1:
                 self._cache.feed(pending[:-1], n_logits=1)
             self._rows[key] = np.array(self._cache.feed(pending[-1:], n_logits=1)[-1], dtype=np.float32)
+            if self._released:  # lent back to an engine: leave it empty again, as `release` did
+                self.release()
         return self._rows[key]
 
     def release(self) -> None:
-        """Empty the runtime's cache (the engine's decoder notices and prefills again)."""
+        """Empty the runtime's cache, for an engine sharing it (its decoder notices and prefills
+        again); a row asked for afterwards is computed and the cache emptied again."""
         self.rt.reset()
         self._cache = TrackedCache(self.rt, self._cache.max_batch)
+        self._released = True
 
 
 # ---------------------------------------------------------------- the exact law

@@ -146,6 +146,7 @@ class SpeculativeDecoder:
         self._target = TrackedCache(target, limits.max_batch)
         self.clock = clock
         self.limits = limits
+        self._told_reach = False  # whether the log said once that drafting stops at the probe's reach
 
     @property
     def context_limit(self) -> int | None:
@@ -261,6 +262,13 @@ class SpeculativeDecoder:
             limit = min(limit, lim.verify_width - 1)
         if lim.context_limit is not None:  # the verify writes len(tokens) + drafts positions
             limit = min(limit, lim.context_limit - n_tokens)
+        if lim.exact_reach is not None and limit > lim.exact_reach - n_tokens:  # past where the probe looked
+            if not self._told_reach:
+                self._told_reach = True
+                logger.warning("drafting stops at %d tokens: the exactness probe checked verifies up to %d keys "
+                               "here; from there on this sequence decodes plainly (--probe-context N probes "
+                               "farther once, cached)", max(n_tokens, lim.exact_reach), lim.exact_reach)
+            limit = lim.exact_reach - n_tokens
         return limit
 
     def _record(self, policy: DraftPolicy, draft: Draft, new: list[int], n_acc: int, times: tuple[float, float, float],
