@@ -62,6 +62,13 @@ def _opt(*flags: str, help: str, **kw) -> dict:
     return {"cli": Option(flags, help, **kw)}
 
 
+def _check_int(name: str, value: object, least: int, most: int | None = None) -> None:
+    """A ConfigError unless `value` is an integer (not a bool) in least..most."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or (most is not None and value > most):
+        bound = f"in {least}..{most}" if most is not None else f">= {least}"
+        raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything that decides how a bundle is opened; frozen, and validated in __post_init__.
@@ -194,15 +201,11 @@ class EngineConfig:
             logger.warning("threads %d is more than the %d CPUs this process may use; using %d",
                            self.threads, usable, usable)
             object.__setattr__(self, "threads", usable)
-        if self.max_context is not None and (isinstance(self.max_context, bool)
-                                             or not isinstance(self.max_context, int) or self.max_context < 2):
-            raise ConfigError(f"max_context must be an integer >= 2, got {self.max_context!r}")
-        if self.probe_context is not None and (isinstance(self.probe_context, bool)
-                                               or not isinstance(self.probe_context, int)
-                                               or not 64 <= self.probe_context <= MAX_PROBE_REACH):
-            raise ConfigError(f"probe_context must be an integer in 64..{MAX_PROBE_REACH}, got {self.probe_context!r}")
-        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk must be an integer >= 1, got {self.prefill_chunk!r}")
+        if self.max_context is not None:
+            _check_int("max_context", self.max_context, 2)
+        if self.probe_context is not None:
+            _check_int("probe_context", self.probe_context, 64, MAX_PROBE_REACH)
+        _check_int("prefill_chunk", self.prefill_chunk, 1)
         if self.memory_budget is not None:
             from ..memory.budget import parse_bytes
 
