@@ -113,7 +113,7 @@ class Noise:
         in the blocks whose bound is below the best of the _FIRST most promising (the module
         docstring): the same winner, a small part of the work."""
         n = len(weights)
-        top = np.maximum.reduceat(weights, np.arange(0, n, BLOCK))
+        top = np.maximum.reduceat(weights, np.arange(0, n, BLOCK))  # each block's largest weight
         minimum, _ = self.blocks(np.arange(len(top)))
         with np.errstate(divide="ignore"):
             bound = minimum / top  # inf for a block without weight
