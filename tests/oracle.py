@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 from scipy.optimize import brentq
@@ -227,7 +227,7 @@ def reference(seeds: np.ndarray, rows: Callable[[Sequence[int]], np.ndarray], pr
 # ---------------------------------------------------------------- power
 
 
-@lru_cache(maxsize=None)
+@cache
 def chi_square_size(df: int, tv: float = TV_SPLIT) -> tuple[int, float]:
     """(samples, noncentrality) for Pearson's chi-square with `df` degrees of freedom to reach power
     POWER at false-alarm rate ALPHA against every alternative at total variation `tv`."""
@@ -246,6 +246,7 @@ class Verdict:
     """Check A's outcome for one configuration, and what it can detect."""
 
     name: str
+    length: int
     support: int
     n: int
     statistic: float
@@ -257,9 +258,10 @@ class Verdict:
 
     def statement(self) -> str:
         lam = self.n * (2 * TV_SPLIT) ** 2
-        return (f"{self.name}: law of the first {LENGTH} tokens, {self.support} sequences. A: chi-square of the "
+        return (f"{self.name}: law of the first {self.length} tokens, {self.support} sequences. A: chi-square of the "
                 f"reference's {self.n:,} seeded runs against the exact law, df {self.df}, alpha {ALPHA:g}, "
-                f"noncentrality >= n(2d)^2 = {lam:.1f} at d = {TV_SPLIT}: power {power_at(self.df, self.n, TV_SPLIT):.4f} "
+                f"noncentrality >= n(2d)^2 = {lam:.1f} at d = {TV_SPLIT}: power "
+                f"{power_at(self.df, self.n, TV_SPLIT):.4f} "
                 f"(p = {self.p_value:.3g}). B: {N_SEEDS} seeds identical to the reference, power "
                 f"{1 - (1 - TV_SPLIT) ** N_SEEDS:.4f} at d = {TV_SPLIT}, no false alarms. Together: power >= {POWER} "
                 f"against total variation {TV} from the exact law, false-alarm rate <= {ALPHA:g}.")
@@ -284,7 +286,7 @@ def check_reference(name: str, rows, prompt_len: int, params: SamplingParams, le
             assert code in index, f"the reference drew a sequence the exact law gives probability 0 ({code})"
             counts[index[code]] += k
     stat, p = chisquare(counts, law.probs * n)
-    verdict = Verdict(name, law.support, n, float(stat), float(p))
+    verdict = Verdict(name, length, law.support, n, float(stat), float(p))
     assert p > ALPHA, f"{name}: the reference does not follow the exact law (p = {p:.3g}): {verdict.statement()}"
     return verdict
 

@@ -243,7 +243,8 @@ def test_decoder_limits_take_the_tightest_bound():
     lim = decoder_limits(512, [4096, None], None, exact, True)
     assert lim.context_limit == 512 and lim.verify_width == lim.draft_width == 5
     assert decoder_limits(None, [], None, exact, False).draft_width is None
-    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=1, trees=None, reach=99), True).verify_width is None
+    none_exact = SimpleNamespace(exact_width=1, trees=None, reach=99)
+    assert decoder_limits(None, [], None, none_exact, True).verify_width is None
     plan = SimpleNamespace(kv_capacity=300, max_draft=3, prefill_chunk=32)
     lim = decoder_limits(1000, [400], plan, None, False)
     assert lim.context_limit == 300 and lim.max_draft == 3 and lim.max_batch == 32

@@ -7,10 +7,10 @@ from scipy.stats import chisquare
 
 from edgespec.decoding import (
     Candidates,
+    Draws,
     FixedK,
     SamplingParams,
     SpeculativeDecoder,
-    Draws,
     accept_coupled,
     accept_greedy,
     make_policy,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,12 +131,10 @@ def test_the_sample_sizes_follow_from_the_power():
 def test_the_exact_law_is_the_samplers_specification():
     """The oracle's sampler against hand-worked rows: top-k keeps ties, top-p counts mass before a
     token, min-p compares with the likeliest after top-p."""
-    params = SamplingParams(temperature=1.0, top_k=2)
-    np.testing.assert_allclose(oracle.sampler_probs(np.log([0.5, 0.3, 0.2]), params), [0.625, 0.375, 0])
-    np.testing.assert_allclose(oracle.sampler_probs(np.log([0.5, 0.3, 0.2]), SamplingParams(temperature=1.0, top_p=0.75)),
-                               [0.625, 0.375, 0])
-    np.testing.assert_allclose(oracle.sampler_probs(np.log([0.5, 0.3, 0.2]), SamplingParams(temperature=1.0, min_p=0.5)),
-                               [0.625, 0.375, 0])
+    row = np.log([0.5, 0.3, 0.2])
+    for params in (SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.75),
+                   SamplingParams(temperature=1.0, min_p=0.5)):
+        np.testing.assert_allclose(oracle.sampler_probs(row, params), [0.625, 0.375, 0])
     law = oracle.exact_law(lambda prefix: np.log([0.5, 0.3, 0.2]), SamplingParams(temperature=1.0), 2)
     assert law.support == 9 and law.probs.sum() == pytest.approx(1.0) and law.probs.max() == pytest.approx(0.25)
 

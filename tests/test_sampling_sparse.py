@@ -9,11 +9,11 @@ from scipy.stats import chisquare
 from edgespec.decoding import (
     Candidates,
     DenseDist,
+    Draws,
     FixedK,
     LazyDists,
     SamplingParams,
     SpeculativeDecoder,
-    Draws,
     TokenDist,
     accept_coupled,
     distribution,

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from edgespec.bundle import load_bundle
-from edgespec.engine.engine import Engine, load, resolve
+from edgespec.engine.engine import Engine, resolve
 from tests.zoo import DISAGREEING
 
 PROMPT = "if new water road snow cat dog cat to sun world and if with"

@@ -11,8 +11,8 @@ from edgespec.decoding.recycling import SuccessorTable
 from edgespec.decoding.token_dist import Candidates
 from edgespec.decoding.tree import (
     DraftTree,
-    accept_tree_greedy,
     accept_tree_coupled,
+    accept_tree_greedy,
     best_shape,
     expected_tree_tokens,
     recycled_tree,

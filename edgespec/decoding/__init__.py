@@ -1,6 +1,7 @@
 """Decoding: sampling, speculative acceptance, drafters, draft-length policies and the decoding loop."""
 from edgespec.decoding.acceptance import accept_coupled, accept_greedy, map_draft_ids
 from edgespec.decoding.drafters import DRAFTERS, BothDrafter, Draft, Drafter, ModelDrafter, NgramDrafter, build_drafter
+from edgespec.decoding.draws import Draws, Noise
 from edgespec.decoding.policy import (
     DEFAULT_POLICY,
     POLICIES,
@@ -10,7 +11,6 @@ from edgespec.decoding.policy import (
     HeuristicK,
     make_policy,
 )
-from edgespec.decoding.draws import Draws, Noise
 from edgespec.decoding.recycling import RecyclingDrafter
 from edgespec.decoding.sampling import LazyDists, SamplingParams, check_max_tokens, distribution, probabilities, sample
 from edgespec.decoding.speculative import DEFAULT_K, SpeculativeDecoder, StepResult

@@ -149,7 +149,8 @@ class ModelDrafter(Drafter):
             else:
                 dists.append(draft_distribution(logits, params, id_map,
                                                 (lambda: self._index) if ext is None else (lambda: ext.index)))
-                new = [dists[-1].sample(rng.at(len(tokens) + len(drafts)))]  # a target id, raced on its position's noise
+                # a target id, raced on its position's noise
+                new = [dists[-1].sample(rng.at(len(tokens) + len(drafts)))]
             if policy.uses_confidence:
                 confidences.append(top_probability(logits))
             # a long catch-up is not the cost of one more token; one the runtime held already
