@@ -292,12 +292,36 @@ def check_reference(name: str, rows, prompt_len: int, params: SamplingParams, le
 
 
 def check_path(name: str, run: Callable[[int], Sequence[int]], rows, prompt_len: int, params: SamplingParams,
-               length: int = LENGTH) -> int:
+               length: int = LENGTH, rounding: float | None = None) -> int:
     """Check B: `run(seed)`'s first `length` tokens equal the reference's for seeds 0..N_SEEDS-1.
-    Returns how many seeds were run."""
+
+    `rounding`: logits the path's verify rows may differ by from the reference's (drafting at
+    widths the probe found inexact, under allow_inexact). A run may then part from the reference
+    only at a near-tie that rounding can flip: where its token's race value is within
+    exp(2 * rounding / T) of the reference winner's. Returns how many runs parted so."""
     want = reference(np.arange(N_SEEDS), rows, prompt_len, params, length)
+    parted = 0
     for seed in range(N_SEEDS):
         got = list(run(seed))[:length]
-        assert got == want[seed].tolist(), (f"{name}: seed {seed} gave {got}, plain decoding with that seed "
-                                            f"{want[seed].tolist()}")
-    return N_SEEDS
+        if got != want[seed].tolist():
+            assert rounding is not None and _near_tie(seed, got, want[seed].tolist(), rows, prompt_len, params,
+                                                      rounding), \
+                f"{name}: seed {seed} gave {got}, plain decoding with that seed {want[seed].tolist()}"
+            parted += 1
+    return parted
+
+
+def _near_tie(seed: int, got: list[int], want: list[int], rows, prompt_len: int, params: SamplingParams,
+              rounding: float) -> bool:
+    """Whether `got` parts from `want` first at a race the reference's winner won by less than
+    logits off by `rounding` could change."""
+    t = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    dist = sampling.distribution(rows(want[:t]), params)
+    pair = np.array([got[t], want[t]])
+    p = dist.probs_at(pair)
+    if not p[0] > 0:  # outside the reference's top-k: rounding may have moved the cut
+        row = rows(want[:t])
+        kth = np.sort(row)[::-1][params.top_k - 1] if params.top_k else np.inf
+        return bool(row[got[t]] >= kth - 2 * rounding)
+    values = noise(np.array([seed]), prompt_len + t, pair)[0] / p
+    return bool(values[0] / values[1] <= math.exp(2 * rounding / params.temperature))
