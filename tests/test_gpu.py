@@ -20,6 +20,7 @@ from edgespec.runtimes.llamacpp_vulkan.runtime import offload_layers
 
 GGUF = ("gguf",)
 GPU_ATOL = 2e-2  # a Vulkan device against the CPU build, fp32 tiny model
+SEEDS = 306  # the sampled oracle's check B on a software device: power 0.99 at TV 0.015
 
 
 # ---------------------------------------------------------------- no GPU needed
@@ -315,8 +316,9 @@ def test_overlapped_drafting_on_the_cpu_while_the_gpu_verifies(vulkan, zoo):
 
 
 def test_sampled_speculative_on_the_gpu_follows_the_targets_law(vulkan, zoo):
-    """The exact oracle (tests/oracle.py) with the draft on the CPU and the target on the GPU, at the
-    power of the fast tier: 0.99 against TV 0.01 on the first 4 tokens' law, false alarms 1e-4.
+    """The exact oracle (tests/oracle.py) with the draft on the CPU and the target on the GPU: a
+    software device's forwards are dear, so check B runs SEEDS seeds, not the fast tier's 919: power
+    0.99 against TV 0.02 on the first 4 tokens' law (0.005 for check A, 0.015 for B), false alarms 1e-4.
     The law is the device's own (its one-token rows). Where the probe found no exact width on the
     device (lavapipe), drafting runs under allow_inexact: a verify's rows then differ from
     one-token rows by up to the probe's worst difference, and a run may part from plain decoding
@@ -335,7 +337,7 @@ def test_sampled_speculative_on_the_gpu_follows_the_targets_law(vulkan, zoo):
         ids = spec.tokenizer.encode("The quick brown fox")
         rows = oracle.PlainRows(spec.target, ids, spec.limits.max_batch)
         t0 = time.perf_counter()
-        statement = oracle.check_reference("GPU", rows, len(ids), params).statement()
+        statement = oracle.check_reference("GPU", rows, len(ids), params).statement(SEEDS)
         rows.release()
         drafted = []
 
@@ -346,11 +348,11 @@ def test_sampled_speculative_on_the_gpu_follows_the_targets_law(vulkan, zoo):
             return out
 
         parted = oracle.check_path("GPU target, CPU draft, k=2", run, rows, len(ids), params,
-                                   rounding=verdict.worst_diff if inexact else None)
-    tail = (f" Drafting at widths the probe found inexact ({verdict.describe()}): {parted} of {oracle.N_SEEDS} runs "
+                                   rounding=verdict.worst_diff if inexact else None, seeds=SEEDS)
+    tail = (f" Drafting at widths the probe found inexact ({verdict.describe()}): {parted} of {SEEDS} runs "
             "parted from plain decoding, each at a near-tie that rounding flips." if inexact else "")
     print(f"\n{statement}{tail} [{time.perf_counter() - t0:.0f} s]")
-    assert sum(drafted) > oracle.N_SEEDS
+    assert sum(drafted) > SEEDS
 
 
 def test_the_same_device_peer_samples_with_llama_cpps_chain(vulkan, zoo):
