@@ -342,7 +342,8 @@ def test_the_long_class_is_measured_beside_the_peer_with_cold_first_tokens(zoo):
             return len(engine.tokenizer.encode(t))
 
         questions = [{"id": "q1", "doc_tokens": 150, "question": "Is there a warranty?"},
-                     {"id": "q2", "doc_tokens": 250, "question": "What is provided?"}]  # trained on 512: chat's own format around it
+                     # trained on 512: chat's own format around it
+                     {"id": "q2", "doc_tokens": 250, "question": "What is provided?"}]
         prompts = [parse_prompt(r, LONG_CLASS, "long") for r in long_prompts(questions, count, text)]
         peer = StandInPeer(engine)
         runs = run_bench(engine, prompts, cfg, peer=peer)

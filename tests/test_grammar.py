@@ -2,20 +2,20 @@
 forced tokens, and the speculative loop under a grammar (greedy == plain, sampling exact)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 
 import numpy as np
 import pytest
-from scipy.stats import chi2, ncx2
 
-from edgespec.decoding import FixedK, RecyclingDrafter, SamplingParams, SpeculativeDecoder, probabilities
+from edgespec.decoding import FixedK, RecyclingDrafter, SamplingParams, SpeculativeDecoder
 from edgespec.decoding.grammar import MAX_SPEC_BYTES, GrammarError, ResponseFormat, _bounded, response_format
 from edgespec.decoding.limits import DecoderLimits
 from edgespec.errors import ConfigError
+from tests import oracle
 from tests.char_tokenizer import EOS, VOCAB, char_compiler, char_tokenizer, char_vocab
-from tests.chi2 import MIN_EXPECTED, pooled_chi_square_p
 from tests.toy import ToyRuntime, TreeToyRuntime
 
 IDS = char_vocab()
@@ -292,55 +292,38 @@ def test_stopped_stream_leaves_caches_and_grammar_in_step():
 THREE = ResponseFormat.regex("[a-e][a-e][a-e]")  # 125 replies of three single-letter tokens, then EOS
 
 
-def exact_reply_distribution(target: ToyRuntime, params: SamplingParams, masked: bool = True) -> dict:
-    """P(reply) under the constrained distribution: each position's row masked by the grammar,
-    then the sampler (`probabilities`, the reference); or, for the power computation, the
-    unmasked conditionals renormalised over the grammar's replies as a whole."""
-    letters = [IDS[c] for c in "abcde"]
-    allowed = np.zeros(VOCAB, dtype=bool)
-    allowed[letters] = True
-    out = {}
-    for x in np.ndindex(5, 5, 5):
-        reply, p = [letters[i] for i in x], 1.0
-        for i in range(3):
-            target.reset()
-            row = target.forward(PROMPT + reply[:i], n_logits=1)[-1].astype(np.float64)
-            if masked:
-                row = np.where(allowed, row, -np.inf)
-            p *= probabilities(row, params)[reply[i]]
-        out[tuple(reply)] = p
-    target.reset()
-    if not masked:
-        total = sum(out.values())
-        out = {k: v / total for k, v in out.items()}
-    return out
+class MaskedPlainRows:
+    """The oracle's plain-decoding rows (tests/oracle.PlainRows) masked to the five letters THREE
+    allows at each of its three positions: the constrained law the engine must follow."""
+
+    def __init__(self, target: ToyRuntime) -> None:
+        self.rows = oracle.PlainRows(target, PROMPT)
+        self.allowed = np.zeros(VOCAB, dtype=bool)
+        self.allowed[[IDS[c] for c in "abcde"]] = True
+
+    def __call__(self, prefix) -> np.ndarray:
+        return np.where(self.allowed, self.rows(prefix), -np.inf).astype(np.float32)
 
 
 def test_constrained_sampling_is_exact():
-    """Chi-square of 4000 speculative replies (a sampled, trimmed model draft, top-k 8) against the
-    exact constrained distribution. Power, computed here (noncentral chi-square at the test's
-    threshold p < 1e-3): >= 0.95 against a sampler that draws one reply in ten by the likeliest
-    wrong rule, the unmasked conditionals renormalised over whole replies (which the test rejects
-    with power 1 when every reply follows it).
-    Note for the lead: move onto tests/oracle.py's exact oracle once branch i48-lossless lands."""
-    params = SamplingParams(temperature=1.0, top_k=8)
-    exact = exact_reply_distribution(ToyRuntime(VOCAB, seed=5), params)
+    """The exact oracle (tests/oracle.py) on the constrained law: check A puts plain decoding's
+    reference, raced on the masked rows, against the enumerated law of the three letters; check B
+    asks a speculative decoder (a sampled, trimmed model draft, k=2) under the grammar for
+    the reference's letters on every seed (temperature 2, top-k 8). Power as the oracle states (printed)."""
+    params = SamplingParams(temperature=2.0, top_k=8)  # every reply likely enough for check A's counts
+    rows = MaskedPlainRows(ToyRuntime(VOCAB, seed=5))
+    verdict = oracle.check_reference("grammar [a-e]{3}", rows, len(PROMPT), params, length=3)
     grammar = COMPILER.compile(THREE)
     draft, id_map = trimmed_draft(5)
     dec = SpeculativeDecoder(ToyRuntime(VOCAB, seed=5), draft, id_map=id_map, policy=FixedK(2))
-    keys = sorted(exact)
-    counts, n, accepted = np.zeros(len(keys)), 4000, 0
-    for seed in range(n):
-        out, steps, _ = run(dec, grammar, 5, SamplingParams(temperature=1.0, top_k=8, seed=seed))
+    accepted = []
+
+    def speculative(seed: int) -> list[int]:
+        out, steps, _ = run(dec, grammar, 5, dataclasses.replace(params, seed=seed))
         assert out[-1] == EOS and len(out) == 4
-        counts[keys.index(tuple(out[:3]))] += 1
-        accepted += sum(s.accepted for s in steps)
-    assert 0.2 * n < accepted < 2.5 * n  # drafts were accepted and rejected
-    p = np.array([exact[k] for k in keys])
-    assert pooled_chi_square_p(counts, p) > 1e-3
-    wrong = exact_reply_distribution(ToyRuntime(VOCAB, seed=5), params, masked=False)
-    q = 0.9 * p + 0.1 * np.array([wrong[k] for k in keys])
-    bins = p * n >= MIN_EXPECTED
-    lam = n * float(np.sum((q[bins] - p[bins]) ** 2 / p[bins]))
-    df = int(bins.sum())  # the pooled bin adds one, the fixed total takes one
-    assert ncx2.sf(chi2.isf(1e-3, df), df, lam) >= 0.95
+        accepted.extend(s.accepted for s in steps)
+        return out[:3]
+
+    oracle.check_path("grammar [a-e]{3}, speculative", speculative, rows, len(PROMPT), params, length=3)
+    assert 0 < sum(accepted) < 2 * len(accepted)  # drafts were accepted and rejected
+    print("\n" + verdict.statement())

@@ -27,11 +27,12 @@ def exported(real_bundle):
 
 @pytest.mark.parametrize("n_tokens", [2000, 7600], ids=["2k", "8k"])
 def test_default_model_on_openvino_speculative_equals_plain_at_long_contexts(exported, n_tokens):
-    """The probe reaches past every split point and the context's end: where it lets the engine
-    draft, greedy speculative output over a ~2k- and ~8k-token document equals plain decoding."""
+    """The probe, asked to reach the context's end, checks every split point up to it: where it
+    lets the engine draft, greedy speculative output over a ~2k- and ~8k-token document equals
+    plain decoding."""
     from tests.test_slow_contexts import speculative_equals_plain
 
-    kw = {"backend": "openvino", "max_context": n_tokens + 512}
+    kw = {"backend": "openvino", "max_context": n_tokens + 512, "probe_context": n_tokens + 512}
     with load(exported, k=4, drafter="model", **kw) as spec, load(exported, use_draft=False, **kw) as plain:
         speculative_equals_plain(spec, plain, n_tokens)
 

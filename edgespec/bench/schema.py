@@ -15,7 +15,7 @@ Version 2 (`"kind": "edgespec-bench"`), one run on one device:
     memory      rss_before_load, rss_after_load, engine {target|draft: {weights, kv, ...}} (bytes),
                 plan (the engine's memory plan under --memory-budget, when it has one)
     exactness   the engine's exactness probe, or null: summary (one line), exact widths, max_width,
-                worst_diff, probe_ms, cached
+                worst_diff, probe_ms, cached, reach (the most keys a probed verify attended to)
     verify_costs  the target's c(B), or null: one_token_ms, ms {B: ms}, c {B: B-token forward over a
                 one-token forward}, prefix, repeats (bench/costs.py)
     roofline    per forward kind, or null: bandwidth_gb_s {threads: GB/s read}, rows [{role (plain, verify,

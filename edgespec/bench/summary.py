@@ -4,8 +4,8 @@ A configuration's decode speed is the ratio of totals: every run's tokens after 
 over every run's time after its first step (the first step is timed with the prompt, so its
 tokens are not counted either). The speed-up is that speed divided by plain decoding's, never a
 figure derived from acceptance. Greedy speculative output must equal plain output token for
-token; every prompt where it does not is listed as a mismatch (sampled runs are not compared:
-plain and speculative decoding draw their random numbers differently).
+token; every prompt where it does not is listed as a mismatch (sampled runs are not compared
+here: the tests check that a seed gives plain decoding's text whatever was drafted).
 
 When the llama.cpp peer ran (peer.py), every edgespec configuration also gets `x_llamacpp`, the
 same ratio of totals over the peer's speed on the same prompts and repeats, and beside it

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgespec.decoding.draws import Draws
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.sampling import SamplingParams
 from edgespec.decoding.token_dist import TokenDist
@@ -53,9 +54,11 @@ class Drafter(abc.ABC):
 
     @abc.abstractmethod
     def propose(self, tokens: list[int], limit: int, policy: DraftPolicy, params: SamplingParams,
-                rng: np.random.Generator) -> Draft:
-        """Phase 1 of a step. Must not change `tokens`. A `constrained` drafter also takes
-        `constraint=` (a grammar.Constraint at the end of `tokens`, or None)."""
+                rng: Draws) -> Draft:
+        """Phase 1 of a step. Must not change `tokens`. A sampling drafter draws the token at
+        sequence position t against `rng.at(t)`, the noise the target's own draw there races too.
+        A `constrained` drafter also takes `constraint=` (a grammar.Constraint at the end of
+        `tokens`, or None)."""
 
     def sync(self, tokens: list[int]) -> None:  # noqa: B027 - stateless drafters need nothing
         """Drop cached state that is no longer a prefix of `tokens` (after a commit, or a stop)."""

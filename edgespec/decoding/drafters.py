@@ -40,6 +40,7 @@ from edgespec.decoding.acceptance import map_draft_ids
 from edgespec.decoding.cache import TrackedCache
 from edgespec.decoding.context_vocab import ContextVocab, Extension
 from edgespec.decoding.draft import Draft, Drafter
+from edgespec.decoding.draws import Noise
 from edgespec.decoding.grammar import Constraint
 from edgespec.decoding.head_drafter import HeadDrafter, draft_distribution, draft_index
 from edgespec.decoding.policy import DraftPolicy
@@ -144,7 +145,9 @@ class ModelDrafter(Drafter):
             if pending:
                 ahead = self._feed(tokens, drafts, pending, len(ahead), ext, n_guess)
                 computed = len(pending) - min(self.runtime.reused_rows, len(pending))
-            drawn = self._draw(ahead.pop(0)[1], drafts, params, rng, ext, constraint, dists)
+            # a sampled token is raced on its position's noise (draws.py)
+            drawn = self._draw(ahead.pop(0)[1], drafts, params, rng.at(len(tokens) + len(drafts)), ext,
+                               constraint, dists)
             if drawn is None:  # a grammar allows none of the draft's tokens here
                 break
             new, logits = [drawn[0]], drawn[1]
@@ -161,7 +164,7 @@ class ModelDrafter(Drafter):
                 break
         return self._drafted(drafts, dists, steady, policy, before)
 
-    def _draw(self, logits: np.ndarray, drafts: list[int], params, rng, ext: Extension | None,
+    def _draw(self, logits: np.ndarray, drafts: list[int], params, noise: Noise, ext: Extension | None,
               constraint: Constraint | None, dists: list[TokenDist]) -> tuple[int, np.ndarray] | None:
         """One drafted token (a target id) from a draft row, and the row it was drawn from: the
         argmax, or a draw from the sampler's distribution (appended to `dists`); under a grammar,
@@ -175,7 +178,7 @@ class ModelDrafter(Drafter):
             return map_draft_ids([int(np.argmax(logits))], id_map)[0], logits
         index = (lambda: self._index) if ext is None else (lambda: ext.index)
         dists.append(draft_distribution(logits, params, id_map, index))
-        return dists[-1].sample(rng), logits
+        return dists[-1].sample(noise), logits
 
     def _drafted(self, drafts: list[int], dists: list[TokenDist], steady: list[float], policy: DraftPolicy,
                  before: tuple[int, int]) -> Draft:

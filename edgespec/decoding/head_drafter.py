@@ -96,7 +96,7 @@ class HeadDrafter(Drafter):
                 token = map_draft_ids([int(np.argmax(logits))], self.id_map)[0]
             else:
                 dists.append(draft_distribution(logits, params, self.id_map, lambda: self._index))
-                token = dists[-1].sample(rng)  # a target id
+                token = dists[-1].sample(rng.at(len(tokens) + len(drafts)))  # a target id
             drafts.append(token)
             if policy.uses_confidence:
                 confidences.append(top_probability(logits))

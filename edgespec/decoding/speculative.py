@@ -18,15 +18,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgespec.decoding.acceptance import accept_greedy, accept_point_masses, accept_sampled
+from edgespec.decoding.acceptance import accept_coupled, accept_greedy
 from edgespec.decoding.cache import TrackedCache, batch_limit, common_prefix
 from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.drafters import build_drafter
+from edgespec.decoding.draws import Draws
 from edgespec.decoding.grammar import Constraint, MaskedRows
 from edgespec.decoding.limits import UNLIMITED, DecoderLimits
 from edgespec.decoding.policy import DraftPolicy, FixedK
 from edgespec.decoding.sampling import LazyDists, SamplingParams
-from edgespec.decoding.tree import DraftTree, accept_tree_greedy, accept_tree_point_masses
+from edgespec.decoding.tree import DraftTree, accept_tree_coupled, accept_tree_greedy
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Runtime
 
@@ -104,8 +105,9 @@ class SpeculativeDecoder:
 
     `drafter` is a name from DRAFTERS ("model", "ngram", "recycle", "both") or a Drafter; by default the
     draft model when one is given, else plain decoding. Greedy output is token-identical to
-    plain greedy decoding of the target; sampled output follows the target's distribution
-    exactly (rejection sampling). The decoder assumes it is the only user of its runtimes' caches.
+    plain greedy decoding of the target; sampled output is token-identical to plain sampled
+    decoding with the same seed, which follows the target's distribution exactly (draws.py). The
+    decoder assumes it is the only user of its runtimes' caches.
     """
 
     # a stream keeps only the cached rows whole prefill chunks computed (TrackedCache.align), so
@@ -147,6 +149,7 @@ class SpeculativeDecoder:
         self._target = TrackedCache(target, limits.max_batch)
         self.clock = clock
         self.limits = limits
+        self._told_reach = False  # whether the log said once that drafting stops at the probe's reach
 
     @property
     def context_limit(self) -> int | None:
@@ -180,7 +183,7 @@ class SpeculativeDecoder:
         self, tokens: list[int], params: SamplingParams, max_new_tokens: int, stop_ids: Container[int],
         constraint: Constraint | None = None,
     ) -> Iterator[StepResult]:
-        rng = np.random.default_rng(params.seed)
+        rng = Draws(params.seed)  # keyed by position: no step's draws move another's
         policy = self.policy_for(params, constrained=constraint is not None)
         n_new = 0
         try:
@@ -225,14 +228,15 @@ class SpeculativeDecoder:
             self._rollback(tokens)
 
     def _judge(self, draft: Draft, pending: list[int], logits: np.ndarray, params: SamplingParams,
-               rng: np.random.Generator, budget: int, stop_ids: Container[int],
+               rng: Draws, budget: int, stop_ids: Container[int],
                ratios: list[float], constraint: Constraint | None = None) -> tuple[list[int], int, list, int]:
         """Phases 3-4 for a chain whose verify fed `pending` and returned `logits`: (committed ids,
         accepted drafts, the drafter's free trials, rows the verify reused)."""
         reused = self.target.reused_rows
         # what the target computed anyway, for a drafter that learns from it
         trials = self.drafter.observe(pending[len(pending) - len(logits):], logits) if self.drafter else []
-        n_acc, nxt = self._accept(draft, logits, params, rng, ratios, constraint)
+        start = len(self._target.ids) - len(draft.tokens)  # the first draft's position: the verify fed them all
+        n_acc, nxt = self._accept(draft, logits, params, rng, start, ratios, constraint)
         return truncate_commit(draft.tokens[:n_acc] + [nxt], stop_ids, budget), n_acc, trials, reused
 
     def _prefill(self, tokens: list[int]) -> None:
@@ -267,7 +271,7 @@ class SpeculativeDecoder:
         for i in range(0, len(head), width):
             self._target.feed(head[i:i + width], n_logits=1)
 
-    def _propose(self, tokens: list[int], budget: int, params: SamplingParams, rng: np.random.Generator,
+    def _propose(self, tokens: list[int], budget: int, params: SamplingParams, rng: Draws,
                  policy: DraftPolicy, constraint: Constraint | None = None) -> Draft:
         """Phase 1: the drafter's proposal, capped so the commit fits the budget and the verify one
         batch; under a grammar, only what it allows (a tree's refused nodes are masked at the verify)."""
@@ -296,6 +300,13 @@ class SpeculativeDecoder:
             limit = min(limit, lim.verify_width - pending)
         if lim.context_limit is not None:  # the verify writes len(tokens) + drafts positions
             limit = min(limit, lim.context_limit - n_tokens)
+        if lim.exact_reach is not None and limit > lim.exact_reach - n_tokens:  # past where the probe looked
+            if not self._told_reach:
+                self._told_reach = True
+                logger.warning("drafting stops at %d tokens: the exactness probe checked verifies up to %d keys "
+                               "here; from there on this sequence decodes plainly (--probe-context N probes "
+                               "farther once, cached)", max(n_tokens, lim.exact_reach), lim.exact_reach)
+            limit = lim.exact_reach - n_tokens
         return limit
 
     def _record(self, policy: DraftPolicy, draft: Draft, new: list[int], n_acc: int, times: tuple[float, float, float],
@@ -326,7 +337,7 @@ class SpeculativeDecoder:
         if draft.tail and step.accepted >= head:
             policy.learn(draft.tail_source, draft.tail, step.accepted - head)
 
-    def _tree_step(self, tokens: list[int], tree: DraftTree, params: SamplingParams, rng: np.random.Generator,
+    def _tree_step(self, tokens: list[int], tree: DraftTree, params: SamplingParams, rng: Draws,
                    budget: int, stop_ids: Container[int],
                    constraint: Constraint | None = None) -> tuple[list[int], int, list, int]:
         """Phases 2-4 for a draft tree: one forward over root and nodes, a walk down one path,
@@ -338,7 +349,7 @@ class SpeculativeDecoder:
             nodes, nxt = accept_tree_greedy(tree, judged)
         else:
             # only the rows on the walked path are built
-            nodes, nxt = accept_tree_point_masses(tree, LazyDists(judged, params), rng)
+            nodes, nxt = accept_tree_coupled(tree, LazyDists(judged, params), rng, len(tokens))
         # the table learns every row; the accepted path's last, so its context is what a later row
         # for the same token keeps (SuccessorTable.update: a later row wins)
         on_path = set(nodes)
@@ -350,19 +361,18 @@ class SpeculativeDecoder:
         return new, len(nodes), trials, reused
 
     @staticmethod
-    def _accept(draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+    def _accept(draft: Draft, logits: np.ndarray, params: SamplingParams, rng: Draws, start: int,
                 ratios: list[float], constraint: Constraint | None = None) -> tuple[int, int]:
-        """Phase 3: how many drafts the target keeps, and its own next token; under sampling each
-        tested draft's acceptance probability goes to `ratios`. Under a grammar each row is the
-        target's masked by it (the constrained distribution), masked only when it is read."""
+        """Phase 3: how many drafts (the first at sequence position `start`) the target keeps, and
+        its own next token; under sampling each tested draft's chance of being kept goes to `ratios`.
+        Under a grammar each row is the target's masked by it (the constrained distribution), masked
+        only when it is read."""
         if params.greedy:
             return accept_greedy(draft.tokens, logits) if constraint is None else \
                 constraint.accept_greedy(draft.tokens, logits)
-        # row i is built only if drafts 0..i-1 were accepted
+        # row i is built only if drafts 0..i-1 were accepted; deterministic drafts have no dists
         target = LazyDists(logits if constraint is None else MaskedRows(logits, constraint, draft.tokens), params)
-        if draft.dists is None:  # deterministic proposals: point masses
-            return accept_point_masses(draft.tokens, target, rng, ratios)
-        return accept_sampled(draft.tokens, draft.dists, target, rng, ratios)
+        return accept_coupled(draft.tokens, target, rng, start, draft.dists, ratios)
 
     def _rollback(self, tokens: list[int]) -> None:
         """Trim every cache to its common prefix with `tokens` (keeping the last token unfed)."""
