@@ -1,8 +1,9 @@
-"""edgespec against llama.cpp, side by side, greedy and sampled: `edgespec bench` with its llama.cpp peer.
+"""edgespec against llama.cpp, side by side, greedy and sampled: `edgespec bench` with its llama.cpp peers.
 
     python benchmarks/bench_peer.py [--bundle BUNDLE] [--modes greedy,chat,t1] [--prompts FILE.jsonl]
                                     [--repeat 2] [--max-tokens 96] [--long | --long-only] [--long-limit N]
-                                    [--out DIR] [-- extra edgespec bench flags]
+                                    [--server-peers NAME,... | --no-server] [--out DIR]
+                                    [-- extra edgespec bench flags]
 
 Runs the `edgespec bench` command as a user runs it, once per sampling mode, on the default bundle
 (the embedded Gemma 3 270M, exported on first use; its target came from the Q4_K_M GGUF, which is
@@ -17,7 +18,11 @@ for edgespec and for llama-cpp-python's n_ctx; `--long-limit N` keeps its first 
 smoke run). Every run starts from empty caches (cold time to first token, no prefix reuse).
 
 In one process per mode, per prompt and repeat, interleaved: edgespec plain, edgespec speculative,
-and llama-cpp-python's own plain decode of the GGUF, all from the same prompt token ids. Every run
+llama-cpp-python's own plain decode of the GGUF, and llama.cpp's own server on the same GGUF
+(`--server-peers`, default plain, ngram-simple and ngram-mod: its prompt-lookup modes, which need
+no draft model; the project builds it from the same llama.cpp source, edgespec/deploy/build.py),
+timed by its own `timings` and recorded with its build and flags; all from the same prompt token
+ids. Every run
 stops at the model's end of turn (or --max-tokens). Decode tokens/s count the tokens after the
 first step over the time after it. `x llama.cpp` is the ratio of totals (all decode tokens over
 all decode time, edgespec's over the peer's, on the same prompts and repeats); the median of
@@ -25,7 +30,9 @@ paired per-prompt ratios stands beside it.
 
 Writes into DIR (default: benchmarks/results/bench_peer/): per mode a folder with results.json
 (the bench's versioned JSON), report.md with its plots, and run.log (the console output, with the
-machine line); and summary.md, one table of decode speed and one of cold time to first token over the modes.
+machine line); and summary.md, one table of decode speed (against llama-cpp-python), one against
+llama-server (plain and its best speculative type per class), and one of cold time to first token
+over the modes.
 """
 from __future__ import annotations
 
@@ -65,6 +72,34 @@ def summary_rows(mode: str, doc: dict) -> list[str]:
     return rows
 
 
+def _servers(doc: dict) -> tuple[str | None, list[str]]:
+    """The plain llama-server peer and the speculative ones that ran."""
+    names = [c for c in doc["configs"] if c.startswith("llama-server")]
+    return ("llama-server" if "llama-server" in names else None), [c for c in names if "+" in c]
+
+
+def _key(peer: str) -> str:
+    return "x_" + peer.replace("-", "_").replace("+", "_")
+
+
+def server_rows(mode: str, doc: dict) -> list[str]:
+    """Markdown rows against llama-server: its plain speed and its best speculative type's (per
+    class, by its own timings), and edgespec's ratios over each."""
+    plain_peer, spec_peers = _servers(doc)
+    rows = []
+    for cls, block in [*doc["classes"].items(), ("all", doc["overall"])]:
+        plain, spec = block["plain"], block.get("speculative", {})
+        best = max(spec_peers, key=lambda c: block.get(c, {}).get("tok_s", 0), default=None)
+        q0, qb = block.get(plain_peer or "", {}), block.get(best or "", {})
+        acc = qb.get("acceptance")
+        k0, kb = _key(plain_peer or ""), _key(best or "")
+        rows.append(
+            f"| {mode} | {cls} | {q0.get('tok_s', 0):.1f} | {qb.get('tok_s', 0):.1f} "
+            f"({best.partition('+')[2] if best else '–'}, {'–' if acc is None else f'{acc:.0%}'}) | "
+            f"{_x(plain, k0)} | {_x(spec, k0)} | {_x(spec, kb)} |")
+    return rows
+
+
 def _ttft(m: dict, ref: float | None) -> str:
     ms = m.get("ttft_ms")
     if ms is None:
@@ -96,6 +131,15 @@ def write_summary(out: Path, docs: dict[str, dict]) -> Path:
     ]
     for mode, doc in docs.items():
         lines += summary_rows(mode, doc)
+    if any(any(_servers(doc)) for doc in docs.values()):
+        lines += ["", "Against llama.cpp's own server (`llama-server`, the same llama.cpp source built with its "
+                  "defaults; its speed by its own `timings`, tokens after the first over the time after it), "
+                  "ratios of totals:", "",
+                  "| mode | class | llama-server tok/s | its best speculative tok/s (type, acceptance) | "
+                  "edgespec plain x plain | edgespec speculative x plain | edgespec speculative x its best |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for mode, doc in docs.items():
+            lines += server_rows(mode, doc)
     lines += ["", "Cold time to first token (median ms, from empty caches; in brackets, over llama-cpp-python's):",
               "", "| mode | class | llama-cpp-python | edgespec plain | edgespec speculative |",
               "| --- | --- | --- | --- | --- |"]
@@ -143,7 +187,7 @@ def run_mode(mode: str, args, extra: list[str]) -> dict:
     out.mkdir(parents=True)
     cmd = [sys.executable, "-m", "edgespec", "bench", *([args.bundle] if args.bundle else []),
            "--prompts", str(args.prompt_file), "--repeat", str(args.repeat), "--max-tokens", str(args.max_tokens),
-           "--stop-at-eos", "--seed", str(args.seed), *MODES[mode],
+           "--stop-at-eos", "--seed", str(args.seed), *MODES[mode], "--peers", args.peers,
            "--json", str(out / "results.json"), "--report", str(out), *extra]
     print(f"{mode}: {' '.join(cmd[1:])}", file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -177,6 +221,10 @@ def main() -> int:
     ap.add_argument("--long-limit", type=int, default=None, help="keep the long class's first N questions")
     ap.add_argument("--long-context", type=int, default=16384,
                     help="edgespec's --max-context and llama-cpp-python's n_ctx with the long class")
+    servers = ap.add_mutually_exclusive_group()
+    servers.add_argument("--server-peers", default="llama-server,llama-server+ngram-simple,llama-server+ngram-mod",
+                         help="llama.cpp's own server as peers: llama-server (plain) and llama-server+TYPE")
+    servers.add_argument("--no-server", action="store_true", help="llama-cpp-python alone as the peer")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more `edgespec bench` flags")
     args = ap.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -186,6 +234,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     extra = [a for a in args.extra if a != "--"]
     args.prompt_file = prompts_file(args)
+    args.peers = ",".join(["llama.cpp", *([] if args.no_server else [args.server_peers])])
     if (args.long or args.long_only) and "--max-context" not in extra:
         extra += ["--max-context", str(args.long_context)]
     docs = {mode: run_mode(mode, args, extra) for mode in modes}

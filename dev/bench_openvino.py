@@ -1,8 +1,9 @@
 """OpenVINO side by side, in one process, on the same IR weights:
 
-1. The runtime's exact modes: the default (KV in edgespec's buffer, dynamic int8 activations,
-   keys and queries padded in the attention, one-row decodes) against the previous one (KV in
-   OpenVINO's state, f32 activations), plain and with the same drafting.
+1. The runtime's exact mode (KV in edgespec's buffer, dynamic int8 activations, keys and queries
+   padded in the attention, one-row decodes), plain and with the same drafting. The previous mode
+   (KV in OpenVINO's state, f32 activations), measured against it in the results recorded up to
+   2026-11-27, is a test baseline now (tests/ov_state_kv.py), which dev/ does not import.
 2. OpenVINO GenAI's LLMPipeline (plain decode, and with draft_model when it accepts the IR)
    against edgespec plain and speculative (the draft model alone, and the default drafting:
    prompt lookup plus the model under the cost policy, with the draft on the target's body
@@ -22,7 +23,6 @@ import argparse
 import json
 import logging
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
@@ -126,8 +126,8 @@ def _genai_run(pipe, ids, n_new):
 def _bench_bundle(bundle: Path, args, tmp: Path, report: dict) -> None:
     """Every configuration on one bundle, interleaved per prompt; results go into `report`."""
     from edgespec.bundle import load_bundle
-    from edgespec.decoding import SpeculativeDecoder, make_policy
     from edgespec.engine.engine import load
+
     b = load_bundle(bundle)
     prec = b.manifest.target.formats["openvino"].precision
     configs = {}
@@ -141,27 +141,6 @@ def _bench_bundle(bundle: Path, args, tmp: Path, report: dict) -> None:
     configs["edgespec spec (default drafting; own draft body)"] = lambda ids, e=own: _edgespec_run(e, ids, args.tokens)
     lookup = load(bundle, backend="openvino", drafter="ngram", threads=args.threads)
     configs["edgespec spec (prompt lookup)"] = lambda ids, e=lookup: _edgespec_run(e, ids, args.tokens)
-    # the previous exact mode, same weights and drafting: KV in OpenVINO's state (a rollback
-    # writes the kept prefix back), f32 activations, one-row forwards, unpadded keys
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/ holds the baseline
-    from edgespec.runtimes.openvino.kv import KV_KINDS
-    from edgespec.runtimes.openvino.runtime import OpenVinoRuntime
-    from tests.ov_state_kv import StatefulKV  # OpenVINO's state, the previous exact mode
-
-    KV_KINDS.setdefault(StatefulKV.name, StatefulKV)  # a test baseline: opened by name once registered
-
-    def f32_state(role):
-        return OpenVinoRuntime(bundle / role.formats["openvino"].file, threads=args.threads, kv=StatefulKV.name)
-
-    old_plain = load(bundle, backend="openvino", use_draft=False, threads=args.threads)
-    old_plain.decoder = SpeculativeDecoder(f32_state(b.manifest.target))
-    configs["edgespec plain (f32, state KV)"] = lambda ids, e=old_plain: _edgespec_run(e, ids, args.tokens)
-    old_rt = [f32_state(b.manifest.target), f32_state(b.manifest.draft)]
-    old_spec = load(bundle, backend="openvino", use_draft=False, threads=args.threads)
-    old_spec.decoder = SpeculativeDecoder(*old_rt, id_map=b.id_map(), drafter=default.drafter_name,
-                                          policy=make_policy(default.policy_name, default.k))
-    configs["edgespec spec (default drafting, f32, state KV)"] = \
-        lambda ids, e=old_spec: _edgespec_run(e, ids, args.tokens)
     if not args.no_genai:
         try:
             import openvino_genai as og
@@ -213,7 +192,7 @@ def _bench_bundle(bundle: Path, args, tmp: Path, report: dict) -> None:
     print(f"\n{bundle.name}: target {prec}, {args.tokens} new tokens, {args.reps} reps x {len(ids_list)} prompts")
     for k in configs:
         print(f"  {k:<50} {med[k]:7.1f} tok/s  x{paired[k]:.2f} paired   same tokens as edgespec plain: {same[k]}")
-    for e in (plain, spec, default, own, lookup, old_plain, old_spec, old_plain.decoder.target, *old_rt):
+    for e in (plain, spec, default, own, lookup):
         e.close()
 
 

@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 
-from edgespec.decoding.acceptance import accept_sampled
+from edgespec.decoding.acceptance import accept_coupled
+from edgespec.decoding.draws import Draws
 from edgespec.decoding.sampling import LazyDists, SamplingParams, distribution, probabilities, sample
 from edgespec.decoding.token_dist import Candidates
 
@@ -27,20 +28,19 @@ def median_ms(fn) -> float:
 
 
 def bench(row: np.ndarray, rows: np.ndarray, drafts: np.ndarray, params: SamplingParams) -> str:
-    r = np.random.default_rng(1)
+    r, draws = np.random.default_rng(1), Draws(1)
     old = median_ms(lambda: sample(probabilities(row, params), r))
-    new = median_ms(lambda: distribution(row, params).sample(r))
+    new = median_ms(lambda: distribution(row, params).sample(draws.at(0)))
 
-    def old_step():  # the previous path: float64 rows of the vocabulary for every draft and target row
-        q = probabilities(drafts, params)
-        toks = [sample(qi, r) for qi in q]
-        p = probabilities(rows, params)
-        accept_sampled(toks, [Candidates.from_row(x) for x in q], [Candidates.from_row(x) for x in p], r)
+    def old_step():  # the reference path: float64 rows of the vocabulary for every draft and target row
+        q = [Candidates.from_row(x) for x in probabilities(drafts, params)]
+        toks = [qi.sample(draws.at(i)) for i, qi in enumerate(q)]
+        accept_coupled(toks, [Candidates.from_row(x) for x in probabilities(rows, params)], draws, 0, q)
 
     def new_step():
         q = [distribution(d, params) for d in drafts]
-        toks = [qi.sample(r) for qi in q]
-        accept_sampled(toks, q, LazyDists(rows, params), r)
+        toks = [qi.sample(draws.at(i)) for i, qi in enumerate(q)]
+        accept_coupled(toks, LazyDists(rows, params), draws, 0, q)
 
     return (f"T {params.temperature} top-p {params.top_p} top-k {params.top_k}: sample {old:.2f} -> {new:.2f} ms; "
             f"k={K} step (draft sampling + acceptance) {median_ms(old_step):.1f} -> {median_ms(new_step):.1f} ms")

@@ -25,7 +25,8 @@ def run_matrix() -> list[dict]:
     """Every row's last record: the test appends one when a row starts checking and one when it passes."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "rows.jsonl"
-        env = dict(os.environ, EDGESPEC_MATRIX_OUT=str(out), EDGESPEC_SLOW="1")
+        # every row: the slow tier, and the real model's quant rows CI leaves out
+        env = dict(os.environ, EDGESPEC_MATRIX_OUT=str(out), EDGESPEC_SLOW="1", EDGESPEC_SLOW_QUANTS="all")
         subprocess.run([sys.executable, "-m", "pytest", *TESTS, "-q"], cwd=ROOT, env=env)
         return read_rows(out)
 

@@ -9,15 +9,16 @@ from __future__ import annotations
 __version__ = "0.1.0"
 __all__ = ["__version__", "load", "default_bundle", "Engine", "EngineConfig", "Response", "GenerationStats",
            "ChatSession", "SamplingParams", "EdgespecError", "ConfigError", "BundleError", "BackendError", "BusyError",
-           "EngineClosedError", "share_threads"]
+           "EngineClosedError", "GrammarError", "ResponseFormat", "share_threads"]
 
 _LAZY = {
     **{name: "edgespec.engine.engine" for name in ("load", "default_bundle", "Engine", "Response")},
     "GenerationStats": "edgespec.decoding", "EngineConfig": "edgespec.engine.config",
     "ChatSession": "edgespec.engine.session", "SamplingParams": "edgespec.decoding",
+    "ResponseFormat": "edgespec.decoding.grammar",
     "share_threads": "edgespec.runtimes.onnxruntime.pool",
     **{name: "edgespec.errors" for name in ("EdgespecError", "ConfigError", "BundleError", "BackendError",
-                                             "BusyError", "EngineClosedError")},
+                                             "BusyError", "EngineClosedError", "GrammarError")},
 }
 
 

@@ -10,11 +10,12 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import typing
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import MISSING as _MISSING
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .errors import BundleError
+from .files import build_lock, path_problem, rename_noreplace
 
 __all__ = [
     "MANIFEST",
@@ -38,6 +40,8 @@ __all__ = [
     "read_manifest",
     "sweep_stale",
     "staged_bundle_dir",
+    "check_shared",
+    "built_once",
 ]
 
 logger = logging.getLogger(__name__)
@@ -52,6 +56,9 @@ class Artifact:
     file: str  # relative to the bundle
     precision: str  # fp32, fp16, int8, int4
     quantization: dict[str, Any] | None = None  # method, bits, block size...
+    # the file is a hard link to the user's own (a GGUF run directly, cached without a second
+    # copy): its size, mtime and sha256 when linked, checked at load (check_shared)
+    shared: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -319,8 +326,11 @@ def read_manifest(root: Path) -> Manifest:
 def load_bundle(path: str | os.PathLike) -> Bundle:
     """Read and validate a bundle; every error is a one-line BundleError."""
     root = Path(path).expanduser()
-    if not root.exists():
+    problem = path_problem(root)
+    if problem == "missing":
         raise BundleError(f"bundle not found: {root}")
+    if problem is not None:
+        raise BundleError(f"{root} is {problem}, not a bundle folder")
     if not root.is_dir():
         raise BundleError(f"{root} is not a bundle folder (export one with `edgespec export`)")
     manifest = read_manifest(root)
@@ -336,7 +346,28 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
     missing = [rel for where, rel in files if not inside_bundle(root, rel, where).is_file()]
     if missing:
         raise BundleError(f"bundle {root} is incomplete: missing {', '.join(missing)}")
+    check_shared(root, manifest)
     return Bundle(root, manifest)
+
+
+def check_shared(root: Path, manifest: Manifest) -> None:
+    """Refuse a bundle whose file shared with the user's (Artifact.shared, a hard link) changed
+    since: the draft beside it was cut from the old weights. A changed size or mtime alone (a
+    `touch`) is forgiven when the content still has the recorded sha256."""
+    for where, entry in (("target", manifest.target), ("draft", manifest.draft)):
+        for a in (entry.formats.values() if entry is not None else ()):
+            if a.shared is None:
+                continue
+            path = inside_bundle(root, a.file, f"{where} file")
+            st = path.stat()
+            if [st.st_size, st.st_mtime_ns] == [a.shared.get("size"), a.shared.get("mtime_ns")]:
+                continue
+            from .models.catalog import file_sha256
+
+            if file_sha256(path) != a.shared.get("sha256"):
+                raise BundleError(f"bundle {root}: {a.file} is the GGUF it was built from (a hard link), and that "
+                                  "file was overwritten since; run the GGUF again (its bundle is rebuilt) or "
+                                  "export it with `edgespec export`")
 
 
 # staging folders are `.<name>.<pid>.stage-<random>` beside the output; the pid is the owner's,
@@ -387,13 +418,34 @@ def _replaceable(out: Path) -> None:
                           "choose another --output") from None
 
 
+def _publish(tmp: Path, out: Path, force: bool) -> None:
+    """Move the finished `tmp` to `out`. Without `force` only where nothing holds the name (one
+    atomic step: a neighbour's bundle published meanwhile is never replaced, FileExistsError);
+    with it, an old bundle there is moved aside, the new one moved in, and the old one moved back
+    if that fails."""
+    if not force or not out.exists():
+        rename_noreplace(tmp, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.old-", dir=out.parent))
+    old.rmdir()  # only its unique name is wanted
+    out.rename(old)
+    try:
+        rename_noreplace(tmp, out)
+    except BaseException:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 @contextmanager
 def staged_bundle_dir(out: Path, force: bool = False) -> Iterator[Path]:
     """Yield a temp folder beside `out`; on success rename it into place, else remove it.
 
     A crash or error leaves no half-written bundle at `out`, and the old bundle stays until the
     new one is complete: the replace moves it aside, moves the new one in, and moves it back if
-    that fails. Leftovers of runs killed outright are swept by the next export (sweep_stale)."""
+    that fails. Without `force` the new bundle only takes a free name, so of two exports to one
+    folder the second fails rather than replace the first. Leftovers of runs killed outright are
+    swept by the next export (sweep_stale)."""
     try:
         out = out.expanduser().resolve()
     except RuntimeError as e:  # a symlink loop (Python before 3.13)
@@ -405,27 +457,43 @@ def staged_bundle_dir(out: Path, force: bool = False) -> Iterator[Path]:
             raise BundleError(f"output path exists: {out}; pass --force to replace it")
         if out.exists():
             _replaceable(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.stage-", dir=out.parent))
     except OSError as e:
         raise BundleError(f"cannot write the bundle at {out}: {e.strerror or e}") from None
+    # named before it is made, inside the block that removes it: a signal arriving the moment it
+    # exists (SIGTERM unwinds as Ctrl-C) finds its name known
+    tmp = out.parent / f".{out.name}.{os.getpid()}.stage-{secrets.token_hex(6)}"
     try:
+        try:
+            tmp.mkdir()
+        except OSError as e:
+            raise BundleError(f"cannot write the bundle at {out}: {e.strerror or e}") from None
         yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it private; a bundle is an ordinary folder
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.old-", dir=out.parent))
-            old.rmdir()  # only its unique name is wanted
-            out.rename(old)
-            try:
-                tmp.rename(out)
-            except BaseException:
-                old.rename(out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        try:
+            _publish(tmp, out, force)
+        except FileExistsError:  # another export finished first; without --force its bundle stays
+            raise BundleError(f"output path exists: {out} (another export wrote it meanwhile); pass --force "
+                              "to replace it") from None
     except OSError as e:  # a full disk, a folder made read-only meanwhile
         where = f" {e.filename}" if e.filename else ""
         raise BundleError(f"cannot write the bundle at {out}:{where} {e.strerror or e}") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def built_once(out: Path) -> Iterator[None]:
+    """Held while `out` is built, so a second process building the same bundle waits and reuses it
+    instead of building it again beside the first; its lock file goes when it is released, built
+    or not (files.build_lock)."""
+    def waiting() -> None:
+        logger.warning("waiting for another edgespec process building %s", out)
+
+    with ExitStack() as stack:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(build_lock(out.parent / f".{out.name}.lock", on_wait=waiting))
+        except OSError as e:  # an unwritable cache, said before the build is announced
+            where = f" {e.filename}" if e.filename else ""
+            raise BundleError(f"cannot write the bundle at {out}:{where} {e.strerror or e}") from None
+        yield

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = ["EdgespecError", "ConfigError", "BundleError", "ExportError", "BackendError", "BusyError",
-           "EngineClosedError", "MemoryBudgetError", "ContextFullError"]
+           "EngineClosedError", "MemoryBudgetError", "ContextFullError", "DeployError", "GrammarError"]
 
 
 class EdgespecError(Exception):
@@ -39,3 +39,11 @@ class MemoryBudgetError(ConfigError):
 
 class ContextFullError(EdgespecError):
     """A forward would write past the KV cache's fixed capacity."""
+
+
+class DeployError(EdgespecError):
+    """llama.cpp's server cannot be built, found, configured or started for a bundle."""
+
+
+class GrammarError(ConfigError):
+    """A response format that cannot be compiled or followed, or a reply too short to complete it."""

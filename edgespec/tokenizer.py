@@ -68,6 +68,10 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.info.chat_template)
 
+    def serialized(self) -> str:
+        """The tokenizer as tokenizer.json text (a grammar engine builds its view of it from this)."""
+        return self._tok.to_str()
+
     def token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
@@ -85,19 +89,33 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> str:
         """The chat template's text for `messages`, within the time and memory limit
-        (models/templates.py: ChatTemplateError, TemplateLimitError, ConfigError, one line each)."""
+        (models/templates.py: ChatTemplateError, TemplateLimitError, ConfigError, one line each).
+        `tools`: OpenAI's tool objects, for a template that lists them (as transformers passes them)."""
         if not self.info.chat_template:
             raise ConfigError("this model has no chat template; use `edgespec generate` for plain completion")
         bos = self.token(self.info.bos_token_id) if self.info.bos_token_id is not None else ""
         context = {"messages": messages, "add_generation_prompt": add_generation_prompt, "bos_token": bos or "",
                    "eos_token": ""}
+        if tools:
+            context["tools"] = tools
         return self._renderer.render(self.info.chat_template, context)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # the template writes BOS itself, as transformers' apply_chat_template does
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, tools=tools), add_special_tokens=False)
+
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the added token whose text is `text`, where the grammar engine holds it as a
+        special token (None: it is text): a grammar names such a token by id, since it is no text
+        to spell. llguidance holds as special every added token marked so, and every added
+        token of the form <...> (Qwen's <tool_call>, say)."""
+        for token_id, added in self._tok.get_added_tokens_decoder().items():
+            if added.content == text and (added.special or (text.startswith("<") and text.endswith(">"))):
+                return int(token_id)
+        return None
 
 
 def _first_line(e: BaseException) -> str:

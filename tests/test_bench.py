@@ -89,15 +89,17 @@ def test_builtin_suites_are_varied_data():
     for name in SUITES:
         prompts = load_prompts(name)
         assert 6 <= len(prompts) <= 10, name
-        assert {p.cls for p in prompts} == {name}
+        assert {p.cls for p in prompts if p.is_chat} == {name}  # raw texts: the continuation class
+        assert {p.cls for p in prompts if not p.is_chat} <= {"continuation"}
         assert len({p.id for p in prompts}) == len(prompts)
     everything = load_prompts("all")
-    assert [p.cls for p in everything] == sorted([p.cls for p in everything], key=SUITES.index)
+    assert [p.cls for p in everything if p.is_chat] == sorted([p.cls for p in everything if p.is_chat],
+                                                               key=SUITES.index)
     assert any(p.is_chat and len(p.messages) > 2 for p in everything)  # multi-turn
     assert any(p.is_chat and p.messages[0][0] == "system" for p in everything)
     assert any(not p.is_chat for p in load_prompts("code"))  # raw completions
     assert min(sum(len(c) for _, c in p.messages) for p in load_prompts("long")) > 2000  # ~500+ tokens
-    assert [p.cls for p in load_prompts("code,chat")] == ["code"] * 8 + ["chat"] * 8
+    assert [p.cls for p in load_prompts("code,chat")] == ["continuation"] * 5 + ["code"] * 3 + ["chat"] * 8
 
 
 def test_prompt_file_and_bad_specs(tmp_path):
@@ -105,7 +107,8 @@ def test_prompt_file_and_bad_specs(tmp_path):
     f.write_text('{"id": "a", "text": "hello"}\n\n'
                  '{"id": "b", "class": "x", "messages": [{"role": "user", "content": "hi"}]}\n')
     ps = load_prompts(str(f))
-    assert [(p.cls, p.id, p.is_chat) for p in ps] == [("mine", "a", False), ("x", "b", True)]
+    # a raw text without a class is a continuation; a chat prompt takes its record's class, else the file's
+    assert [(p.cls, p.id, p.is_chat) for p in ps] == [("continuation", "a", False), ("x", "b", True)]
     with pytest.raises(ConfigError, match="unknown prompt suite nope"):
         load_prompts("chat,nope")
     with pytest.raises(ConfigError, match="not found"):
@@ -275,6 +278,16 @@ def test_bench_seeds_each_prompt_and_repeat():
     assert run_params(chat, 2, 1).temperature == 0.7 and run_params(chat, 2, 1).top_k == 40
 
 
+
+def test_a_sampled_bench_without_a_seed_warms_up_and_runs(zoo):
+    """Warm-up runs take seeds apart from the measured runs', all valid without a --seed."""
+    from edgespec.decoding import SamplingParams
+
+    with load(zoo.bundle("llama"), drafter="model", k=2) as engine:
+        cfg = BenchConfig(repeat=1, max_tokens=4, warmup=2, sampling=SamplingParams(temperature=0.7, top_k=40))
+        runs = run_bench(engine, SMALL[:2], cfg)
+    assert len(runs) == 2 * 2 and all(len(r.tokens) == 4 for r in runs)
+
 # ---------------------------------------------------------------- schema, report, compare
 
 
@@ -360,9 +373,9 @@ def test_cli_bench_on_a_tiny_bundle_without_torch(zoo, tmp_path):
     assert "speculative" in proc.stdout and "overall" in proc.stdout and "speed-up" in proc.stdout
     assert "running medians" in proc.stderr  # the live table, printed per pass when piped
     (doc,) = load_runs(out)
-    assert doc["label"] == "tiny" and set(doc["classes"]) == {"p", "chat"} and doc["identical"]
+    assert doc["label"] == "tiny" and set(doc["classes"]) == {"continuation", "chat"} and doc["identical"]
     assert doc["config"]["k"] == 3 and doc["config"]["policy"] == "fixed" and doc["config"]["repeat"] == 2
-    assert doc["bundle"]["chat_format"].startswith("chat template")
+    assert "chat template" in doc["bundle"]["chat_format"]  # the format chat picks for this bundle
     # the command's onnxruntime sessions shared the process-wide pool (runtimes/onnxruntime/pool.py)
     assert doc["backend"]["name"] == "onnxruntime" and doc["backend"]["onnxruntime_pool"]["allowed"]
     assert doc["backend"]["onnxruntime_pool"]["made"] is not None

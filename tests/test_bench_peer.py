@@ -46,11 +46,12 @@ class StandInPeer:
     def __init__(self, engine) -> None:
         self.engine, self.calls, self.params = engine, [], []
 
-    def decode(self, ids, max_tokens, stop_ids=(), rss=None, params=SamplingParams()) -> RunRecord:
+    def decode(self, ids, max_tokens, stop_ids=(), rss=None, params=SamplingParams(), ending=None,
+               ended=None) -> RunRecord:
         self.calls.append(list(ids))
         self.params.append(params)
         rec = measure_run(SpeculativeDecoder(self.engine.target), [self.engine.target], list(ids), max_tokens,
-                          stop_ids, rss, params)
+                          stop_ids, rss, params, ended)
         vocab = self.engine.target.vocab_size
         rec.tokens = rec.tokens[:AGREE] + [(t + 1) % vocab for t in rec.tokens[AGREE:]]
         rec.config = PEER
@@ -203,8 +204,13 @@ def test_llama_cpp_peer_on_the_bundles_own_gguf(zoo, tmp_path):
         assert 0 <= block[PEER]["agree_tokens"] <= 8
     costs = doc["verify_costs"]  # c(B) of the target, measured before the runs
     assert set(costs["c"]) == {"2", "4", "8"} and all(c > 0 for c in costs["c"].values()) and costs["one_token_ms"] > 0
+    rows = doc["roofline"]["rows"]  # bytes, time and bandwidth of each kind of forward (bench/roofline.py)
+    assert [r["role"] for r in rows] == ["plain", "verify", "verify", "verify", "draft"]
+    assert all(r["weights_bytes"] > 0 and r["gb_s"] > 0 and r["ops"] > 0 for r in rows)
+    assert rows[-1]["weights_bytes"] < rows[0]["weights_bytes"] and doc["roofline"]["bandwidth_gb_s"]["1"] > 0
     text = (tmp_path / "rep" / "report.md").read_text()
     assert "x llama.cpp" in text and "Peer: llama-cpp-python" in text and "c(2) = " in text
+    assert "Roofline (memory read bandwidth measured here" in text and "| draft | 1 |" in text
     assert png_ok(tmp_path / "rep" / "llamacpp.png")
 
 
@@ -336,15 +342,18 @@ def test_the_long_class_is_measured_beside_the_peer_with_cold_first_tokens(zoo):
             return len(engine.tokenizer.encode(t))
 
         questions = [{"id": "q1", "doc_tokens": 150, "question": "Is there a warranty?"},
-                     {"id": "q2", "doc_tokens": 350, "question": "What is provided?"}]  # trained on 512
+                     # trained on 512: chat's own format around it
+                     {"id": "q2", "doc_tokens": 250, "question": "What is provided?"}]
         prompts = [parse_prompt(r, LONG_CLASS, "long") for r in long_prompts(questions, count, text)]
         peer = StandInPeer(engine)
         runs = run_bench(engine, prompts, cfg, peer=peer)
         s = summarise(runs, [PLAIN, SPECULATIVE, PEER])
-    assert {r.cls for r in runs} == {"long-150", "long-350"} and len(runs) == 2 * 3
-    assert all(r.prompt_tokens > 150 for r in runs) and all(len(r.tokens) == 6 for r in runs)
-    assert max(len(c) for c in peer.calls) > 350  # the peer was fed the whole long prompt's ids
-    block = s["classes"]["long-350"]
+    assert {r.cls for r in runs} == {"long-150", "long-250"} and len(runs) == 2 * 3
+    assert all(r.prompt_tokens > 150 for r in runs)
+    for q in ("q1", "q2"):  # greedy, ended by chat's rule: every configuration's reply as long (<= 6)
+        assert len({len(r.tokens) for r in runs if r.prompt == q}) == 1
+    assert max(len(c) for c in peer.calls) > 250  # the peer was fed the whole long prompt's ids
+    block = s["classes"]["long-250"]
     for name in (PLAIN, SPECULATIVE, PEER):
         assert block[name]["ttft_ms"] > 0 and block[name]["tok_s"] > 0, name
     assert block[SPECULATIVE]["x_llamacpp"] > 0

@@ -151,13 +151,13 @@ def test_sigterm_inside_exec_d_source_still_exits_as_sigterm(tmp_path):
     transformers' import) must not turn `python -m` into a SIGINT death after the export unwound."""
     (tmp_path / "sigterm_probe.py").write_text(
         "import signal, sys\n"
-        "from edgespec.cli.export import sigterm_as_interrupt\n"
+        "from edgespec.cli.common import sigterm_as_interrupt\n"
         "with sigterm_as_interrupt() as got:\n"
         "    try:\n"
         "        exec('import os, signal, time\\nos.kill(os.getpid(), signal.SIGTERM)\\ntime.sleep(30)')\n"
         "    except KeyboardInterrupt:\n"
         "        pass\n"
-        "sys.exit(128 + signal.SIGTERM if got.is_set() else 1)\n")
+        "sys.exit(128 + got[0] if got else 1)\n")
     proc = subprocess.run([sys.executable, "-m", "sigterm_probe"], cwd=tmp_path, capture_output=True, timeout=60)
     assert proc.returncode == 128 + 15, proc.stderr
 

@@ -7,12 +7,12 @@ from scipy.stats import chisquare
 
 from edgespec.decoding import (
     Candidates,
+    Draws,
     FixedK,
     SamplingParams,
     SpeculativeDecoder,
+    accept_coupled,
     accept_greedy,
-    accept_point_masses,
-    accept_sampled,
     make_policy,
     map_draft_ids,
     probabilities,
@@ -204,62 +204,58 @@ def test_accept_greedy_cases():
         accept_greedy([1, 2], one_hot_logits([1, 2]))
 
 
-def test_accept_sampled_cases():
-    rng = np.random.default_rng(0)
+def test_coupled_acceptance_keeps_a_draft_exactly_when_it_is_the_targets_own_draw():
+    """Each draft is kept iff it equals the target's draw at its position (draws.py); the first
+    that is not is replaced by that draw; after a whole draft the bonus is the next position's."""
     p = np.array([[0.2, 0.3, 0.5], [0.1, 0.1, 0.8], [0.0, 1.0, 0.0]])
-    # a draft identical to the target is always accepted
-    for _ in range(200):
-        n, nxt = accept_sampled([2, 0], dists(p[:2]), dists(p), rng)
-        assert n == 2 and nxt == 1
-    # the target gives the draft token zero mass: always rejected, resampled where p > q
-    q = np.array([[0.0, 0.0, 1.0]])
-    target = np.array([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
-    for _ in range(200):
-        n, nxt = accept_sampled([2], dists(q), dists(target), rng)
-        assert n == 0 and nxt in (0, 1)
-    # a residual that is zero (p <= q everywhere, as from rounding) falls back to p
-    q = np.array([[0.4, 0.6, 0.0]])
-    target = np.array([[0.0, 0.3, 0.0], [1.0, 0.0, 0.0]])
-    for _ in range(200):
-        n, nxt = accept_sampled([1], dists(q), dists(target), rng)
-        assert (n, nxt) in ((1, 0), (0, 1))
+    for seed in range(200):
+        draws = Draws(seed)
+        own = [dists(p)[i].sample(draws.at(10 + i)) for i in range(3)]  # the target alone, positions 10..12
+        for drafts in ([2, 0], [own[0], 2], own[:2]):
+            n, nxt = accept_coupled(drafts, dists(p), draws, 10)
+            expect = next((i for i in range(2) if drafts[i] != own[i]), 2)
+            assert (n, nxt) == (expect, own[expect])
+    # a token the target gives no mass is never kept
+    never = [accept_coupled([2], dists([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]]), Draws(s), 0)[0] for s in range(200)]
+    assert not any(never)
+    with pytest.raises(ValueError, match="need 3 target rows"):
+        accept_coupled([1, 2], dists(p[:2]), Draws(0), 0)
 
 
-def test_acceptance_reports_each_tested_drafts_acceptance_probability():
-    """min(1, p/q) of each draft tested (the accepted ones and the first rejected), and p(x) for a
-    point mass; whose mean over drafts drawn from q is sum(min(p, q))."""
+def test_acceptance_reports_each_tested_drafts_chance():
+    """min(1, p/q) of each sampled draft tested (the kept ones and the first not kept), and p(x)
+    for a deterministic draft."""
     p = np.array([[0.2, 0.3, 0.5], [0.1, 0.6, 0.3], [1.0, 0.0, 0.0]])
     q = np.array([[0.1, 0.1, 0.8], [0.0, 0.3, 0.7]])
-    rng = np.random.default_rng(3)
-    for _ in range(50):
+    for seed in range(50):
         ratios: list[float] = []
-        n, _ = accept_sampled([2, 1], dists(q), dists(p), rng, ratios)
+        n, _ = accept_coupled([2, 1], dists(p), Draws(seed), 0, dists(q), ratios)
         assert ratios == pytest.approx([0.5 / 0.8, 1.0][:min(n + 1, 2)])
-    ratios = []
-    n, _ = accept_point_masses([1, 2], dists(p), rng, ratios)
-    assert ratios == pytest.approx([0.3, 0.3][:min(n + 1, 2)])
-    draws, total = rng.choice(3, size=20000, p=q[0]), []
-    for x in draws:
-        accept_sampled([int(x)], dists(q[:1]), dists(p[:2]), rng, total)
-    assert np.mean(total) == pytest.approx(np.minimum(p[0], q[0]).sum(), abs=0.01)
+        ratios = []
+        n, _ = accept_coupled([1, 2], dists(p), Draws(seed), 0, None, ratios)
+        assert ratios == pytest.approx([0.3, 0.3][:min(n + 1, 2)])
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_rejection_sampling_keeps_target_distribution(k):
-    rng = np.random.default_rng(1234)
+def test_coupled_drafts_are_kept_often_and_the_commit_is_the_target_draw(k):
+    """Drafts raced on the same noise as the target: every commit is the target's own draw (so
+    exact: its distribution is p), and a draft is kept with probability at least (1-d)/(1+d),
+    d = TV(p, q), the bound of coupled sampling (rejection sampling's 1-d is the ceiling)."""
     p = np.array([0.05, 0.30, 0.00, 0.25, 0.15, 0.25])
     q = np.array([0.40, 0.05, 0.20, 0.05, 0.30, 0.00])  # deliberately different, with disjoint zeros
-    target_probs = dists(np.tile(p, (k + 1, 1)))
-    draft_probs = dists(np.tile(q, (k, 1)))
-    n = 20000
-    counts = np.zeros(len(p))
-    for _ in range(n):
-        drafts = rng.choice(len(q), size=k, p=q)
-        n_acc, nxt = accept_sampled(drafts, draft_probs, target_probs, rng)
-        counts[drafts[0] if n_acc > 0 else nxt] += 1
-    assert counts[2] == 0
-    support = p > 0
-    assert chisquare(counts[support], p[support] * n).pvalue > 1e-3
+    target, draft = dists(np.tile(p, (k + 1, 1))), dists(np.tile(q, (k, 1)))
+    n, kept, counts = 20000, 0, np.zeros(len(p))
+    for seed in range(n):
+        draws = Draws(seed)
+        drafts = [draft[i].sample(draws.at(i)) for i in range(k)]
+        n_acc, nxt = accept_coupled(drafts, target, draws, 0, draft)
+        first = drafts[0] if n_acc > 0 else nxt
+        assert first == target[0].sample(draws.at(0))
+        kept += n_acc > 0
+        counts[first] += 1
+    d = 0.5 * np.abs(p - q).sum()
+    assert counts[2] == 0 and chisquare(counts[p > 0], p[p > 0] * n).pvalue > 1e-3
+    assert (1 - d) / (1 + d) - 0.02 < kept / n < 1 - d + 0.02
 
 
 @pytest.mark.parametrize("kind", ["noisy", "trimmed"])
@@ -276,7 +272,7 @@ def test_end_to_end_sampling_matches_target(kind):
         step = next(dec.stream(tokens, SamplingParams(params.temperature, params.top_p, params.top_k, seed=i), 2))
         accepted += step.accepted
         counts[tokens[len(PROMPT)]] += 1
-    assert 0 < accepted < n  # both branches of the rejection test ran
+    assert 0 < accepted < n  # drafts were kept and replaced
     assert pooled_chi_square_p(counts, p) > 1e-3
 
 

@@ -15,8 +15,6 @@ from edgespec.decoding import (
     NgramDrafter,
     SamplingParams,
     SpeculativeDecoder,
-    accept_point_masses,
-    accept_sampled,
     make_policy,
     probabilities,
 )
@@ -267,16 +265,6 @@ def test_lookahead_fits_the_draft_forward_and_cache():
 # ---------------------------------------------------------------- sampling with point-mass drafts
 
 
-def test_point_mass_acceptance_equals_rejection_sampling_with_one_hot_q():
-    p = np.random.default_rng(0).dirichlet(np.ones(6), size=4)  # (k + 1, V)
-    drafts = [2, 0, 5]
-    one_hot = np.eye(6)[drafts]
-    for seed in range(300):
-        a = accept_point_masses(drafts, dists(p), np.random.default_rng(seed))
-        b = accept_sampled(drafts, dists(one_hot), dists(p), np.random.default_rng(seed))
-        assert a == b
-
-
 def test_sampling_with_lookup_drafts_matches_the_target():
     params = SamplingParams(temperature=1.0)
     target = ToyRuntime(V, seed=0)
@@ -306,18 +294,18 @@ def test_sampling_with_lookup_drafts_matches_the_target():
     assert chisquare(obs, exp).pvalue > 1e-3
 
 
-@pytest.mark.parametrize("policy", ["fixed", "heuristic", "confidence"])
-def test_seeded_sampling_is_reproducible_under_timing_free_policies(policy):
-    # (the cost policy decides from measured timings, so its drafts, and with them which random
-    # numbers go where, differ from run to run: its samples follow the target but do not repeat)
+@pytest.mark.parametrize("policy", ["fixed", "heuristic", "confidence", "cost"])
+def test_seeded_sampling_gives_plain_decodings_text_under_every_policy(policy):
+    """Draws keyed by seed and position (draws.py): the cost policy's draft lengths follow the
+    measured timings, yet the text is plain decoding's with the same seed, run after run."""
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
-    outs = []
+    plain = list(PROMPT)
+    list(SpeculativeDecoder(ToyRuntime(V, seed=0)).stream(plain, params, 40))
     for _ in range(2):
         dec = make_decoder("both", policy)
         tokens = list(PROMPT)
-        list(dec.stream(tokens, params, 40))
-        outs.append(tokens)
-    assert outs[0] == outs[1]
+        drafted = sum(s.drafted for s in dec.stream(tokens, params, 40))
+        assert tokens == plain and drafted > 0
 
 
 # ---------------------------------------------------------------- configuration

@@ -49,7 +49,7 @@ def test_a_batch_invariant_runtime_is_exact_at_every_width():
     verdict = probe(ToyRuntime(vocab=40), 9)
     assert verdict.exact == tuple(range(2, 10)) and verdict.exact_width == 9 and verdict.fully_exact
     assert verdict.worst_diff == 0.0 and verdict.probe_ms > 0
-    assert verdict.describe() == "exact verify widths on this machine: 2-9"
+    assert verdict.describe() == f"exact verify widths on this machine: 2-9; probed up to {verdict.reach} keys"
 
 
 def test_the_probe_finds_where_widths_stop_being_exact():
@@ -117,6 +117,49 @@ def test_the_probe_starts_follow_the_thread_count_and_stay_within_the_context():
     # verify's rows start their windows in two aligned blocks
     assert {510, 765} <= set(probe_starts(17, 2, 4096, window=(512, 256)))
     assert not {510, 765} & set(probe_starts(17, 2, 4096))
+
+
+def test_the_verdict_says_how_far_the_probe_looked_and_a_longer_reach_looks_farther():
+    """reach: the most keys a probed forward attended to (the farthest start, the widest verify and
+    the forward after it); a runtime rounding apart only past the default reach is caught when the
+    probe is asked to look that far."""
+    verdict = probe(ToyRuntime(vocab=40), 9, threads=2)
+    assert verdict.reach == probe_starts(9, 2, None)[-1] + 9 + 1 == PROBE_REACH - 1
+    far = KeySplitRounding(vocab=40, keys=8192)
+    assert probe(far, 9, threads=2).fully_exact  # the default reach stops before 8192 keys
+    longer = probe(far, 9, threads=2, reach=16384)
+    assert longer.exact == () and longer.reach == 16383
+    assert probe(ToyRuntime(vocab=40), 9, threads=2, reach=8192).reach == 8191
+    assert probe(ToyRuntime(vocab=40), 9, threads=2, reach=300).reach == 299
+
+
+def test_a_verdict_cached_before_the_reach_was_recorded_reads_as_the_default_reach():
+    old = {"max_width": 9, "exact": list(range(2, 10)), "worst_diff": 0.0, "probe_ms": 1.0}
+    assert Exactness.from_dict(old).reach == PROBE_REACH
+    assert Exactness.from_dict({**old, "reach": 8191}).reach == 8191
+    with pytest.raises(ValueError, match="reach"):
+        Exactness.from_dict({**old, "reach": 1})
+
+
+def test_drafting_stops_where_the_probe_stopped_and_says_so_once(caplog):
+    """Past the verdict's reach a sequence decodes plainly: a verify there was never compared with
+    one-token forwards on this machine. Greedy output is plain output all along."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    dec = SpeculativeDecoder(ToyRuntime(vocab=40), ToyRuntime(vocab=40, noise=0.3), drafter="model",
+                             limits=DecoderLimits(exact_reach=20))
+    tokens = list(prompt)
+    drafted = 0
+    with caplog.at_level("WARNING"):
+        for step in dec.stream(tokens, SamplingParams(), 30):
+            before = len(tokens) - len(step.tokens)
+            assert step.drafted == 0 or before + step.drafted <= 20, (before, step.drafted)
+            drafted += step.drafted
+    assert drafted > 0
+    assert tokens[len(prompt):] == naive_greedy(ToyRuntime(vocab=40), prompt, 30)
+    told = [r for r in caplog.records if "drafting stops" in r.message]
+    assert len(told) == 1 and "--probe-context" in told[0].message
+    with pytest.raises(ConfigError, match="exact_reach"):
+        DecoderLimits(exact_reach=1)
 
 
 @pytest.mark.parametrize("body", [WideRounding(vocab=40, from_width=3), KeySplitRounding(vocab=40)],

@@ -77,6 +77,22 @@ def quantized(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def cut_bundle(quantized, tmp_path_factory):
+    """type -> the `--format gguf` bundle of its tiny GGUF with a one-layer, 64-row draft cut from
+    it, exported once (its VocabTrim calibration decodes a few thousand tokens on llama.cpp)."""
+    bundles = {}
+
+    def get(qtype: str) -> Path:
+        if qtype not in bundles:
+            out = tmp_path_factory.mktemp(f"cut-{qtype}") / "b"
+            bundles[qtype] = export_bundle(ExportConfig(output=out, target=quantized[qtype], formats=GGUF,
+                                                        draft_vocab=64, draft_layers=1))
+        return bundles[qtype]
+
+    return get
+
+
 def _assert_cut_of(src: Path, draft: Path, layers: list[int], keep) -> None:
     """Every tensor of the cut draft is the source's bytes: kept layers renumbered, the K-row head
     the source head's rows `keep`, nothing decoded or re-encoded."""
@@ -110,11 +126,10 @@ def _greedy(bundle: Path, use_draft: bool) -> tuple[list[list[int]], int]:
 
 
 @pytest.mark.parametrize("qtype", list(FTYPES))
-def test_gguf_format_copies_any_block_type_and_decodes_exactly(quantized, tmp_path, qtype):
+def test_gguf_format_copies_any_block_type_and_decodes_exactly(quantized, cut_bundle, qtype):
     src = quantized[qtype]
     assert qtype in block_types(src)  # the file really holds the type under test
-    out = export_bundle(ExportConfig(output=tmp_path / "b", target=src, formats=GGUF, draft_vocab=64,
-                                     draft_layers=1))
+    out = cut_bundle(qtype)
     m = load_bundle(out).manifest
     art = m.target.formats["gguf"]
     assert art.quantization["passthrough"] is True and art.quantization["type"] == qtype
@@ -152,16 +167,14 @@ def _vocab(lib, model):
                 texts=[ctypes.string_at(lib.llama_vocab_get_text(v, i)) for i in range(n)])
 
 
-def test_full_vocabulary_draft_passes_llamas_rule_and_runs_standalone(quantized, tmp_path):
+def test_full_vocabulary_draft_passes_llamas_rule_and_runs_standalone(cut_bundle):
     """What `llama-server -m target.gguf -md draft.gguf` checks before it pairs the two
     (common_speculative_are_compatible), through llama-cpp-python's vocabulary API; then the
     draft alone generates in llama-cpp-python."""
     import llama_cpp
     from llama_cpp import Llama
 
-    src = quantized["Q2_K"]
-    out = export_bundle(ExportConfig(output=tmp_path / "b", target=src, formats=GGUF, draft_vocab=64,
-                                     draft_layers=1))
+    out = cut_bundle("Q2_K")  # the bundle the Q2_K row above checked
     art = load_bundle(out).manifest.draft.formats["gguf"]
     full = out / art.quantization["standalone"]
     assert full.name == "model.full.gguf" and full != out / art.file

@@ -22,7 +22,7 @@ from edgespec.cli.export import default_output  # noqa: E402
 from edgespec.exporters.gguf import bundles as gguf_bundles  # noqa: E402
 from edgespec.models.catalog import cache_dir, default_bundle_path, gguf_bundles_dir  # noqa: E402
 
-LOGGER = "edgespec.exporters.gguf.bundles"
+LOGGER = "edgespec.exporters.gguf"  # bundles.py and its hash index (hashes.py)
 PROMPT = "the cat and"
 
 
@@ -132,20 +132,22 @@ def test_a_gguf_opened_on_llama_cpp_gets_a_gguf_bundle_beside_the_onnx_one(zoo, 
 
 
 def test_the_hash_index_is_used_and_notices_a_rewrite_that_keeps_size_and_mtime(tmp_path, monkeypatch):
+    from edgespec.exporters.gguf import hashes
+
     calls = []
-    real = gguf_bundles.file_sha256
-    monkeypatch.setattr(gguf_bundles, "file_sha256", lambda p: calls.append(p) or real(p))
+    real = hashes.file_sha256
+    monkeypatch.setattr(hashes, "file_sha256", lambda p: calls.append(p) or real(p))
     f = tmp_path / "w.gguf"
     f.write_bytes(b"GGUF" + bytes(4096))
-    a = gguf_bundles.content_digest(f)
-    assert gguf_bundles.content_digest(f) == a and len(calls) == 1  # the second lookup read no content
-    assert (cache_dir() / gguf_bundles.INDEX_FILE).is_file()
+    a = hashes.content_digest(f)
+    assert hashes.content_digest(f) == a and len(calls) == 1  # the second lookup read no content
+    assert (cache_dir() / hashes.INDEX_FILE).is_file()
 
     st = f.stat()
     time.sleep(0.05)  # past the coarse clock file times are stamped with
     f.write_bytes(b"GGUF" + bytes(4095) + b"\x01")  # same size
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # and the old mtime, as `cp -p` would keep it
-    b = gguf_bundles.content_digest(f)
+    b = hashes.content_digest(f)
     assert len(calls) == 2 and b != a and b == real(f)
 
 

@@ -20,6 +20,7 @@ from edgespec.runtimes.llamacpp_vulkan.runtime import offload_layers
 
 GGUF = ("gguf",)
 GPU_ATOL = 2e-2  # a Vulkan device against the CPU build, fp32 tiny model
+SEEDS = 306  # the sampled oracle's check B on a software device: power 0.99 at TV 0.015
 
 
 # ---------------------------------------------------------------- no GPU needed
@@ -162,29 +163,58 @@ def test_gpu_logits_match_the_cpu_build_and_roll_back(vulkan, zoo):
         np.testing.assert_allclose(again, got[10:], atol=2e-3)
 
 
+def drafting_engine(path, **kw):
+    """An engine that drafts on the device: at the widths the probe found exact there, or, where it
+    found none (Mesa's lavapipe: a software device whose wide forwards round apart), under
+    allow_inexact, which the test says. Returns (engine, the probe's verdict, whether inexact)."""
+    import edgespec
+
+    engine = edgespec.load(path, **kw)
+    verdict = engine.opened.exactness
+    if engine.opened.inexact_refusal is None:
+        return engine, verdict, False
+    engine.close()
+    print(f"\n{verdict.describe()}: drafting anyway (allow_inexact) to test the speculative path on this device")
+    return edgespec.load(path, allow_inexact=True, **kw), verdict, True
+
+
+def assert_same_or_near_tie(plain, ids: list[int], got: list[int], want: list[int], verdict, inexact: bool) -> None:
+    """Speculative greedy == plain greedy; where drafting ran at widths the probe found inexact, the
+    two may part only where plain's two likeliest tokens are within a few of the probe's worst
+    difference (a near-tie the rounding may flip), which the test then says."""
+    if got == want:
+        return
+    assert inexact, f"speculative {got} != plain {want} at exact widths"
+    i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+    plain.target.reset()
+    row = np.sort(plain.target.forward(ids + want[:i])[-1])
+    plain.target.reset()
+    gap = float(row[-1] - row[-2])
+    assert gap <= max(4 * verdict.worst_diff, 1e-3), f"parted at token {i} where plain's top two are {gap:.3g} apart"
+    print(f"\nparted from plain at token {i}, a near-tie ({gap:.2g} apart; the probe saw {verdict.worst_diff:.2g})")
+
+
 def test_speculative_greedy_equals_plain_on_the_gpu(vulkan, zoo):
-    """Whatever the probe finds on this device: drafting at its exact widths, or plain decoding
-    with the reason, so speculative greedy == plain greedy token for token."""
+    """Speculative greedy == plain greedy token for token on the device, drafting every run: at the
+    widths the probe found exact there, else under allow_inexact (and then equal up to near-ties)."""
     import edgespec
     from edgespec.decoding import SamplingParams
     from tests.zoo import AGREEING
 
     path = zoo.bundle("gemma3", AGREEING, formats=GGUF)
     # two drafts: the probe's forwards grow with the widths, each dear on a software GPU
-    with edgespec.load(path, backend="llamacpp_vulkan", device="GPU", k=2) as spec, \
-            edgespec.load(path, backend="llamacpp_vulkan", device="GPU", use_draft=False) as plain:
-        verdict = spec.opened.exactness
+    spec, verdict, inexact = drafting_engine(path, backend="llamacpp_vulkan", device="GPU", k=2)
+    with spec, edgespec.load(path, backend="llamacpp_vulkan", device="GPU", use_draft=False) as plain:
         assert verdict is not None and verdict.max_width >= 2
         ids = spec.tokenizer.encode("The quick brown fox")
-        outs = []
+        outs, drafted = [], 0
         for engine in (spec, plain):
             tokens = list(ids)
-            for _ in engine.decoder.stream(tokens, SamplingParams(), 16):
-                pass
+            for step in engine.decoder.stream(tokens, SamplingParams(), 16):
+                drafted += step.drafted
             outs.append(tokens[len(ids):])
-        assert len(outs[0]) == 16 and outs[0] == outs[1]
-        # the verdict is the device's: drafting only where the probe found exact widths
-        assert (spec.opened.inexact_refusal is None) == bool(verdict.exact)
+        assert len(outs[0]) == 16 and drafted > 0
+        assert_same_or_near_tie(plain, ids, outs[0], outs[1], verdict, inexact)
 
 
 def test_bench_on_the_gpu_records_the_device_the_verdict_and_a_same_device_peer(vulkan, zoo, tmp_path):
@@ -285,32 +315,44 @@ def test_overlapped_drafting_on_the_cpu_while_the_gpu_verifies(vulkan, zoo):
     assert stats.overlapped > 0 and stats.steps_ahead > 0, stats
 
 
-def test_sampled_speculative_on_the_gpu_keeps_the_targets_distribution(vulkan, zoo):
-    """Rejection sampling with the draft on the CPU and the target on the GPU (drafting forced with
-    allow_inexact): the first sampled token follows the target's own distribution on the device
-    (chi-square), while both the accept and the reject branch run."""
-    import edgespec
-    from edgespec.decoding import SamplingParams, probabilities
-    from tests.chi2 import pooled_chi_square_p
+def test_sampled_speculative_on_the_gpu_follows_the_targets_law(vulkan, zoo):
+    """The exact oracle (tests/oracle.py) with the draft on the CPU and the target on the GPU: a
+    software device's forwards are dear, so check B runs SEEDS seeds, not the fast tier's 919: power
+    0.99 against TV 0.02 on the first 4 tokens' law (0.005 for check A, 0.015 for B), false alarms 1e-4.
+    The law is the device's own (its one-token rows). Where the probe found no exact width on the
+    device (lavapipe), drafting runs under allow_inexact: a verify's rows then differ from
+    one-token rows by up to the probe's worst difference, and a run may part from plain decoding
+    only at a draw that rounding of that size can flip (checked run by run, counted, printed)."""
+    import time
+
+    from edgespec.decoding import SamplingParams
+    from tests import oracle
     from tests.zoo import AGREEING
 
-    params = SamplingParams(temperature=1.0, top_k=6)
+    params = SamplingParams(temperature=1.0, top_k=3)
     path = zoo.bundle("gemma3", AGREEING, formats=GGUF)
-    with edgespec.load(path, backend="llamacpp_vulkan", device="GPU", k=1, allow_inexact=True, **CPU_DRAFT) as spec:
-        prompt = spec.tokenizer.encode("The quick brown fox")
-        target = spec.target
-        target.reset()
-        p = probabilities(target.forward(prompt)[-1], params)
-        target.reset()
-        n, counts, accepted = 400, np.zeros(len(p)), 0  # a software GPU: few samples, top-k keeps them dense
-        for i in range(n):
-            tokens = list(prompt)
-            step = next(spec.decoder.stream(tokens, SamplingParams(params.temperature, top_k=params.top_k, seed=i), 2))
-            assert step.drafted == 1
-            accepted += step.accepted
-            counts[tokens[len(prompt)]] += 1
-    assert 0 < accepted < n  # both branches of the rejection test ran
-    assert (p * n >= 5).sum() >= 2 and pooled_chi_square_p(counts, p) > 1e-3
+    spec, verdict, inexact = drafting_engine(path, backend="llamacpp_vulkan", device="GPU", policy="fixed", k=2,
+                                             threads=2, **CPU_DRAFT)
+    with spec:
+        ids = spec.tokenizer.encode("The quick brown fox")
+        rows = oracle.PlainRows(spec.target, ids, spec.limits.max_batch)
+        t0 = time.perf_counter()
+        statement = oracle.check_reference("GPU", rows, len(ids), params).statement(SEEDS)
+        rows.release()
+        drafted = []
+
+        def run(seed: int) -> list[int]:
+            out = [t for r in spec.stream(ids, max_tokens=oracle.LENGTH, temperature=1.0, top_k=3, seed=seed)
+                   for t in r.token_ids]
+            drafted.append(spec.last_stats.drafted)
+            return out
+
+        parted = oracle.check_path("GPU target, CPU draft, k=2", run, rows, len(ids), params,
+                                   rounding=verdict.worst_diff if inexact else None, seeds=SEEDS)
+    tail = (f" Drafting at widths the probe found inexact ({verdict.describe()}): {parted} of {SEEDS} runs "
+            "parted from plain decoding, each at a near-tie that rounding flips." if inexact else "")
+    print(f"\n{statement}{tail} [{time.perf_counter() - t0:.0f} s]")
+    assert sum(drafted) > SEEDS
 
 
 def test_the_same_device_peer_samples_with_llama_cpps_chain(vulkan, zoo):

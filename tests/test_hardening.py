@@ -223,14 +223,11 @@ def test_force_replaces_a_bundle_and_an_empty_folder(bundle, tmp_path):
 
 def test_a_failed_swap_keeps_the_old_bundle(bundle, monkeypatch):
     before = sorted(p.name for p in bundle.iterdir())
-    real = Path.rename
 
-    def rename(self, target):
-        if ".stage-" in self.name:  # moving the new bundle in fails (a full disk, a virus scanner)
-            raise PermissionError(13, "Permission denied", str(self))
-        return real(self, target)
+    def rename(src, dst):  # moving the new bundle in fails (a full disk, a virus scanner)
+        raise PermissionError(13, "Permission denied", str(src))
 
-    monkeypatch.setattr(Path, "rename", rename)
+    monkeypatch.setattr("edgespec.bundle.rename_noreplace", rename)
     with pytest.raises(BundleError, match="Permission denied"):
         with staged_bundle_dir(bundle, force=True) as tmp:
             (tmp / MANIFEST).write_text("{}")
@@ -402,9 +399,13 @@ def engine(zoo):
         yield e
 
 
-@pytest.mark.parametrize("ids", [[5, -1, 7], [5, 10**9], [True, 5], [5.0, 6]])
-def test_bad_token_ids_are_config_errors(engine, ids):
-    with pytest.raises(ConfigError, match="token id .* is out of range"):
+@pytest.mark.parametrize("ids, needle", [([5, -1, 7], "token id -1 is out of range"),
+                                         ([5, 10**9], "token id 1000000000 is out of range"),
+                                         ([True, 5], r"item 0 is True \(bool\)"),
+                                         ([5.0, 6], r"item 0 is 5.0 \(float\)"),
+                                         (["hello"], r"item 0 is 'hello' \(str\)")])
+def test_bad_token_ids_are_config_errors(engine, ids, needle):
+    with pytest.raises(ConfigError, match=needle):
         engine.generate(ids, max_tokens=2)
     with pytest.raises(ConfigError):
         next(engine.stream_ids(list(ids), engine_params(), 2))

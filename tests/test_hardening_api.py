@@ -29,7 +29,7 @@ def engine(zoo):
     ({"stop": [None]}, "stop[0] must be text (str), got NoneType"),
     ({"stop": [""]}, "stop[0] is empty"),
     ({"stop": 5}, "stop must be a string or a list of strings, got int"),
-    ({"prompt": [1, "2"]}, "token id '2' is out of range"),
+    ({"prompt": [1, "2"]}, "token ids must be integers; the prompt's item 1 is '2' (str)"),
 ])
 def test_generate_refuses_caller_mistakes_by_name(engine, kwargs, message):
     kwargs = {"prompt": PROMPT, "max_tokens": 4, **kwargs}

@@ -180,19 +180,27 @@ def _feeds(ids: list[int], n_kv: int, head_dim: int, n_layers: int) -> dict:
     return feeds
 
 
-def test_gguf_bundle_on_openvino_is_the_gguf_model(zoo, tmp_path):
+@pytest.fixture(scope="module")
+def q8_bundle(zoo, tmp_path_factory):
+    """(a Q8_0 GGUF of the tiny Gemma 3, its ONNX + OpenVINO bundle with a 16-row VocabTrim
+    self-draft), exported once for the tests below, which only read it."""
+    pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
+    b = zoo.bundle("gemma3", None, formats=("gguf",), target_precision="int8")
+    src = b / load_bundle(b).manifest.target.formats["gguf"].file
+    out = tmp_path_factory.mktemp("q8") / "b"
+    return src, export_bundle(ExportConfig(output=out, target=src, formats=("onnx", "openvino"), draft_vocab=16))
+
+
+def test_gguf_bundle_on_openvino_is_the_gguf_model(q8_bundle, tmp_path):
     """A Q8_0 GGUF exported to ONNX and OpenVINO: the IR keeps u8 codes, computes in fp32 (no
     dynamic int8 activations) the logits of the fp32 graph of gguf-py's dequantized weights, and on
     edgespec's OpenVINO runtime (int8 activations, as llama.cpp and onnxruntime's level 4 compute)
     picks the transcoded onnxruntime bundle's argmax."""
-    pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
     from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
     from edgespec.runtimes.openvino.runtime import OpenVinoRuntime
 
-    b = zoo.bundle("gemma3", None, formats=("gguf",), target_precision="int8")
-    src = b / load_bundle(b).manifest.target.formats["gguf"].file
+    src, out = q8_bundle
     model = read_gguf(src)
-    out = export_bundle(ExportConfig(output=tmp_path / "b", target=src, formats=("onnx", "openvino"), draft_vocab=16))
     m = load_bundle(out).manifest
     for entry in (m.target, m.draft):
         art = entry.formats["openvino"]
@@ -224,19 +232,16 @@ def test_gguf_bundle_on_openvino_is_the_gguf_model(zoo, tmp_path):
     np.testing.assert_allclose(got, want, atol=0.1 * np.abs(want).max())
 
 
-def test_gguf_bundle_speculative_on_openvino_equals_plain_and_onnxruntime(zoo, tmp_path):
+def test_gguf_bundle_speculative_on_openvino_equals_plain_and_onnxruntime(q8_bundle):
     """The default GGUF bundle shape (source target, VocabTrim self-draft on the target's blocks) on
     the openvino backend: the draft runs on the target's body, speculative greedy equals plain
     greedy, and every token of it is onnxruntime's argmax on the transcoded bundle, or within its
     int8-activation rounding of it (the bound test_gguf_bundle_on_openvino_is_the_gguf_model uses)."""
-    pytest.importorskip("llama_cpp", reason="quantizing a GGUF needs llama-cpp-python")
     from edgespec.decoding import SamplingParams
     from edgespec.engine.engine import load
     from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
-    b = zoo.bundle("gemma3", None, formats=("gguf",), target_precision="int8")
-    src = b / load_bundle(b).manifest.target.formats["gguf"].file
-    out = export_bundle(ExportConfig(output=tmp_path / "b", target=src, formats=("onnx", "openvino"), draft_vocab=16))
+    src, out = q8_bundle
     ids = GGUFTokenizer(open_gguf(src))(LONG_PROMPT).input_ids
     n = 24
     with load(out, backend="openvino", use_draft=False) as plain, load(out, backend="openvino") as spec:

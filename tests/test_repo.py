@@ -36,6 +36,11 @@ def test_ci_runs_the_readme_test_command_verbatim():
     assert any(line.startswith(tests) for line in ci), ".ci/run must run the README's test command as written"
 
 
+def test_every_run_lists_its_skips_and_its_slowest_tests():
+    """CI's log says why each skipped test did not run and where the time went (pyproject's addopts)."""
+    addopts = re.search(r'^addopts = "([^"]*)"', (ROOT / "pyproject.toml").read_text(), flags=re.M).group(1).split()
+    assert "-ra" in addopts and any(re.fullmatch(r"--durations=\d+", o) for o in addopts), addopts
+
 def test_the_readme_is_a_front_page():
     assert len(README.read_text().splitlines()) <= 250
 
@@ -94,6 +99,14 @@ def test_benchmarks_hold_only_maintained_scripts_and_no_test_imports_them():
     assert importers == []
 
 
+def test_the_lab_imports_nothing_from_the_tests():
+    """dev/ holds experiments: what they share with the tests lives in edgespec or in dev/ itself."""
+    scripts = list((ROOT / "dev").rglob("*.py"))
+    importers = [p.relative_to(ROOT).as_posix() for p in scripts
+                 if re.search(r"^\s*(from|import) tests\b", p.read_text(encoding="utf-8"), flags=re.M)]
+    assert scripts and importers == []
+
+
 def _pytest(*args: str, slow_env: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "EDGESPEC_SLOW"}
     if slow_env is not None:
@@ -135,10 +148,11 @@ def test_the_python_api_example_runs(zoo, capsys):
 # lowest first: a module may import its own layer and those below, never one above. Imports under
 # `if TYPE_CHECKING:` are annotations only and do not count.
 LAYERS: list[set[str]] = [
-    {"edgespec", "errors", "models", "bundle", "tokenizer"},  # leaves everyone may import
+    {"edgespec", "errors", "files", "progress", "models", "bundle", "tokenizer"},  # leaves everyone may import
     {"runtimes"},
-    # exporters stand beside the stack (they write bundles), training beside the exporters (torch)
-    {"decoding", "memory", "exporters", "training"},
+    # exporters stand beside the stack (they write bundles), training beside the exporters (torch),
+    # deploy beside them (llama.cpp's own server for a bundle's GGUFs: it runs no edgespec model)
+    {"decoding", "memory", "exporters", "training", "deploy"},
     {"engine"},  # config, plan, tuning, exact mode, the Engine and its sessions
     {"bench", "server"},
     {"cli", "__main__"},
@@ -147,7 +161,8 @@ LAYERS: list[set[str]] = [
 # never reaching for the exporters or training (which need torch or onnx)
 FORBIDDEN: dict[str, set[str]] = {"bench": {"server"}, "server": {"bench"},
                                   "decoding": {"exporters", "training", "memory"},
-                                  "memory": {"decoding", "exporters", "training"}}
+                                  "memory": {"decoding", "exporters", "training"},
+                                  "deploy": {"decoding", "memory", "exporters", "training"}}
 # the packages that write bundles or train: the only ones that may import torch or transformers
 TORCH_SIDE = {"exporters", "training"}
 # known cycles awaiting a fix in a module this test does not own (named, so a new one fails)

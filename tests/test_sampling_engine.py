@@ -1,8 +1,9 @@
 """Speculative sampling through the whole engine keeps the target's distribution.
 
 With a draft from a different model (so the draft's distribution is far from the target's and
-both the accept and the resample-from-residual branches run often), the first generated token
-over many seeded runs must follow the target's softmax at that position.
+drafts are both kept and replaced often), the first generated token over many seeded runs must
+follow the target's softmax at that position. The exact oracle with its stated power:
+tests/test_oracle.py and tests/test_oracle_engine.py.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def test_first_sampled_token_follows_the_target(zoo):
         firsts, drafted, accepted = first_tokens(engine, ids)
 
     assert drafted == N_RUNS
-    # both branches of rejection sampling ran many times
+    # drafts were kept and replaced many times
     assert 0.05 * N_RUNS < accepted < 0.95 * N_RUNS, accepted
     assert (n_bins := int((N_RUNS * p >= MIN_EXPECTED).sum())) >= 20, n_bins
     assert chi_square_p(firsts, p) > P_MIN

@@ -9,17 +9,17 @@ from scipy.stats import chisquare
 from edgespec.decoding import (
     Candidates,
     DenseDist,
+    Draws,
     FixedK,
     LazyDists,
     SamplingParams,
     SpeculativeDecoder,
     TokenDist,
-    accept_sampled,
+    accept_coupled,
     distribution,
-    point_mass,
     probabilities,
 )
-from edgespec.decoding.tree import DraftTree, accept_tree_point_masses
+from edgespec.decoding.tree import DraftTree, accept_tree_coupled
 from edgespec.errors import ConfigError
 from edgespec.runtimes.base import Capabilities, Runtime
 from tests.toy import ToyRuntime
@@ -102,6 +102,29 @@ def test_distribution_keeps_the_reference_ties(params):
     assert kept.ids.tolist() == [1, 2, 3, 4, 5]  # the three logits tied with the 3rd largest
 
 
+def test_top_k_partitions_only_the_logits_near_the_maximum():
+    """The k-th largest logit is found among the logits near the maximum (a span that grows until
+    it holds k of them), never by partitioning the whole row: it must equal the whole row's."""
+    from edgespec.decoding import sampling
+
+    rng = np.random.default_rng(2)
+    rows = [(rng.standard_normal(50_000) * scale).astype(np.float32) for scale in (0.5, 3.0, 40.0, 400.0)]
+    rows.append(np.full(1000, 2.0, dtype=np.float32))  # one tie across the row
+    rows.append(np.r_[np.full(999, -np.inf), 1.0])  # fewer finite logits than k: the whole row decides
+    for row in rows:
+        for k in (1, 40, 999):
+            want = row[np.argpartition(row, len(row) - k)[len(row) - k:]].min()
+            assert sampling._kth_largest(row, k) == want
+        params = SamplingParams(temperature=0.7, top_k=40, top_p=0.95)
+        assert_same(distribution(row, params), probabilities(row, params))
+    calls = []
+    real = np.argpartition
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(np, "argpartition", lambda a, *args, **kw: calls.append(len(a)) or real(a, *args, **kw))
+        distribution(rows[1], SamplingParams(temperature=0.7, top_k=40))
+    assert calls and max(calls) < len(rows[1]) // 10  # only candidates were partitioned
+
+
 def test_top_p_alone_grows_its_prefix_exactly():
     rng = np.random.default_rng(1)
     vocab = 20_000  # beyond the first prefixes tried, so the growth and the whole-row sort both run
@@ -118,7 +141,7 @@ def test_top_p_alone_grows_its_prefix_exactly():
 def test_greedy_is_a_point_mass_at_the_first_argmax():
     dist = distribution(np.array([1.0, 4.0, 4.0, 0.0]), SamplingParams())
     assert dist.ids.tolist() == [1] and dist.probs.tolist() == [1.0]
-    assert dist.sample(np.random.default_rng(0)) == 1
+    assert dist.sample(Draws(0).at(0)) == 1
 
 
 def test_min_p_keeps_tokens_within_its_ratio_of_the_likeliest():
@@ -147,62 +170,67 @@ def test_dense_distribution_samples_the_reference():
     ref = probabilities(row, params)
     assert dist.prob(int(np.argmax(row))) == pytest.approx(ref.max(), rel=1e-6)
     small = distribution(row[:30], params)
-    counts = np.bincount([small.sample(rng) for _ in range(20_000)], minlength=30)
+    draws = Draws(2)
+    counts = np.bincount([small.sample(draws.at(i)) for i in range(20_000)], minlength=30)
     assert chi_p(counts, probabilities(row[:30], params)) > P_MIN
-    big = np.bincount([dist.sample(rng) for _ in range(20_000)], minlength=3000)
+    big = np.bincount([dist.sample(draws.at(i)) for i in range(20_000)], minlength=3000)
     top = np.argsort(-ref)[:20]  # the likeliest tokens alone, the rest pooled
     obs = np.append(big[top], big.sum() - big[top].sum())
     assert chisquare(obs, np.append(ref[top], 1 - ref[top].sum()) * big.sum()).pvalue > P_MIN
 
 
-# ---------------------------------------------------------------- residuals
+# ---------------------------------------------------------------- races (draws.py)
 
 
-def _sparse(vocab: int, rng: np.random.Generator, size: int) -> Candidates:
-    ids = rng.choice(vocab, size=size, replace=False)
-    return Candidates.build(ids, rng.random(size))
+def test_the_noise_is_independent_exponentials():
+    """E over ids of many blocks (the block minima built in) is Exp(1), with no trace of the
+    block structure: the minimum of each block is Exp(BLOCK), as n independent Exp(1) give."""
+    from scipy.stats import kstest
+
+    from edgespec.decoding.draws import BLOCK
+
+    noise = Draws(11).at(5)
+    e = noise.at(np.arange(200 * BLOCK))
+    assert kstest(e, "expon").pvalue > P_MIN
+    minima = e.reshape(200, BLOCK).min(axis=1)
+    assert kstest(minima * BLOCK, "expon").pvalue > P_MIN
+    np.testing.assert_array_equal(minima, noise.blocks(np.arange(200))[0])
+    # another position, another seed: other draws, uncorrelated
+    other = Draws(11).at(6).at(np.arange(200 * BLOCK)), Draws(12).at(5).at(np.arange(200 * BLOCK))
+    assert all(abs(np.corrcoef(e, o)[0, 1]) < 0.02 for o in other)
 
 
-def test_residuals_equal_dense_arithmetic():
+@pytest.mark.parametrize("scale", [0.1, 2.0, 8.0])
+def test_a_dense_race_finds_the_winner_of_the_whole_row(scale):
+    """The dense race computes E in a few blocks only; its winner is the whole row's."""
     rng = np.random.default_rng(3)
+    row = (rng.standard_normal(5000) * scale).astype(np.float32)
+    row[rng.choice(5000, 50)] = -np.inf  # weights of zero never win
+    dist = distribution(row, SamplingParams(temperature=1.0))
+    assert isinstance(dist, DenseDist)
+    for position in range(200):
+        noise = Draws(1).at(position)
+        assert dist.sample(noise) == noise.race(np.arange(5000), dist.weights)
+
+
+def test_one_distribution_draws_one_token_whatever_its_form():
+    """Dense, dense placed by an id map, or candidates: the same distribution against the same
+    noise draws the same token (the target's row and a draft's may take different forms)."""
+    rng = np.random.default_rng(4)
     vocab = 2500
-    dense = distribution(rng.standard_normal(vocab).astype(np.float32), SamplingParams(temperature=1.0))
     keep = np.sort(rng.choice(vocab, 700, replace=False))  # a trimmed dense draft, in target ids
     index = np.full(vocab, len(keep))
     index[keep] = np.arange(len(keep))
     trimmed = distribution(rng.standard_normal(len(keep)).astype(np.float32),
                            SamplingParams(temperature=1.3)).mapped(keep, index)
     np.testing.assert_allclose(trimmed.dense(vocab)[keep].sum(), 1.0)
-    sparse_p, sparse_q = _sparse(vocab, rng, 60), _sparse(vocab, rng, 80)
-    for p in (sparse_p, dense):
-        for q in (sparse_q, point_mass(int(sparse_p.ids[0])), trimmed, dense if p is sparse_p else trimmed):
-            want = np.maximum(p.dense(vocab) - q.dense(vocab), 0)
-            got = p.minus(q)
-            np.testing.assert_allclose(got.dense(vocab), want / want.sum(), rtol=2e-5, atol=1e-9)
-        gone = [int(sparse_q.ids[0]), int(sparse_q.ids[1])]
-        want = p.dense(vocab)
-        want[gone] = 0
-        np.testing.assert_allclose(p.without(gone).dense(vocab), want / want.sum(), rtol=1e-6, atol=1e-12)
-    assert point_mass(4).without([4]) is None
-    assert point_mass(4).minus(point_mass(4)) is None
-
-
-def test_a_patched_dense_row_samples_its_residual():
-    rng = np.random.default_rng(4)
-    vocab = 2100
-    row = rng.standard_normal(vocab).astype(np.float32)
-    row[:12] += 4  # most mass in the first block, which the patch then empties
-    p = distribution(row, SamplingParams(temperature=1.0))
-    q = Candidates.build(np.arange(1024), p.probs_at(np.arange(1024)) * 3)
-    residual = p.minus(q)
-    want = np.maximum(p.dense(vocab) - q.dense(vocab), 0)
-    want /= want.sum()
-    draws = np.array([residual.sample(rng) for _ in range(20_000)])
-    assert (draws >= 1024).all() or want[:1024].sum() > 0
-    counts = np.bincount(draws, minlength=vocab)
-    top = np.argsort(-want)[:15]
-    obs = np.append(counts[top], counts.sum() - counts[top].sum())
-    assert chisquare(obs, np.append(want[top], 1 - want[top].sum()) * counts.sum()).pvalue > P_MIN
+    full = np.full(vocab, -np.inf, dtype=np.float32)
+    full[keep] = np.log(trimmed.weights)
+    dense = distribution(full, SamplingParams(temperature=1.0))
+    sparse = Candidates.build(keep, trimmed.weights)
+    for position in range(300):
+        noise = Draws(9).at(position)
+        assert trimmed.sample(noise) == dense.sample(noise) == sparse.sample(noise)
 
 
 # ---------------------------------------------------------------- lossless, every drafter path
@@ -249,7 +277,7 @@ def test_model_drafts_commit_the_target_distribution(name, trimmed):
     draft = ToyRuntime(V, seed=0, noise=0.5, keep=KEEP if trimmed else None)
     dec = SpeculativeDecoder(target, draft, id_map=KEEP if trimmed else None, policy=FixedK(1))
     accepted = assert_lossless(dec, target, PROMPT, params)
-    assert 0 < accepted < 2500  # both branches of the rejection test ran
+    assert 0 < accepted < 2500  # drafts kept and replaced
 
 
 @pytest.mark.parametrize("name", ["top-k/top-p", "temperature"])
@@ -322,10 +350,10 @@ def test_tree_candidates_commit_the_target_distribution(name):
     # row i: the target's logits after node i's path (what a tree verify computes)
     paths = [[], [likely[0]], [likely[0], kids[0]], [likely[0], kids[1]], [likely[1]], [likely[2]]]
     logits = np.stack([_logits(target, PROMPT + path) for path in paths])
-    rng, n = np.random.default_rng(6), 20_000
+    n = 20_000
     first, second, n_accepted = np.zeros(V), np.zeros(V), 0
-    for _ in range(n):
-        nodes, token = accept_tree_point_masses(tree, LazyDists(logits, params), rng)
+    for seed in range(n):
+        nodes, token = accept_tree_coupled(tree, LazyDists(logits, params), Draws(seed), len(PROMPT))
         committed = [tree.tokens[v - 1] for v in nodes] + [token]
         n_accepted += len(nodes)
         first[committed[0]] += 1
@@ -343,42 +371,37 @@ def _logits(target: ToyRuntime, ids: list[int]) -> np.ndarray:
     return row
 
 
-class _Biased(TokenDist):
-    """A target distribution whose acceptance test reads p(x) doubled: a lossy acceptance."""
+class _Favouring(TokenDist):
+    """A target distribution whose draw weighs one token double: a lossy acceptance that keeps
+    that draft more often than the target would draw it."""
 
-    def __init__(self, base: TokenDist) -> None:
-        self.base = base
+    def __init__(self, base: Candidates, token: int) -> None:
+        self.base, self.token = base, token
 
     def prob(self, token: int) -> float:
-        return min(1.0, 2 * self.base.prob(token))
+        return self.base.prob(token)
 
     def probs_at(self, ids):
         return self.base.probs_at(ids)
 
-    def sample(self, rng):
-        return self.base.sample(rng)
-
-    def without(self, tokens):
-        return self.base.without(tokens)
-
-    def minus(self, q):
-        return self.base.minus(q)
+    def sample(self, noise):
+        return noise.race(self.base.ids, np.where(self.base.ids == self.token, 2.0, 1.0) * self.base.probs)
 
     def dense(self, vocab):
         return self.base.dense(vocab)
 
 
 def test_the_chi_square_catches_a_biased_acceptance():
-    # the same check the lossless tests make, failing on an acceptance that over-accepts drafts
-    rng = np.random.default_rng(7)
+    # the same check the lossless tests make, failing on an acceptance that favours the draft
     params = PARAMS["top-k/top-p"]
     target, draft = ToyRuntime(V, seed=0), ToyRuntime(V, seed=0, noise=0.5)
     p, q = (distribution(rt.forward(PROMPT)[-1], params) for rt in (target, draft))
     fair, biased = np.zeros(V), np.zeros(V)
-    for _ in range(5000):
-        x = q.sample(rng)
-        for counts, dist in ((fair, p), (biased, _Biased(p))):
-            n, nxt = accept_sampled([x], [q], [dist, dist], rng)
+    for seed in range(5000):
+        draws = Draws(seed)
+        x = q.sample(draws.at(0))
+        for counts, dist in ((fair, p), (biased, _Favouring(p, x))):
+            n, nxt = accept_coupled([x], [dist, dist], draws, 0, [q])
             counts[x if n else nxt] += 1
     assert chi_p(fair, p.dense(V)) > P_MIN
     assert chi_p(biased, p.dense(V)) < 1e-6

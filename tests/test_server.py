@@ -258,7 +258,7 @@ def test_twenty_concurrent_requests_all_complete(server, engine):
     ("/v1/chat/completions", {"messages": MESSAGES, "seed": -1}, "seed"),
     ("/v1/chat/completions", {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/chat/completions", {"messages": MESSAGES, "n": 2}, "n"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools.0.function"),
     ("/v1/chat/completions", {"messages": MESSAGES, "frequency_penalty": 0.5}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),

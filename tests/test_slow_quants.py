@@ -144,17 +144,21 @@ def _record(**row) -> None:
             f.write(json.dumps({"kind": "real", **row}) + "\n")
 
 
-# each row exports the real model and compares it on llama.cpp: the CI slow tier runs one quant type
-# beside the default file's own tests; EDGESPEC_SLOW_QUANTS=all runs every row
+# each row quantizes, exports and compares the real model (minutes): the CI slow tier runs one quant
+# type beside the default file's own tests; EDGESPEC_SLOW_QUANTS=all runs every row, as
+# dev/compat_matrix.py does for docs/models.md's table
 CI_ROWS = ("Q4_0",)
+ALL_ROWS_ENV = "EDGESPEC_SLOW_QUANTS"
 
 
 def _rows():
-    every = os.environ.get("EDGESPEC_SLOW_QUANTS") == "all"
+    every = os.environ.get(ALL_ROWS_ENV) == "all"
     for quant in (BASELINE, *QUANTS):
         marks = []
         if not every and quant not in CI_ROWS:
-            marks.append(pytest.mark.skip(reason="EDGESPEC_SLOW_QUANTS=all runs this row (it exports the real model)"))
+            reason = (f"not in CI's slow tier, which runs {', '.join(CI_ROWS)} (each row exports the real model); "
+                      f"{ALL_ROWS_ENV}=all runs it, as dev/compat_matrix.py does for docs/models.md")
+            marks.append(pytest.mark.skip(reason=reason))
         yield pytest.param(quant, marks=marks)
 
 

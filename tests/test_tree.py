@@ -5,13 +5,14 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from edgespec.decoding.acceptance import accept_greedy, accept_point_masses
+from edgespec.decoding.acceptance import accept_coupled, accept_greedy
+from edgespec.decoding.draws import Draws
 from edgespec.decoding.recycling import SuccessorTable
 from edgespec.decoding.token_dist import Candidates
 from edgespec.decoding.tree import (
     DraftTree,
+    accept_tree_coupled,
     accept_tree_greedy,
-    accept_tree_point_masses,
     best_shape,
     expected_tree_tokens,
     recycled_tree,
@@ -251,7 +252,7 @@ def test_greedy_tree_commits_what_plain_greedy_decoding_does():
 # ---------------------------------------------------------------- sampled acceptance
 
 
-def test_point_masses_on_a_chain_draw_as_accept_point_masses():
+def test_a_chain_tree_walks_as_chain_acceptance():
     outcomes = set()
     for seed in range(300):
         rng = np.random.default_rng(seed)
@@ -263,11 +264,9 @@ def test_point_masses_on_a_chain_draw_as_accept_point_masses():
             if k > 1:
                 probs[1, drafts[1]] = 0.0
                 probs[1] /= probs[1].sum()
-        a, b = np.random.default_rng(1000 + seed), np.random.default_rng(1000 + seed)
-        n, nxt = accept_point_masses(drafts, dists(probs), a)
-        accepted, token = accept_tree_point_masses(DraftTree.chain(drafts), dists(probs), b)
+        n, nxt = accept_coupled(drafts, dists(probs), Draws(seed), 7)
+        accepted, token = accept_tree_coupled(DraftTree.chain(drafts), dists(probs), Draws(seed), 7)
         assert (accepted, token) == (list(range(1, n + 1)), nxt)
-        assert a.random() == b.random()  # as many draws
         outcomes.add(n == k)
     assert outcomes == {True, False}
 
@@ -282,10 +281,9 @@ def test_point_masses_commit_the_target_distribution():
     rows[5] /= rows[5].sum()
     paths = [tuple(tree.tokens[v - 1] for v in tree.path_to(node)[1:]) for node in range(tree.n + 1)]
     after = np.zeros((tree.n + 1, vocab))  # after[v, x]: x was committed right after node v's path
-    rng = np.random.default_rng(0)
     row_dists = dists(rows)
-    for _ in range(n_runs):
-        accepted, token = accept_tree_point_masses(tree, row_dists, rng)
+    for seed in range(n_runs):
+        accepted, token = accept_tree_coupled(tree, row_dists, Draws(seed), 0)
         assert not accepted or tuple(accepted) == tree.path_to(accepted[-1])[1:]
         committed = tuple(tree.tokens[v - 1] for v in accepted) + (token,)
         for node, path in enumerate(paths):

@@ -121,7 +121,7 @@ def test_chat_with_trimmed_draft_is_exact(trimmed):
         assert replies[0] == replies[1]
 
 
-def test_rejection_sampling_with_trimmed_draft_keeps_target_distribution(trimmed):
+def test_sampling_with_a_trimmed_draft_keeps_the_target_distribution(trimmed):
     """First sampled token with a trimmed draft ~ the target's softmax (chi-square)."""
     with load(trimmed, k=3) as engine:
         prompt = engine.tokenizer.encode("the cat and")

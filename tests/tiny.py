@@ -1,80 +1,17 @@
-"""Tiny random-weight HF models and an in-process tokenizer, for offline tests."""
+"""Tiny random-weight HF models and an in-process tokenizer, for offline tests: the models are
+edgespec's own (edgespec/exporters/tiny.py, which dev/ uses too); the prompts and the chat template
+the tests give them are here."""
 from __future__ import annotations
 
-from pathlib import Path
-
-WORDS = ("the a an of to in is was and or but if then else for while with on at by from up down "
-         "cat dog bird fish tree house car road river sky sun moon star rain snow wind fire water "
-         "red blue green black white big small old new fast slow good bad happy sad one two three "
-         "hello world code python function return value list print import class def data model").split()
-CORPUS = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(0, len(WORDS), 3)]
-VOCAB = 320
-# Llama 3.1's RoPE scaling for the tiny Llama (head_dim 16, base 10000: wavelengths from 6 to ~20k
-# positions): an original context of 64 leaves one dim unscaled, smooths two and divides five by 8
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
-
-
-def make_tokenizer():
-    """A byte-level BPE trained in-process, wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<pad>", "<s>", "</s>", "<start_of_turn>", "<end_of_turn>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
-                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-
-
-def make_config(family: str, vocab: int, layers: int = 2, tied: bool | None = None):
-    """`tied` overrides the family's default tie_word_embeddings (llama: untied, qwen2 and gemma3: tied)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
-
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if family == "llama":
-        return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=bool(tied), **common)
-    if family == "llama3":  # a Llama with Llama 3.1's RoPE scaling (model_type "llama")
-        return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=bool(tied), rope_scaling=dict(LLAMA3_ROPE),
-                           **common)
-    if family == "qwen2":
-        return Qwen2Config(num_key_value_heads=2, tie_word_embeddings=tied is not False, **common)
-    if family == "gemma3":
-        return Gemma3TextConfig(num_key_value_heads=1, head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
-                                layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1),
-                                tie_word_embeddings=tied is not False, **common)
-    raise ValueError(family)
-
-
-def make_model(family: str, out: Path, seed: int = 0, chat_template: str | None = None,
-               tied: bool | None = None, layers: int = 2) -> Path:
-    """Save a small (default 2-layer) random model of `family` with the in-process tokenizer into `out`.
-
-    A tied random Gemma 3 mostly repeats its last token (its scaled embedding dominates the
-    residual stream and the head is that embedding): pass tied=False for varied greedy text."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    tokenizer = make_tokenizer()
-    if chat_template:
-        tokenizer.chat_template = chat_template
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(make_config(family, len(tokenizer), layers=layers, tied=tied)).eval()
-    with torch.no_grad():  # random norms too, so a wrong norm formula shows up
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-            elif p.dim() == 2:
-                p.normal_(0.0, 0.2)  # larger than init: peaked, varied next-token distributions
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
+from edgespec.exporters.tiny import (  # noqa: F401  (the tests import them from here)
+    CORPUS,
+    LLAMA3_ROPE,
+    VOCAB,
+    WORDS,
+    make_config,
+    make_model,
+    make_tokenizer,
+)
 
 # A ChatML chat template (Qwen style) for sources that should carry one of their own.
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"

@@ -1,6 +1,6 @@
 """The inputs the hostile cases start from, built once in a work folder: tiny random-weight models
-(tests/zoo.py) as an ONNX bundle with a draft and as a GGUF, a private cache folder, and helpers to
-run the CLI, hash a folder and find what a run left behind."""
+(edgespec/exporters/tiny.py) as an ONNX bundle with an int4 self-draft and as a GGUF, a private
+cache folder, and helpers to run the CLI, hash a folder and find what a run left behind."""
 from __future__ import annotations
 
 import hashlib
@@ -66,12 +66,17 @@ def build_fixtures(work: Path, timeout_s: float) -> Fixtures:
     import torch
 
     from edgespec.bundle import load_bundle
-    from tests.zoo import DISAGREEING, TinyZoo
+    from edgespec.exporters.export import ExportConfig, export_bundle
+    from edgespec.exporters.tiny import make_model
+    from edgespec.models.families import CHATML_TEMPLATE
 
-    torch.set_num_threads(1)
-    zoo = TinyZoo(work / "zoo")
-    bundle = zoo.bundle("qwen2", DISAGREEING)
-    gguf_bundle = zoo.bundle("llama", None, formats=("gguf",))
+    torch.set_num_threads(1)  # tiny matmuls: more threads only contend
+    zoo = work / "zoo"
+    qwen2 = make_model("qwen2", zoo / "qwen2", chat_template=CHATML_TEMPLATE)
+    bundle = export_bundle(ExportConfig(output=zoo / "qwen2.bundle", target=qwen2, draft_precision="int4"))
+    llama = make_model("llama", zoo / "llama")
+    gguf_bundle = export_bundle(ExportConfig(output=zoo / "llama-gguf.bundle", target=llama, draft=None,
+                                             formats=("gguf",)))
     gguf = gguf_bundle / load_bundle(gguf_bundle).manifest.target.formats["gguf"].file
     (work / "cache").mkdir(parents=True, exist_ok=True)
     return Fixtures(work, bundle, gguf, work / "cache", timeout_s)

@@ -4,28 +4,24 @@
         [--whole | --align N]
 
 The default bundle's OpenVINO target (window 512, aligned start 256) as the engine opens it
-(dynamic buffer, wide, dynamic int8 activations where the weights are compressed): verifies of 2, 5
-and 9 rows from prefixes where the window first leaves position 0 and where a verify's rows start
-their windows in two aligned blocks, each against the same positions decoded one at a time and the
-decode after it (tests/test_window_attention._verify_matches_decodes). Prints the differing
-(prefix, width, row)s as JSON: [] is bit for bit.
+(dynamic buffer, wide, dynamic int8 activations where the weights are compressed): the engine's own
+exactness probe (edgespec.runtimes.exactness.probe: verifies of every width 2-9 against the same
+positions decoded one at a time, and the decode after each verify) from prefixes where the window
+first leaves position 0 and where a verify's rows start their windows in two aligned blocks.
+Prints the verdict as JSON: exact widths 2-9 and a worst difference of 0 is bit for bit.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the tests package, for its helper
+MAX_WIDTH = 9
 
 
 def main() -> None:
-    import numpy as np
-
-    from edgespec.runtimes.openvino.runtime import OpenVinoRuntime
-    from tests.test_window_attention import _verify_matches_decodes
+    from edgespec.runtimes.exactness import probe
 
     ap = argparse.ArgumentParser()
     ap.add_argument("model", nargs="?")
@@ -41,7 +37,6 @@ def main() -> None:
         from edgespec.engine.engine import default_bundle
 
         path = str(default_bundle("openvino") / "target" / "openvino" / "model.xml")
-    ids = [int(t) for t in np.random.default_rng(0).integers(1000, 200000, 1400)]
     import edgespec.runtimes.openvino.runtime as ov_runtime
 
     read = ov_runtime.window_of
@@ -52,16 +47,15 @@ def main() -> None:
         ov_runtime.window_of = lambda model: None
     elif a.align:
         ov_runtime.window_of = lambda model: dataclasses.replace(read(model), align=a.align)
-    with OpenVinoRuntime(path, kv_capacity=1500, threads=a.threads, wide=True,
-                          pad_rows=a.pad_rows) as rt:
+    with ov_runtime.OpenVinoRuntime(path, kv_capacity=1500, threads=a.threads, wide=True,
+                                    pad_rows=a.pad_rows) as rt:
         win = rt.kv.plan.window or record
-        edges = [record.size - 3, record.size + record.align - 3, record.size + record.align - 2,
-                 record.size + 3 * record.align - 3]
-        bad = [b for p in edges for b in _verify_matches_decodes(rt, ids, p, (2, 5, 9))]
+        edges = (record.size - 3, record.size + record.align - 3, record.size + record.align - 2,
+                 record.size + 3 * record.align - 3)
+        verdict = probe(rt, MAX_WIDTH, starts=edges, sampled=())
         print(json.dumps({"model": path, "threads": a.threads, "window": win.size,
                           "align": None if a.whole else win.align, "layers": len(win.layers), "prefixes": edges,
-                          "widths": [2, 5, 9], "quantize": rt.kv.plan.quantize, "pad_rows": a.pad_rows,
-                          "differing": [list(map(str, b)) for b in bad]}))
+                          "quantize": rt.kv.plan.quantize, "pad_rows": a.pad_rows, "verdict": verdict.to_dict()}))
 
 
 if __name__ == "__main__":

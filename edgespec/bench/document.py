@@ -6,6 +6,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .. import __version__
+from ..engine.session import chat_format_for
 from .machine import library_versions, machine_info, run_label
 from .measure import BenchConfig, RunRecord
 from .schema import KIND, SCHEMA_VERSION
@@ -50,7 +51,7 @@ def bundle_summary(engine) -> dict:
     fmt = BACKENDS[opened.backend].bundle_format
     dfmt = BACKENDS[opened.draft_backend].bundle_format if opened.draft_backend else None
     return {"name": engine.bundle.path.name, "model_type": m.model_type, "family": m.family,
-            "base_model": m.base_model, "chat_format": prompt_format(engine.tokenizer),
+            "base_model": m.base_model, "chat_format": prompt_format(chat_format_for(m, engine.tokenizer)),
             "target": _entry(m.target, fmt), "draft": _entry(m.draft, dfmt)}
 
 
@@ -74,10 +75,13 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
                    backend: dict, memory: dict, machine: dict | None = None, label: str | None = None,
                    memory_budget: int | None = None, started: datetime | None = None,
                    duration_s: float = 0.0, prompts: list | None = None, peer: dict | None = None,
-                   verify_costs: dict | None = None, thermal: dict | None = None) -> dict:
+                   verify_costs: dict | None = None, peers: dict[str, dict] | None = None,
+                   roofline: dict | None = None, thermal: dict | None = None) -> dict:
     """The run's JSON document (schema.py). `peer`: what the llama.cpp peer ran (peer.py's
-    describe()), when it ran; `verify_costs`: the target's c(B) curve (costs.py); `thermal`: clocks,
-    temperatures and verdicts per configuration (thermal.summarise_heat)."""
+    describe()), when it ran; `peers`: every peer that ran by configuration name (llama-server's
+    record its build and flags); `verify_costs`: the target's c(B) curve (costs.py); `roofline`:
+    roofline.py's figures; `thermal`: clocks, temperatures and verdicts per configuration
+    (thermal.summarise_heat)."""
     machine = machine or machine_info()
     ran = {(r.cls, r.prompt) for r in runs}
     skipped = [f"{p.cls}/{p.id}" for p in prompts or [] if (p.cls, p.id) not in ran]
@@ -87,10 +91,12 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
     summary = summarise(runs, configs, greedy=cfg.sampling.greedy)
     started = started or datetime.now(timezone.utc)
     tuning = opened.tuning
-    extra = {"exactness": exactness_summary(opened), "verify_costs": verify_costs,
+    extra = {"exactness": exactness_summary(opened), "verify_costs": verify_costs, "roofline": roofline,
              "tuning": None if tuning is None else _jsonable(tuning.to_dict()), "thermal": thermal}
     if peer is not None:
         extra["peer"] = peer
+    if peers:
+        extra["peers"] = peers
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": KIND,

@@ -6,16 +6,32 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from .measure import PEER, PLAIN, SPECULATIVE, RunRecord
-from .summary import class_metrics, group_runs, peer_figures
+from .measure import PEER, PLAIN, SPECULATIVE, RunRecord, is_peer
+from .summary import class_metrics, group_runs, peer_figures, peer_key
 
-__all__ = ["LiveTable", "format_table", "header", "HEADER"]
+__all__ = ["LiveTable", "format_table", "header", "HEADER", "reference_peer"]
+
+WIDTH = 11  # of the config column; wider when a configuration's name is longer
 
 
-def header(peer: bool = False) -> str:
-    """The table's column names; `peer`: with the `x llama.cpp` column."""
-    x = f" {'x llama.cpp':>11}" if peer else ""
-    return (f"{'class':<10} {'config':<11} {'tok/s':>7} {'speed-up':>8}{x} {'TTFT ms':>8} {'prefill/s':>9} "
+def reference_peer(configs) -> str | None:
+    """The peer the `x` column divides by: llama-cpp-python's when it ran, else the first peer."""
+    peers = [c for c in configs if is_peer(c)]
+    return PEER if PEER in peers else (peers[0] if peers else None)
+
+
+def _x_label(peer: bool | str) -> str:
+    return "x llama.cpp" if peer is True or peer == PEER else f"x {peer}"
+
+
+def _x_width(peer: bool | str) -> int:
+    return max(11, len(_x_label(peer)))
+
+
+def header(peer: bool | str = False, width: int = WIDTH) -> str:
+    """The table's column names; `peer`: with the `x PEER` column (True: llama.cpp)."""
+    x = f" {_x_label(peer):>{_x_width(peer)}}" if peer else ""
+    return (f"{'class':<10} {'config':<{width}} {'tok/s':>7} {'speed-up':>8}{x} {'TTFT ms':>8} {'prefill/s':>9} "
             f"{'accept':>6} {'tok/step':>8} {'draft%':>6} {'RSS MiB':>7}  same")
 
 
@@ -26,27 +42,33 @@ def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
-def format_row(cls: str, config: str, m: dict, peer: bool = False) -> str:
-    if config == PEER:  # not required to match: how many tokens agree with plain before the first difference
+def format_row(cls: str, config: str, m: dict, peer: bool | str = False, width: int = WIDTH) -> str:
+    """One row; `peer`: the reference peer of the `x` column (True: llama.cpp), or none."""
+    other = is_peer(config)
+    if other:  # not required to match: how many tokens agree with plain before the first difference
         same = f"{_fmt(m.get('agree_tokens'), '.0f', '?')} tok agree"
     else:
         same = {True: "yes", False: "NO!"}.get(m.get("identical"), "?")
-    speed = "" if config in (PLAIN, PEER) else _fmt(m.get("speedup"), ".2f")
-    acc = "" if config in (PLAIN, PEER) else _fmt(m.get("acceptance"), ".0%")
-    x = f" {'' if config == PEER else _fmt(m.get('x_llamacpp'), '.2f'):>11}" if peer else ""
-    return (f"{cls:<10} {config:<11} {m['tok_s']:>7.1f} {speed:>8}{x} {m['ttft_ms']:>8.0f} "
+    speed = "" if config == PLAIN or other else _fmt(m.get("speedup"), ".2f")
+    # a speculative peer's acceptance is its own (its drafted and accepted tokens)
+    acc = "" if config in (PLAIN, PEER) or (other and m.get("acceptance") is None) else _fmt(m.get("acceptance"), ".0%")
+    key = peer_key(PEER if peer is True else peer) if peer else ""
+    x = f" {'' if other else _fmt(m.get(key), '.2f'):>{_x_width(peer)}}" if peer else ""
+    return (f"{cls:<10} {config:<{width}} {m['tok_s']:>7.1f} {speed:>8}{x} {m['ttft_ms']:>8.0f} "
             f"{m['prefill_tok_s']:>9.0f} {acc:>6} {m['mean_accepted_length']:>8.2f} {m['draft_share']:>6.0%} "
             f"{m['peak_rss_bytes'] / 2**20:>7.0f}  {same}")
 
 
 def format_table(classes: dict, overall: dict | None = None) -> list[str]:
     """Console rows: one per class and configuration, plain first."""
-    peer = any(PEER in block for block in classes.values())
-    lines = [header(peer)]
+    configs = list(dict.fromkeys(c for block in classes.values() for c in block))
+    peer = reference_peer(configs) or False
+    width = max([WIDTH, *map(len, configs)])
+    lines = [header(peer, width)]
     blocks = list(classes.items()) + ([("overall", overall)] if overall else [])
     for cls, block in blocks:
         for config, m in block.items():
-            lines.append(format_row(cls, config, m, peer))
+            lines.append(format_row(cls, config, m, peer, width))
     return lines
 
 
@@ -58,7 +80,7 @@ def _running(runs: list[RunRecord], configs: list[str], greedy: bool = True) -> 
         block: dict = {}
         for c in configs:
             per_prompt = [rs for (k, _, cfg), rs in groups.items() if k == cls and cfg == c]
-            m = class_metrics(per_prompt, block.get(PLAIN) if c != PEER else None)
+            m = class_metrics(per_prompt, block.get(PLAIN) if not is_peer(c) else None)
             if not m:
                 continue
             m["identical"] = all(
@@ -77,11 +99,11 @@ def _prompt_line(runs: list[RunRecord], done: int, total: int, greedy: bool = Tr
     parts = []
     for c, r in by.items():
         part = f"{c} {r.tok_s:.1f}"
-        if c not in (PLAIN, PEER) and plain is not None and plain.tok_s:
+        if c != PLAIN and not is_peer(c) and plain is not None and plain.tok_s:
             acc = f", acc {r.accepted / r.drafted:.0%}" if r.drafted else ""
             part += f" ({r.tok_s / plain.tok_s:.2f}x{acc})"
         parts.append(part)
-    same = not greedy or plain is None or all(r.tokens == plain.tokens for r in runs if r.config != PEER)
+    same = not greedy or plain is None or all(r.tokens == plain.tokens for r in runs if not is_peer(r.config))
     r0 = runs[0]
     return (f"[{done}/{total}] {r0.cls}/{r0.prompt} #{r0.repeat + 1} ({r0.prompt_tokens} prompt tokens): "
             f"{'; '.join(parts)} tok/s{'' if same else '  OUTPUT DIFFERS FROM PLAIN!'}")
@@ -100,7 +122,8 @@ class LiveTable:
         self.configs, self.classes, self.repeat = configs, classes, max(repeat, 1)
         self.runs: list[RunRecord] = []
         self.live = self.file.isatty() if live is None else live
-        self.peer = PEER in configs
+        self.peer = reference_peer(configs) or False
+        self.width = max([WIDTH, *map(len, configs)])
         self._rows = []
         self._bar = tqdm(total=None, desc="bench", unit="run", file=self.file, disable=not self.live,
                          dynamic_ncols=True, leave=True)
@@ -108,7 +131,7 @@ class LiveTable:
             n_rows = 1 + len(classes) * len(self._shown())
             self._rows = [tqdm(total=0, bar_format="{desc}", position=i + 1, file=self.file, leave=False)
                           for i in range(n_rows)]
-            self._rows[0].set_description_str(header(self.peer))
+            self._rows[0].set_description_str(header(self.peer, self.width))
 
     def update(self, rec: RunRecord, done: int, total: int) -> None:
         self.runs.append(rec)
@@ -126,11 +149,12 @@ class LiveTable:
             self._print_pass(done, total)
 
     def _shown(self) -> list[str]:
-        return [c for c in self.configs if c in (PLAIN, SPECULATIVE, PEER)] or self.configs
+        return [c for c in self.configs if c in (PLAIN, SPECULATIVE) or is_peer(c)] or self.configs
 
     def _table(self) -> list[str]:
         running = _running(self.runs, self._shown(), self.greedy)
-        return [format_row(cls, c, m, self.peer) for cls, block in running.items() for c, m in block.items()]
+        return [format_row(cls, c, m, self.peer, self.width) for cls, block in running.items()
+                for c, m in block.items()]
 
     def _refresh_rows(self) -> None:
         for bar, text in zip(self._rows[1:], self._table()):
@@ -138,7 +162,7 @@ class LiveTable:
 
     def _print_pass(self, done: int, total: int) -> None:
         print(f"-- after {done}/{total} runs (running medians)", file=self.file)
-        for line in [header(self.peer), *self._table()]:
+        for line in [header(self.peer, self.width), *self._table()]:
             print(line, file=self.file)
         self.file.flush()
 

@@ -15,17 +15,21 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..decoding import FixedK, GenerationStats, SamplingParams, SpeculativeDecoder
+from ..engine.session import chat_format_for
 from ..errors import ConfigError
 from ..memory.measure import PeakRSS
-from .suites import Prompt, encode_prompt
+from .endings import Rendered, render, watcher
+from .suites import Prompt
 
-__all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "PEER", "build_decoders", "measure_run", "run_bench",
-           "rotated", "fits", "run_params"]
+__all__ = ["BenchConfig", "RunRecord", "PLAIN", "SPECULATIVE", "PEER", "SERVER_PEER", "is_peer", "build_decoders",
+           "measure_run", "cut_at_ending", "run_bench", "rotated", "fits", "run_params"]
 
 logger = logging.getLogger(__name__)
 
 PLAIN, SPECULATIVE = "plain", "speculative"
 PEER = "llama.cpp"  # llama-cpp-python's own plain decode (peer.py), when the bench measures it
+# llama.cpp's own server (server_peer.py): "llama-server" plain, "llama-server+TYPE" speculative
+SERVER_PEER = "llama-server"
 WARMUP_TOKENS = 16
 # seconds before and after each peer run, so every configuration starts on idle cores:
 # onnxruntime's process-wide pool (runtimes/onnxruntime/pool.py) keeps a thread spinning a while
@@ -42,7 +46,9 @@ class BenchConfig:
     repeat: int = 3
     max_tokens: int = 64
     warmup: int = 1  # unmeasured passes of every configuration before the first measured one
-    stop_at_eos: bool = False  # default: fixed-length runs (as llama-bench), comparable across devices
+    # continuation prompts: end at EOS (default: fixed-length runs, as llama-bench); chat prompts always
+    # end where edgespec chat ends a reply (endings.py)
+    stop_at_eos: bool = False
     k_sweep: tuple[int, ...] = ()  # extra fixed-k speculative configurations, "k=2", "k=4", ...
     sampling: SamplingParams = SamplingParams()  # every configuration, the llama.cpp peer included
     cooldown_s: float = 0.0  # a pause before every measured run, for a device that heats (thermal.py)
@@ -107,6 +113,11 @@ class RunRecord:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
+def is_peer(config: str) -> bool:
+    """Whether a configuration is another program (a peer), not one of edgespec's decoders."""
+    return config == PEER or config == SERVER_PEER or config.startswith(SERVER_PEER + "+")
+
+
 def build_decoders(engine, k_sweep: Iterable[int] = ()) -> dict[str, SpeculativeDecoder]:
     """plain, the engine's own speculative decoder, and one fixed-k decoder per swept k."""
     if engine.drafter_name is None:
@@ -134,9 +145,12 @@ def fits(engine, n_prompt: int, max_tokens: int) -> bool:
 
 
 def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_tokens: int, stop_ids,
-                rss: PeakRSS | None = None, params: SamplingParams = SamplingParams()) -> RunRecord:
+                rss: PeakRSS | None = None, params: SamplingParams = SamplingParams(),
+                ended: Callable[[list[int]], bool] | None = None) -> RunRecord:
     """Decode `ids` from empty caches and a drafter that has learned nothing (greedy unless
-    `params` say otherwise); config/class/prompt fields are left blank."""
+    `params` say otherwise), to `max_tokens`, a stop id, or the step after which `ended` (called
+    on the new tokens: endings.watcher) says the reply has ended; config/class/prompt fields are
+    left blank."""
     for rt in runtimes:
         rt.reset()
     if decoder.drafter is not None:
@@ -148,12 +162,31 @@ def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_token
     clock = decoder.clock  # the decoder's own: a replay's virtual clock times its runs too
     st = GenerationStats(prompt_tokens=len(ids))
     t0 = clock()
-    for step in decoder.stream(tokens, params, max_tokens, stop_ids):
-        st.add(step, clock() - t0)
-    rec = RunRecord.from_stats(st, tokens[len(ids):], clock() - t0)
+    stream = decoder.stream(tokens, params, max_tokens, stop_ids)
+    before = 0  # new tokens before the last step: the reply had not ended there
+    try:
+        for step in stream:
+            st.add(step, clock() - t0)
+            if ended is not None and ended(tokens[len(ids):]):
+                break
+            before = len(tokens) - len(ids)
+    finally:
+        stream.close()  # a reply that ended by its text: the decoder rewinds its caches now
+    new = tokens[len(ids):]
+    rec = RunRecord.from_stats(st, new if ended is None else cut_at_ending(new, before, ended), clock() - t0)
     if rss is not None:
         rec.peak_rss = rss.mark()
     return rec
+
+
+def cut_at_ending(new: list[int], before: int, ended: Callable[[list[int]], bool]) -> list[int]:
+    """`new` up to the token at which `ended` first holds, looking past `before` (a step may commit
+    several tokens past a reply's end: what the user is shown, and what plain decoding would have
+    produced, stops there)."""
+    for n in range(before + 1, len(new) + 1):
+        if ended(new[:n]):
+            return new[:n]
+    return new
 
 
 def rotated(names: list[str], shift: int) -> list[str]:
@@ -182,57 +215,73 @@ def _heated(run: Callable[[], RunRecord], thermal, cooldown_s: float) -> RunReco
     rec = run()
     rec.heat = (before, thermal.read())
     return rec
+def _by_name(peer, peers) -> dict:
+    return {p.name: p for p in [*([] if peer is None else [peer]), *peers]}
+
+
+def _rendered(engine, prompts: list[Prompt], cfg: BenchConfig) -> list[tuple[Prompt, Rendered]]:
+    """The prompts as the model sees them (endings.render: chat's own format and ending), those
+    that fit the engine's context with a reply of --max-tokens."""
+    fmt = chat_format_for(engine.bundle.manifest, engine.tokenizer)
+    encoded = []
+    for p in prompts:
+        r = render(p, engine.tokenizer, fmt, cfg.stop_at_eos)
+        if not r.ids:
+            raise ConfigError(f"prompt {p.cls}/{p.id} encodes to no tokens")
+        if fits(engine, len(r.ids), cfg.max_tokens):
+            encoded.append((p, r))
+        else:
+            logger.warning("skipping %s/%s: %d prompt tokens + %d new exceed the context limit of %d", p.cls, p.id,
+                           len(r.ids), cfg.max_tokens, engine.context_limit)
+    return encoded
 
 
 def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
               on_run: Callable[[RunRecord, int, int], None] | None = None,
-              rss: PeakRSS | None = None, peer=None, thermal=None) -> list[RunRecord]:
+              rss: PeakRSS | None = None, peer=None, peers=(), thermal=None) -> list[RunRecord]:
     """Every configuration on every prompt, `cfg.repeat` times, interleaved; returns all runs.
 
-    `on_run(record, done, total)` is called after each measured run (the live table). `peer`
-    (bench/peer.py: `.name`, `.decode(ids, max_tokens, stop_ids, rss)`) is one more configuration
-    in the rotation, decoding the same prompt ids. `thermal` (thermal.Thermal) is read before and
-    after every measured run, outside its timing; `cfg.cooldown_s` pauses before each."""
+    `on_run(record, done, total)` is called after each measured run (the live table). `peer` and
+    each of `peers` (bench/peer.py, bench/server_peer.py: `.name`, `.decode(ids, max_tokens,
+    stop_ids, rss, params=, ending=, ended=)`) is one more configuration in the rotation, decoding
+    the same prompt ids and ending each run where edgespec's ends (endings.py: `ending`, and
+    `ended`, its watcher on the new tokens, for a peer in this process). `thermal`
+    (thermal.Thermal) is read before and after every measured run, outside its timing;
+    `cfg.cooldown_s` pauses before each."""
     if not prompts:
         raise ConfigError("no prompts to run")
     decoders = build_decoders(engine, cfg.k_sweep)
     runtimes = [rt for rt in (engine.target, engine.draft) if rt is not None]
-    stop_ids = engine.tokenizer.stop_ids if cfg.stop_at_eos else ()
-    encoded = []
-    for p in prompts:
-        ids = encode_prompt(engine.tokenizer, p)
-        if not ids:
-            raise ConfigError(f"prompt {p.cls}/{p.id} encodes to no tokens")
-        if fits(engine, len(ids), cfg.max_tokens):
-            encoded.append((p, ids))
-        else:
-            logger.warning("skipping %s/%s: %d prompt tokens + %d new exceed the context limit of %d", p.cls, p.id,
-                           len(ids), cfg.max_tokens, engine.context_limit)
+    encoded = _rendered(engine, prompts, cfg)
     if not encoded:
         raise ConfigError(f"no prompt fits the engine's context limit ({engine.context_limit} tokens) with "
                           f"--max-tokens {cfg.max_tokens}")
-    names = list(decoders) + ([peer.name] if peer is not None else [])
+    others = _by_name(peer, peers)
+    names = list(decoders) + list(others)
 
-    def one(name: str, ids: list[int], n: int, sampler: PeakRSS | None, params: SamplingParams) -> RunRecord:
-        if peer is not None and name == peer.name:
+    def one(name: str, r: Rendered, n: int, sampler: PeakRSS | None, params: SamplingParams) -> RunRecord:
+        if name in others:
             time.sleep(PEER_SETTLE_S)
             try:
-                return peer.decode(ids, n, stop_ids, sampler, params=params)
+                return others[name].decode(r.ids, n, r.ending.stop_ids, sampler, params=params, ending=r.ending,
+                                           ended=watcher(engine.tokenizer, r.ending))
             finally:
                 time.sleep(PEER_SETTLE_S)
-        return measure_run(decoders[name], runtimes, ids, n, stop_ids, sampler, params)
+        return measure_run(decoders[name], runtimes, r.ids, n, r.ending.stop_ids, sampler, params,
+                           watcher(engine.tokenizer, r.ending))
 
     for w in range(cfg.warmup):  # first runs pay for allocations; adaptive policies get first measurements
         for name in names:
             one(name, encoded[w % len(encoded)][1], min(WARMUP_TOKENS, cfg.max_tokens), None,
-                run_params(cfg.sampling, -1 - w, 0))
+                run_params(cfg.sampling, len(encoded) + w, 0))  # seeds apart from the measured runs'
     total = cfg.repeat * len(encoded) * len(names)
     runs: list[RunRecord] = []
     for rep in range(cfg.repeat):  # repeats outermost: a slow patch of the machine hits every class
-        for i, (p, ids) in enumerate(encoded):
+        for i, (p, rendered) in enumerate(encoded):
             params = run_params(cfg.sampling, i, rep)
             for name in rotated(names, rep + i):
-                rec = _heated(functools.partial(one, name, ids, cfg.max_tokens, rss, params), thermal, cfg.cooldown_s)
+                rec = _heated(functools.partial(one, name, rendered, cfg.max_tokens, rss, params), thermal,
+                              cfg.cooldown_s)
                 rec.config, rec.cls, rec.prompt, rec.repeat = name, p.cls, p.id, rep
                 runs.append(rec)
                 if on_run is not None:

@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from ..engine.config import EngineConfig
 from ..errors import ConfigError
 from ..runtimes.onnxruntime.pool import pool_state
-from .measure import BenchConfig
+from .measure import PEER, BenchConfig, is_peer
 
 __all__ = ["BenchRequest", "check_request", "run_benchmark", "save_results"]
 
@@ -38,10 +38,20 @@ class BenchRequest:
     label: str | None = None
     peer_gguf: str | None = None  # None: the GGUF the bundle's target came from, if any
     peer: bool = True
+    # which peers run: "llama.cpp" (llama-cpp-python, in this process), "llama-server" (llama.cpp's
+    # own server, plain) and "llama-server+TYPE" (with its speculative type TYPE)
+    peers: tuple[str, ...] = (PEER,)
+    llama_server: str | None = None  # the llama-server binary or folder; None: deploy.build.locate()
+    peer_draft_gguf: str | None = None  # llama-server+draft-simple's draft; None: the bundle's standalone draft
 
     def __post_init__(self) -> None:
         if not self.peer and self.peer_gguf:
             raise ConfigError("--peer-gguf and --no-peer contradict each other; give one")
+        for name in self.peers:
+            if not is_peer(name):
+                raise ConfigError(f"--peers: unknown peer {name!r} (llama.cpp, llama-server, llama-server+TYPE)")
+        if len(set(self.peers)) != len(self.peers):
+            raise ConfigError(f"--peers names one twice: {', '.join(self.peers)}")
 
 
 def check_request(req: BenchRequest) -> None:
@@ -61,6 +71,12 @@ def check_request(req: BenchRequest) -> None:
         check_report_dir(req.report)
 
 
+def _threads(req: BenchRequest, engine) -> int:
+    """The threads the engine and its peers run on: the engine's (the fast cores of a big.LITTLE
+    CPU: the process is pinned to them), the request's, or every usable CPU."""
+    return engine.plan.threads or req.engine.threads or _usable_cores()
+
+
 def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     """The llama.cpp peer for this bundle (or `peer_gguf`), or None: no GGUF to run it on, or
     llama-cpp-python missing (then `notify` says how to get it, and the bench runs without it)."""
@@ -74,9 +90,7 @@ def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     if reason is not None:
         notify(f"no llama.cpp column: {reason}")
         return None
-    # the engine's threads (the fast cores of a big.LITTLE CPU: the process is pinned to them), else one per core
-    threads = engine.plan.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                      else os.cpu_count())
+    threads = _threads(req, engine)
     peer = (VulkanPeer if gpu else LlamaCppPeer)(source, threads=threads, n_ctx=engine.context_limit or 4096,
                                                  vocab_size=engine.target.vocab_size)
     d = peer.describe()
@@ -103,6 +117,55 @@ def _heat(runs, thermal, cfg: BenchConfig, notify: Callable[[str], None]) -> dic
     for warning in heat["warnings"]:
         notify(f"WARNING: {warning}")
     return heat
+def _server_draft(req: BenchRequest, engine):
+    """llama-server+draft-simple's draft GGUF: --peer-draft-gguf, else the bundle's standalone draft."""
+    from ..deploy.command import bundle_models
+    from ..errors import DeployError
+    from .peer import check_gguf
+
+    if req.peer_draft_gguf:
+        return check_gguf(req.peer_draft_gguf)
+    try:
+        _, draft, same = bundle_models(engine.bundle)
+    except DeployError:
+        draft, same = None, False
+    if draft is None or same:
+        raise ConfigError("llama-server+draft-simple needs a draft GGUF cheaper than the target: --peer-draft-gguf "
+                          "FILE (or a bundle exported with --format gguf and --draft-layers N)")
+    return draft
+
+
+def _open_server_peers(req: BenchRequest, engine, notify: Callable[[str], None], stack) -> list:
+    """llama.cpp's own server, once per llama-server peer asked for (server_peer.py), each closed by `stack`."""
+    from ..deploy import SpecSettings, locate
+    from .peer import find_peer_gguf, on_gpu
+    from .server_peer import LlamaServerPeer, parse_peer
+
+    names = [n for n in req.peers if n != PEER]
+    if not names or not req.peer:
+        return []
+    source = find_peer_gguf(engine.bundle, req.peer_gguf)
+    if source is None or on_gpu(engine.target):
+        notify("no llama-server column: " + ("no GGUF to run it on" if source is None else
+                                              "the target runs on a GPU, llama-server on the CPU"))
+        return []
+    build = locate(req.llama_server)
+    threads = _threads(req, engine)
+    out = []
+    for name in names:
+        kind = parse_peer(name)
+        draft = _server_draft(req, engine) if kind == "draft-simple" else None
+        peer = LlamaServerPeer(source, threads=threads, n_ctx=engine.context_limit or 4096,
+                               vocab_size=engine.target.vocab_size, spec=SpecSettings(type=kind), draft=draft,
+                               build=build, stop_at_eos=req.bench.stop_at_eos)
+        stack.callback(peer.close)
+        notify(f"peer {name}: {build.server.name} ({build.source}) {' '.join(peer.describe()['flags'])}")
+        out.append(peer)
+    return out
+
+
+def _usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def describe_sampling(params) -> str:
@@ -134,6 +197,27 @@ def _announce(engine, machine: dict, prompts, configs: list[str], cfg: BenchConf
     return costs
 
 
+def _roofline(engine, costs: dict | None, threads: int, notify) -> dict | None:
+    """The engine's roofline (roofline.py): the c(B) figures, a drafted token timed on the same
+    prefix, the weights each forward reads and the machine's read bandwidth measured now."""
+    from .costs import verify_costs
+    from .roofline import bandwidths, describe, roofline
+
+    if costs is None:
+        return None
+    if engine.draft is not None:
+        drafted = verify_costs(engine.target, (1,), draft=engine.draft)
+        costs = {**costs, "draft_ms": None if drafted is None else drafted.get("draft_ms")}
+    draft = engine.draft.streamed() if engine.draft is not None else None
+    doc = roofline(engine.target.streamed(), draft, costs, bandwidths(threads))
+    if doc is not None:
+        notify("memory read bandwidth " + ", ".join(f"{t} thread{'s' * (t != '1')} {v:.1f} GB/s"
+                                                    for t, v in doc["bandwidth_gb_s"].items()))
+        for line in describe(doc):
+            notify("roofline: " + line)
+    return doc
+
+
 def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = None, live: bool = True) -> dict:
     """Measure `req` and return its document; `notify` receives one-line progress notes, `live`
     shows the running table (live.py). Outputs are checked first (check_request), not written."""
@@ -160,18 +244,21 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
         with api.load(req.bundle, req.engine) as engine, contextlib.ExitStack() as stack:
             rss_after = proc.memory_info().rss
             configs = list(build_decoders(engine, cfg.k_sweep))  # fails early if nothing drafts
-            peer = _open_peer(req, engine, notify) if req.peer else None
+            peer = _open_peer(req, engine, notify) if req.peer and PEER in req.peers else None
             if peer is not None:
                 stack.callback(peer.close)
                 configs.append(peer.name)
+            servers = _open_server_peers(req, engine, notify, stack)
+            configs += [s.name for s in servers]
             costs = _announce(engine, machine, prompts, configs, cfg, notify)
+            roof = _roofline(engine, costs, _threads(req, engine), notify)
             table = LiveTable(configs, list(dict.fromkeys(p.cls for p in prompts)), repeat=cfg.repeat,
                               greedy=cfg.sampling.greedy) if live else None
             started, t0 = datetime.now(timezone.utc), time.perf_counter()
             thermal = _thermal(engine)
             try:
                 runs = run_bench(engine, prompts, cfg, on_run=table.update if table else None, rss=rss, peer=peer,
-                                 thermal=thermal)
+                                 peers=servers, thermal=thermal)
             finally:
                 if table is not None:
                     table.close()
@@ -189,7 +276,8 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
                          "onnxruntime_pool": pool_state()},
                 memory={"rss_before_load": rss_before, "rss_after_load": rss_after, "engine": engine.memory()},
                 memory_budget=c.memory_budget, started=started, duration_s=time.perf_counter() - t0,
-                peer=peer.describe() if peer is not None else None, verify_costs=costs, thermal=heat)
+                peer=peer.describe() if peer is not None else None, verify_costs=costs, roofline=roof,
+                peers={p.name: p.describe() for p in ([peer] if peer is not None else []) + servers}, thermal=heat)
     finally:
         rss.stop()
 

@@ -26,7 +26,7 @@ import importlib.util
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,10 +143,12 @@ def sampler_settings(params: SamplingParams) -> dict:
             "temp": params.temperature}
 
 
-def _timed(prompt_len: int, tokens: Iterator[int], max_tokens: int, stop_ids: Sequence[int], rss) -> RunRecord:
-    """Drain `tokens` (a peer's decode loop, started lazily) to `max_tokens` or a stop id, timed as
-    measure.measure_run times edgespec; the record's config/class/prompt fields are left for the
-    caller. The loop is closed at the last token kept, before it evaluates one more."""
+def _timed(prompt_len: int, tokens: Iterator[int], max_tokens: int, stop_ids: Sequence[int], rss,
+           ended: Callable[[list[int]], bool] | None = None) -> RunRecord:
+    """Drain `tokens` (a peer's decode loop, started lazily) to `max_tokens`, a stop id or the
+    token after which `ended` (endings.watcher, on the new tokens) says the reply has ended, timed
+    as measure.measure_run times edgespec; the record's config/class/prompt fields are left for
+    the caller. The loop is closed at the last token kept, before it evaluates one more."""
     if rss is not None:
         rss.mark()
     rec = RunRecord(PEER, "", "", 0, prompt_len, [], 0.0, 0.0)
@@ -159,7 +161,7 @@ def _timed(prompt_len: int, tokens: Iterator[int], max_tokens: int, stop_ids: Se
             if first is None:
                 first = time.perf_counter() - t0
             out.append(int(tok))
-            if len(out) >= max_tokens or tok in stops:
+            if len(out) >= max_tokens or tok in stops or ended is not None and ended(out):
                 break
     finally:
         tokens.close()
@@ -218,15 +220,15 @@ class LlamaCppPeer(_Peer):
                 "sampling": "llama.cpp's sampler chain at the bench's settings"}
 
     def decode(self, ids: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (), rss=None,
-               params: SamplingParams = SamplingParams()) -> RunRecord:
-        """Decode `max_tokens` tokens after `ids` from an empty cache, timed (greedy unless
-        `params` say otherwise)."""
+               params: SamplingParams = SamplingParams(), ending=None, ended=None) -> RunRecord:
+        """Decode up to `max_tokens` tokens after `ids` from an empty cache, timed (greedy unless
+        `params` say otherwise), ending where `ended` says (measure.run_bench)."""
         llm = self._llm
         llm.reset()  # n_tokens = 0: generate() then reuses no cached prefix, every run prefills
         if params.seed is not None:
             llm.set_seed(params.seed)
         gen = llm.generate(list(ids), **sampler_settings(params), repeat_penalty=1.0, reset=True)
-        return _timed(len(ids), gen, max_tokens, stop_ids, rss)
+        return _timed(len(ids), gen, max_tokens, stop_ids, rss, ended)
 
     def close(self) -> None:
         llm, self._llm = getattr(self, "_llm", None), None
@@ -294,12 +296,12 @@ class VulkanPeer(_Peer):
         return chain
 
     def decode(self, ids: Sequence[int], max_tokens: int, stop_ids: Sequence[int] = (), rss=None,
-               params: SamplingParams = SamplingParams()) -> RunRecord:
-        """As LlamaCppPeer.decode: `max_tokens` tokens after `ids` from an empty cache, timed."""
+               params: SamplingParams = SamplingParams(), ending=None, ended=None) -> RunRecord:
+        """As LlamaCppPeer.decode: up to `max_tokens` tokens after `ids` from an empty cache, timed."""
         self._rt.reset()
         sampler = self._sampler(params)
         try:
-            return _timed(len(ids), self._tokens(ids, sampler), max_tokens, stop_ids, rss)
+            return _timed(len(ids), self._tokens(ids, sampler), max_tokens, stop_ids, rss, ended)
         finally:
             self._lib.llama_sampler_free(sampler)
 

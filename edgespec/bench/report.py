@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .heat_report import HEAT_PLOT, has_heat, heat_lines, plot_heat
-from .measure import PEER, PLAIN, SPECULATIVE
+from .measure import PEER, PLAIN, SPECULATIVE, is_peer
+from .summary import peer_key
 
 __all__ = ["write_report", "require_matplotlib", "check_report_dir", "markdown", "PLOTS", "PEER_PLOT", "HEAT_PLOT"]
 
@@ -47,7 +48,11 @@ def _has_peer(run: dict) -> bool:
 
 
 def _edgespec_configs(run: dict) -> list[str]:
-    return [c for c in run["configs"] if c != PEER]
+    return [c for c in run["configs"] if not is_peer(c)]
+
+
+def _server_peers(run: dict) -> list[str]:
+    return [c for c in run["configs"] if is_peer(c) and c != PEER]
 
 
 def _f(x, spec: str, none: str = "–") -> str:
@@ -59,7 +64,7 @@ def _classes(runs: list[dict]) -> list[str]:
 
 
 def _spec(block: dict) -> dict | None:
-    return block.get(SPECULATIVE) or next((m for c, m in block.items() if c != PLAIN), None)
+    return block.get(SPECULATIVE) or next((m for c, m in block.items() if c != PLAIN and not is_peer(c)), None)
 
 
 # ---------------------------------------------------------------- markdown
@@ -149,6 +154,29 @@ def _peer_lines(run: dict) -> list[str]:
             f"(the median of paired per-prompt ratios is in the JSON, `x_llamacpp_paired`).{agreement}", ""]
 
 
+def _server_lines(run: dict) -> list[str]:
+    """llama.cpp's own server, per peer (plain and each speculative type): its speed by its own
+    timings, its acceptance, edgespec's ratios over it, and the build and flags it ran with."""
+    peers = _server_peers(run)
+    if not peers:
+        return []
+    rows = ["", "llama.cpp's own server (`llama-server`), decode speed by its own `timings`:", "",
+            "| class | peer | its tok/s | its acceptance | plain x it | speculative x it |", "|" + " --- |" * 6]
+    for cls, block in [*run["classes"].items(), ("**overall**", run["overall"])]:
+        p, s = block[PLAIN], _spec(block) or {}
+        for peer in peers:
+            q, key = block.get(peer) or {}, peer_key(peer)
+            rows.append(f"| {cls} | {peer} | {_f(q.get('tok_s'), '.1f')} | {_f(q.get('acceptance'), '.0%')} | "
+                        f"{_f(p.get(key), '.2f')}× | **{_f(s.get(key), '.2f')}×** |")
+    for peer in peers:
+        info = (run.get("peers") or {}).get(peer, {})
+        build = info.get("build") or {}
+        cmake = " ".join(f"-D{k}={v}" for k, v in (build.get("cmake") or {}).items())
+        rows += ["", f"`{peer}`: {info.get('version')}, built with `{cmake or '?'}` ({build.get('compiler') or '?'}); "
+                 f"run as `llama-server {' '.join(info.get('flags') or [])}`."]
+    return rows + [""]
+
+
 def _sampling_text(run: dict) -> str | None:
     """The run's sampler in words, or None for greedy decoding."""
     sp = (run.get("config") or {}).get("sampling")
@@ -209,6 +237,23 @@ def _compare_table(runs: list[dict]) -> list[str]:
     return rows + [""] + _devices_table(runs)
 
 
+def _roofline_table(roof: dict | None) -> list[str]:
+    """The run's roofline (bench/roofline.py): one row per kind of forward."""
+    if not roof:
+        return []
+    bw = ", ".join(f"{t} thread{'s' * (t != '1')}: {v:.1f} GB/s" for t, v in roof["bandwidth_gb_s"].items())
+    lines = [f"Roofline (memory read bandwidth measured here: {bw}):", "",
+             "| forward | rows | ms | weights read (MB) | GB/s | share of bandwidth | operators |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row in roof["rows"]:
+        mb = None if row["weights_bytes"] is None else row["weights_bytes"] / 1e6
+        lines.append(f"| {row['role']} | {row['width']} | {_f(row['ms'], '.2f')} | {_f(mb, '.0f')} | "
+                     f"{_f(row['gb_s'], '.1f')} | {_f(row['of_bandwidth'], '.0%')} | {_f(row['ops'], 'd')} |")
+    if roof.get("draft_of_plain") is not None:
+        lines += ["", f"A drafted token costs {roof['draft_of_plain']:.2f} of a plain step."]
+    return lines + [""]
+
+
 def markdown(runs: list[dict], plots: list[str]) -> str:
     title = "edgespec bench" if len(runs) == 1 else f"edgespec bench: {len(runs)} runs compared"
     lines = [f"# {title}", "",
@@ -227,10 +272,11 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
             lines += ["Cost of a B-token target forward over a one-token forward (c(B)): "
                       + ", ".join(f"c({b}) = {c:.2f}" for b, c in vc["c"].items())
                       + f", at {vc['one_token_ms']:.1f} ms per one-token forward.", ""]
+        lines += _roofline_table(r.get("roofline"))
         lines += _mismatch_lines(r)
         if r.get("skipped"):
             lines += [f"Skipped (prompt + reply exceed the context limit): {', '.join(r['skipped'])}.", ""]
-        lines += _results_table(r) + _peer_lines(r) + _sweep_table(r) + ["", *heat_lines(r)]
+        lines += _results_table(r) + _peer_lines(r) + _server_lines(r) + _sweep_table(r) + ["", *heat_lines(r)]
         lines += ["", f"Prompts: {r['config']['prompts']} ({r['bundle']['chat_format']} for chat prompts). "
                   f"Load average at the start: {_f(load, '.2f')}; run took {r['duration_s']:.0f} s. "
                   f"RSS {_f(mem.get('rss_before_load'), ',')} B before loading, "
@@ -240,8 +286,9 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
     lines += ["## How this was measured", "",
               "Plain and speculative decoding ran in one process on the same loaded model runtimes, alternating per "
               "prompt and repeat (rotating which goes first), each from empty KV caches, after a warm-up. "
-              f"{'; '.join(modes).capitalize()}; runs are fixed-length unless `--stop-at-eos` was given. Per prompt, "
-              "the median over "
+              f"{'; '.join(modes).capitalize()}; chat prompts end where `edgespec chat` ends a reply (an "
+              "end-of-turn token, the next speaker, a blank line); continuation prompts run to the token limit "
+              "unless `--stop-at-eos` was given. Per prompt, the median over "
               "repeats; a class's tok/s is its prompts' decoded tokens (after the first) over the sum of their "
               "median decode times. The speed-up is speculative tok/s divided by plain tok/s, both measured; "
               "it is never computed from the acceptance rate. TTFT covers the prompt's prefill (and the draft "

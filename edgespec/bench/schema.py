@@ -17,9 +17,11 @@ Version 2 (`"kind": "edgespec-bench"`), one run on one device:
     memory      rss_before_load, rss_after_load, engine {target|draft: {weights, kv, ...}} (bytes),
                 plan (the engine's memory plan under --memory-budget, when it has one)
     exactness   the engine's exactness probe, or null: summary (one line), exact widths, max_width,
-                worst_diff, probe_ms, cached
+                worst_diff, probe_ms, cached, reach (the most keys a probed verify attended to)
     verify_costs  the target's c(B), or null: one_token_ms, ms {B: ms}, c {B: B-token forward over a
                 one-token forward}, prefix, repeats (bench/costs.py)
+    roofline    per forward kind, or null: bandwidth_gb_s {threads: GB/s read}, rows [{role (plain, verify,
+                draft), width, ms, weights_bytes, ops, gb_s, of_bandwidth}], draft_of_plain (bench/roofline.py)
     tuning      how the engine's configuration was chosen here (edgespec/engine/tuning.py), or null: choice
                 {backend, draft_body, verify_width}, tune_ms, candidates [{backend, draft_body, free,
                 one_token_ms, draft_ms, verify_ms {B: ms}, exact_width, measure_ms, cached, score}]
@@ -30,8 +32,12 @@ Version 2 (`"kind": "edgespec-bench"`), one run on one device:
                 ({median, min, max}, clocks right after each run, i.e. under load), clock_share_min}}, warnings
                 (configurations compared at different clocks, throttling); per prompt, each configuration's
                 `heat` [{clock_mhz, clock_share, temp_c, temp_rise_c, throttled}] per repeat
+    peers       every peer that ran, by configuration name: the same record; llama-server's adds build (source,
+                cmake flags, compiler, cpu), flags (its command line, file names only), spec_type, draft_gguf
     configs     configuration names: "plain", "speculative", then "k=N" of a sweep, then "llama.cpp"
-                (the peer: llama-cpp-python's own plain decode of the GGUF, same prompt token ids)
+                (the peer: llama-cpp-python's own plain decode of the GGUF, same prompt token ids), then
+                "llama-server" and "llama-server+TYPE" (llama.cpp's server, plain and speculative, timed by its
+                own timings; bench/server_peer.py)
     skipped     ["class/id"]: prompts that did not fit the engine's context limit (optional)
     classes     {class: {config: metrics}}; overall: {config: metrics} over every prompt
     prompts     [{class, id, prompt_tokens, new_tokens, configs: {config: per-repeat figures}}]
@@ -50,7 +56,8 @@ e2e_speedup. With a peer, every edgespec configuration has x_llamacpp (the ratio
 decode tok/s over the peer's on the same prompts and repeats) and x_llamacpp_paired (the median
 of paired per-prompt tok/s ratios), and the peer agree_tokens, agree_tokens_min, agree_prompts
 (greedy tokens agreeing with edgespec plain before the first difference); per prompt, `prompts`
-rows carry agree_tokens and each configuration's x_llamacpp_paired.
+rows carry agree_tokens and each configuration's x_llamacpp_paired. Over llama-server peers the same
+ratios are x_llama_server, x_llama_server_paired, x_llama_server_ngram_simple, ... (summary.peer_key).
 
 Version 2 changed tok_s (the first step's tokens are no longer counted without its time),
 x_llamacpp (a ratio of totals; version 1's median of paired ratios is now x_llamacpp_paired) and
@@ -140,11 +147,19 @@ def validate(doc: object, where: str = "bench result") -> dict:
             if c not in configs:
                 raise ConfigError(f"{where}: class '{cls}' has results for an unlisted configuration '{c}'")
             _check_metrics(m, f"{where}: {cls}/{c}", plain=c == "plain")
-    if "llama.cpp" in configs and not isinstance(doc.get("peer"), dict):
-        raise ConfigError(f"{where}: 'llama.cpp' results without a 'peer' record (what was measured)")
+    _check_peer_records(doc, configs, where)
     if doc["identical"] != (not doc["mismatches"]):
         raise ConfigError(f"{where}: 'identical' disagrees with 'mismatches'")
     return doc
+
+
+def _check_peer_records(doc: dict, configs: list[str], where: str) -> None:
+    """Every peer's results come with a record of what was measured (its library, build, flags)."""
+    if "llama.cpp" in configs and not isinstance(doc.get("peer"), dict):
+        raise ConfigError(f"{where}: 'llama.cpp' results without a 'peer' record (what was measured)")
+    unrecorded = [c for c in configs if c.startswith("llama-server") and c not in (doc.get("peers") or {})]
+    if unrecorded:
+        raise ConfigError(f"{where}: {', '.join(unrecorded)} results without a 'peers' record (what was measured)")
 
 
 def save(doc: dict, path: str | Path) -> Path:

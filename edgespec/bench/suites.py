@@ -1,15 +1,15 @@
-"""Benchmark prompt suites, shipped as data (bench/data/<suite>.jsonl), and their encoding.
+"""Benchmark prompt suites, shipped as data (bench/data/<suite>.jsonl).
 
 One JSON object per line:
 
     {"id": "chat-sky", "messages": [{"role": "user", "content": "Why is the sky blue?"}]}
-    {"id": "code-stack", "text": "class Stack:\\n"}          # raw completion, no chat template
+    {"id": "code-stack", "text": "class Stack:\\n"}          # raw completion, no chat format
     {"id": "...", "class": "mine", "messages": [...]}      # own files may name the class
 
-A suite's prompts belong to the class named like the suite (a file's: its "class" field, else the
-file's stem). Chat prompts are rendered with the bundle's chat template (the family's turn format
-for base models, written into the bundle at export); a bundle with no template at all gets a plain
-"User: ... / Assistant:" rendering, and the results say so.
+A suite's chat prompts belong to the class named like the suite (a file's: its "class" field, else
+the file's stem); a raw text prompt is a base-model continuation, class "continuation" unless its
+record names one. How a prompt is shown to the model and where its runs end is endings.py's:
+as `edgespec chat` shows a conversation and ends a reply.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ __all__ = ["SUITES", "Prompt", "load_prompts", "parse_prompt", "encode_prompt", 
 logger = logging.getLogger(__name__)
 
 SUITES = ("chat", "code", "grounded", "long")  # data/<name>.jsonl; "all" = every one, in this order
+CONTINUATION = "continuation"  # the class of a raw text prompt whose record names none
 ROLES = ("system", "user", "assistant")
 
 
@@ -56,7 +57,8 @@ def parse_prompt(obj: object, default_cls: str, where: str) -> Prompt:
     if has_text:
         if not isinstance(obj["text"], str) or not obj["text"].strip():
             raise ConfigError(f"{where}: 'text' must be a non-empty string")
-        return Prompt(pid, cls, text=obj["text"])
+        # a raw text is a base-model continuation: its own class unless the record names one
+        return Prompt(pid, obj.get("class", CONTINUATION), text=obj["text"])
     msgs = obj["messages"]
     if not isinstance(msgs, list) or not msgs:
         raise ConfigError(f"{where}: 'messages' must be a non-empty list")
@@ -119,11 +121,9 @@ def load_prompts(spec: str) -> list[Prompt]:
     return [p for name in dict.fromkeys(names) for p in _builtin(name)]
 
 
-def prompt_format(tokenizer) -> str:
-    """How chat prompts are rendered: the bundle's template (its source), or plain text."""
-    if tokenizer.has_chat_template:
-        return f"chat template ({tokenizer.info.chat_template_source})"
-    return "plain text (the bundle has no chat template)"
+def prompt_format(chat_format) -> str:
+    """How chat prompts are rendered and end, in one phrase (a session.ChatFormat, as chat picks it)."""
+    return f"{chat_format.describe()}; replies end where edgespec chat ends them"
 
 
 def _plain_chat(messages: tuple[tuple[str, str], ...]) -> str:
@@ -132,7 +132,8 @@ def _plain_chat(messages: tuple[tuple[str, str], ...]) -> str:
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Token ids of `prompt` as the model sees it."""
+    """Token ids of `prompt` under the bundle's chat template, or plain text without one: the
+    rendering dev scripts compare runs on. The bench itself renders as chat does (endings.render)."""
     if not prompt.is_chat:
         return tokenizer.encode(prompt.text)
     if tokenizer.has_chat_template:

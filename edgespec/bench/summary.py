@@ -4,26 +4,35 @@ A configuration's decode speed is the ratio of totals: every run's tokens after 
 over every run's time after its first step (the first step is timed with the prompt, so its
 tokens are not counted either). The speed-up is that speed divided by plain decoding's, never a
 figure derived from acceptance. Greedy speculative output must equal plain output token for
-token; every prompt where it does not is listed as a mismatch (sampled runs are not compared:
-plain and speculative decoding draw their random numbers differently).
+token; every prompt where it does not is listed as a mismatch (sampled runs are not compared
+here: the tests check that a seed gives plain decoding's text whatever was drafted).
 
 When the llama.cpp peer ran (peer.py), every edgespec configuration also gets `x_llamacpp`, the
 same ratio of totals over the peer's speed on the same prompts and repeats, and beside it
 `x_llamacpp_paired`: per prompt, the median over repeats of its tok/s over the peer's in the same
 repeat (the two ran back to back), then the median over the prompts. The peer is another program
 on a quantized GGUF, so its greedy text is not required to match; how far it agrees with edgespec
-plain is reported (`agree_tokens`), never counted as a mismatch.
+plain is reported (`agree_tokens`), never counted as a mismatch. Every other peer (llama-server,
+plain or speculative: server_peer.py) gets the same pair of ratios under its own key
+(`peer_key`: `x_llama_server`, `x_llama_server_ngram_simple`, ...) and its own agreement.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from statistics import median
 
-from .measure import PEER, PLAIN, RunRecord
+from .measure import PEER, PLAIN, RunRecord, is_peer
 from .thermal import heat_rows
 
-__all__ = ["summarise", "group_runs", "class_metrics", "repeat_spread", "prompt_rows", "mismatches", "first_difference",
-           "peer_ratio", "peer_ratio_paired", "peer_agreement", "peer_figures"]
+__all__ = ["summarise", "group_runs", "class_metrics", "repeat_spread", "prompt_rows", "mismatches",
+           "first_difference", "peer_ratio", "peer_ratio_paired", "peer_agreement", "peer_figures", "peer_key",
+           "peers_of"]
+
+
+def peer_key(peer: str) -> str:
+    """The metrics key of a configuration's speed over `peer`'s: x_llamacpp for llama-cpp-python,
+    x_llama_server for llama-server, x_llama_server_ngram_simple for llama-server+ngram-simple."""
+    return "x_llamacpp" if peer == PEER else "x_" + peer.replace("-", "_").replace("+", "_")
 
 
 def group_runs(runs: list[RunRecord]) -> dict[tuple[str, str, str], list[RunRecord]]:
@@ -115,28 +124,34 @@ def _paired(runs: list[RunRecord], peer_runs: list[RunRecord]) -> float | None:
     return median(pairs) if pairs else None
 
 
-def peer_ratio(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str], config: str) -> float | None:
-    """`config`'s speed over the llama.cpp peer's on `classes`: the ratio of totals (decode tokens
-    over decode time), on the (prompt, repeat) pairs both ran."""
+def peers_of(groups: dict[tuple[str, str, str], list[RunRecord]]) -> list[str]:
+    """The peer configurations that ran, in run order."""
+    return list(dict.fromkeys(c for _, _, c in groups if is_peer(c)))
+
+
+def peer_ratio(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str], config: str,
+               peer: str = PEER) -> float | None:
+    """`config`'s speed over `peer`'s on `classes`: the ratio of totals (decode tokens over decode
+    time), on the (prompt, repeat) pairs both ran."""
     mine = theirs = None
     for (cls, prompt, c), rs in groups.items():
         if c != config or cls not in classes:
             continue
-        peer = {r.repeat: r for r in groups.get((cls, prompt, PEER), [])}
+        by_repeat = {r.repeat: r for r in groups.get((cls, prompt, peer), [])}
         for r in rs:
-            if r.repeat in peer:
+            if r.repeat in by_repeat:
                 a, b = mine or (0, 0.0), theirs or (0, 0.0)
                 mine = (a[0] + r.decode_tokens, a[1] + r.decode_s)
-                theirs = (b[0] + peer[r.repeat].decode_tokens, b[1] + peer[r.repeat].decode_s)
+                theirs = (b[0] + by_repeat[r.repeat].decode_tokens, b[1] + by_repeat[r.repeat].decode_s)
     if mine is None or not mine[1] or not theirs[1] or not theirs[0]:
         return None
     return (mine[0] / mine[1]) / (theirs[0] / theirs[1])
 
 
 def peer_ratio_paired(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str],
-                      config: str) -> float | None:
-    """`config`'s speed over the llama.cpp peer's on `classes`: the median of paired per-prompt ratios."""
-    ratios = [_paired(rs, groups.get((cls, prompt, PEER), []))
+                      config: str, peer: str = PEER) -> float | None:
+    """`config`'s speed over `peer`'s on `classes`: the median of paired per-prompt ratios."""
+    ratios = [_paired(rs, groups.get((cls, prompt, peer), []))
               for (cls, prompt, c), rs in groups.items() if c == config and cls in classes]
     ratios = [x for x in ratios if x is not None]
     return median(ratios) if ratios else None
@@ -147,13 +162,14 @@ def _agree(plain: list[int], peer: list[int]) -> int:
     return len(plain) if at is None else at
 
 
-def peer_agreement(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str]) -> dict:
-    """How many greedy tokens the peer's output agrees with edgespec plain's before the first
+def peer_agreement(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str],
+                   peer: str = PEER) -> dict:
+    """How many greedy tokens `peer`'s output agrees with edgespec plain's before the first
     difference, per prompt (first runs): the median, the least, and the prompts that agree throughout."""
     agree, whole = [], 0
     for (cls, prompt, c), rs in groups.items():
         ref = groups.get((cls, prompt, PLAIN))
-        if c != PEER or cls not in classes or not ref:
+        if c != peer or cls not in classes or not ref:
             continue
         agree.append(_agree(ref[0].tokens, rs[0].tokens))
         whole += first_difference(ref[0].tokens, rs[0].tokens) is None
@@ -164,13 +180,16 @@ def peer_agreement(groups: dict[tuple[str, str, str], list[RunRecord]], classes:
 
 
 def peer_figures(groups: dict[tuple[str, str, str], list[RunRecord]], classes: list[str], config: str) -> dict:
-    """The peer-relative fields of `config`'s metrics on `classes` ({} when no peer ran)."""
-    if not any(c == PEER for _, _, c in groups):
-        return {}
-    if config == PEER:
-        return peer_agreement(groups, classes)
-    return {"x_llamacpp": peer_ratio(groups, classes, config),
-            "x_llamacpp_paired": peer_ratio_paired(groups, classes, config)}
+    """The peer-relative fields of `config`'s metrics on `classes` ({} when no peer ran): a peer's
+    agreement with plain, an edgespec configuration's ratios over every peer."""
+    if is_peer(config):
+        return peer_agreement(groups, classes, config)
+    out: dict = {}
+    for peer in peers_of(groups):
+        key = peer_key(peer)
+        out[key] = peer_ratio(groups, classes, config, peer)
+        out[f"{key}_paired"] = peer_ratio_paired(groups, classes, config, peer)
+    return out
 
 
 def mismatches(groups: dict[tuple[str, str, str], list[RunRecord]], greedy: bool = True) -> list[dict]:
@@ -181,7 +200,7 @@ def mismatches(groups: dict[tuple[str, str, str], list[RunRecord]], greedy: bool
         return out
     for (cls, prompt, config), runs in sorted(groups.items()):
         ref = groups.get((cls, prompt, PLAIN))
-        if not ref or config == PEER:  # the peer is compared by peer_agreement, not required to match
+        if not ref or is_peer(config):  # a peer is compared by peer_agreement, not required to match
             continue
         for r in runs:
             if r is ref[0]:
@@ -193,35 +212,46 @@ def mismatches(groups: dict[tuple[str, str, str], list[RunRecord]], greedy: bool
     return out
 
 
+def _config_cells(rs: list[RunRecord], ref: list[RunRecord], greedy: bool, config: str,
+                  peer_runs: dict[str, list[RunRecord]]) -> dict:
+    """One configuration's figures on one prompt: per repeat, medians, and against plain and the peers."""
+    drafted = sum(r.drafted for r in rs)
+    cells = {
+        "tok_s": [r.tok_s for r in rs],
+        "ttft_ms": [1e3 * r.ttft_s for r in rs],
+        "total_s": [r.total_s for r in rs],
+        "median_tok_s": median(r.tok_s for r in rs),
+        "acceptance": sum(r.accepted for r in rs) / drafted if drafted else None,
+        "identical": all(first_difference(ref[0].tokens, r.tokens) is None for r in rs) if ref and greedy else None,
+    }
+    if is_peer(config):
+        if ref:
+            cells["agree_tokens"] = _agree(ref[0].tokens, rs[0].tokens)
+        return cells
+    for p, theirs in peer_runs.items():
+        if theirs:
+            cells[f"{peer_key(p)}_paired"] = _paired(rs, theirs)
+    return cells
+
+
 def prompt_rows(groups: dict[tuple[str, str, str], list[RunRecord]], configs: list[str],
                 greedy: bool = True) -> list[dict]:
     """One row per prompt: its sizes, and per configuration the per-repeat speeds and medians."""
     keys = list(dict.fromkeys((cls, prompt) for cls, prompt, _ in groups))
+    peers = peers_of(groups)
     rows = []
     for cls, prompt in keys:
         ref = groups.get((cls, prompt, PLAIN), [])
         row = {"class": cls, "id": prompt, "prompt_tokens": ref[0].prompt_tokens if ref else None,
                "new_tokens": len(ref[0].tokens) if ref else None, "configs": {}}
-        peer_runs = groups.get((cls, prompt, PEER), [])
-        if peer_runs and ref:
-            row["agree_tokens"] = _agree(ref[0].tokens, peer_runs[0].tokens)
+        peer_runs = {p: groups.get((cls, prompt, p), []) for p in peers}
+        if peer_runs.get(PEER) and ref:
+            row["agree_tokens"] = _agree(ref[0].tokens, peer_runs[PEER][0].tokens)
         for c in configs:
             rs = groups.get((cls, prompt, c), [])
-            if not rs:
-                continue
-            drafted = sum(r.drafted for r in rs)
-            row["configs"][c] = {
-                "tok_s": [r.tok_s for r in rs],
-                "ttft_ms": [1e3 * r.ttft_s for r in rs],
-                "total_s": [r.total_s for r in rs],
-                "median_tok_s": median(r.tok_s for r in rs),
-                "acceptance": sum(r.accepted for r in rs) / drafted if drafted else None,
-                "identical": all(first_difference(ref[0].tokens, r.tokens) is None for r in rs)
-                if ref and greedy else None,
-            }
-            if peer_runs and c != PEER:
-                row["configs"][c]["x_llamacpp_paired"] = _paired(rs, peer_runs)
-            row["configs"][c].update(heat_rows(rs))  # per repeat: the CPU right after the run (thermal.py)
+            if rs:
+                row["configs"][c] = _config_cells(rs, ref, greedy, c, peer_runs)
+                row["configs"][c].update(heat_rows(rs))  # per repeat: the CPU right after the run (thermal.py)
         rows.append(row)
     return rows
 
@@ -235,7 +265,7 @@ def summarise(runs: list[RunRecord], configs: list[str], greedy: bool = True) ->
         out: dict = {}
         for c in [PLAIN] + [c for c in configs if c != PLAIN]:
             per_prompt = [rs for (cls, _, cfg), rs in groups.items() if cfg == c and cls in selected]
-            m = class_metrics(per_prompt, out.get(PLAIN) if c != PEER else None)  # the peer: no speed-up
+            m = class_metrics(per_prompt, out.get(PLAIN) if not is_peer(c) else None)  # a peer: no speed-up
             if m:
                 m["identical"] = not any(b["config"] == c and b["class"] in selected for b in bad) if greedy \
                     else None

@@ -18,6 +18,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "bench": ("edgespec.cli.bench", "measure plain vs speculative decoding; `bench compare` merges runs"),
     "distill": ("edgespec.cli.distill", "train a light draft head for a bundle on its own target (drafter 'head')"),
     "plan": ("edgespec.cli.plan", "show how a bundle fits a memory budget (--memory-budget 1.5GB)"),
+    "deploy": ("edgespec.cli.deploy", "print or --run the llama-server command for a bundle's GGUF target and draft"),
 }
 
 

@@ -23,7 +23,8 @@ after each run's first step. Greedy by default, where speculative output is chec
 token against plain output; --temperature and the other sampling flags measure sampled decoding.
 When the bundle's target came from a GGUF (or with --peer-gguf), llama-cpp-python's own plain
 decode of that GGUF runs alongside at the same sampling settings, on the same prompt token ids:
-the `x llama.cpp` column (ratio of totals; the JSON also has the median of paired ratios)."""
+the `x llama.cpp` column (ratio of totals; the JSON also has the median of paired ratios).
+--peers adds llama.cpp's own server, plain and with its speculative modes, on the same GGUF."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,6 +41,10 @@ def _k_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected draft lengths like 1,2,4,8, got {text!r}") from None
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="edgespec bench", description=DESCRIPTION,
                 epilog="Compare saved runs: edgespec bench compare A.json B.json ... --report DIR")
@@ -52,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per run (default: 64)")
     g.add_argument("--warmup", type=int, default=1, help="unmeasured passes before measuring (default: 1)")
     g.add_argument("--stop-at-eos", action="store_true",
-                   help="end a run at the model's end-of-turn/EOS token (default: fixed-length runs, as llama-bench)")
+                   help="end a continuation prompt's run at EOS (default: fixed length, as llama-bench); chat prompts "
+                        "always end where edgespec chat ends a reply")
     g.add_argument("--k-sweep", type=_k_list, default=(), metavar="K1,K2,...",
                    help="also measure fixed draft lengths, e.g. 1,2,4,8 (plotted as speed per draft length)")
     g.add_argument("--cooldown", type=float, default=0.0, metavar="SECONDS",
@@ -68,6 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure llama-cpp-python's own plain decode of this GGUF (default: the GGUF the "
                         "bundle's target came from, or the bundle's GGUF target, when there is one)")
     g.add_argument("--no-peer", action="store_true", help="do not measure llama.cpp")
+    g.add_argument("--peers", type=_names, default=("llama.cpp",), metavar="NAME,...",
+                   help="which llama.cpp peers run: llama.cpp (llama-cpp-python in this process; the default), "
+                        "llama-server (llama.cpp's own server, plain, timed by its own timings), "
+                        "llama-server+TYPE (with its speculative type: ngram-simple, ngram-mod, ngram-map-k, "
+                        "ngram-map-k4v, draft-simple); e.g. llama.cpp,llama-server,llama-server+ngram-simple")
+    g.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="the llama-server binary or its folder (default: $EDGESPEC_LLAMA_BIN, the build edgespec "
+                        "made, llama-server on PATH, else one built now from the pinned llama-cpp-python's sources)")
+    g.add_argument("--peer-draft-gguf", default=None, metavar="FILE",
+                   help="llama-server+draft-simple's draft (default: the bundle's standalone GGUF draft)")
     add_engine_args(p)
     return p
 
@@ -116,7 +132,8 @@ def _run(argv: list[str]) -> int:
                                          sampling=sampling_params(args), cooldown_s=args.cooldown),
                        prompts=args.prompts, json=args.json, report=args.report, label=args.label,
                        peer_gguf=args.peer_gguf or (None if args.no_peer else _gguf_given(args.bundle)),
-                       peer=not args.no_peer)
+                       peer=not args.no_peer, peers=args.peers, llama_server=args.llama_server,
+                       peer_draft_gguf=args.peer_draft_gguf)
     doc = run_benchmark(req, notify=lambda line: print(f"edgespec bench: {line}", file=sys.stderr))
     print("\n".join(format_table(doc["classes"], doc["overall"])))
     if doc["mismatches"]:  # greedy runs only: sampled ones are not compared token for token

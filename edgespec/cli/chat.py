@@ -12,6 +12,7 @@ from ..errors import ConfigError, EdgespecError
 from ..models.chat_formats import CHAT_FORMAT_CHOICES, CHAT_SAMPLING, TRANSCRIPTS
 from ..models.templates import ChatTemplateError
 from .common import (
+    Terminated,
     add_engine_args,
     add_sampling_args,
     cli_entry,
@@ -86,6 +87,8 @@ def _reply(session, text: str, sampling: dict, out) -> None:
         for r in stream:
             out.write(r.text)
             out.flush()
+    except Terminated:  # SIGTERM: the process ends, after the caches are rewound below
+        raise
     except KeyboardInterrupt:
         out.write(" [stopped]")
     finally:
@@ -135,6 +138,7 @@ def format_note(session, base_model: bool) -> str | None:
 
 def repl(engine, args: argparse.Namespace, interactive: bool, out=sys.stdout) -> None:
     session = engine.chat(system=args.system, chat_format=args.chat_format)
+    session.check_room(args.max_tokens)  # a context that no message fits: one line, before the chat starts
     sampling = sampling_kwargs(args)
     refused = engine.opened.inexact_refusal
     if refused is not None:  # the first line: the user asked for speculative decoding and gets plain
@@ -147,6 +151,8 @@ def repl(engine, args: argparse.Namespace, interactive: bool, out=sys.stdout) ->
     while True:
         try:
             line = _read(interactive)
+        except Terminated:
+            raise
         except KeyboardInterrupt:  # at the prompt: a new line, not an exit
             print("", file=sys.stderr)
             continue

@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-from ..errors import EdgespecError
+from ..errors import ConfigError, EdgespecError
 
 __all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "sampling_params", "cli_entry", "setup_logging",
-           "open_engine", "engine_config_from_args", "print_memory_plan"]
+           "open_engine", "engine_config_from_args", "print_memory_plan", "add_format_args",
+           "response_format_from_args", "Terminated", "sigterm_as_interrupt"]
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -63,6 +67,42 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None, temper
                        help=f"new tokens per reply (default: {max_tokens})")
 
 
+def add_format_args(p: argparse.ArgumentParser) -> None:
+    """The structured-output flags: at most one of --json-schema, --grammar, --regex."""
+    g = p.add_argument_group("structured output (the reply follows it; at most one)").add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", help="a JSON schema the reply is valid against (JSON, not free "
+                                                         "whitespace); '-' reads it from stdin")
+    g.add_argument("--grammar", metavar="FILE", help="a GBNF grammar (llama.cpp's, rule root) or a Lark grammar "
+                                                     "(llguidance's, rule start) the reply follows")
+    g.add_argument("--regex", metavar="PATTERN", help="a regular expression the whole reply matches")
+
+
+def _read_spec(path: str, what: str) -> str:
+    from pathlib import Path
+
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
+
+
+def response_format_from_args(args: argparse.Namespace):
+    """The ResponseFormat the flags ask for (None: free text), validated before any model loads."""
+    from ..decoding.grammar import ResponseFormat
+
+    if getattr(args, "json_schema", None):
+        return ResponseFormat.json_schema(_read_spec(args.json_schema, "the JSON schema"))
+    if getattr(args, "grammar", None):
+        return ResponseFormat.grammar(_read_spec(args.grammar, "the grammar"))
+    if getattr(args, "regex", None) is not None:
+        return ResponseFormat.regex(args.regex)
+    return None
+
+
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                 max_tokens=args.max_tokens)
@@ -105,18 +145,67 @@ def setup_logging(verbose: int) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP), unwinding as Ctrl-C does. Its own class because CPython marks a plain
+    KeyboardInterrupt that leaves exec'd source text (dataclasses and namedtuple build their
+    methods that way, all through transformers' import) as unhandled, and a `python -m` process
+    then ends by SIGINT, whatever exit code it returns after catching it; and so that a verb that
+    takes Ctrl-C as "stop this reply" (chat) can still tell that it must end."""
+
+
+# a terminal closing sends SIGHUP; both end the process by default, leaving a build's staging folder
+_ENDING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[list[int]]:
+    """While the block runs, SIGTERM and SIGHUP raise Terminated where the process is, so it
+    unwinds as Ctrl-C does (a bundle being built, GBs in its staging folder, is removed; an old
+    bundle stays) instead of dying outright. A signal the parent set to be ignored (`nohup`) stays
+    ignored. Yields a list that receives the signal that came."""
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield got
+        return
+
+    def terminate(signum, frame) -> None:
+        got.append(signum)
+        raise Terminated
+
+    previous = {sig: signal.getsignal(sig) for sig in _ENDING}
+    for sig, handler in previous.items():
+        if handler is signal.SIG_DFL:
+            signal.signal(sig, terminate)
+    try:
+        yield got
+    finally:
+        for sig, handler in previous.items():
+            if handler is signal.SIG_DFL:
+                signal.signal(sig, handler)
+
+
 def cli_entry(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
-    """Turn user-facing errors into one line on stderr and a non-zero exit code."""
+    """Turn user-facing errors into one line on stderr and a non-zero exit code; SIGTERM or
+    SIGHUP unwind the verb (cleaning up what it was writing) and exit as a shell reports a kill
+    by that signal (128 + its number)."""
 
     @functools.wraps(fn)
     def wrapper(argv: list[str]) -> int:
-        try:
-            return fn(argv)
-        except EdgespecError as e:
-            print(f"edgespec: error: {e}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
-            print("", file=sys.stderr)
-            return 130
+        with sigterm_as_interrupt() as ended:
+            code = _run(fn, argv)
+        return 128 + ended[0] if ended else code
 
     return wrapper
+
+
+def _run(fn: Callable[[list[str]], int], argv: list[str]) -> int:
+    try:
+        return fn(argv)
+    except EdgespecError as e:
+        print(f"edgespec: error: {e}", file=sys.stderr)
+        return 2
+    except Terminated:
+        return 1  # the wrapper returns the signal's status
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130

@@ -2,15 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from .common import cli_entry, setup_logging
 
-__all__ = ["Terminated", "build_parser", "default_output", "main", "sigterm_as_interrupt"]
+__all__ = ["build_parser", "default_output", "main"]
 
 
 def _vocab(text: str) -> int | str | None:
@@ -101,42 +97,8 @@ def default_output(target: Path | None, cwd: Path) -> Path | None:
     return cwd / f"{name or 'model'}.bundle"
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, unwinding as Ctrl-C does. Its own class because CPython marks a plain
-    KeyboardInterrupt that leaves exec'd source text (dataclasses and namedtuple build their
-    methods that way, all through transformers' import) as unhandled, and a `python -m` process
-    then ends by SIGINT, whatever exit code it returns after catching it."""
-
-
-@contextmanager
-def sigterm_as_interrupt() -> Iterator[threading.Event]:
-    """While the block runs, SIGTERM raises KeyboardInterrupt where the export is, so it unwinds
-    as Ctrl-C does (the staging folder, GBs, is removed; an old bundle stays) instead of killing
-    the process outright. Yields an Event set when SIGTERM came."""
-    got = threading.Event()
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield got
-        return
-
-    def terminate(signum, frame) -> None:
-        got.set()
-        raise Terminated
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield got
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def main(argv: list[str]) -> int:
-    with sigterm_as_interrupt() as terminated:
-        code = _main(argv)
-    return 128 + signal.SIGTERM if terminated.is_set() else code  # as a shell reports a SIGTERM kill
-
-
 @cli_entry
-def _main(argv: list[str]) -> int:
+def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.verbose)
     from ..exporters.export import ExportConfig, export_bundle

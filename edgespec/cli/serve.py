@@ -136,7 +136,7 @@ def main(argv: list[str]) -> int:
     try:
         import uvicorn
 
-        from ..server import begin_shutdown, create_app
+        from ..server import begin_shutdown, create_app, http_protocol
     except ImportError as e:
         raise ConfigError(f"edgespec serve needs {e.name}: pip install 'edgespec[serve]'") from None
     # fails fast, before a model is loaded: the engine's options and the server's
@@ -152,8 +152,10 @@ def main(argv: list[str]) -> int:
             app = create_app(engine, cfg)
             _announce(engine, cfg, sock)
             level = "warning" if args.verbose == 0 else "info" if args.verbose == 1 else "debug"
-            server = _server(uvicorn.Config(app, log_level=level, access_log=args.verbose > 0,
-                                            timeout_graceful_shutdown=5), on_exit=lambda: begin_shutdown(app))
+            # the client time limit covers a request's head too (a slowloris client), not only its body
+            server = _server(uvicorn.Config(app, http=http_protocol(cfg.client_timeout_s), log_level=level,
+                                            access_log=args.verbose > 0, timeout_graceful_shutdown=5),
+                             on_exit=lambda: begin_shutdown(app))
             try:
                 server.run(sockets=[sock])
             except KeyboardInterrupt:  # uvicorn shuts down gracefully, then re-raises Ctrl-C

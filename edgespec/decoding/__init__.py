@@ -1,11 +1,7 @@
 """Decoding: sampling, speculative acceptance, drafters, draft-length policies and the decoding loop."""
-from edgespec.decoding.acceptance import (
-    accept_greedy,
-    accept_point_masses,
-    accept_sampled,
-    map_draft_ids,
-)
+from edgespec.decoding.acceptance import accept_coupled, accept_greedy, map_draft_ids
 from edgespec.decoding.drafters import DRAFTERS, BothDrafter, Draft, Drafter, ModelDrafter, NgramDrafter, build_drafter
+from edgespec.decoding.draws import Draws, Noise
 from edgespec.decoding.policy import (
     DEFAULT_POLICY,
     POLICIES,
@@ -26,6 +22,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "DRAFTERS",
     "DenseDist",
+    "Draws",
     "POLICIES",
     "BothDrafter",
     "Candidates",
@@ -38,15 +35,15 @@ __all__ = [
     "HeuristicK",
     "LazyDists",
     "ModelDrafter",
+    "Noise",
     "NgramDrafter",
     "RecyclingDrafter",
     "SamplingParams",
     "SpeculativeDecoder",
     "StepResult",
     "TokenDist",
+    "accept_coupled",
     "accept_greedy",
-    "accept_point_masses",
-    "accept_sampled",
     "build_drafter",
     "check_max_tokens",
     "distribution",

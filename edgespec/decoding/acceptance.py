@@ -1,4 +1,4 @@
-"""Accept/resample drafted tokens against the target, and map a trimmed draft vocabulary.
+"""Accept drafted tokens against the target, and map a trimmed draft vocabulary.
 
 Pure functions: each takes distributions (token_dist.py) or arrays and returns numbers, so every
 rule is testable alone.
@@ -10,12 +10,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from edgespec.decoding.draws import Draws
 from edgespec.decoding.token_dist import TokenDist
 
 __all__ = [
     "accept_greedy",
-    "accept_point_masses",
-    "accept_sampled",
+    "accept_coupled",
     "map_draft_ids",
 ]
 
@@ -39,67 +39,40 @@ def accept_greedy(draft_tokens: Sequence[int], target_logits: np.ndarray) -> tup
     return n, int(best[n])
 
 
-def accept_sampled(
+def accept_coupled(
     draft_tokens: Sequence[int],
-    draft_dists: Sequence[TokenDist],
     target_dists: Sequence[TokenDist],
-    rng: np.random.Generator,
+    draws: Draws,
+    start: int,
+    draft_dists: Sequence[TokenDist] | None = None,
     ratios: list[float] | None = None,
 ) -> tuple[int, int]:
-    """Speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
+    """Coupled speculative sampling (draws.py): draft i, at sequence position start + i, is kept
+    exactly when it is the token the target draws there itself, against the noise the drafter
+    raced too; the first that is not is replaced by the target's token, and after a whole draft
+    the target draws the bonus token. Every committed token is the target's own draw at its
+    position: exact whatever the drafts were, and the same text as plain decoding with the seed.
 
-    draft_dists (k) and target_dists (k+1) are distributions over TARGET ids (a trimmed draft's
-    through its id map; a point mass for a deterministic proposal). Draft i is accepted with
-    probability min(1, p(x)/q(x)); at the first rejection the token is drawn from max(0, p - q)
-    renormalised, computed on p's support (token_dist.py), never on a full-vocabulary row. Every
-    committed token is then distributed exactly as if sampled from the target alone. Target
-    rows are read in order and only while drafts are accepted (a lazy sequence builds only those).
-    Returns (n_accepted, next_token). `ratios`, when given, receives min(1, p/q) of each draft
-    tested: the probability it had of being accepted, whose mean over drafts from q is the
-    acceptance rate sum(min(p, q)), an estimate without the coin flip's noise.
+    target_dists (k+1) are read in order and only while drafts are kept (a lazy sequence builds
+    only those). Returns (n_accepted, next_token). `ratios`, when given, receives an estimate of
+    each tested draft's chance of being kept: p(x) for a deterministic draft (draft_dists None:
+    exactly its chance), min(1, p(x)/q(x)) for a sampled one (rejection sampling's chance, close
+    to the coupled one where q is near p), estimates without the outcome's noise.
     """
     k = len(draft_tokens)
-    if len(draft_dists) != k or len(target_dists) != k + 1:
-        raise ValueError(f"need {k} draft rows and {k + 1} target rows, got {len(draft_dists)} and {len(target_dists)}")
+    if len(target_dists) != k + 1 or (draft_dists is not None and len(draft_dists) != k):
+        raise ValueError(f"need {k + 1} target rows and {k} draft rows for {k} drafts, got {len(target_dists)} "
+                         f"and {None if draft_dists is None else len(draft_dists)}")
     for i, tok in enumerate(draft_tokens):
         p_row = target_dists[i]
-        p, q = p_row.prob(tok), draft_dists[i].prob(tok)
         if ratios is not None:
+            p = p_row.prob(tok)
+            q = 1.0 if draft_dists is None else draft_dists[i].prob(tok)
             ratios.append(min(1.0, p / q) if q > 0 else 1.0)
-        # accept with probability min(1, p/q), written without a division by q
-        if rng.random() * q < p:
-            continue
-        # a residual without mass only happens through rounding (p <= q everywhere): fall back to p
-        residual = p_row.minus(draft_dists[i])
-        return i, (residual if residual is not None else p_row).sample(rng)
-    return k, target_dists[k].sample(rng)
-
-
-def accept_point_masses(
-    draft_tokens: Sequence[int], target_dists: Sequence[TokenDist], rng: np.random.Generator,
-    ratios: list[float] | None = None,
-) -> tuple[int, int]:
-    """`accept_sampled` for drafts proposed deterministically (prompt lookup).
-
-    The draft distribution is a point mass q = one_hot(x), so the test accepts x with
-    probability p(x) and the residual max(0, p − q) is p with x removed: still exactly lossless.
-    Draws the same random numbers as `accept_sampled` given point masses, without building them;
-    `ratios` receives p(x) of each draft tested, as there.
-    """
-    k = len(draft_tokens)
-    if len(target_dists) != k + 1:
-        raise ValueError(f"need {k + 1} target rows for {k} drafts, got {len(target_dists)}")
-    for i, tok in enumerate(draft_tokens):
-        p_row = target_dists[i]
-        p = p_row.prob(tok)
-        if ratios is not None:
-            ratios.append(min(1.0, p))
-        if rng.random() < p:
-            continue
-        residual = p_row.without([tok])
-        # p(x) == 1 up to rounding leaves nothing else: fall back to p, as accept_sampled does
-        return i, (residual if residual is not None else p_row).sample(rng)
-    return k, target_dists[k].sample(rng)
+        token = p_row.sample(draws.at(start + i))
+        if token != tok:
+            return i, token
+    return k, target_dists[k].sample(draws.at(start + k))
 
 
 def map_draft_ids(ids: Sequence[int], id_map: np.ndarray | None) -> list[int]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgespec.decoding.draws import Draws
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.sampling import SamplingParams
 from edgespec.decoding.token_dist import TokenDist
@@ -34,17 +35,30 @@ class Draft:
     # a draft tree (tree.py) verified in one forward: `tokens` are then its nodes in verify order
     tree: DraftTree | None = None
 
+    def truncated(self, n: int) -> Draft:
+        """The chain's first `n` tokens, with their distributions and what is left of its tail."""
+        head = len(self.tokens) - self.tail
+        tail = max(0, n - head)
+        return Draft(self.tokens[:n], None if self.dists is None else self.dists[:n], self.source,
+                     self.ms_per_token, tail, self.tail_source if tail else "")
+
 
 class Drafter(abc.ABC):
     """Proposes up to `limit` target ids continuing `tokens`, asking `policy` how many."""
 
     runtimes: tuple[Runtime, ...] = ()  # runtimes whose caches this drafter owns
     trees: bool = False  # it may propose draft trees (the target must verify them: Capabilities.trees)
+    # its propose() takes `constraint=` (grammar.Constraint) and draws only tokens the grammar
+    # allows; the decoder cuts other drafters' chains at the first token the grammar refuses
+    constrained: bool = False
 
     @abc.abstractmethod
     def propose(self, tokens: list[int], limit: int, policy: DraftPolicy, params: SamplingParams,
-                rng: np.random.Generator) -> Draft:
-        """Phase 1 of a step. Must not change `tokens`."""
+                rng: Draws) -> Draft:
+        """Phase 1 of a step. Must not change `tokens`. A sampling drafter draws the token at
+        sequence position t against `rng.at(t)`, the noise the target's own draw there races too.
+        A `constrained` drafter also takes `constraint=` (a grammar.Constraint at the end of
+        `tokens`, or None)."""
 
     def sync(self, tokens: list[int]) -> None:  # noqa: B027 - stateless drafters need nothing
         """Drop cached state that is no longer a prefix of `tokens` (after a commit, or a stop)."""

@@ -40,6 +40,8 @@ from edgespec.decoding.acceptance import map_draft_ids
 from edgespec.decoding.cache import TrackedCache
 from edgespec.decoding.context_vocab import ContextVocab, Extension
 from edgespec.decoding.draft import Draft, Drafter
+from edgespec.decoding.draws import Noise
+from edgespec.decoding.grammar import Constraint
 from edgespec.decoding.head_drafter import HeadDrafter, draft_distribution, draft_index
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.recycling import RecyclingDrafter
@@ -92,6 +94,7 @@ class ModelDrafter(Drafter):
     """
 
     source = "model"
+    constrained = True
 
     def __init__(self, runtime: Runtime, target_vocab: int, id_map: np.ndarray | None = None,
                  guess: Callable[[list[int], list[int]], list[int]] | None = None,
@@ -121,7 +124,7 @@ class ModelDrafter(Drafter):
         self._context = (ContextVocab(self.id_map, target_vocab, rows, lambda: self._index)
                          if rows is not None and self.id_map is not None else None)
 
-    def propose(self, tokens, limit, policy, params, rng) -> Draft:
+    def propose(self, tokens, limit, policy, params, rng, constraint: Constraint | None = None) -> Draft:
         k = min(policy.next_k(self.source), limit)
         if k <= 0:
             return Draft([])
@@ -132,24 +135,22 @@ class ModelDrafter(Drafter):
         ahead: list[tuple[int, np.ndarray]] = []  # guesses fed past the last draft, with the logits after each
         pending = self._cache.pending(tokens)  # fed next; empty when the last draft was a guess already fed
         ext = self._context.update(tokens) if self._context is not None else None
-        id_map = self.id_map if ext is None else ext.id_map
         # how many lookahead guesses a forward may feed: each costs a wider forward, each one drawn
         # saves one (likely under greedy decoding, rarer the flatter the sampler)
         n_guess = policy.lookahead(self.source, GUESSES) if self.guess is not None else 0
-        forwards, hits = self.guess_forwards, self.guess_hits
+        before = self.guess_forwards, self.guess_hits
         for _ in range(k):
             t0 = self.clock()
             computed = 0  # catch-up rows this iteration's forward computed (a guess hit needs none)
             if pending:
                 ahead = self._feed(tokens, drafts, pending, len(ahead), ext, n_guess)
                 computed = len(pending) - min(self.runtime.reused_rows, len(pending))
-            logits = ahead.pop(0)[1]
-            if params.greedy:
-                new = map_draft_ids([int(np.argmax(logits))], id_map)
-            else:
-                dists.append(draft_distribution(logits, params, id_map,
-                                                (lambda: self._index) if ext is None else (lambda: ext.index)))
-                new = [dists[-1].sample(rng)]  # a target id
+            # a sampled token is raced on its position's noise (draws.py)
+            drawn = self._draw(ahead.pop(0)[1], drafts, params, rng.at(len(tokens) + len(drafts)), ext,
+                               constraint, dists)
+            if drawn is None:  # a grammar allows none of the draft's tokens here
+                break
+            new, logits = [drawn[0]], drawn[1]
             if policy.uses_confidence:
                 confidences.append(top_probability(logits))
             # a long catch-up is not the cost of one more token; one the runtime held already
@@ -161,10 +162,34 @@ class ModelDrafter(Drafter):
             self.guess_hits += not pending
             if confidences and not policy.keep_drafting(confidences):
                 break
-        ms = 1e3 * sum(steady) / len(steady) if steady else None
+        return self._drafted(drafts, dists, steady, policy, before)
+
+    def _draw(self, logits: np.ndarray, drafts: list[int], params, noise: Noise, ext: Extension | None,
+              constraint: Constraint | None, dists: list[TokenDist]) -> tuple[int, np.ndarray] | None:
+        """One drafted token (a target id) from a draft row, and the row it was drawn from: the
+        argmax, or a draw from the sampler's distribution (appended to `dists`); under a grammar,
+        from the row masked by it (None: it allows none of the row's tokens)."""
+        id_map = self.id_map if ext is None else ext.id_map
+        if constraint is not None:
+            logits = constraint.masked(logits, drafts, id_map)
+            if logits is None:
+                return None
+        if params.greedy:
+            return map_draft_ids([int(np.argmax(logits))], id_map)[0], logits
+        index = (lambda: self._index) if ext is None else (lambda: ext.index)
+        dists.append(draft_distribution(logits, params, id_map, index))
+        return dists[-1].sample(noise), logits
+
+    def _drafted(self, drafts: list[int], dists: list[TokenDist], steady: list[float], policy: DraftPolicy,
+                 before: tuple[int, int]) -> Draft:
+        """The draft, its marginal cost per token, and what the lookahead's guesses earned (told
+        to the policy): `before` holds the guess counters when the draft began."""
+        forwards, hits = before
         if self.guess_forwards > forwards:
             policy.learn_lookahead(self.source, self.guess_forwards - forwards, self.guess_hits - hits)
-        return Draft(drafts, dists or None, self.source, ms)
+        if not drafts:
+            return Draft([])
+        return Draft(drafts, dists or None, self.source, 1e3 * sum(steady) / len(steady) if steady else None)
 
     @cached_property
     def _index(self) -> np.ndarray:
@@ -297,6 +322,8 @@ class BothDrafter(Drafter):
     drafters after it), else Token Recycling's chain (when given, and preferred to the model),
     else the draft model (when given), whose draft the lookup then extends with a tail."""
 
+    constrained = True  # masks its model's drafts; cuts the lookup's and recycling's before choosing
+
     def __init__(self, lookup: NgramDrafter, model: ModelDrafter | None = None,
                  recycle: RecyclingDrafter | None = None) -> None:
         if model is None and recycle is None:
@@ -305,22 +332,24 @@ class BothDrafter(Drafter):
         self.runtimes = model.runtimes if model is not None else ()
         self.trees = recycle is not None and recycle.trees  # its recycled drafts may be trees
 
-    def propose(self, tokens, limit, policy, params, rng) -> Draft:
+    def propose(self, tokens, limit, policy, params, rng, constraint: Constraint | None = None) -> Draft:
         t0 = self.lookup.clock()
         found, source = self.lookup.candidate(tokens, limit)
+        if constraint is not None:
+            found = found[:constraint.valid_prefix(found)]
         rivals = [d.source for d in (self.recycle, self.model) if d is not None]
         if found and all(policy.prefers(source, rival) for rival in rivals):
             draft = self.lookup.take(found, source, policy, t0)
             if draft.tokens:
                 return draft
         if self.recycle is not None and (self.model is None or policy.prefers(self.recycle.source, self.model.source)):
-            draft = self.recycle.propose(tokens, limit, policy, params, rng)
+            draft = _fit(self.recycle.propose(tokens, limit, policy, params, rng), constraint)
             if draft.tokens:
                 return draft
         if self.model is None:  # recycling found nothing: the lookup's match, if the policy wants it
             return self.lookup.take(found, source, policy, t0) if found else Draft([])
-        draft = self.model.propose(tokens, limit, policy, params, rng)
-        return self.lookup.extend(tokens, draft, limit, policy, self.model.target_vocab)
+        draft = self.model.propose(tokens, limit, policy, params, rng, constraint)
+        return _fit(self.lookup.extend(tokens, draft, limit, policy, self.model.target_vocab), constraint)
 
     def sync(self, tokens: list[int]) -> None:
         if self.model is not None:
@@ -332,6 +361,11 @@ class BothDrafter(Drafter):
 
     def observe(self, tokens: list[int], logits: np.ndarray) -> list[tuple[str, int, int]]:
         return self.recycle.observe(tokens, logits) if self.recycle is not None else []
+
+
+def _fit(draft: Draft, constraint: Constraint | None) -> Draft:
+    """A chain cut where a grammar refuses it (grammar.Constraint.fit); trees are masked at the verify."""
+    return draft if constraint is None or draft.tree is not None else constraint.fit(draft)
 
 
 # ---------------------------------------------------------------- registry

@@ -19,6 +19,7 @@ import numpy as np
 
 from edgespec.decoding.acceptance import map_draft_ids
 from edgespec.decoding.draft import Draft, Drafter
+from edgespec.decoding.grammar import Constraint
 from edgespec.decoding.sampling import SamplingParams, distribution, top_probability
 from edgespec.decoding.token_dist import DenseDist, TokenDist
 from edgespec.errors import ConfigError
@@ -53,6 +54,7 @@ class HeadDrafter(Drafter):
     with the bundle's head: runtimes/onnxruntime/split.py, openvino/split.py)."""
 
     source = "head"
+    constrained = True
 
     def __init__(self, draft: Runtime, target_vocab: int, id_map: np.ndarray | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -72,7 +74,7 @@ class HeadDrafter(Drafter):
         self.runtimes = (draft,)
         self._index = draft_index(id_map, target_vocab)
 
-    def propose(self, tokens, limit, policy, params, rng) -> Draft:
+    def propose(self, tokens, limit, policy, params, rng, constraint: Constraint | None = None) -> Draft:
         k = min(policy.next_k(self.source), limit)
         if k <= 0 or len(tokens) < 2:
             return Draft([])
@@ -86,14 +88,20 @@ class HeadDrafter(Drafter):
         for _ in range(k):
             hidden = self.features(hidden, self._index[[token]])  # (1, H): the next position's feature
             logits = self.draft.head(hidden)[-1]
+            if constraint is not None:  # a grammar: draw only what it allows (the draft ends where nothing is)
+                logits = constraint.masked(logits, drafts, self.id_map)
+                if logits is None:
+                    break
             if params.greedy:
                 token = map_draft_ids([int(np.argmax(logits))], self.id_map)[0]
             else:
                 dists.append(draft_distribution(logits, params, self.id_map, lambda: self._index))
-                token = dists[-1].sample(rng)  # a target id
+                token = dists[-1].sample(rng.at(len(tokens) + len(drafts)))  # a target id
             drafts.append(token)
             if policy.uses_confidence:
                 confidences.append(top_probability(logits))
                 if not policy.keep_drafting(confidences):
                     break
+        if not drafts:
+            return Draft([])
         return Draft(drafts, dists or None, self.source, 1e3 * (self.clock() - t0) / len(drafts))

@@ -30,10 +30,11 @@ class DecoderLimits:
     included (the widths the exactness probe found bit-identical to one-token forwards,
     runtimes/exactness.py); draft_width: the widest forward a model drafter may run, its
     lookahead guesses included (the same bound when the draft runs on the target's body, whose
-    rows the verify reuses). max_batch: most tokens per forward of either model, below what the
-    runtimes accept (a memory plan's prefill chunk). trees: a recycling drafter may draft trees
-    where the target verifies them (the engine clears it where the probe found tree rows off).
-    None: no limit."""
+    rows the verify reuses). exact_reach: the most keys a verify may attend to (the probe checked
+    verifies up to there; past it the decoder decodes plainly). max_batch: most tokens per forward
+    of either model, below what the runtimes accept (a memory plan's prefill chunk). trees: a
+    recycling drafter may draft trees where the target verifies them (the engine clears it where
+    the probe found tree rows off). None: no limit."""
 
     context_limit: int | None = None
     max_draft: int | None = None
@@ -41,10 +42,11 @@ class DecoderLimits:
     draft_width: int | None = None
     max_batch: int | None = None
     trees: bool = True
+    exact_reach: int | None = None
 
     def __post_init__(self) -> None:
         for name, least in (("context_limit", 2), ("max_draft", 0), ("verify_width", 1), ("draft_width", 1),
-                            ("max_batch", 2)):
+                            ("max_batch", 2), ("exact_reach", 2)):
             _check(name, getattr(self, name), least)
         if not isinstance(self.trees, bool):
             raise ConfigError(f"trees must be True or False, got {self.trees!r}")

@@ -11,11 +11,10 @@ draft, at no draft cost; otherwise they are dropped and the draft cache rolls ba
 rest.
 
 Why this stays exact: the target verifies every draft, so greedy output is the target's own
-whatever was drafted. Under sampling, rejection sampling is exact for a draft drawn from the
-distribution it travels with, and each draft made ahead keeps the one it was drawn from; whether
-they are kept depends on the guess before them, never on their own values (a rule that looked at
-them would bias which draws reach the verify). Keeping them only where the guess came true is
-what makes them worth verifying: then they were drawn after the committed sequence itself.
+whatever was drafted. Under sampling too: every committed token is the target's own draw at its
+position (draws.py), so which drafts are kept changes only how many a verify commits. Keeping them
+only where the guess came true is what makes them worth verifying: then they were drawn after the
+committed sequence itself, each against its own position's noise, as a step would have drawn them.
 
 It needs two runtimes that can compute at once, each with its own cache: a draft model on its
 own body. A drafter on the target's body (runtimes/shared_body.py, the trained head) or with
@@ -29,10 +28,10 @@ from collections.abc import Container, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-import numpy as np
-
 from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.drafters import ModelDrafter
+from edgespec.decoding.draws import Draws
+from edgespec.decoding.grammar import Constraint
 from edgespec.decoding.policy import DraftPolicy
 from edgespec.decoding.sampling import SamplingParams
 from edgespec.decoding.speculative import SpeculativeDecoder, StepResult
@@ -120,10 +119,11 @@ class OverlappedDecoder(SpeculativeDecoder):
             logger.warning("overlapped drafting off, decoding step by step: %s", self.blocker)
 
     def _steps(self, tokens: list[int], params: SamplingParams, max_new_tokens: int,
-               stop_ids: Container[int]) -> Iterator[StepResult]:
-        if self.blocker is not None:
-            return (yield from super()._steps(tokens, params, max_new_tokens, stop_ids))
-        rng = np.random.default_rng(params.seed)
+               stop_ids: Container[int], constraint: Constraint | None = None) -> Iterator[StepResult]:
+        # a grammar's masks follow one path at a time: drafting ahead under one runs step by step
+        if self.blocker is not None or constraint is not None:
+            return (yield from super()._steps(tokens, params, max_new_tokens, stop_ids, constraint))
+        rng = Draws(params.seed)
         policy = self.policy_for(params)
         n_new = 0
         ahead = Draft([])  # drafted during the previous verify, continuing the committed sequence
@@ -158,7 +158,7 @@ class OverlappedDecoder(SpeculativeDecoder):
             # a consumer that stops the stream, or a failed forward, must leave no uncommitted tokens cached
             self._rollback(tokens)
 
-    def _chain_step(self, tokens: list[int], draft: Draft, params: SamplingParams, rng: np.random.Generator,
+    def _chain_step(self, tokens: list[int], draft: Draft, params: SamplingParams, rng: Draws,
                     budget: int, stop_ids: Container[int], policy: DraftPolicy,
                     ratios: list[float], pool: ThreadPoolExecutor) -> tuple[list[int], int, list, int, Draft]:
         """Phases 2-4 for a chain, the draft model drafting on while the verify runs on `pool`'s
@@ -178,7 +178,7 @@ class OverlappedDecoder(SpeculativeDecoder):
         return new, n_acc, trials, reused, kept_ahead(made, draft, new, stop_ids)
 
     def _draft_ahead(self, tokens: list[int], draft: Draft, budget: int, params: SamplingParams,
-                     rng: np.random.Generator, policy: DraftPolicy) -> Draft:
+                     rng: Draws, policy: DraftPolicy) -> Draft:
         """While the verify runs: the draft model's guess of the target's token after the whole
         draft, then the next step's draft after it, within that step's limits."""
         limit = self._draft_limit(len(tokens) + len(draft.tokens) + 1, budget - len(draft.tokens) - 1)

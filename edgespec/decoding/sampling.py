@@ -88,7 +88,7 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         out = np.zeros_like(x)
         np.put_along_axis(out, np.argmax(x, axis=-1)[..., None], 1.0, axis=-1)
         return out
-    x = x / params.temperature
+    x = _scaled(x, params.temperature)
     if 0 < params.top_k < x.shape[-1]:
         kth = np.partition(x, -params.top_k, axis=-1)[..., -params.top_k, None]
         x = np.where(x >= kth, x, -np.inf)
@@ -101,6 +101,19 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         p = np.where(e >= params.min_p, p, 0.0)
         p /= p.sum(axis=-1, keepdims=True)
     return p
+
+
+def _scaled(x: np.ndarray, t: float) -> np.ndarray:
+    """x / T; where a temperature this small overflows it (5e-324 is a valid float), the same
+    distribution from the differences to each row's largest logit instead: 0 for it, -inf for the
+    logits T leaves no mass, which is the T -> 0 limit (the likeliest token, ties shared equally),
+    not the NaN an inf - inf gives."""
+    with np.errstate(over="ignore"):
+        q = x / t
+    if np.isinf(q[np.isfinite(x)]).any():
+        with np.errstate(over="ignore"):
+            q = (x - x.max(axis=-1, keepdims=True)) / t
+    return q
 
 
 def _nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
@@ -134,6 +147,9 @@ _SAFE_T = (1e-30, 1e30)
 _FIRST_PREFIX, _GROWTH = 256, 8
 # float64 exps are summed over chunks of the row this long (no float64 copy of the whole row)
 _CHUNK = 1 << 15
+# top-k's first candidates: logits this close to the row's maximum; the span grows fourfold,
+# this many times, until it holds k of them
+_TOP_K_SPAN, _TOP_K_TRIES = 8.0, 4
 
 
 def distribution(logits_row: np.ndarray, params: SamplingParams) -> TokenDist:
@@ -189,9 +205,24 @@ def _dense(row: np.ndarray, t: float) -> DenseDist:
     return dist
 
 
+def _kth_largest(row: np.ndarray, k: int):
+    """The k-th largest logit of `row` (1 <= k < len(row)). The candidates are first the logits
+    near the maximum, found in one comparison pass, and only they are partitioned: a partition of
+    the whole vocabulary costs a sampled step more than its head's product does. A flat row (or a
+    row without a finite maximum) ends in a partition of the whole row, as before."""
+    top = row.max()
+    span = _TOP_K_SPAN
+    for _ in range(_TOP_K_TRIES if np.isfinite(top) else 0):
+        near = row[row >= top - span]
+        if len(near) >= k:
+            return near[np.argpartition(near, len(near) - k)[len(near) - k:]].min()
+        span *= 4
+    return row[np.argpartition(row, len(row) - k)[len(row) - k:]].min()
+
+
 def _top_k_ids(row: np.ndarray, k: int, t: float) -> np.ndarray:
     """Ascending ids of the logits whose x / T is >= the k-th largest x / T (ties included)."""
-    kth = row[np.argpartition(row, len(row) - k)[len(row) - k:]].min()
+    kth = _kth_largest(row, k)
     # x / T rounds monotonically, so every logit >= the k-th is kept; a logit a rounding step
     # below it may round onto the same quotient (float64 rows), so look a hair lower and test
     # the quotients themselves

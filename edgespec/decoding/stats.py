@@ -18,6 +18,7 @@ class GenerationStats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    forced: int = 0  # tokens a grammar forced, committed without a target forward
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     first_token_s: float = 0.0  # prompt processing + first step
@@ -36,6 +37,7 @@ class GenerationStats:
         self.new_tokens += len(step.tokens)
         self.drafted += step.drafted
         self.accepted += step.accepted
+        self.forced += step.forced
         self.draft_ms += step.draft_ms
         self.verify_ms += step.verify_ms
         self.k_history.append(step.drafted)

@@ -9,8 +9,8 @@ token after node i, given the path root..i. Everything here is pure: the runtime
 
 Acceptance walks one path down from the root. Greedy, it follows the target's argmax, so it commits what
 plain greedy decoding would (if the tree's rows are the chain's bits: docs/LOG.md, tree rows).
-Sampling, the drafts are point masses tried one after another against the residual, which
-commits every token with exactly the target's conditional probability.
+Sampling, it follows the target's own draw at each position (draws.py), so it commits what plain
+decoding with the same seed would, each token with exactly the target's conditional probability.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgespec.decoding.draws import Draws
 from edgespec.decoding.token_dist import TokenDist
 
 if TYPE_CHECKING:  # recycling.py drafts these trees: imported there, not here
@@ -33,7 +34,7 @@ if TYPE_CHECKING:  # recycling.py drafts these trees: imported there, not here
 __all__ = [
     "DraftTree",
     "accept_tree_greedy",
-    "accept_tree_point_masses",
+    "accept_tree_coupled",
     "best_shape",
     "expected_tree_tokens",
     "recycled_tree",
@@ -184,58 +185,38 @@ def accept_tree_greedy(tree: DraftTree, logits: np.ndarray) -> tuple[list[int], 
     if logits.ndim != 2 or logits.shape[0] != tree.n + 1:
         raise ValueError(f"need {tree.n + 1} rows of target logits for {tree.n} drafts, got shape {logits.shape}")
     best = np.argmax(logits, axis=-1)  # ties as accept_greedy breaks them: plain greedy's token
+    return _walk(tree, lambda node: int(best[node]))
+
+
+def accept_tree_coupled(tree: DraftTree, target_dists: Sequence[TokenDist], draws: Draws,
+                        start: int) -> tuple[list[int], int]:
+    """`acceptance.accept_coupled` over a tree: from the root, the target draws its token at each
+    position (start + the node's depth) against the position's noise and the walk goes on to the
+    child carrying it; where no child does, that token is committed. Every committed token is the
+    target's own draw, so exact; a node with children x1..xm is passed with probability
+    p(x1) + ... + p(xm), as multi-candidate rejection sampling of point masses (SpecInfer) passes it.
+
+    target_dists: n+1 distributions (token_dist.py), row i the target's after node i; only the
+    rows on the walked path are read (a lazy sequence builds only those). Returns the accepted
+    node indices (root excluded) and the next token."""
+    if len(target_dists) != tree.n + 1:
+        raise ValueError(f"need {tree.n + 1} target rows for {tree.n} drafts, got {len(target_dists)}")
+    depths = tree.depths()
+    return _walk(tree, lambda node: target_dists[node].sample(draws.at(start + depths[node])))
+
+
+def _walk(tree: DraftTree, pick) -> tuple[list[int], int]:
+    """The path from the root along the child carrying `pick(node)` (the target's token after
+    node), and the token after its last node."""
     accepted: list[int] = []
     node = 0  # the root
     while True:
-        token = int(best[node])
+        token = pick(node)
         match = [c for c in tree.children(node) if tree.tokens[c - 1] == token]
         if not match:  # siblings are distinct: at most one child matches
             return accepted, token
         node = match[0]
         accepted.append(node)
-
-
-def _pick(tree: DraftTree, node: int, p: TokenDist, rng: np.random.Generator) -> tuple[int | None, int]:
-    """One position: (accepted child, its token), or (None, the token sampled instead)."""
-    residual = p
-    for child in tree.children(node):
-        token = tree.tokens[child - 1]
-        # accept with probability residual(x): the residual is renormalised after each removal
-        if rng.random() < residual.prob(token):
-            return child, token
-        rest = residual.without([token])
-        if rest is None:  # rejected children's p summing to 1 happens only through rounding
-            return None, p.sample(rng)  # fall back to p, as accept_point_masses does
-        residual = rest
-    return None, residual.sample(rng)
-
-
-def accept_tree_point_masses(
-    tree: DraftTree, target_dists: Sequence[TokenDist], rng: np.random.Generator
-) -> tuple[list[int], int]:
-    """Multi-candidate speculative sampling for deterministic drafts (SpecInfer; Token Recycling;
-    "Multi-draft speculative sampling"): `accept_point_masses` over a tree.
-
-    target_dists: n+1 distributions (token_dist.py), row i the target's after node i; only the
-    rows on the walked path are read (a lazy sequence builds only those). At a node with
-    children x1..xm, x1 is accepted with probability p(x1); if not, p loses x1 (the residual of a
-    point mass) and x2 is accepted with probability r(x2) / sum(r), and so on; if all are rejected
-    the token is sampled from the residual. Exact: the token is xj with probability
-    (1 - p(x1) - ... - p(xj-1)) * p(xj) / (1 - p(x1) - ... - p(xj-1)) = p(xj), and any other x with
-    (1 - sum p(xj)) * p(x) / (1 - sum p(xj)) = p(x). So every committed token follows the target's
-    conditional given the tokens before it, and an accepted child's row is that conditional for
-    the next one. With one child per node it draws the same random numbers as
-    `accept_point_masses`. Returns the accepted node indices (root excluded) and the next token."""
-    if len(target_dists) != tree.n + 1:
-        raise ValueError(f"need {tree.n + 1} target rows for {tree.n} drafts, got {len(target_dists)}")
-    accepted: list[int] = []
-    node = 0
-    while True:
-        child, token = _pick(tree, node, target_dists[node], rng)
-        if child is None:
-            return accepted, token
-        accepted.append(child)
-        node = child
 
 
 def expected_tree_tokens(widths: Sequence[int], reach: Sequence[float]) -> float:

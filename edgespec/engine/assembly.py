@@ -124,16 +124,14 @@ def decoder_limits(max_context: int | None, kv_capacities: list[int | None], mem
     """What every decoder on an engine's runtimes is built with: the context the caches and the
     config allow, a memory plan's draft length and prefill chunk (without a plan, `prefill_chunk`),
     and the verify widths the exactness probe found exact, within the tuner's `verify_limit` (a
-    draft on the target's body keeps to them too). None: no limit."""
+    draft on the target's body keeps to them too), up to the keys it probed them at. None: no limit."""
     mp = memory_plan
     caps = [n for n in kv_capacities if n] + ([max_context] if max_context is not None else [])
     caps += [mp.kv_capacity] if mp is not None else []
-    exact = exactness.exact_width if exactness is not None and exactness.exact_width >= 2 else None
-    if verify_limit is not None:
-        exact = verify_limit if exact is None else min(exact, verify_limit)
+    exact, reach = _exact_bounds(exactness, verify_limit)
     return DecoderLimits(
         context_limit=min(caps) if caps else None, max_draft=mp.max_draft if mp is not None else None,
-        verify_width=exact, draft_width=exact if shared_body else None,
+        verify_width=exact, draft_width=exact if shared_body else None, exact_reach=reach,
         # draft trees where the target verifies them and the probe did not find their rows off
         trees=exactness is None or exactness.trees is not False,
         # prompts prefill in the chunks the memory plan sized the scratch memory for, else in
@@ -145,6 +143,14 @@ def decoder_limits(max_context: int | None, kv_capacities: list[int | None], mem
 def _threads(config: EngineConfig, cores: CoreChoice | None) -> int | None:
     """Threads per model: the core choice's (made for config.threads), else the config's."""
     return config.threads if cores is None else cores.threads
+def _exact_bounds(exactness, verify_limit: int | None) -> tuple[int | None, int | None]:
+    """(widest verify, most keys a verify may reach): the widths the probe found exact, within the
+    tuner's `verify_limit`, and the keys it checked them at; None where it found no width exact."""
+    exact = exactness.exact_width if exactness is not None and exactness.exact_width >= 2 else None
+    reach = exactness.reach if exact is not None else None
+    if verify_limit is not None:
+        exact = verify_limit if exact is None else min(exact, verify_limit)
+    return exact, reach
 
 
 def _frozen(options: dict) -> MappingProxyType:

@@ -19,6 +19,7 @@ from typing import Any
 from ..decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, POLICIES
 from ..errors import ConfigError
 from ..runtimes import BACKENDS, backend_info
+from ..runtimes.exactness import MAX_PROBE_REACH
 from .choices import DRAFT_BODIES, check_drafting
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,13 @@ def _opt(*flags: str, help: str, **kw) -> dict:
     return {"cli": Option(flags, help, **kw)}
 
 
+def _check_int(name: str, value: object, least: int, most: int | None = None) -> None:
+    """A ConfigError unless `value` is an integer (not a bool) in least..most."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or (most is not None and value > most):
+        bound = f"in {least}..{most}" if most is not None else f">= {least}"
+        raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything that decides how a bundle is opened; frozen, and validated in __post_init__.
@@ -92,6 +100,9 @@ class EngineConfig:
     exactness probe found bit-identical to plain decoding on this machine (run at the first load
     and cached; `Engine.exactness` holds its verdict), and decodes plainly where none is; True
     drafts there anyway, with a warning: greedy output may then differ from plain decoding.
+    probe_context: how many keys the probe checks verifies at (default 4096, or the context if
+    shorter); the engine drafts only within them and decodes plainly past them. A longer reach
+    costs the first load a prefill of that many tokens and a few verifies there (cached).
     tune: where the config leaves the backend or the draft body open and more than one
     configuration can run the bundle, measure each on this machine at the first load (cached) and
     open the fastest, with its best verify width (tuning.py); default on, off where the environment
@@ -151,6 +162,11 @@ class EngineConfig:
         help="draft even where no verify width rounds bit for bit like plain decoding on this machine (the "
              "probe at the first load finds out, cached; `edgespec info BUNDLE` shows it): greedy output may "
              "then differ from plain decoding. Default: such an engine decodes plainly"))
+    probe_context: int | None = field(default=None, metadata=_opt(
+        "--probe-context", type=int, metavar="N",
+        help="keys up to which the exactness probe checks verifies (default: 4096, or the context if shorter); "
+             "past them a sequence decodes plainly. A longer reach costs the first load one prefill of N tokens "
+             "(cached)"))
     tune: bool = field(default_factory=_tune_default, metadata=_opt(
         "--tune", kind="both",
         help="where --backend or --draft-body is left open and several configurations run the bundle, measure "
@@ -185,11 +201,11 @@ class EngineConfig:
             logger.warning("threads %d is more than the %d CPUs this process may use; using %d",
                            self.threads, usable, usable)
             object.__setattr__(self, "threads", usable)
-        if self.max_context is not None and (isinstance(self.max_context, bool)
-                                             or not isinstance(self.max_context, int) or self.max_context < 2):
-            raise ConfigError(f"max_context must be an integer >= 2, got {self.max_context!r}")
-        if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 1:
-            raise ConfigError(f"prefill_chunk must be an integer >= 1, got {self.prefill_chunk!r}")
+        if self.max_context is not None:
+            _check_int("max_context", self.max_context, 2)
+        if self.probe_context is not None:
+            _check_int("probe_context", self.probe_context, 64, MAX_PROBE_REACH)
+        _check_int("prefill_chunk", self.prefill_chunk, 1)
         if self.memory_budget is not None:
             from ..memory.budget import parse_bytes
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..bundle import Bundle, load_bundle
+from ..bundle import Bundle, built_once, load_bundle
 from ..decoding import (
     DRAFTERS,
     DraftPolicy,
@@ -33,16 +33,18 @@ from ..decoding import (
     check_max_tokens,
     make_policy,
 )
+from ..decoding.grammar import Constraint, Grammar, GrammarCompiler, GrammarError, ResponseFormat, response_format
 from ..decoding.limits import DecoderLimits
 from ..decoding.overlap import OverlappedDecoder
 from ..errors import BusyError, ConfigError, ContextFullError, EngineClosedError
+from ..progress import task
 from ..runtimes import BACKENDS, installed_backends
 from ..tokenizer import IncrementalDecoder, Tokenizer
 from .assembly import EnginePlan, plan_engine
 from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
 from .config import EngineConfig, engine_config
 from .cores import machine_cores
-from .inputs import check_stop, check_text
+from .inputs import check_stop, check_text, check_token_ids
 from .opening import open_plan
 from .tuning import tune
 
@@ -77,13 +79,17 @@ def default_bundle(fmt: str = "onnx", memory_budget: int | None = None) -> Path:
     from ..models.catalog import DEFAULT_PRESET, default_bundle_path
 
     path = default_bundle_path(DEFAULT_PRESET, fmt)
-    if not path.exists():
-        from ..exporters.export import ExportConfig, export_bundle
-        from ..runtimes.heap import trim_heap
+    if path.exists():
+        return path
+    with built_once(path):  # a second first run waits for this one and takes its bundle
+        if not path.exists():
+            from ..exporters.export import ExportConfig, export_bundle
+            from ..runtimes.heap import trim_heap
 
-        logger.warning("building the default bundle in %s (one time, a few minutes)", path)
-        export_bundle(ExportConfig(output=path, formats=(fmt,), memory_budget=memory_budget))
-        trim_heap()  # the build's freed pages back to the OS before the engine measures what it holds
+            with task(f"building the default bundle in {path} (one time, a few minutes)", announce=True):
+                # a GGUF target shares the assembled file (written by rename, never in place) by a link
+                export_bundle(ExportConfig(output=path, formats=(fmt,), share_source=True, memory_budget=memory_budget))
+            trim_heap()  # the build's freed pages back to the OS before the engine measures what it holds
     return path
 
 
@@ -148,6 +154,9 @@ class Engine:
             opened = open_plan(bundle, plan, self._stack, retune=self.config.retune and plan.tuning is None)
             self.target, self.draft, self.opened = opened.target, opened.draft, opened.opened
             self.decoder = self.variant()
+            # builds the grammar engine's view of the tokenizer at its first compile, once (under its lock)
+            self._grammars = GrammarCompiler(self.tokenizer.serialized, self.target.vocab_size,
+                                             sorted(self.tokenizer.stop_ids))
         except BaseException:  # a later step failed: what was opened must not outlive the error
             self._stack.close()
             raise
@@ -239,28 +248,36 @@ class Engine:
         return {"bundle": self.bundle.path.name, **self.opened.to_dict(self.bundle.manifest),
                 "tuning": None if tuning is None else tuning.to_dict(), "config": self.config.to_dict()}
 
+    # -- structured output -----------------------------------------------------------------
+    def grammar(self, fmt: ResponseFormat | dict | None) -> Grammar | None:
+        """`fmt` (a ResponseFormat, OpenAI's response_format object, or None) compiled for this
+        model's tokenizer, cached; a GrammarError names what is wrong with it. The first call
+        builds the grammar engine's view of the tokenizer (a second or more for a large vocabulary)."""
+        fmt = response_format(fmt)
+        return None if fmt is None else self._grammars.compile(fmt)
+
     # -- layered API: step (ids) → stream (Response) → generate (text) -----------------
     def stream_ids(self, tokens: list[int], params: SamplingParams, max_tokens: int,
                    stop: Sequence[str] = (), stats: GenerationStats | None = None, *,
-                   stop_event: threading.Event | None = None, wait: bool | float = False) -> Iterator[Response]:
+                   stop_event: threading.Event | None = None, wait: bool | float = False,
+                   grammar: Grammar | None = None) -> Iterator[Response]:
         """Extend `tokens` in place, yielding Responses; the caches stay a prefix of `tokens`.
 
         One generation per engine at a time, taken when iteration starts: if another runs,
         wait=False raises BusyError, wait=True waits for it, a number waits that many seconds at
         most. Setting `stop_event` ends the stream after the current step with a last Response
-        whose finish_reason is "cancelled"."""
+        whose finish_reason is "cancelled". `grammar` (from `engine.grammar`): the reply follows
+        it; a reply that reaches max_tokens before the grammar is complete raises GrammarError."""
         timeout = _wait_timeout(wait)
         if self._closed:
             raise EngineClosedError("the engine is closed; load the bundle again")
         # a negative id would index from the end of the embedding, a large one crash the backend
-        vocab = self.target.vocab_size
-        bad = next((t for t in tokens if isinstance(t, bool) or not hasattr(t, "__index__") or not 0 <= t < vocab),
-                   None)
-        if bad is not None:
-            raise ConfigError(f"token id {bad!r} is out of range (vocabulary size {vocab})")
+        check_token_ids(tokens, self.target.vocab_size)
+        if grammar is not None and not isinstance(grammar, Grammar):
+            raise ConfigError(f"grammar must come from engine.grammar(), got {type(grammar).__name__}")
         holder: list[weakref.ref] = []
         gen = self._generation(tokens, params, max_tokens, list(stop), stats or GenerationStats(),
-                               stop_event, timeout, holder)
+                               stop_event, timeout, holder, grammar)
         holder.append(weakref.ref(gen))
         return gen
 
@@ -279,27 +296,29 @@ class Engine:
             raise EngineClosedError("the engine is closed; load the bundle again")
         self._owner = threading.get_ident()
 
-    def _generation(self, tokens, params, max_tokens, stop, st, stop_event, timeout, holder) -> Iterator[Response]:
+    def _generation(self, tokens, params, max_tokens, stop, st, stop_event, timeout, holder,
+                    grammar) -> Iterator[Response]:
         self._acquire(timeout)
         self._active = holder[0]
         try:
-            yield from self._stream(tokens, params, max_tokens, stop, st, stop_event)
+            yield from self._stream(tokens, params, max_tokens, stop, st, stop_event, grammar)
         finally:
             self._owner = self._active = None
             self._lock.release()
 
     def _stream(self, tokens, params, max_tokens, stop, st: GenerationStats,
-                stop_event: threading.Event | None) -> Iterator[Response]:
+                stop_event: threading.Event | None, grammar: Grammar | None = None) -> Iterator[Response]:
         def cancelled() -> bool:
             return self._closing.is_set() or (stop_event is not None and stop_event.is_set())
 
         self.last_stats = st
         st.prompt_tokens = len(tokens)
         max_tokens = self._fit_context(tokens, max_tokens)
+        constraint = _constraint(grammar, max_tokens)
         dec = IncrementalDecoder(self.tokenizer)
         text, sent = "", 0
         t0 = self._clock()
-        steps = self.decoder.stream(tokens, params, max_tokens, self.tokenizer.stop_ids)
+        steps = self.decoder.stream(tokens, params, max_tokens, self.tokenizer.stop_ids, constraint)
         try:
             while not cancelled():
                 step = next(steps, None)
@@ -315,6 +334,7 @@ class Engine:
                 if done and not hit:
                     cut = len(text)
                 reason = "stop" if (ended or hit) else ("length" if done else None)
+                _check_complete(reason, constraint, max_tokens)
                 yield Response(text[sent:cut], step.tokens, min(step.accepted, len(step.tokens) - 1),
                                st.tokens_per_s, reason, st, self.memory())
                 sent = cut
@@ -339,14 +359,17 @@ class Engine:
     def stream(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0, seed: int | None = None,
                stop: Sequence[str] = (), stop_event: threading.Event | None = None,
-               wait: bool | float = False) -> Iterator[Response]:
+               wait: bool | float = False, response_format: ResponseFormat | dict | None = None) -> Iterator[Response]:
         """Plain completion of `prompt` (text, or token ids), streamed.
 
         min_p: keep tokens at least min_p times as likely as the likeliest (SamplingParams);
-        stop: strings that end the text (not included); stop_event / wait: see stream_ids."""
+        stop: strings that end the text (not included); stop_event / wait: see stream_ids;
+        response_format: what the reply must match (a ResponseFormat, or OpenAI's response_format
+        object): the target's distribution masked by its grammar, sampled or greedy, with drafts."""
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
         check_max_tokens(max_tokens)
         stop = check_stop(stop)
+        grammar = self.grammar(response_format)
         if isinstance(prompt, str):
             prompt = check_text(prompt, "the prompt")
             tokens = self.tokenizer.encode(prompt) if prompt else []
@@ -356,7 +379,7 @@ class Engine:
             raise ConfigError(f"the prompt must be text or a list of token ids, got {type(prompt).__name__}")
         if not tokens:
             raise ConfigError("the prompt is empty")
-        return self.stream_ids(tokens, params, max_tokens, stop, stop_event=stop_event, wait=wait)
+        return self.stream_ids(tokens, params, max_tokens, stop, stop_event=stop_event, wait=wait, grammar=grammar)
 
     def generate(self, prompt: str | list[int], **kwargs) -> str:
         """Plain completion of `prompt`, returned as text."""
@@ -414,6 +437,27 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _constraint(grammar: Grammar | None, max_tokens: int) -> Constraint | None:
+    """A generation's grammar state (None: no grammar); a GrammarError at once where the text the
+    grammar forces at the start alone is longer than max_tokens."""
+    if grammar is None:
+        return None
+    constraint = grammar.constraint()
+    opening = constraint.opening()
+    if opening > max_tokens:
+        raise GrammarError(f"{grammar.format.describe()} forces {opening} tokens before any choice, more than "
+                           f"max_tokens ({max_tokens}); raise max_tokens")
+    return constraint
+
+
+def _check_complete(reason: str | None, constraint: Constraint | None, max_tokens: int) -> None:
+    """A reply that ends at max_tokens before its grammar is complete is an error, not a reply:
+    it would not parse (or match its format) as the caller was promised."""
+    if reason == "length" and constraint is not None and not constraint.accepting:
+        raise GrammarError(f"the reply reached max_tokens ({max_tokens}) before it completed "
+                           f"{constraint.format.describe()}; raise max_tokens")
 
 
 def _with_config_fields(fn):

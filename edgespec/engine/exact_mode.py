@@ -43,21 +43,22 @@ class Settled:
 
 def settle_exact_mode(backend: str, target: Runtime, shared_draft: Runtime | None, files: list[Path], widest: int,
                       *, threads: int | None, retune: bool, reopen: Callable[..., object] | None, mode: dict,
-                      stack: ExitStack, remember: Callable[[dict], None] | None) -> Settled:
-    """Probe `target` up to `widest`; with `reopen(**options)` (None: the mode cannot switch), try
-    the backend's exact modes where the opened one is not exact at every width. One copy of the
+                      stack: ExitStack, remember: Callable[[dict], None] | None, reach: int | None = None) -> Settled:
+    """Probe `target` up to `widest` (and `reach` keys: None, the probe's default); with
+    `reopen(**options)` (None: the mode cannot switch), try the backend's exact modes where the
+    opened one is not exact at every width. One copy of the
     model is open at a time: the runtimes open now close before a candidate opens, and where the
     candidate is no better, the mode kept opens again (its probe is cached: no second probe). The
     runtimes open at the end are entered into `stack`; `mode` is the one opened now, and the mode
     kept is passed to `remember`."""
-    verdict = probe_exactness(backend, target, files, widest, threads=threads, retune=retune)
+    verdict = probe_exactness(backend, target, files, widest, threads=threads, retune=retune, reach=reach)
     for options in BACKENDS[backend].exact_modes if reopen is not None else ():
         if verdict.fully_exact:
             break
         close_all((target, shared_draft))  # two models open at once: a first load peaked at 2.5x the model
         pair = _opened(reopen(**options))
         try:
-            other = probe_exactness(backend, pair[0], files, widest, threads=threads, retune=retune)
+            other = probe_exactness(backend, pair[0], files, widest, threads=threads, retune=retune, reach=reach)
         except BaseException:
             close_all(pair)
             raise

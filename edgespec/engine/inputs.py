@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ..errors import ConfigError
 
-__all__ = ["check_text", "check_stop"]
+__all__ = ["check_text", "check_stop", "check_token_ids"]
 
 
 def check_text(value: object, name: str) -> str:
@@ -33,3 +33,14 @@ def check_stop(stop: object) -> tuple[str, ...]:
         if not s:
             raise ConfigError(f"stop[{i}] is empty; an empty stop string would end every reply at once")
     return tuple(stop)
+
+
+def check_token_ids(tokens: Sequence[object], vocab: int) -> None:
+    """Refuse a token id that is not an integer (True and 5.0 are other mistakes than 10**9) or is
+    outside the vocabulary: a negative one would index from the embedding's end, a large one crash
+    the backend."""
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not hasattr(t, "__index__"):
+            raise ConfigError(f"token ids must be integers; the prompt's item {i} is {t!r} ({type(t).__name__})")
+        if not 0 <= t < vocab:
+            raise ConfigError(f"token id {t!r} is out of range (vocabulary size {vocab})")

@@ -125,7 +125,8 @@ def _settle_first(plan: EnginePlan, files: list[Path], modes: _ModeMemory, retun
             stack.enter_context(shared)
         widest = probe_width(plan.drafter, plan.policy, plan.k, batch_limit(target, None))
         settled = settle_exact_mode(plan.backend, target, shared, files, widest, threads=plan.threads,
-                                    retune=retune, reopen=reopen, mode={}, stack=stack, remember=modes.remember)
+                                    retune=retune, reopen=reopen, mode={}, stack=stack, remember=modes.remember,
+                                    reach=plan.config.probe_context)
     return settled.mode
 
 
@@ -164,7 +165,8 @@ def _settle(st: _Opening, files: list[Path], reopen, modes: _ModeMemory, memory_
     widest = probe_width(st.drafter, plan.policy, plan.k, batch_limit(st.target, max_batch))
     settled = settle_exact_mode(plan.backend, st.target, st.draft if plan.shared_body else None, files,
                                 widest, threads=plan.threads, retune=retune, mode=modes.mode,
-                                stack=st.stack, reopen=reopen, remember=modes.remember)
+                                stack=st.stack, reopen=reopen, remember=modes.remember,
+                                reach=plan.config.probe_context)
     st.target = settled.target
     if plan.shared_body and st.draft is not None:
         st.draft = settled.shared_draft

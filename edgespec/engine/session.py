@@ -13,14 +13,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..decoding import GenerationStats, SamplingParams, check_max_tokens
-from ..errors import ConfigError, ContextFullError
+from ..errors import ConfigError, ContextFullError, EdgespecError
 from ..models.chat_formats import TEMPLATE, TRANSCRIPTS, Transcript, pick_chat_format
+from ..models.templates import ChatTemplateError
+from ..models.tool_calls import Function, ToolSyntax, plain_messages, template_messages, tool_syntax_for
 from .inputs import check_stop, check_text
 
 if TYPE_CHECKING:
     import threading
 
     from ..bundle import Manifest
+    from ..decoding.grammar import Grammar, ResponseFormat
     from ..tokenizer import Tokenizer
     from .engine import Engine, Response
 
@@ -40,6 +43,7 @@ class ChatPrompt:
     stop: tuple[str, ...]
     transcript: bool = False
     blank_line_ends: bool = False
+    tool_syntax: str = "plain"  # how the model writes tool calls (models/tool_calls.SYNTAXES)
 
     def shaper(self) -> ReplyShaper | None:
         return ReplyShaper(self.blank_line_ends) if self.transcript else None
@@ -88,10 +92,26 @@ class ChatFormat:
         # a template's end-of-turn token is among the tokenizer's stop ids already
         return self.transcript.stop if self.transcript else ()
 
-    def encode(self, tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
+    def encode(self, tokenizer: Tokenizer, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
         if self.transcript is None:
-            return tokenizer.encode_chat(list(messages))
+            return tokenizer.encode_chat(list(messages), tools)
         return tokenizer.encode(self.transcript.render(messages))  # with BOS, as a plain prompt
+
+    def tool_syntax(self, tokenizer: Tokenizer) -> ToolSyntax:
+        """How the model writes tool calls: its own template's syntax, where it is chatted with
+        through a template that has one; else edgespec's plain convention."""
+        return tool_syntax_for(tokenizer.info.chat_template, uses_template=self.transcript is None)
+
+    def tool_prompt(self, tokenizer: Tokenizer, messages: Sequence[dict], functions: Sequence[Function],
+                    stop: Sequence[str] = (), shaped: bool = False) -> ChatPrompt:
+        """`prompt` for a conversation with tools (`functions`, and earlier calls and results in
+        `messages`): through the template that knows tools, or the plain convention's messages."""
+        syntax = self.tool_syntax(tokenizer)
+        if syntax.in_template:
+            tokens = self.encode(tokenizer, template_messages(messages), [f.openai() for f in functions] or None)
+        else:
+            tokens = self.encode(tokenizer, plain_messages(messages, functions, syntax))
+        return self._prompt(tokens, stop, shaped, syntax.name)
 
     def prompt(self, tokenizer: Tokenizer, messages: Sequence[dict], stop: Sequence[str] = (),
                shaped: bool = False) -> ChatPrompt:
@@ -101,11 +121,14 @@ class ChatFormat:
         string "\n\n" instead: the transcript's worked examples start a reply on the marker's
         line (all 18 of docs/chat-formats.md's questions did), so it rarely ends a reply before
         its text, but a reply that opens with a blank line would end empty."""
+        return self._prompt(self.encode(tokenizer, messages), stop, shaped)
+
+    def _prompt(self, tokens: list[int], stop: Sequence[str], shaped: bool, tool_syntax: str = "plain") -> ChatPrompt:
         t = self.transcript
         blank = t is not None and t.blank_line_ends
         plain_stop = ("\n\n",) if blank and not shaped else ()
-        return ChatPrompt(self.encode(tokenizer, messages), tuple(stop) + self.stop + plain_stop,
-                          transcript=t is not None, blank_line_ends=blank)
+        return ChatPrompt(tokens, tuple(stop) + self.stop + plain_stop, transcript=t is not None,
+                          blank_line_ends=blank, tool_syntax=tool_syntax)
 
     def describe(self) -> str:
         """One phrase for notes: what the model is shown."""
@@ -114,6 +137,11 @@ class ChatFormat:
         t = self.transcript
         return (f"the plain-text '{t.name}' transcript ('{t.user} ...' / '{t.assistant} ...'; a reply ends at the "
                 f"next speaker{' or a blank line' if t.blank_line_ends else ''})")
+
+
+def _room(max_tokens: int, limit: int) -> int:
+    """Context positions a turn keeps for its reply (which may still end early with "length")."""
+    return max(1, min(max_tokens, limit // 4))
 
 
 def chat_format_for(manifest: Manifest, tokenizer: Tokenizer, requested: str | None = None) -> ChatFormat:
@@ -150,20 +178,25 @@ class ChatSession:
 
     def send(self, message: str, *, max_tokens: int = 512, temperature: float = 0.0, top_p: float = 1.0,
              top_k: int = 0, min_p: float = 0.0, seed: int | None = None, stop: Sequence[str] = (),
-             stop_event: threading.Event | None = None, wait: bool | float = False) -> Iterator[Response]:
+             stop_event: threading.Event | None = None, wait: bool | float = False,
+             response_format: ResponseFormat | dict | None = None) -> Iterator[Response]:
         """Add a user message and stream the reply. The reply is recorded in the history
         even when the stream is stopped early (a Stop button setting `stop_event`, leaving the
         loop, Ctrl-C); a turn refused before its first token (BusyError) leaves no trace.
-        stop, stop_event, wait: as in Engine.stream; the chat format's stop strings are added.
+        stop, stop_event, wait, response_format: as in Engine.stream; the chat format's stop
+        strings are added, except under a response format, whose grammar decides where the reply
+        ends (a transcript's markers and blank lines would cut it short).
         Greedy by default (reproducible); CLI chat samples with models.chat_formats.CHAT_SAMPLING."""
         if not check_text(message, "the message").strip():
             raise ConfigError("empty message")
         check_max_tokens(max_tokens)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
-        return self._turn(message, params, max_tokens, check_stop(stop) + self.format.stop, stop_event, wait)
+        grammar = self.engine.grammar(response_format)
+        stop = check_stop(stop) + (self.format.stop if grammar is None else ())
+        return self._turn(message, params, max_tokens, stop, stop_event, wait, grammar)
 
     def _turn(self, message: str, params: SamplingParams, max_tokens: int, stop: tuple[str, ...],
-              stop_event, wait) -> Iterator[Response]:
+              stop_event, wait, grammar: Grammar | None = None) -> Iterator[Response]:
         self.messages.append({"role": "user", "content": message})
         reply, stats = [], GenerationStats()
         tokens = None
@@ -171,9 +204,9 @@ class ChatSession:
             # may drop the oldest turns; a message too long for the context raises ContextFullError
             tokens = self._fit_context(max_tokens)
             t = self.format.transcript
-            shaper = ReplyShaper(t.blank_line_ends) if t is not None else None
+            shaper = ReplyShaper(t.blank_line_ends) if t is not None and grammar is None else None
             stream = self.engine.stream_ids(tokens, params, max_tokens, stop, stats=stats,
-                                            stop_event=stop_event, wait=wait)
+                                            stop_event=stop_event, wait=wait, grammar=grammar)
             try:
                 for r in stream:
                     if shaper is not None:
@@ -193,6 +226,28 @@ class ChatSession:
             if tokens is not None and stats.steps:
                 self.tokens = tokens
 
+    def check_room(self, max_tokens: int) -> None:
+        """Refuse, once and up front, a chat in which no message can fit: the chat format's own
+        tokens (a transcript's worked examples, a template's markers) and the system prompt
+        around an empty message, with the reply's room, already fill the context."""
+        limit = self.engine.opened.context_limit
+        if limit is None:
+            return
+        room = _room(check_max_tokens(max_tokens), limit)
+        empty = self.messages[:1] if self.system else []  # the system prompt, kept first by reset()
+        try:
+            framing = len(self.format.encode(self.engine.tokenizer, [*empty, {"role": "user", "content": ""}]))
+        except ChatTemplateError:  # invalid or unsafe: no turn can succeed
+            raise
+        except EdgespecError:  # past a render limit, or failing on these messages: each turn says so itself
+            return
+        if framing + room >= limit:
+            what = f"the '{self.format.name}' chat format" + (" and the system prompt take" if self.system
+                                                              else " takes")
+            other = "" if self.format.transcript is None else " or pick a shorter --chat-format"
+            raise ContextFullError(f"{what} {framing} tokens before any message, and the context holds {limit} "
+                                   f"including {room} for the reply, so no message fits: raise --max-context{other}")
+
     def _fit_context(self, max_tokens: int) -> list[int]:
         """Tokens of the conversation, dropping its oldest turns (never the system prompt) while
         it leaves less than a reply's room in the context; says so once per drop."""
@@ -203,7 +258,7 @@ class ChatSession:
         limit = self.engine.opened.context_limit
         if limit is None:
             return tokens
-        room = max(1, min(max_tokens, limit // 4))  # the reply may still end early with "length"
+        room = _room(max_tokens, limit)
         first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
         kept = list(self.messages)
         dropped = 0
@@ -213,6 +268,7 @@ class ChatSession:
             dropped += 1
             tokens = encode(kept)
         if len(tokens) + room > limit:
+            self.check_room(max_tokens)  # no message at all fits: say why, not "the message is too long"
             raise ContextFullError(f"the message is too long: {len(tokens)} tokens, and the context holds "
                                    f"{limit} including {room} for the reply")
         if dropped:

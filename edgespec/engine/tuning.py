@@ -41,6 +41,7 @@ import numpy as np
 
 from ..decoding.policy import expected_tokens, isotonic
 from ..errors import ConfigError, EdgespecError
+from ..progress import task
 from ..runtimes import BACKENDS, backend_version
 from .assembly import EnginePlan, Tuned, plan_engine
 from .config import EngineConfig
@@ -397,6 +398,26 @@ def _write(path: Path, m: Measurement) -> None:
     write_cache_entry(path, m.to_dict(), "tuning record")
 
 
+def _measured(plans: list, measure: Callable[[EnginePlan], Measurement | None], progress) -> list:
+    """(plan, cache path, figures) of each candidate that opens: its cached figures, else measured
+    now (`progress` counts those); the closest contenders, both measured now, once more."""
+    found = []
+    for plan, path, m in plans:
+        if m is None:
+            m = measure(plan)
+            progress.update()
+        if m is not None:
+            found.append((plan, path, m))
+    close = contenders([m for *_, m in found])
+    for i in reversed(close) if all(not found[i][2].cached for i in close) else ():
+        # measured minutes apart, the two best may have met different neighbours: once more, in
+        # the other order, keeping each one's fastest figures
+        again = measure(found[i][0])
+        if again is not None:
+            found[i] = (*found[i][:2], merged(found[i][2], again))
+    return found
+
+
 def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callable[[EnginePlan], object],
          cores: CoreChoice | None = None) -> Tuning | None:
     """Measure each candidate configuration of `bundle` under `config` (or read its figures from
@@ -415,14 +436,12 @@ def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callab
         path = _cache_path(bundle, plan)
         plans.append((plan, path, None if config.retune else _read(path)))
     missing = sum(m is None for *_, m in plans)
-    if missing:
-        logger.warning("tuning: measuring %d configurations of this bundle on this machine (once, then cached; "
-                       "--no-tune skips it)", missing)
     spent = 0.0
 
-    def measure(plan: EnginePlan) -> Measurement | None:
+    def measure(plan: EnginePlan, progress) -> Measurement | None:
         nonlocal spent
         t0 = time.perf_counter()
+        progress.set_postfix_str(f"{plan.backend}, draft body {plan.draft_body}")
         try:
             with open_engine(plan) as engine:
                 return measure_engine(engine)
@@ -432,17 +451,12 @@ def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callab
         finally:
             spent += time.perf_counter() - t0  # opening (the exactness probe, first time) and measuring
 
-    found = [(plan, path, m if m is not None else measure(plan)) for plan, path, m in plans]
-    found = [(plan, path, m) for plan, path, m in found if m is not None]
+    # each candidate opened (probed the first time) and timed: minutes, once, then cached
+    with task("tuning: timing this bundle's configurations on this machine (once, then cached; --no-tune "
+              "skips it)", total=missing, unit="configuration", announce=bool(missing)) as progress:
+        found = _measured(plans, lambda plan: measure(plan, progress), progress)
     if not found:
         return None
-    close = contenders([m for *_, m in found])
-    for i in reversed(close) if all(not found[i][2].cached for i in close) else ():
-        # measured minutes apart, the two best may have met different neighbours: once more, in
-        # the other order, keeping each one's fastest figures
-        again = measure(found[i][0])
-        if again is not None:
-            found[i] = (*found[i][:2], merged(found[i][2], again))
     for _, path, m in found:
         if not m.cached:
             _write(path, m)

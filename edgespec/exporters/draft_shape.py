@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..models.templates import TemplateRenderer
+from ..progress import task
 from .vocabtrim import (
     always_kept_ids,
     builtin_prompts,
@@ -48,7 +49,7 @@ def select_layers(n_layers: int, keep: int | tuple[int, ...]) -> tuple[int, ...]
 
 
 def shape_draft(source, spec, chat_template: str | None, *, vocab: int | None,
-                layers: int | tuple[int, ...] | None, calibration: Path | None, progress=None,
+                layers: int | tuple[int, ...] | None, calibration: Path | None,
                 runtime=None, stop_ids=()) -> DraftShape:
     """Work out the layer subset and kept vocabulary of a draft derived from `source`.
 
@@ -75,16 +76,18 @@ def shape_draft(source, spec, chat_template: str | None, *, vocab: int | None,
     if vocab >= spec.vocab_size:
         raise ConfigError(f"--draft-vocab {vocab} is not smaller than the vocabulary ({spec.vocab_size}); "
                           "drop the flag to keep the full head")
-    if runtime is not None:
-        rt = runtime()
-        try:
-            cal = calibrate_runtime(rt, source.tokenizer, prompts, label, chat_template=chat_template,
-                                    stop_ids=stop_ids, progress=progress)
-        finally:
-            rt.close()
-    else:
-        cal = calibrate(source.model, source.tokenizer, prompts, label, chat_template=chat_template,
-                        progress=progress)
+    # the target writes a few dozen tokens after every prompt: minutes on a slow backend
+    with task("VocabTrim: the target generates calibration text", total=len(prompts), unit="prompt") as t:
+        if runtime is not None:
+            rt = runtime()
+            try:
+                cal = calibrate_runtime(rt, source.tokenizer, prompts, label, chat_template=chat_template,
+                                        stop_ids=stop_ids, progress=t.update)
+            finally:
+                rt.close()
+        else:
+            cal = calibrate(source.model, source.tokenizer, prompts, label, chat_template=chat_template,
+                            progress=t.update)
     keep = choose_vocab(cal.counts, vocab, always)
     cov = coverage(cal.counts, keep)
     logger.info("VocabTrim: K=%d keeps %.1f%% of %d calibration tokens", vocab, 100 * cov, cal.n_tokens)

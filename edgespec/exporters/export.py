@@ -43,6 +43,7 @@ class ModelJob:
     opts: GraphOptions  # layers kept, VocabTrim rows kept (vocab_keep), tied or untied head
     source: Source
     bundle_dir: Path  # the staging folder; artifacts are named relative to it
+    share_source: bool = False  # ExportConfig.share_source
 
 
 # format -> "module:function(job, bar) -> Artifact", imported only when that format is asked for
@@ -91,6 +92,9 @@ class ExportConfig:
     # bytes the whole process may hold while building (build_memory.py): each costly phase is
     # checked before it runs, and one that would not fit stops the build (None: no budget)
     memory_budget: int | str | None = None
+    # a GGUF kept as it is may be a hard link to the source rather than a copy (the direct-GGUF
+    # cache: no second copy on disk); the bundle records it and refuses to load once it changed
+    share_source: bool = False
 
     def __post_init__(self) -> None:
         if not self.formats:
@@ -344,7 +348,8 @@ def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: Model
     # an untied head lets the quantizer shrink the LM head too, the draft's costliest matmul
     opts = GraphOptions(layers=shape.layers, vocab_keep=shape.vocab_keep, tie_head=False)
     budget.check_matrices(weights, "draft")
-    arts = _write_formats(cfg.formats, ModelJob("draft", spec, weights, precision, opts, source, tmp), bar)
+    arts = _write_formats(cfg.formats, ModelJob("draft", spec, weights, precision, opts, source, tmp,
+                                                cfg.share_source), bar)
     id_map = None
     if shape.vocab_keep is not None:
         id_map = "draft/id_map.npy"
@@ -363,18 +368,20 @@ def _train_draft_head(cfg: ExportConfig, tmp: Path, bar) -> None:
 
 def export_bundle(cfg: ExportConfig) -> Path:
     """Export `cfg.target` (and its draft) into the bundle folder `cfg.output`; return it."""
-    from tqdm.auto import tqdm
+    from ..progress import task
 
     target_path = Path(cfg.target) if cfg.target is not None else preset_source(DEFAULT_PRESET)
     draft_path = Path(cfg.draft) if cfg.draft not in (None, "self") else None
     for path in filter(None, (target_path, draft_path)):
         check_source(path)  # fail on a bad path before any work
+    if cfg.calibration is not None:
+        from .vocabtrim import read_prompt_file
+
+        read_prompt_file(Path(cfg.calibration))  # read again when used: here only checked before any work
     steps = 4 + (cfg.draft is not None) + (draft_path is not None)
     budget = BuildBudget(cfg.memory_budget)
     budget.check_source(target_path)  # before any work: the build's costliest phase, from the file's size
-    with staged_bundle_dir(Path(cfg.output), force=cfg.force) as tmp, tqdm(
-        total=steps, desc="export", unit="step", disable=None  # None: only on a terminal
-    ) as bar:
+    with staged_bundle_dir(Path(cfg.output), force=cfg.force) as tmp, task("export", total=steps) as bar:
         bar.set_postfix_str(f"loading {Path(target_path).name}")
         source = load_source(target_path, lazy=lazy_gguf(cfg.formats))
         spec = _spec(source)
@@ -384,7 +391,8 @@ def export_bundle(cfg: ExportConfig) -> Path:
         # the target keeps a tied embedding as one tensor (Gather and Gemm share it)
         opts = GraphOptions(tie_head=True, tree=cfg.tree)
         budget.check_matrices(weights, "target")
-        target_arts = _write_formats(cfg.formats, ModelJob("target", spec, weights, precision, opts, source, tmp), bar)
+        target_arts = _write_formats(cfg.formats, ModelJob("target", spec, weights, precision, opts, source, tmp,
+                                                           cfg.share_source), bar)
         bar.update()
         bar.set_postfix_str("tokenizer")
         tok_info = export_tokenizer(source, spec.family, tmp)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ExportError
+from ..files import path_problem
 
 __all__ = ["Source", "check_source", "load_source", "load_with_transformers", "sha256_of"]
 
@@ -47,8 +48,11 @@ def sha256_of(files: list[Path]) -> str:
 
 def check_source(path: Path) -> str:
     """"hf" or "gguf" for a usable source path; a one-line ExportError otherwise."""
-    if not path.exists():
+    problem = path_problem(path)
+    if problem == "missing":
         raise ExportError(f"model path not found: {path}")
+    if problem is not None:  # a FIFO would block the reads below, /dev/zero never end them
+        raise ExportError(f"{path} is {problem}, not a model (give a Hugging Face model folder or a .gguf file)")
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ExportError(f"{path} is neither a Hugging Face model folder nor a .gguf file")

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
+from ..files import path_problem
 from ..models.families import Family
 
 __all__ = ["Calibration", "chat_text", "special_tokens", "builtin_prompts", "read_prompt_file", "always_kept_ids",
@@ -64,8 +65,11 @@ def _text(path: Path) -> str:
 def read_prompt_file(path: Path) -> list[dict]:
     """One prompt per line; a JSON line {"messages": [...]} or {"text": ...} is taken as such.
     A file that is not UTF-8 text or a JSON line of another shape is a one-line ConfigError."""
-    if not path.is_file():
+    problem = path_problem(path) or ("a folder" if path.is_dir() else None)
+    if problem == "missing":
         raise ConfigError(f"calibration file not found: {path}")
+    if problem is not None:  # /dev/zero would be read until memory runs out, a FIFO wait for a writer
+        raise ConfigError(f"calibration file {path} is {problem}, not a file of prompts")
     prompts = []
     for n, line in enumerate(_text(path).splitlines(), 1):
         line = line.strip()

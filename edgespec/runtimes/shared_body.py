@@ -31,7 +31,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import BackendError
-from .base import Runtime, common_prefix
+from .base import Runtime, Streamed, common_prefix
 
 __all__ = ["FeatureHead", "Head", "SharedBody", "SharedBodyRuntime", "check_feature_head", "check_heads",
            "shared_pair"]
@@ -51,6 +51,8 @@ class Head(Protocol):
     weight_bytes: int
 
     def __call__(self, hidden: np.ndarray) -> np.ndarray: ...
+
+    def streamed(self) -> Streamed | None: ...
 
     def close(self) -> None: ...
 
@@ -190,6 +192,11 @@ class SharedBodyRuntime(Runtime):
             return self.shared.body.probe_scratch(n_new, n_ctx)
         finally:
             self.reset()
+
+    def streamed(self) -> Streamed | None:
+        """A forward runs the body and this runtime's head (a drafted token: the draft's head)."""
+        body, head = self.shared.body.streamed(), self.head.streamed()
+        return None if body is None or head is None else body + head
 
     def mapped_weight_bytes(self) -> int:
         """Weight file bytes that may become resident after load (memory/loading.py): the body's."""

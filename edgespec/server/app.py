@@ -26,6 +26,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..decoding import SamplingParams
+from ..errors import ConfigError
 from . import responses as out
 from .config import ServerConfig
 from .errors import APIError, install_error_handlers
@@ -37,12 +38,15 @@ from .schemas import (
     CompletionRequest,
     ModelCard,
     ModelList,
+    format_conflicts,
     now,
     unsupported_features,
 )
+from .tools import ReplyCalls, RequestFormat, format_param
 from .worker import GenerationWorker, Job, QueueFull
 
 if TYPE_CHECKING:
+    from ..decoding.grammar import Grammar
     from ..engine.engine import Engine
     from ..engine.session import ReplyShaper
 
@@ -140,12 +144,14 @@ def _card(request: Request) -> ModelCard:
 
 @dataclass(frozen=True)
 class _Prompt:
-    """What a request feeds the engine: its tokens, the strings that end the reply, and how a
-    transcript's reply is shaped (None: as the engine writes it)."""
+    """What a request feeds the engine: its tokens, the strings that end the reply, how a
+    transcript's reply is shaped (None: as the engine writes it), and how its model writes tool
+    calls (models/tool_calls.SYNTAXES)."""
 
     tokens: list[int]
     stop: Sequence[str]
     shaper: ReplyShaper | None = None
+    tool_syntax: str = "plain"
 
 
 @dataclass(frozen=True)
@@ -155,7 +161,7 @@ class _Endpoint:
     shape: out.ReplyShape
     param: str  # the request field holding the prompt, named by a context-length error
     default_tokens: Callable[[ServerConfig], int]  # the reply length when the request gives none
-    prompt: Callable[[Any, Any], Awaitable[_Prompt]]  # (app.state, request body) -> _Prompt
+    prompt: Callable[[Any, Any, RequestFormat], Awaitable[_Prompt]]  # (app.state, request body, its format)
 
 
 async def _generate(request: Request, req: _GenerationRequest, endpoint: _Endpoint) -> Response:
@@ -166,13 +172,20 @@ async def _generate(request: Request, req: _GenerationRequest, endpoint: _Endpoi
     # the cheap checks first: a refused request never waits for a chat template
     params = _sampling(req)
     max_tokens = _reply_limit(req.asked_tokens(), endpoint.default_tokens(cfg), cfg.max_tokens_cap)
-    prompt = await endpoint.prompt(state, req)
+    try:
+        fmt = RequestFormat.of(req)
+    except ConfigError as e:  # a schema too large, say
+        raise APIError(400, str(e), param=format_param(req), code="invalid_response_format") from None
+    prompt = await endpoint.prompt(state, req, fmt)
     _check_context(state.engine, prompt.tokens, endpoint.param)
+    grammar, calls = await _reply_grammar(state.engine, fmt, prompt, format_param(req))
+    if grammar is not None:  # the grammar says where the reply ends: no transcript stop cuts it short
+        prompt = _Prompt(prompt.tokens, req.stop_list(), None, prompt.tool_syntax)
     job = _submit(state.worker, Job(prompt.tokens, params, max_tokens, list(prompt.stop), asyncio.get_running_loop(),
-                                    shaper=prompt.shaper))
+                                    shaper=prompt.shaper, grammar=grammar))
     env = out.Envelope.new(endpoint.shape, cfg.model_id, _usage_note(state.engine))
     if req.stream:
-        return _JobStream(job, out.events(job.responses(), endpoint.shape, env, req.include_usage()))
+        return _JobStream(job, out.events(job.responses(), endpoint.shape, env, req.include_usage(), calls))
     watcher = asyncio.create_task(_watch_client(request, job, cfg.disconnect_poll_s))
     try:
         text, reason, st = await out.collect(job.responses())
@@ -180,23 +193,40 @@ async def _generate(request: Request, req: _GenerationRequest, endpoint: _Endpoi
         watcher.cancel()
         with suppress(asyncio.CancelledError):
             await watcher
-    return JSONResponse(out.reply(endpoint.shape, env, text, reason, st))
+    return JSONResponse(out.reply(endpoint.shape, env, text, reason, st, calls))
 
 
-async def _chat_prompt(state: Any, req: ChatCompletionRequest) -> _Prompt:
-    """The model's chat template, or a base model's plain-text transcript and its stop strings
-    (chat_format_for(...).prompt), rendered in a child process with a time limit: render.py."""
+async def _reply_grammar(engine: Engine, fmt: RequestFormat, prompt: _Prompt,
+                         param: str) -> tuple[Grammar | None, ReplyCalls | None]:
+    """The compiled grammar the reply follows (None: free text), off the event loop (the first
+    one builds the grammar engine's view of the tokenizer), and its calls' reader where tools may
+    be called. A format that does not compile is a 400 naming its field, `param`."""
+    from ..models.tool_calls import SYNTAXES
+
+    syntax = SYNTAXES[prompt.tool_syntax]
     try:
-        p = await state.renderer.prompt(req.conversation(), req.stop_list())
+        spec = fmt.grammar_format(syntax, engine.tokenizer.special_token_id)
+        grammar = None if spec is None else await asyncio.to_thread(engine.grammar, spec)
+    except ConfigError as e:
+        raise APIError(400, str(e), param=param, code="invalid_response_format") from None
+    return grammar, (ReplyCalls(fmt, syntax) if fmt.calls else None)
+
+
+async def _chat_prompt(state: Any, req: ChatCompletionRequest, fmt: RequestFormat) -> _Prompt:
+    """The model's chat template, or a base model's plain-text transcript and its stop strings
+    (chat_format_for(...).tool_prompt, with the tools the model may call), rendered in a child
+    process with a time limit: render.py."""
+    try:
+        p = await state.renderer.prompt(req.conversation(), req.stop_list(), fmt.prompt_tools())
     except RenderTimeout as e:
         raise APIError(500, f"{e}; the bundle's chat template is too slow for this conversation",
                        type="server_error", param="messages", code="template_timeout") from None
     except RendererStopped:
         raise APIError(503, "The server is shutting down.", type="server_error", code="shutting_down") from None
-    return _Prompt(p.tokens, p.stop, p.shaper())  # a transcript's reply is shaped as ChatSession shapes it
+    return _Prompt(p.tokens, p.stop, p.shaper(), p.tool_syntax)  # a transcript's reply is shaped as ChatSession's
 
 
-async def _completion_prompt(state: Any, req: CompletionRequest) -> _Prompt:
+async def _completion_prompt(state: Any, req: CompletionRequest, fmt: RequestFormat) -> _Prompt:
     tokens = await asyncio.to_thread(_prompt_tokens, state.engine, req.prompt)  # a long prompt takes a while
     return _Prompt(tokens, req.stop_list())
 
@@ -206,7 +236,7 @@ _COMPLETION = _Endpoint(out.COMPLETION, "prompt", lambda cfg: COMPLETION_MAX_TOK
 
 
 def _refuse_unsupported(req: _GenerationRequest) -> None:
-    for param, message in unsupported_features(req):
+    for param, message in [*unsupported_features(req), *format_conflicts(req)]:
         raise APIError(400, message, param=param, code="unsupported_parameter")
 
 

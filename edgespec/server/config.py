@@ -76,7 +76,8 @@ class ServerConfig:
         default_text="1MiB"))  # far more than the text of a full context
     client_timeout_s: float = field(default=30.0, metadata=_opt(
         "--client-timeout", type=float, metavar="S",
-        help="seconds a client may take to send its request, or to take each part of a reply"))
+        help="seconds a client may take to send its request's headers, then its body, or to take each part "
+             "of a reply"))
     template_timeout_s: float = field(default=5.0, metadata=_opt(
         "--template-timeout", type=float, metavar="S",
         help="seconds a chat prompt may take to render; a slower chat template is stopped"))

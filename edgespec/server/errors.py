@@ -2,7 +2,9 @@
 {"error": {"message": ..., "type": ..., "param": ..., "code": ...}} with a 4xx/5xx status."""
 from __future__ import annotations
 
+import json
 import logging
+from collections import Counter
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -61,20 +63,49 @@ def _loc(err: dict[str, Any]) -> tuple:
     return tuple(p for p in err.get("loc", ()) if p != "body" and not _is_union_tag(p))
 
 
+def _branch(err: dict[str, Any]) -> str | None:
+    """The member of a union an error comes from ("list[int]"), None outside a union."""
+    return next((p for p in err.get("loc", ()) if _is_union_tag(p)), None)
+
+
+def _closest(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of one field's errors, the one that says most: a range or length problem before "should be
+    a string"; of a union's members, the one the value came closest to (fewest errors, deepest,
+    furthest into a list), so [true, 5] is told its item 0 is no integer rather than that it is
+    no string."""
+    per_branch = Counter(_branch(e) for e in errors)
+
+    def rank(e: dict[str, Any]) -> tuple:
+        loc = e.get("loc", ()) or ("",)
+        reached = loc[-1] if isinstance(loc[-1], int) else 0  # a list's member failing later got further
+        return str(e.get("type", "")).endswith("_type"), per_branch[_branch(e)], -len(loc), -reached
+
+    return min(errors, key=rank)
+
+
+def _shown(value: Any) -> str:
+    """A value as JSON writes it (NaN, Infinity and -Infinity by their names), cut short."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """One line and the offending parameter for pydantic's errors (the first field's)."""
     if not errors:
         return "Invalid request.", None
     first = _loc(errors[0])
-    same_field = [e for e in errors if _loc(e)[:1] == first[:1]]
-    # of a union's errors, a range or length problem says more than "should be a string"
-    err = min(same_field, key=lambda e: str(e.get("type", "")).endswith("_type"))
+    err = _closest([e for e in errors if _loc(e)[:1] == first[:1]])
     param = ".".join(str(p) for p in _loc(err)) or None
     if err.get("type") == "json_invalid":
         return "We could not parse the JSON body of your request (it must be a valid JSON object).", None
     if err.get("type") == "missing":
         return f"Missing required parameter: '{param}'.", param
     msg = err.get("msg", "invalid value")
+    if "input" in err and param:  # the value named, so a NaN is called NaN, not "should be less than 1"
+        msg = f"{msg}, got {_shown(err['input'])}"
     return (f"Invalid value for '{param}': {msg}." if param else f"Invalid request body: {msg}."), param
 
 

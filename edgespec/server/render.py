@@ -10,9 +10,10 @@ limit; the event loop only awaits a pipe.
 
 The protocol is one JSON object per line: the parent first sends the bundle folder and the
 child answers `{"ready": true}` once it has loaded the tokenizer (a second or more on a busy
-machine: not counted against the time limit); then one `{"messages": [...], "stop": [...]}` per
-request, answered by `{"ids": [...], "stop": [...], "transcript": bool, "blank_line_ends": bool}`
-(the worker shapes a transcript's reply) or `{"error": "...", "kind": ...}`.
+machine: not counted against the time limit); then one `{"messages": [...], "stop": [...],
+"tools": [...]}` per request, answered by `{"ids": [...], "stop": [...], "transcript": bool,
+"blank_line_ends": bool, "tool_syntax": name}` (the worker shapes a transcript's reply; the tool
+syntax says how the model writes calls, models/tool_calls.py) or `{"error": "...", "kind": ...}`.
 """
 from __future__ import annotations
 
@@ -89,9 +90,10 @@ class ChatRenderer:
             except BackendError as e:
                 logger.warning("%s; chat requests will try again", e)
 
-    async def prompt(self, messages: list[dict[str, str]], stop: list[str]) -> ChatPrompt:
-        """The conversation's tokens and stop strings in the bundle's chat format. ConfigError:
-        the template refused the messages (raise_exception); RenderTimeout: past the limit."""
+    async def prompt(self, messages: list[dict], stop: list[str], tools: list[dict] | None = None) -> ChatPrompt:
+        """The conversation's tokens and stop strings in the bundle's chat format, with `tools`
+        (OpenAI's tool objects) where the model may call them. ConfigError: the template refused
+        the messages (raise_exception); RenderTimeout: past the limit."""
         from ..engine.session import ChatPrompt
 
         if self._lock is None:
@@ -100,7 +102,7 @@ class ChatRenderer:
             if self._stopping:
                 raise RendererStopped("the server is shutting down")
             proc = await self._child()
-            line = json.dumps({"messages": messages, "stop": stop}, ensure_ascii=True) + "\n"
+            line = json.dumps({"messages": messages, "stop": stop, "tools": tools or []}, ensure_ascii=True) + "\n"
             try:
                 proc.stdin.write(line.encode())
                 answer = await asyncio.wait_for(self._answer(proc), self.timeout_s)
@@ -121,7 +123,7 @@ class ChatRenderer:
                 raise BackendError(f"the chat template renderer failed: {e}") from None
         if "ids" in answer:
             return ChatPrompt(answer["ids"], tuple(answer["stop"]), transcript=answer["transcript"],
-                              blank_line_ends=answer["blank_line_ends"])
+                              blank_line_ends=answer["blank_line_ends"], tool_syntax=answer["tool_syntax"])
         if answer.get("kind") == "config":
             raise ConfigError(answer["error"])
         raise BackendError(f"the chat template renderer failed: {answer.get('error')}")
@@ -167,6 +169,7 @@ def _serve(stdin, stdout) -> None:
     from ..bundle import load_bundle
     from ..engine.session import chat_format_for
     from ..errors import EdgespecError
+    from ..models.tool_calls import Function
     from ..tokenizer import Tokenizer
 
     bundle = load_bundle(json.loads(stdin.readline())["bundle"])
@@ -179,9 +182,12 @@ def _serve(stdin, stdout) -> None:
     for line in stdin:
         try:
             request = json.loads(line)
-            p = fmt.prompt(tok, request["messages"], request["stop"], shaped=True)  # the worker shapes replies
+            functions = [Function(t["function"]["name"], t["function"].get("description") or "",
+                                  t["function"].get("parameters")) for t in request["tools"]]
+            # the worker shapes replies; tools and earlier calls as the model writes them
+            p = fmt.tool_prompt(tok, request["messages"], functions, request["stop"], shaped=True)
             answer: dict[str, Any] = {"ids": p.tokens, "stop": list(p.stop), "transcript": p.transcript,
-                                      "blank_line_ends": p.blank_line_ends}
+                                      "blank_line_ends": p.blank_line_ends, "tool_syntax": p.tool_syntax}
         except EdgespecError as e:
             answer = {"error": str(e), "kind": "config"}
         except Exception as e:  # noqa: BLE001 -- a template may raise anything; the parent reports it

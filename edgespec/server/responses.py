@@ -13,13 +13,15 @@ from fastapi.sse import format_sse_event
 
 from .errors import error_body
 from .schemas import new_id, now
+from .tools import openai_calls
 
 if TYPE_CHECKING:
     from ..decoding import GenerationStats
     from ..engine.engine import Response
+    from .tools import ReplyCalls
 
-__all__ = ["ReplyShape", "CHAT", "COMPLETION", "Envelope", "usage", "finish_reason", "reply", "chunk", "usage_chunk",
-           "events", "sse", "sse_done", "sse_error", "collect"]
+__all__ = ["ReplyShape", "CHAT", "COMPLETION", "Envelope", "usage", "timings", "finish_reason", "reply", "chunk",
+           "usage_chunk", "events", "sse", "sse_done", "sse_error", "collect"]
 
 DONE = b"data: [DONE]\n\n"
 
@@ -75,9 +77,19 @@ def usage(st: GenerationStats) -> dict[str, int]:
             "total_tokens": st.prompt_tokens + st.new_tokens}
 
 
+def timings(st: GenerationStats) -> dict[str, Any]:
+    """How the reply was made, in llama.cpp's server's `timings` names (so one benchmark reads
+    both): prompt_* covers the prompt and the first step, predicted_* the tokens after it; then
+    what the drafts and a grammar did."""
+    decode_ms = max(st.elapsed_s - st.first_token_s, 0.0) * 1e3
+    return {"prompt_n": st.prompt_tokens, "prompt_ms": st.first_token_s * 1e3, "predicted_n": st.decode_tokens,
+            "predicted_ms": decode_ms, "predicted_per_second": st.tokens_per_s, "steps": st.steps,
+            "drafted": st.drafted, "accepted": st.accepted, "forced": st.forced}
+
+
 def finish_reason(reason: str | None) -> str:
     # "cancelled" only reaches a client when the server shuts down mid-reply: the text stopped
-    return "length" if reason == "length" else "stop"
+    return reason if reason in ("length", "tool_calls") else "stop"
 
 
 def _body(obj: str, env: Envelope, choice: dict[str, Any] | None, st: GenerationStats | None) -> dict[str, Any]:
@@ -86,13 +98,20 @@ def _body(obj: str, env: Envelope, choice: dict[str, Any] | None, st: Generation
                             "choices": [] if choice is None else [{"index": 0, **choice}]}
     if st is not None:
         body["usage"] = usage(st) if env.note is None else {**usage(st), "edgespec": env.note}
+        body["timings"] = timings(st)
     return body
 
 
-def reply(shape: ReplyShape, env: Envelope, text: str, reason: str | None, st: GenerationStats) -> dict[str, Any]:
-    """A whole (non-streamed) reply."""
-    return _body(shape.whole_object, env,
-                 {**shape.whole(text), "logprobs": None, "finish_reason": finish_reason(reason)}, st)
+def reply(shape: ReplyShape, env: Envelope, text: str, reason: str | None, st: GenerationStats,
+          calls: ReplyCalls | None = None) -> dict[str, Any]:
+    """A whole (non-streamed) reply; with `calls`, the calls read from it as its tool_calls."""
+    fields = shape.whole(text)
+    if calls is not None:
+        content, found = calls.whole(text)
+        if found:
+            fields = {"message": {"role": "assistant", "content": content, "tool_calls": openai_calls(found)}}
+            reason = "tool_calls"
+    return _body(shape.whole_object, env, {**fields, "logprobs": None, "finish_reason": finish_reason(reason)}, st)
 
 
 def chunk(shape: ReplyShape, env: Envelope, fields: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
@@ -106,19 +125,28 @@ def usage_chunk(shape: ReplyShape, env: Envelope, st: GenerationStats) -> dict[s
 
 
 async def events(responses: AsyncIterator[Response], shape: ReplyShape, env: Envelope,
-                 include_usage: bool) -> AsyncIterator[bytes]:
-    """A generation's Responses as server-sent events, for either endpoint."""
+                 include_usage: bool, calls: ReplyCalls | None = None) -> AsyncIterator[bytes]:
+    """A generation's Responses as server-sent events, for either endpoint. With `calls`, text
+    that may open a tool call is held back, and the calls go out as one delta at the end."""
     if shape.opening is not None:  # sent at once: the client sees its request was taken
         yield sse(chunk(shape, env, shape.opening))
     reason, st = None, None
     try:
         async for r in responses:
-            if r.text:
-                yield sse(chunk(shape, env, shape.piece(r.text)))
+            text = r.text if calls is None else calls.push(r.text)
+            if text:
+                yield sse(chunk(shape, env, shape.piece(text)))
             reason, st = r.finish_reason or reason, r.stats
     except Exception as e:  # the status line is sent: the error travels as an event
         yield sse_error(e)
         return
+    if calls is not None:
+        rest, found = calls.finish()
+        if rest:
+            yield sse(chunk(shape, env, shape.piece(rest)))
+        if found:
+            yield sse(chunk(shape, env, {"delta": {"tool_calls": openai_calls(found, streamed=True)}}))
+            reason = "tool_calls"
     yield sse(chunk(shape, env, shape.piece(""), finish_reason(reason)))
     if include_usage and st is not None:
         yield sse(usage_chunk(shape, env, st))

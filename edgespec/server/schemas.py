@@ -2,7 +2,7 @@
 
 Requests are validated when parsed: a bad field becomes a 400 in OpenAI's error shape
 (errors.py). Unknown fields are ignored, as OpenAI-compatible servers do, but known features
-edgespec does not implement (n > 1, tools, logprobs, penalties...) are refused by name
+edgespec does not implement (n > 1, logprobs, penalties...) are refused by name
 rather than dropped silently.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 __all__ = [
     "ChatMessage", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "Usage",
     "ModelCard", "ModelList", "unsupported_features", "new_id", "now", "COMPLETION_MAX_TOKENS",
+    "ResponseFormatBody", "ToolDef", "ToolCallBody", "NamedToolChoice", "format_conflicts",
 ]
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default reply length for /v1/completions
@@ -44,7 +45,10 @@ Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # strict: a value of another JSON type is refused, not coerced ("7" is no seed, true no token
+    # id, 5.0 no count); an integer still stands for a number. NaN and Infinity, which Python's
+    # JSON parser accepts, are no numbers: refused by name (errors.validation_message)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -58,10 +62,73 @@ class TextPart(_Request):
     text: Text
 
 
+# -- structured output and tool calls: response_format, tools, tool_choice -------------------
+
+_FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule
+
+
+class JSONSchemaBody(_Request):
+    name: Annotated[str, Field(pattern=_FUNCTION_NAME)] = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatBody(_Request):
+    """OpenAI's response_format: text, json_object, or json_schema with its schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaBody | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormatBody:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema response_format needs its json_schema object")
+        return self
+
+
+class FunctionDef(_Request):
+    name: Annotated[str, Field(pattern=_FUNCTION_NAME)]
+    description: Text = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Request):
+    name: Annotated[str, Field(pattern=_FUNCTION_NAME)]
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Request):
+    name: Text
+    arguments: Text = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallBody(_Request):
+    """A call in an earlier assistant message of the conversation."""
+
+    id: Text = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+# -- messages -----------------------------------------------------------------------------------
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's earlier calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -93,8 +160,13 @@ class _Sampling(_Request):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
+    logprobs: bool | Annotated[int, Field(ge=0, le=20)] | None = None  # chat: true/false; completions: a count
     user: str | None = None
+    # structured output: OpenAI's response_format; `grammar` (GBNF or Lark) and `json_schema` as
+    # llama.cpp's server takes them
+    response_format: ResponseFormatBody | None = None
+    grammar: Text | None = None
+    json_schema: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -118,18 +190,28 @@ class _Sampling(_Request):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # tool calls (server/tools.py)
+    tools: list[ToolDef] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def asked_tokens(self) -> int | None:
         # max_completion_tokens is OpenAI's newer name; it wins where a client sends both
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages for the chat template ("developer" is OpenAI's newer name for "system")."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages for the chat template ("developer" is OpenAI's newer name for "system"); an
+        assistant's earlier calls and a tool message's call id where they have them."""
+        out = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
 
 
 class CompletionRequest(_Sampling):
@@ -150,22 +232,41 @@ def unsupported_features(req: _Sampling) -> list[tuple[str, str]]:
                     "distribution that speculative decoding keeps exactly)"))
     if req.logit_bias:
         out.append(("logit_bias", "logit_bias is not supported"))
-    if req.logprobs not in (None, False, 0):
-        out.append(("logprobs", "logprobs are not supported"))
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools or req.tool_choice not in (None, "none"):
-            out.append(("tools", "tools and function calling are not supported"))
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            out.append(("response_format", "only response_format {\"type\": \"text\"} is supported"))
+    out += _logprobs_unsupported(req)
     if isinstance(req, CompletionRequest):
-        if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) > 1:
-            out.append(("prompt", "one prompt per request is supported"))
-        if req.echo:
-            out.append(("echo", "echo is not supported"))
-        if req.suffix:
-            out.append(("suffix", "suffix (insertion) is not supported"))
-        if req.best_of not in (None, 1):
-            out.append(("best_of", "only best_of=1 is supported"))
+        out += _completion_unsupported(req)
+    return out
+
+
+def _logprobs_unsupported(req: _Sampling) -> list[tuple[str, str]]:
+    if req.logprobs not in (None, False, 0):
+        return [("logprobs", "logprobs are not supported")]
+    if getattr(req, "top_logprobs", None):  # it asks for logprobs too, and needs them
+        return [("top_logprobs", "top_logprobs are not supported (nor logprobs, which they need)")]
+    return []
+
+
+def _completion_unsupported(req: CompletionRequest) -> list[tuple[str, str]]:
+    out = []
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) and len(req.prompt) > 1:
+        out.append(("prompt", "one prompt per request is supported"))
+    if req.echo:
+        out.append(("echo", "echo is not supported"))
+    if req.suffix:
+        out.append(("suffix", "suffix (insertion) is not supported"))
+    if req.best_of not in (None, 1):
+        out.append(("best_of", "only best_of=1 is supported"))
+    return out
+
+
+def format_conflicts(req: _Sampling) -> list[tuple[str, str]]:
+    """(param, message) for structured-output and tool fields that contradict each other."""
+    given = [name for name, value in (("response_format", req.response_format), ("grammar", req.grammar),
+                                      ("json_schema", req.json_schema))
+             if value is not None and not (name == "response_format" and value.type == "text")]
+    out = [(given[1], f"give one of {' and '.join(given)}, not both")] if len(given) > 1 else []
+    if isinstance(req, ChatCompletionRequest) and req.tool_choice not in (None, "none") and not req.tools:
+        out.append(("tool_choice", "tool_choice needs tools"))
     return out
 
 

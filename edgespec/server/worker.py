@@ -17,6 +17,7 @@ from ..errors import EdgespecError
 
 if TYPE_CHECKING:
     from ..decoding import SamplingParams
+    from ..decoding.grammar import Grammar
     from ..engine.engine import Engine, Response
     from ..engine.session import ReplyShaper
 
@@ -45,6 +46,7 @@ class Job:
     stats: GenerationStats = field(default_factory=GenerationStats)
     done: threading.Event = field(default_factory=threading.Event)
     shaper: ReplyShaper | None = None  # a transcript reply's shaping (session.ReplyShaper), or None
+    grammar: Grammar | None = None  # what the reply follows (a response format, tool calls), compiled
 
     def put(self, item) -> None:
         """From the worker thread: hand an output to the request's event loop."""
@@ -119,7 +121,7 @@ class GenerationWorker:
             reason, stream = None, None
             try:
                 stream = self.engine.stream_ids(job.tokens, job.params, job.max_tokens, job.stop, stats=job.stats,
-                                                stop_event=job.cancel, wait=True)
+                                                stop_event=job.cancel, wait=True, grammar=job.grammar)
                 for r in stream:
                     r = r if job.shaper is None else job.shaper.shape(r)
                     reason = r.finish_reason

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import numpy as np
 from ..bundle import MANIFEST, DraftHeadEntry, load_bundle
 from ..errors import BackendError, ConfigError
 from ..exporters.vocabtrim import builtin_prompts, read_prompt_file
+from ..progress import reporting, task
 from .draft_head import FEATURE_LAYER, HEAD_DIR, HEAD_FILE, build_onnx, draft_index, reference
 from .draft_head_data import collect, head_matrix, prompt_ids
 
@@ -40,7 +43,7 @@ class DistillConfig:
     builtin: bool = True  # the built-in calibration prompts too (tests train on a file alone)
     threads: int | None = None
     seed: int = 0
-    progress: bool | None = None  # None: progress bars only on a terminal
+    progress: bool | None = None  # False: silent; else progress.Console's bars or lines (progress.py)
 
     def __post_init__(self) -> None:
         m = self.train_minutes
@@ -71,11 +74,6 @@ def _bounded_threads(threads) -> int:
                        usable)
         return usable
     return threads
-
-
-def _quiet(progress: bool | None) -> bool | None:
-    """tqdm's `disable`: None shows a bar only on a terminal."""
-    return None if progress is None else not progress
 
 
 def _files(bundle) -> tuple[Path, Path]:
@@ -138,13 +136,10 @@ def _install(root: Path, stage: Path, entry: DraftHeadEntry) -> None:
 
 def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
     """Train a draft head for the bundle `cfg.bundle` and add it; its manifest entry."""
-    from tqdm.auto import tqdm
-
-    from ..runtimes.onnxruntime.split import open_shared_pair
     from ..tokenizer import Tokenizer
 
     try:
-        from .draft_head_train import train_head
+        from .draft_head_train import train_head  # noqa: F401  (used in _train_into; checked before any work)
     except ImportError as e:  # the runtime install has no torch; training is an export-time job
         raise ConfigError(f"training a draft head needs torch ({e.name} is not installed): "
                           "pip install 'edgespec[export]'") from None
@@ -157,37 +152,64 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
     sequences = prompt_ids(tokenizer, prompts)
     if not sequences:
         raise ConfigError("the calibration prompts hold no text to train a draft head on")
+    # made before the minutes of work (a bundle it cannot write to fails now), named before it is
+    # made: a SIGTERM the moment it exists still finds it
+    stage = bundle.path / f".{HEAD_DIR}.{os.getpid()}.stage-{secrets.token_hex(6)}"
+    try:
+        _make_stage(stage)
+        entry = _train_into(cfg, bundle, stage, target_path, draft_path, sequences, source)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    logger.info("draft head written to %s: held-out agreement %.3f", bundle.path / HEAD_FILE, entry.held_out_agreement)
+    return entry
+
+
+def _make_stage(stage: Path) -> None:
+    """Make the staging folder of the new head inside the bundle: making it is the one sure test
+    that the bundle can be written (a read-only mount refuses root too); and check that its draft
+    head, if it has one, can be moved aside."""
+    root, old = stage.parent, stage.parent / HEAD_DIR
+    try:
+        if old.exists() and not os.access(old, os.W_OK):  # moving a folder rewrites its '..' entry
+            raise PermissionError(13, "Permission denied", str(old))
+        stage.mkdir(mode=0o755)  # readable by other users of a shared bundle
+    except OSError as e:
+        raise ConfigError(f"cannot write to the bundle {root} ({e.strerror or e}): distill adds the trained head "
+                          "to it; copy the bundle somewhere writable") from None
+
+
+def _train_into(cfg: DistillConfig, bundle, stage: Path, target_path: Path, draft_path: Path, sequences,
+                source: str) -> DraftHeadEntry:
+    """Make the data, train, write the head into `stage`, check it, and install it in the bundle."""
+    from ..runtimes.onnxruntime.split import open_shared_pair
+    from .draft_head_train import train_head
+
+    m = bundle.manifest
     try:
         target, draft = open_shared_pair(target_path, draft_path, threads=cfg.threads)
     except BackendError as e:
         raise ConfigError(f"{bundle.path}: {e}") from None
-    with target, draft:
-        with tqdm(total=len(sequences), unit="prompt", desc="draft-head data", disable=_quiet(cfg.progress)) as bar:
+    with target, draft, reporting(None) if cfg.progress is False else nullcontext():
+        with task("draft-head data: the target writes after each prompt", total=len(sequences),
+                  unit="prompt") as bar:
             data = collect(target, sequences, gen_tokens=cfg.gen_tokens, stop_ids=m.tokenizer.stop_token_ids,
                            draft=draft, id_map=bundle.id_map(), progress=bar.update)
         out_w = head_matrix(draft.head, draft.head.hidden_size)
     index = draft_index(bundle.id_map(), m.target.vocab_size)
     result = train_head(data, out_w, index, seconds=60 * cfg.train_minutes, seed=cfg.seed, progress=cfg.progress,
                         threads=cfg.threads)
-    stage = Path(tempfile.mkdtemp(prefix=f".{HEAD_DIR}.{os.getpid()}.stage-", dir=bundle.path))
-    stage.chmod(0o755)  # mkdtemp's 0700 would keep the head from other users of a shared bundle
-    try:
-        build = build_onnx(result.weights)
-        import onnx
+    import onnx
 
-        onnx.save(build, stage / Path(HEAD_FILE).name)
-        _check_onnx(stage / Path(HEAD_FILE).name, result.weights, cfg.threads)
-        entry = DraftHeadEntry(
-            file=HEAD_FILE, k=result.weights.k, hidden_size=result.weights.hidden_size, feature_layer=FEATURE_LAYER,
-            inner_size=int(result.weights.w_gate.shape[1]), training_tokens=result.samples,
-            held_out_tokens=result.held_out, train_minutes=float(cfg.train_minutes),
-            train_seconds=round(float(result.seconds), 1), data_seconds=round(float(data.seconds), 1),
-            held_out_agreement=round(result.agreement, 4),
-            held_out_agreement_chained=round(result.agreement_chained, 4),
-            calibration=source, peak_rss_mb=round(result.peak_rss_mb, 1))
-        _install(bundle.path, stage, entry)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    logger.info("draft head written to %s: held-out agreement %.3f", bundle.path / HEAD_FILE, entry.held_out_agreement)
+    onnx.save(build_onnx(result.weights), stage / Path(HEAD_FILE).name)
+    _check_onnx(stage / Path(HEAD_FILE).name, result.weights, cfg.threads)
+    entry = DraftHeadEntry(
+        file=HEAD_FILE, k=result.weights.k, hidden_size=result.weights.hidden_size, feature_layer=FEATURE_LAYER,
+        inner_size=int(result.weights.w_gate.shape[1]), training_tokens=result.samples,
+        held_out_tokens=result.held_out, train_minutes=float(cfg.train_minutes),
+        train_seconds=round(float(result.seconds), 1), data_seconds=round(float(data.seconds), 1),
+        held_out_agreement=round(result.agreement, 4),
+        held_out_agreement_chained=round(result.agreement_chained, 4),
+        calibration=source, peak_rss_mb=round(result.peak_rss_mb, 1))
+    _install(bundle.path, stage, entry)
     return entry

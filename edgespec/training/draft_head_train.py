@@ -18,12 +18,14 @@ import resource
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
+from ..progress import reporting, task
 from .draft_head import EPS, HeadWeights
 from .draft_head_data import HeadData, pair_indices
 
@@ -150,15 +152,14 @@ def train_head(data: HeadData, out_w: np.ndarray, index: np.ndarray, *, seconds:
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _train(data, out_w, index, seconds, inner, batch, lr, seed, progress, clock)
+        with reporting(None) if progress is False else nullcontext():  # False: silent, None: as the reporter shows
+            return _train(data, out_w, index, seconds, inner, batch, lr, seed, clock)
     finally:
         torch.set_num_threads(before)
 
 
 def _train(data: HeadData, out_w: np.ndarray, index: np.ndarray, seconds: float, inner: int | None, batch: int,
-           lr: float, seed: int, progress: bool | None, clock: Callable[[], float]) -> TrainResult:
-    from tqdm.auto import tqdm
-
+           lr: float, seed: int, clock: Callable[[], float]) -> TrainResult:
     k, h = out_w.shape
     rows = pair_indices(data.segment, steps=2)
     held = split_held_out(data.segment)[rows]
@@ -182,8 +183,7 @@ def _train(data: HeadData, out_w: np.ndarray, index: np.ndarray, seconds: float,
     best_probe = -1.0
     t0 = last_eval = clock()
     steps = 0
-    quiet = None if progress is None else not progress  # None: a bar only on a terminal
-    with tqdm(total=round(seconds), unit="s", desc="training draft head", disable=quiet) as bar:
+    with task("training the draft head", total=round(seconds), unit="second") as bar:
         while (now := clock()) - t0 < seconds:
             for group in opt.param_groups:  # cosine decay over the time budget
                 group["lr"] = lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min((now - t0) / seconds, 1.0))))
@@ -198,7 +198,7 @@ def _train(data: HeadData, out_w: np.ndarray, index: np.ndarray, seconds: float,
                 ce, agree, agree2 = _evaluate(head, w, scale, probe)
                 if agree >= best_probe:  # the best so far on the probe: scored on every held-out sample at the end
                     best_probe, best_state = agree, {n: t.clone() for n, t in head.state_dict().items()}
-                bar.set_postfix(loss=f"{loss.item():.3f}", held_out=f"{agree:.3f}")
+                bar.set_postfix_str(f"loss {loss.item():.3f}, held-out agreement {agree:.3f}")
             bar.update(min(round(clock() - t0), round(seconds)) - bar.n)
     last = {n: t.clone() for n, t in head.state_dict().items()}
     for state in ([best_state] if best_probe >= 0 else []) + [last]:

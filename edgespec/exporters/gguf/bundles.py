@@ -5,30 +5,26 @@ the embedded default bundle is built with, and reused from then on. The bundle i
 file's content (sha256), not its name or mtime, so an edited or replaced file never runs a stale
 bundle; and by the bundle schema and exporter revision, so an edgespec upgrade that writes
 bundles differently rebuilds it. Hashing a multi-GB file takes seconds, so each file's digest is
-remembered against its (size, mtime, ctime, inode) in a small JSON index in the cache."""
+remembered against its (size, mtime, ctime, inode) in a small JSON index in the cache (hashes.py)."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from ...bundle import MANIFEST, SCHEMA_VERSION
-from ...errors import BundleError, ConfigError, ExportError
-from ...models.catalog import BUNDLE_REVISION, cache_dir, file_sha256, format_suffix, gguf_bundles_dir
+from ...bundle import MANIFEST, SCHEMA_VERSION, built_once
+from ...errors import ConfigError, ExportError
+from ...files import path_problem
+from ...models.catalog import BUNDLE_REVISION, format_suffix, gguf_bundles_dir
+from ...progress import task
+from .hashes import content_digest
 
-__all__ = ["GGUF_MAGIC", "bundle_for_gguf", "content_digest", "gguf_bundle_path", "is_gguf",
-           "resolve_bundle"]
+__all__ = ["GGUF_MAGIC", "bundle_for_gguf", "gguf_bundle_path", "is_gguf", "resolve_bundle"]
 
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-INDEX_FILE = "gguf-hashes.json"
-INDEX_VERSION = 1
 DIGEST_CHARS = 16  # 64 bits of sha256 in the folder name: no collision among one user's files
 STEM_CHARS = 48
 
@@ -54,58 +50,6 @@ def resolve_bundle(arg: str | os.PathLike, fmt: str = "onnx", memory_budget: int
     return path
 
 
-def _stat_key(st: os.stat_result) -> list[int]:
-    # ctime too: a tool that keeps the mtime while rewriting (cp -p, rsync -t) still changes it
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-
-
-def _read_index(index: Path) -> dict:
-    try:
-        data = json.loads(index.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # missing or damaged: it is only a shortcut, start afresh
-        return {}
-    if not isinstance(data, dict) or data.get("version") != INDEX_VERSION or not isinstance(data.get("files"), dict):
-        return {}
-    return data["files"]
-
-
-def _write_index(index: Path, files: dict) -> None:
-    """Replace the index atomically; entries of files that are gone are dropped so it stays small."""
-    files = {p: v for p, v in files.items() if os.path.exists(p)}
-    try:
-        index.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{index.name}.", dir=index.parent)
-    except OSError as e:  # an unwritable cache: the bundle's own write reports it
-        logger.debug("cannot update %s: %s", index, e.strerror or e)
-        return
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump({"version": INDEX_VERSION, "files": files}, fh)
-        os.replace(tmp, index)  # readers see the old index or the new one, never a half-written file
-    except OSError as e:  # a full disk
-        logger.debug("cannot update %s: %s", index, e.strerror or e)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def content_digest(path: Path) -> str:
-    """The file's sha256, from the index when its size, times and inode are unchanged."""
-    path = path.resolve()
-    st = path.stat()
-    index = cache_dir() / INDEX_FILE
-    files = _read_index(index)
-    entry = files.get(str(path))
-    if isinstance(entry, dict) and entry.get("stat") == _stat_key(st) and isinstance(entry.get("sha256"), str):
-        return entry["sha256"]
-    logger.info("hashing %s (%.0f MiB)", path, st.st_size / 2**20)
-    digest = file_sha256(path)
-    # the stat from before the read: a file changed while it was hashed no longer matches it
-    files[str(path)] = {"stat": _stat_key(st), "sha256": digest}
-    _write_index(index, files)
-    return digest
-
-
 def gguf_bundle_path(gguf: Path, digest: str, fmt: str = "onnx") -> Path:
     """The cache folder of the `fmt` bundle of a GGUF with this content digest (the name is for
     people; an ONNX bundle, the default, carries no format in it)."""
@@ -115,8 +59,11 @@ def gguf_bundle_path(gguf: Path, digest: str, fmt: str = "onnx") -> Path:
 
 
 def _check_gguf(path: Path) -> None:
-    if not path.exists():
+    problem = path_problem(path)
+    if problem == "missing":
         raise ConfigError(f"no such file: {path}")
+    if problem is not None:
+        raise ConfigError(f"{path} is {problem}, not a bundle folder or a GGUF file")
     if not path.is_file() or not is_gguf(path):
         raise ConfigError(f"{path} is neither a bundle folder nor a GGUF file (no GGUF magic bytes)")
 
@@ -133,29 +80,6 @@ def _check_architecture(path: Path) -> None:
                           f"(supported: {', '.join(sorted(ARCHS))})")
 
 
-@contextmanager
-def _build_lock(out: Path) -> Iterator[None]:
-    """Held while `out` is built, so a second process opening the same GGUF waits and reuses it
-    instead of exporting it again beside the first."""
-    from filelock import FileLock, Timeout
-
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        lock = FileLock(out.parent / f".{out.name}.lock")
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            logger.warning("waiting for another edgespec process building %s", out)
-            lock.acquire()
-    except OSError as e:  # an unwritable cache, said before the build is announced
-        where = f" {e.filename}" if e.filename else ""
-        raise BundleError(f"cannot write the bundle at {out}:{where} {e.strerror or e}") from None
-    try:
-        yield
-    finally:
-        lock.release()
-
-
 def bundle_for_gguf(path: str | os.PathLike, fmt: str = "onnx", memory_budget: int | None = None) -> Path:
     """The `fmt` bundle of the GGUF file `path` in the user cache: reused when one was built from
     the same content by this bundle revision, else exported now (atomically: a run killed half-way
@@ -168,16 +92,18 @@ def bundle_for_gguf(path: str | os.PathLike, fmt: str = "onnx", memory_budget: i
         logger.info("reusing the bundle %s for %s", out, gguf)
         return out
     _check_architecture(gguf)
-    with _build_lock(out):
+    with built_once(out):
         if (out / MANIFEST).is_file():  # built by another process while this one waited
             return out
         from ..export import ExportConfig, export_bundle
 
-        logger.warning("building a bundle for %s in %s (one time; `edgespec export --target` makes one "
-                       "with other options)", gguf, out)
-        # ExportConfig's other defaults are the embedded default bundle's: a self-draft, the GGUF's own blocks
-        bundle = export_bundle(ExportConfig(output=out, target=gguf.resolve(), formats=(fmt,), force=out.exists(),
-                                            memory_budget=memory_budget))
+        logger.info("building a bundle for %s in %s", gguf, out)
+        with task(f"building a bundle for {gguf.name} (one time; `edgespec export --target` makes one with "
+                  "other options)", announce=True):
+            # ExportConfig's other defaults are the embedded default bundle's: a self-draft, the GGUF's own
+            # blocks; the target shares the user's file (a hard link, checked at load) rather than doubling it
+            bundle = export_bundle(ExportConfig(output=out, target=gguf.resolve(), formats=(fmt,), force=out.exists(),
+                                                share_source=True, memory_budget=memory_budget))
     from ...runtimes.heap import trim_heap
 
     trim_heap()  # the build's freed pages back to the OS before an engine measures what it holds

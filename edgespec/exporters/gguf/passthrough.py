@@ -1,12 +1,16 @@
 """GGUF in, GGUF out, without decoding a weight: the llama.cpp format of a GGUF source.
 
-The target is the user's file itself, hard-linked or copied by the kernel (or requantized file to
-file by llama.cpp's own quantizer when another precision is asked, which streams tensor by tensor
-inside llama.cpp), so any block type llama.cpp runs exports, including those edgespec cannot
-transcode to ONNX or OpenVINO. A draft cut from a GGUF (kept layers, a VocabTrim head) is written
-tensor by tensor: each tensor's bytes are read from the file, renamed or row-selected as they are
-(a quantized row is whole blocks, so picking rows needs no requantization) and written out before
-the next one is read, so the export's memory is about the largest tensor, never the model.
+The target is the user's file itself, cloned (copy-on-write) or copied by the kernel, so the
+bundle owns its weights and a later write to the user's file cannot change it; or requantized
+file to file by llama.cpp's own quantizer when another precision is asked, which streams tensor
+by tensor inside llama.cpp. So any block type llama.cpp runs exports, including those edgespec
+cannot transcode to ONNX or OpenVINO. Only the direct-GGUF cache shares the user's file (a hard
+link: a cache must not double the disk a model takes), recorded and checked at load.
+
+A draft cut from a GGUF (kept layers, a VocabTrim head) is written tensor by tensor: each
+tensor's bytes are read from the file, renamed or row-selected as they are (a quantized row is
+whole blocks, so picking rows needs no requantization) and written out before the next one is
+read, so the export's memory is about the largest tensor, never the model.
 
 Beside a trimmed draft goes its full-vocabulary twin (`model.full.gguf`: the same layers and
 blocks with the source's own tokenizer), which llama.cpp's server, Ollama and other loaders take
@@ -23,6 +27,7 @@ import numpy as np
 
 from ...bundle import Artifact
 from ...errors import ExportError
+from ...files import clone_file
 from ...runtimes.llamacpp.runtime import EMBD_KEYS  # the metadata the runtime reads (imports no llama_cpp)
 from .quantizer import EMBD_FILE, LLAMA_FTYPES, quantize
 
@@ -35,14 +40,56 @@ FULL_DRAFT_FILE = "model.full.gguf"
 _FRAMING = ("GGUF.", "general.architecture")
 
 
-def copy_file(src: Path, dst: Path) -> None:
-    """`src` at `dst` without reading it into memory: a hard link on the same file system, else a
-    kernel-side copy (shutil.copyfile uses sendfile / copy_file_range where the OS has them)."""
+def copy_file(src: Path, dst: Path, *, share: bool = False) -> dict | None:
+    """`src` at `dst` without reading it into memory, owned by the bundle: a copy-on-write clone
+    where the file system has them (no disk used, and a later write to the source leaves the
+    bundle as it was), else a copy (kernel-side: shutil.copyfile uses sendfile / copy_file_range),
+    which keeps the source's mtime. With `share` (the direct-GGUF cache, which must not double the
+    disk a model takes) a hard link instead of the copy; then the linked file's size, mtime and
+    sha256 are returned, for the manifest (Artifact.shared), and a load refuses the bundle once they
+    changed and its content with them."""
     dst.unlink(missing_ok=True)
+    if clone_file(src, dst):
+        return None
+    if share:
+        from .hashes import link_hashed
+
+        try:
+            digest = link_hashed(src, dst)
+        except OSError:  # another file system: copy
+            pass
+        else:
+            st = dst.stat()
+            return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
+    shutil.copyfile(src, dst)
+    st = src.stat()
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))  # lets a twin of the same file find it (_copied)
+    return None
+
+
+def _copied(src: Path, bundle_dir: Path) -> Path | None:
+    """The target's file in this bundle when it is a copy of `src` (the same size and mtime, as
+    copy_file leaves it, and not `src` itself), so a draft's twin that is `src` again is linked to
+    it inside the bundle instead of copied a second time."""
+    own = bundle_dir / "target" / "model.gguf"
     try:
-        os.link(src, dst)
+        a, b = own.stat(), src.stat()
     except OSError:
-        shutil.copyfile(src, dst)
+        return None
+    same = (a.st_size, a.st_mtime_ns) == (b.st_size, b.st_mtime_ns) and (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino)
+    return own if same else None
+
+
+def _twin(src: Path, path: Path, job) -> None:
+    """The full-vocabulary twin of an all-layer draft, which is the source itself: a link to the
+    target's copy in this bundle when it is one (never read by edgespec, so never checked), else
+    the source placed as copy_file places it."""
+    own = _copied(src, job.bundle_dir)
+    if own is None:
+        copy_file(src, path, share=job.share_source)
+        return
+    path.unlink(missing_ok=True)
+    os.link(own, path)
 
 
 def _numpy_shape(t) -> tuple[int, ...]:
@@ -207,11 +254,11 @@ def write_passthrough(job, bar) -> Artifact:
     src = job.source.path
     if layers is None and keep is None:
         if precision is None:
-            bar.set_postfix_str(f"copying {job.role} GGUF")
-            copy_file(src, out)
+            bar.set_postfix_str(f"copying the {job.role} GGUF ({src.stat().st_size / 2**30:.1f} GiB)")
+            shared = copy_file(src, out, share=job.share_source)
             return Artifact(file=rel(out), precision=have,
                             quantization={"method": "llama.cpp", "type": ftype, "passthrough": True,
-                                          "standalone": rel(out)})
+                                          "standalone": rel(out)}, shared=shared)
         bar.set_postfix_str(f"requantizing {job.role} to {precision}")
         qname = _requantize(src, out, precision)
         return Artifact(file=rel(out), precision=precision,
@@ -227,7 +274,7 @@ def write_passthrough(job, bar) -> Artifact:
     targets = [(out, keep)] + ([(full, None)] if keep is not None else [])
     for path, rows in targets:
         if rows is None and layers is None and precision is None:
-            copy_file(src, path)  # the full-vocabulary twin of an all-layer draft is the source itself
+            _twin(src, path, job)
             continue
         staged = path.with_name(path.stem + ".src.gguf") if precision is not None else path
         write_draft(reader, src, staged, spec, layers=layers, keep=rows, embed_scale=scale, name=name)

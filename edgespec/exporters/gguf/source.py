@@ -421,6 +421,16 @@ def _loader(path: Path, reader, load):
     return load, load is transcode
 
 
+def _rope_freqs(t) -> np.ndarray:
+    """The rope frequency factors a GGUF stores (llama 3's long-context scaling): every rotation
+    divides by them, so each must be a finite number > 0 (a NaN would make every logit NaN)."""
+    freqs = np.asarray(transcode(t.data, t.tensor_type, (int(t.n_elements),), t.name), dtype=np.float32)
+    bad = ~(np.isfinite(freqs) & (freqs > 0))
+    if bad.any():
+        raise ExportError(f"the GGUF's {t.name} must hold finite factors > 0, got {freqs[bad][0]}")
+    return freqs
+
+
 def read_gguf(path: Path, reader=None, load=None) -> GGUFModel:
     """Read `path`'s config and weights; every unsupported feature is a one-line ExportError.
 
@@ -441,7 +451,7 @@ def read_gguf(path: Path, reader=None, load=None) -> GGUFModel:
     freqs = None
     for t in reader.tensors:
         if t.name == "rope_freqs.weight" and family.gguf_rope_freqs:
-            freqs = np.asarray(transcode(t.data, t.tensor_type, (int(t.n_elements),), t.name), dtype=np.float32)
+            freqs = _rope_freqs(t)
             continue
         if t.name in _UNSUPPORTED_TENSORS:
             raise ExportError(f"GGUF tensor {t.name} ({_UNSUPPORTED_TENSORS[t.name]}) is not supported")

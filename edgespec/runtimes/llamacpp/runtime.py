@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ import numpy as np
 
 from ...errors import BackendError, BundleError, ContextFullError
 from ...models.gguf_layout import GGUFLayoutError, check_gguf_layout
-from ..base import Capabilities, Runtime
+from ..base import Capabilities, Runtime, Streamed
 
 __all__ = ["LlamaCppRuntime", "available_devices", "load_library", "route_native_log", "system_info",
            "use_extra_buffer_types", "DEFAULT_KV_CAPACITY", "EMBD_KEYS", "EXTRA_BUFTS_ENV", "batch_variance"]
@@ -137,6 +138,22 @@ def _chunks(n: int, cap: int, n_logits: int) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [n]))
 
 
+def _embedding_scale(name: str, text: str | None) -> float:
+    """The input embedding's scale a draft GGUF records (1 when it records none): a finite number
+    > 0. A NaN or infinite scale would turn every drafted row into NaN and acceptance to 0 without
+    a word; a zero or negative one is no embedding scale."""
+    if text is None:
+        return 1.0
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = math.nan
+    if not (math.isfinite(scale) and scale > 0):
+        raise BackendError(f"{name}: its '{EMBD_KEYS['scale']}' must be a finite number > 0, got {text[:40]!r}; "
+                           "export the bundle again")
+    return scale
+
+
 class _EmbeddingTable:
     """Rows of a (possibly quantized) GGUF tensor, dequantized on demand from a memory map."""
 
@@ -182,6 +199,7 @@ class LlamaCppRuntime(Runtime):
         path = Path(model_path)
         if not path.is_file():
             raise BackendError(f"GGUF model not found: {path}")
+        self._path = path
         gpu_layers = self._gpu_layers(lib, device)
         extra_bufts = self._load(lib, path, gpu_layers, threads, kv_capacity)
         self.capabilities = Capabilities(backend="llamacpp", can_trim=True, max_batch_tokens=MAX_BATCH,
@@ -293,7 +311,7 @@ class LlamaCppRuntime(Runtime):
         except BundleError as e:
             raise BackendError(str(e)) from None
         table = _EmbeddingTable(path.parent / name, self._meta(EMBD_KEYS["tensor"]) or "token_embd.weight",
-                                float(self._meta(EMBD_KEYS["scale"]) or 1.0))
+                                _embedding_scale(path.name, self._meta(EMBD_KEYS["scale"])))
         if table.n_embd != self._n_embd:
             raise BackendError(f"{name} has {table.n_embd}-wide embeddings, the model {self._n_embd}")
         return table
@@ -372,6 +390,19 @@ class LlamaCppRuntime(Runtime):
         if self._embd is not None:
             out["input_embedding"] = self._embd.nbytes  # memory-mapped: resident only where read
         return out
+
+    def streamed(self) -> Streamed | None:
+        """Every tensor of the file but an input embedding that a separate output matrix leaves
+        to row lookups; llama.cpp's graph size is not exposed."""
+        try:
+            from gguf import GGUFReader
+
+            tensors = {t.name: int(t.n_bytes) for t in GGUFReader(self._path).tensors}
+        except Exception as e:  # noqa: BLE001 - a roofline is a report: say nothing rather than fail
+            logger.debug("no roofline figures for %s: %s", self._path.name, e)
+            return None
+        gathered = tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0
+        return Streamed(sum(tensors.values()) - gathered)
 
     def _kv_bytes_per_token(self) -> int:
         """K and V per layer, f16 (llama.cpp's default) or f32 for fp32 models."""

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import BackendError
+from ..base import Streamed
 from .pool import shared_pool
 from .wire import (
     FLOAT,
@@ -44,7 +45,7 @@ from .wire import (
 
 __all__ = ["HIDDEN", "LOGITS", "MappedTables", "OnnxModel", "as_model", "body_model", "fused_model", "gathered_tables",
            "head_model", "import_ort", "initializer_bytes", "load_proto", "ort_values", "session", "session_options",
-           "shared_names"]
+           "shared_names", "streamed_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -345,3 +346,12 @@ def ort_values(arrays: dict[str, np.ndarray]) -> dict:
 def initializer_bytes(model, exclude: set[str]) -> int:
     """Bytes of `model`'s initializers (external or inline), those in `exclude` left out."""
     return sum(t.numel * t.itemsize for t in as_model(model).initializers if t.name not in exclude)
+
+
+def streamed_of(model) -> Streamed:
+    """What one forward of `model` reads whole and runs: the initializers its nodes read, except
+    where a Gather only takes rows of them (a tied head's product of the same table counts), and
+    its node count (onnxruntime fuses a few more at load)."""
+    model = as_model(model)
+    read = {name for n in model.nodes for j, name in enumerate(n.inputs) if not (n.op_type == "Gather" and j == 0)}
+    return Streamed(sum(t.numel * t.itemsize for t in model.initializers if t.name in read), len(model.nodes))

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import BackendError
+from ..base import Streamed
 from ..heap import lazy_zeros, trim_heap
 from ..shared_body import SharedBodyRuntime, check_feature_head, check_heads, shared_pair
 from .graphs import (
@@ -46,6 +47,7 @@ from .graphs import (
     ort_values,
     session,
     shared_names,
+    streamed_of,
 )
 from .head_rows import HeadRows, head_rows
 from .kv import F32, RawBinding, kv_kind
@@ -84,6 +86,7 @@ class OnnxHead:
         self.hidden_size = int(self._sess.get_inputs()[0].shape[2])
         shared = {t.name for t in model.initializers} & set(self._values)
         self.weight_bytes = 0 if in_body else initializer_bytes(model, exclude=shared)
+        self._streamed = streamed_of(model)
         self.pad_rows = pad_rows
         self._in, self._out = self._buffers(HEAD_ROWS)
         self._binding = RawBinding(self._sess)
@@ -104,6 +107,9 @@ class OnnxHead:
             self._bound = (n, self._in.ctypes.data)
         b.run()
         return self._out[:rows]
+
+    def streamed(self) -> Streamed:
+        return self._streamed
 
     def _buffers(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
         """Input and logits buffers of `rows` rows, committed a page at a time as rows are written

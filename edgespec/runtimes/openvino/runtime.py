@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import BackendError
-from ..base import Capabilities, Runtime
+from ..base import Capabilities, Runtime, Streamed
 from ..window import sliding_kv
 from .compile_cache import compile_cache_dir
 from .graph import HIDDEN, cut_head, repacked_bytes
@@ -40,7 +40,7 @@ from .kv import DEFAULT_KV_CAPACITY, DEFAULT_STATIC_CAPACITY, KV_KINDS, KVLayout
 
 __all__ = ["OpenVinoRuntime", "available_devices", "DEFAULT_STATIC_CAPACITY", "KV_KINDS",
            "OUTPUTS", "PRECISIONS", "check_device", "compile_model", "import_ov",
-           "model_precision", "ov_reason", "read_ir", "sliding_kv_of", "DEFAULT_KV_CAPACITY"]
+           "model_precision", "ov_reason", "read_ir", "sliding_kv_of", "streamed_of", "DEFAULT_KV_CAPACITY"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +182,12 @@ def batch_variance(device: str, precision: str, plan: KVPlan) -> str | None:
     return None
 
 
+def streamed_of(model, compiled) -> Streamed:
+    """What one forward of the compiled `model` reads whole (its matrix weights: a table only
+    Gathers read is read by rows) and the nodes the plugin runs."""
+    return Streamed(repacked_bytes(model), len(compiled.get_runtime_model().get_ordered_ops()))
+
+
 class OpenVinoRuntime(Runtime):
     """One edgespec OpenVINO IR compiled for one device, with its KV holder (runtimes/openvino/kv.py).
 
@@ -228,6 +234,7 @@ class OpenVinoRuntime(Runtime):
         self._weight_bytes = (sum(p.stat().st_size for p in (path, path.with_suffix(".bin")) if p.is_file())
                               + (repacked_bytes(model) if plan.wide else 0))
         self.kv = plan.kind(layout, plan, self._req)
+        self._streamed = streamed_of(model, self._compiled)
         self._tensor = import_ov().Tensor
         # inputs and outputs by index: binding dozens of them by name costs measurably more per forward
         self._in = {n: i for i, p in enumerate(self._compiled.inputs) for n in p.get_names()}
@@ -319,6 +326,9 @@ class OpenVinoRuntime(Runtime):
                 bound.pop(i, None)
                 tensor = self._tensor(value, shared_memory=True)
             req.set_input_tensor(i, tensor)
+
+    def streamed(self) -> Streamed:
+        return self._streamed
 
     def trim(self, n_past: int) -> None:
         self.kv.trim(max(0, min(n_past, self.kv.n_past)))

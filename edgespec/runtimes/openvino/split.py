@@ -17,7 +17,7 @@ import numpy as np
 from ...errors import BackendError
 from ..shared_body import SharedBodyRuntime, check_feature_head, check_heads, shared_pair
 from .graph import HIDDEN, head_model
-from .runtime import OpenVinoRuntime, compile_model, import_ov, model_precision, ov_reason, read_ir
+from .runtime import OpenVinoRuntime, compile_model, import_ov, model_precision, ov_reason, read_ir, streamed_of
 
 __all__ = ["OpenVinoFeatureHead", "OpenVinoHead", "open_shared_pair"]
 
@@ -48,6 +48,7 @@ class OpenVinoHead:
         self.vocab_size = head.output(0).get_partial_shape()[2].get_length()
         self._compiled = compile_model(core, head, path, device, self.precision, threads, True)
         self._req = self._compiled.create_infer_request()
+        self._streamed = streamed_of(head, self._compiled)
         self._tensor = import_ov().Tensor
         self.pad_rows = pad_rows
         # the input rows go into a kept buffer, wrapped in a Tensor once and reshaped per call
@@ -69,6 +70,9 @@ class OpenVinoHead:
         except Exception as e:
             raise BackendError(f"OpenVINO head inference failed: {ov_reason(e)}") from e
         return logits[0][:rows]
+
+    def streamed(self):
+        return self._streamed
 
     def close(self) -> None:
         self._req = None
