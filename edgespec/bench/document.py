@@ -76,11 +76,12 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
                    memory_budget: int | None = None, started: datetime | None = None,
                    duration_s: float = 0.0, prompts: list | None = None, peer: dict | None = None,
                    verify_costs: dict | None = None, peers: dict[str, dict] | None = None,
-                   roofline: dict | None = None) -> dict:
+                   roofline: dict | None = None, thermal: dict | None = None) -> dict:
     """The run's JSON document (schema.py). `peer`: what the llama.cpp peer ran (peer.py's
     describe()), when it ran; `peers`: every peer that ran by configuration name (llama-server's
     record its build and flags); `verify_costs`: the target's c(B) curve (costs.py); `roofline`:
-    roofline.py's figures."""
+    roofline.py's figures; `thermal`: clocks, temperatures and verdicts per configuration
+    (thermal.summarise_heat)."""
     machine = machine or machine_info()
     ran = {(r.cls, r.prompt) for r in runs}
     skipped = [f"{p.cls}/{p.id}" for p in prompts or [] if (p.cls, p.id) not in ran]
@@ -91,7 +92,7 @@ def build_document(engine, runs: list[RunRecord], cfg: BenchConfig, *, prompts_s
     started = started or datetime.now(timezone.utc)
     tuning = opened.tuning
     extra = {"exactness": exactness_summary(opened), "verify_costs": verify_costs, "roofline": roofline,
-             "tuning": None if tuning is None else _jsonable(tuning.to_dict())}
+             "tuning": None if tuning is None else _jsonable(tuning.to_dict()), "thermal": thermal}
     if peer is not None:
         extra["peer"] = peer
     if peers:

@@ -8,6 +8,8 @@ import re
 from importlib import metadata
 from pathlib import Path
 
+from ..engine.cores import read_cores
+
 __all__ = ["machine_info", "library_versions", "cpu_model", "isa_features", "run_label"]
 
 # distributions whose versions a bench run records, when installed
@@ -109,6 +111,8 @@ def machine_info() -> dict:
         "cores_physical": psutil.cpu_count(logical=False),
         "cores_logical": psutil.cpu_count(logical=True),
         "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        # the kinds of core, fastest first, as sysfs and /proc/cpuinfo describe them (engine/cores.py)
+        "core_kinds": [{"kind": what, "cpus": list(cpus)} for what, cpus in read_cores().kinds()],
         "ram_bytes": psutil.virtual_memory().total,
         "os": _os_name(),
         "python": platform.python_version(),

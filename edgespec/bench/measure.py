@@ -8,6 +8,7 @@ slows all of them alike; the summary then compares medians (summary.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -50,6 +51,7 @@ class BenchConfig:
     stop_at_eos: bool = False
     k_sweep: tuple[int, ...] = ()  # extra fixed-k speculative configurations, "k=2", "k=4", ...
     sampling: SamplingParams = SamplingParams()  # every configuration, the llama.cpp peer included
+    cooldown_s: float = 0.0  # a pause before every measured run, for a device that heats (thermal.py)
 
     def __post_init__(self) -> None:
         for name, value, low in (("--repeat", self.repeat, 1), ("--max-tokens", self.max_tokens, 2),
@@ -60,6 +62,9 @@ class BenchConfig:
             raise ConfigError(f"--k-sweep takes draft lengths >= 1, got {list(self.k_sweep)}")
         if len(set(self.k_sweep)) != len(self.k_sweep):
             raise ConfigError(f"--k-sweep repeats a draft length: {list(self.k_sweep)}")
+        if isinstance(self.cooldown_s, bool) or not isinstance(self.cooldown_s, (int, float)) \
+                or not 0 <= self.cooldown_s <= 3600:
+            raise ConfigError(f"--cooldown must be a number of seconds from 0 to 3600, got {self.cooldown_s}")
 
 
 @dataclass
@@ -82,6 +87,7 @@ class RunRecord:
     peak_rss: int = 0
     by_k: dict[str, list[int]] = field(default_factory=dict)  # "model:4" -> [steps, accepted]
     first_tokens: int = 1  # tokens the first step committed, timed inside ttft_s
+    heat: tuple | None = None  # (before, after) thermal.Reading of the CPU around the run, where read
 
     @classmethod
     def from_stats(cls, st: GenerationStats, tokens: list[int], total_s: float) -> RunRecord:
@@ -198,6 +204,17 @@ def run_params(sampling: SamplingParams, prompt_index: int, repeat: int) -> Samp
     return dataclasses.replace(sampling, seed=base * 1_000_003 + prompt_index * 1_009 + repeat)
 
 
+def _heated(run: Callable[[], RunRecord], thermal, cooldown_s: float) -> RunRecord:
+    """`run()` after `cooldown_s` of rest, with the CPU read just before and after it (thermal.py:
+    clocks, temperatures), outside the run's own timing."""
+    if cooldown_s:
+        time.sleep(cooldown_s)
+    if thermal is None:
+        return run()
+    before = thermal.read()
+    rec = run()
+    rec.heat = (before, thermal.read())
+    return rec
 def _by_name(peer, peers) -> dict:
     return {p.name: p for p in [*([] if peer is None else [peer]), *peers]}
 
@@ -221,14 +238,16 @@ def _rendered(engine, prompts: list[Prompt], cfg: BenchConfig) -> list[tuple[Pro
 
 def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
               on_run: Callable[[RunRecord, int, int], None] | None = None,
-              rss: PeakRSS | None = None, peer=None, peers=()) -> list[RunRecord]:
+              rss: PeakRSS | None = None, peer=None, peers=(), thermal=None) -> list[RunRecord]:
     """Every configuration on every prompt, `cfg.repeat` times, interleaved; returns all runs.
 
     `on_run(record, done, total)` is called after each measured run (the live table). `peer` and
     each of `peers` (bench/peer.py, bench/server_peer.py: `.name`, `.decode(ids, max_tokens,
     stop_ids, rss, params=, ending=, ended=)`) is one more configuration in the rotation, decoding
     the same prompt ids and ending each run where edgespec's ends (endings.py: `ending`, and
-    `ended`, its watcher on the new tokens, for a peer in this process)."""
+    `ended`, its watcher on the new tokens, for a peer in this process). `thermal`
+    (thermal.Thermal) is read before and after every measured run, outside its timing;
+    `cfg.cooldown_s` pauses before each."""
     if not prompts:
         raise ConfigError("no prompts to run")
     decoders = build_decoders(engine, cfg.k_sweep)
@@ -261,7 +280,8 @@ def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
         for i, (p, rendered) in enumerate(encoded):
             params = run_params(cfg.sampling, i, rep)
             for name in rotated(names, rep + i):
-                rec = one(name, rendered, cfg.max_tokens, rss, params)
+                rec = _heated(functools.partial(one, name, rendered, cfg.max_tokens, rss, params), thermal,
+                              cfg.cooldown_s)
                 rec.config, rec.cls, rec.prompt, rec.repeat = name, p.cls, p.id, rep
                 runs.append(rec)
                 if on_run is not None:

@@ -71,9 +71,10 @@ def check_request(req: BenchRequest) -> None:
         check_report_dir(req.report)
 
 
-def _threads(req: BenchRequest) -> int:
-    """The threads the engine and its peers run on: the request's, or every usable CPU."""
-    return req.engine.threads or _usable_cores()
+def _threads(req: BenchRequest, engine) -> int:
+    """The threads the engine and its peers run on: the engine's (the fast cores of a big.LITTLE
+    CPU: the process is pinned to them), the request's, or every usable CPU."""
+    return engine.plan.threads or req.engine.threads or _usable_cores()
 
 
 def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
@@ -89,7 +90,7 @@ def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     if reason is not None:
         notify(f"no llama.cpp column: {reason}")
         return None
-    threads = _threads(req)
+    threads = _threads(req, engine)
     peer = (VulkanPeer if gpu else LlamaCppPeer)(source, threads=threads, n_ctx=engine.context_limit or 4096,
                                                  vocab_size=engine.target.vocab_size)
     d = peer.describe()
@@ -98,6 +99,24 @@ def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
     return peer
 
 
+def _thermal(engine):
+    """The clocks and temperatures to read around each run (thermal.py): of the cores the engine runs on."""
+    from .thermal import Thermal
+
+    cores = engine.plan.cores
+    cpus = cores.cpus if cores is not None else (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
+                                                 else range(os.cpu_count() or 1))
+    return Thermal(cpus)
+
+
+def _heat(runs, thermal, cfg: BenchConfig, notify: Callable[[str], None]) -> dict:
+    """The runs' thermal record (thermal.summarise_heat), its warnings said at once."""
+    from .thermal import summarise_heat
+
+    heat = summarise_heat(runs, thermal.source(), cfg.cooldown_s)
+    for warning in heat["warnings"]:
+        notify(f"WARNING: {warning}")
+    return heat
 def _server_draft(req: BenchRequest, engine):
     """llama-server+draft-simple's draft GGUF: --peer-draft-gguf, else the bundle's standalone draft."""
     from ..deploy.command import bundle_models
@@ -131,7 +150,7 @@ def _open_server_peers(req: BenchRequest, engine, notify: Callable[[str], None],
                                               "the target runs on a GPU, llama-server on the CPU"))
         return []
     build = locate(req.llama_server)
-    threads = _threads(req)
+    threads = _threads(req, engine)
     out = []
     for name in names:
         kind = parse_peer(name)
@@ -232,29 +251,33 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
             servers = _open_server_peers(req, engine, notify, stack)
             configs += [s.name for s in servers]
             costs = _announce(engine, machine, prompts, configs, cfg, notify)
-            roof = _roofline(engine, costs, _threads(req), notify)
+            roof = _roofline(engine, costs, _threads(req, engine), notify)
             table = LiveTable(configs, list(dict.fromkeys(p.cls for p in prompts)), repeat=cfg.repeat,
                               greedy=cfg.sampling.greedy) if live else None
             started, t0 = datetime.now(timezone.utc), time.perf_counter()
+            thermal = _thermal(engine)
             try:
                 runs = run_bench(engine, prompts, cfg, on_run=table.update if table else None, rss=rss, peer=peer,
-                                 peers=servers)
+                                 peers=servers, thermal=thermal)
             finally:
                 if table is not None:
                     table.close()
+            heat = _heat(runs, thermal, cfg, notify)
             c = engine.config
             return build_document(
                 engine, runs, cfg, prompts_spec=req.prompts, configs=configs, machine=machine, label=req.label,
                 prompts=prompts,
                 backend={"name": engine.backend, "device": c.device, "draft_backend": engine.draft_backend,
                          "draft_device": c.draft_device or (c.device if engine.draft_backend else None),
-                         "threads": c.threads,
+                         "threads": engine.plan.threads,
+                         # the cores run on, and why (edgespec/engine/cores.py)
+                         "cores": engine.plan.cores.to_dict() if engine.plan.cores is not None else None,
                          # whether onnxruntime's sessions shared the process-wide pool (runtimes/onnxruntime/pool.py)
                          "onnxruntime_pool": pool_state()},
                 memory={"rss_before_load": rss_before, "rss_after_load": rss_after, "engine": engine.memory()},
                 memory_budget=c.memory_budget, started=started, duration_s=time.perf_counter() - t0,
                 peer=peer.describe() if peer is not None else None, verify_costs=costs, roofline=roof,
-                peers={p.name: p.describe() for p in ([peer] if peer is not None else []) + servers})
+                peers={p.name: p.describe() for p in ([peer] if peer is not None else []) + servers}, thermal=heat)
     finally:
         rss.stop()
 

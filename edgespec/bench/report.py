@@ -11,10 +11,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import ConfigError
+from .heat_report import HEAT_PLOT, has_heat, heat_lines, plot_heat
 from .measure import PEER, PLAIN, SPECULATIVE, is_peer
 from .summary import peer_key
 
-__all__ = ["write_report", "require_matplotlib", "check_report_dir", "markdown", "PLOTS", "PEER_PLOT"]
+__all__ = ["write_report", "require_matplotlib", "check_report_dir", "markdown", "PLOTS", "PEER_PLOT", "HEAT_PLOT"]
 
 logger = logging.getLogger(__name__)
 
@@ -275,7 +276,7 @@ def markdown(runs: list[dict], plots: list[str]) -> str:
         lines += _mismatch_lines(r)
         if r.get("skipped"):
             lines += [f"Skipped (prompt + reply exceed the context limit): {', '.join(r['skipped'])}.", ""]
-        lines += _results_table(r) + _peer_lines(r) + _server_lines(r) + _sweep_table(r)
+        lines += _results_table(r) + _peer_lines(r) + _server_lines(r) + _sweep_table(r) + ["", *heat_lines(r)]
         lines += ["", f"Prompts: {r['config']['prompts']} ({r['bundle']['chat_format']} for chat prompts). "
                   f"Load average at the start: {_f(load, '.2f')}; run took {r['duration_s']:.0f} s. "
                   f"RSS {_f(mem.get('rss_before_load'), ',')} B before loading, "
@@ -309,28 +310,42 @@ def _figure(w: float, h: float, ncols: int = 1):
     return fig, (list(axes) if ncols > 1 else [axes])
 
 
+def _class_metrics(run: dict, classes: list[str], config: str) -> list[dict]:
+    """`config`'s metrics per class ("overall" too; the speculative one as _spec picks it), {} where absent."""
+    blocks = [run["overall"] if cls == "overall" else run["classes"].get(cls, {}) for cls in classes]
+    return [(b.get(PLAIN) if config == PLAIN else _spec(b)) or {} for b in blocks]
+
+
+def _repeat_range(metrics: list[dict]) -> list[list[float]]:
+    """Error bars from each bar's tok/s down to its slowest repeat and up to its fastest."""
+    lo, hi = [], []
+    for m in metrics:
+        spread, mid = m.get("tok_s_spread"), m.get("tok_s", 0.0)
+        lo.append(max(mid - spread["min"], 0.0) if spread else 0.0)
+        hi.append(max(spread["max"] - mid, 0.0) if spread else 0.0)
+    return [lo, hi]
+
+
 def _plot_speed(runs: list[dict], out: Path) -> None:
     classes = [*_classes(runs), "overall"]
     fig, (ax,) = _figure(max(6.0, 1.3 * len(classes) * max(len(runs), 1) + 2), 4.2)
     n = len(runs)
     width = 0.8 / (2 * n)
     for i, r in enumerate(runs):
-        plain, spec, ups = [], [], []
-        for cls in classes:
-            block = r["overall"] if cls == "overall" else r["classes"].get(cls, {})
-            plain.append(block.get(PLAIN, {}).get("tok_s", 0.0))
-            spec.append((_spec(block) or {}).get("tok_s", 0.0))
-            ups.append((_spec(block) or {}).get("speedup"))
+        plain, spec = _class_metrics(r, classes, PLAIN), _class_metrics(r, classes, SPECULATIVE)
         xs = [j + (2 * i) * width - 0.4 + width / 2 for j in range(len(classes))]
         tag = f" ({r['label']})" if n > 1 else ""
-        ax.bar(xs, plain, width, label=f"plain{tag}", color=f"C{i}", alpha=0.45)
-        bars = ax.bar([x + width for x in xs], spec, width, label=f"speculative{tag}", color=f"C{i}")
+        ax.bar(xs, [m.get("tok_s", 0.0) for m in plain], width, label=f"plain{tag}", color=f"C{i}", alpha=0.45,
+               yerr=_repeat_range(plain), ecolor="grey", capsize=2)
+        bars = ax.bar([x + width for x in xs], [m.get("tok_s", 0.0) for m in spec], width, label=f"speculative{tag}",
+                      color=f"C{i}", yerr=_repeat_range(spec), ecolor="black", capsize=2)
+        ups = [m.get("speedup") for m in spec]
         for bar, up in zip(bars, ups):
             if up:
                 ax.annotate(f"{up:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(classes)), classes)
-    ax.set_ylabel("decode tokens / s (median)")
+    ax.set_ylabel("decode tokens / s (bars: slowest to fastest repeat)")
     ax.set_title("Plain vs speculative decoding per prompt class")
     ax.legend(fontsize=8)
     fig.savefig(out)
@@ -453,6 +468,8 @@ def write_report(runs: list[dict], out_dir: str | Path) -> Path:
     plots = list(zip(PLOTS, (_plot_speed, _plot_acceptance, _plot_draft_length)))
     if any(_has_peer(r) for r in runs):
         plots.append((PEER_PLOT, _plot_peer))
+    if any(has_heat(r) for r in runs):
+        plots.append((HEAT_PLOT, plot_heat))
     for name, plot in plots:
         plot(runs, out / name)
     md = out / "report.md"

@@ -4,9 +4,11 @@ Version 2 (`"kind": "edgespec-bench"`), one run on one device:
 
     schema_version, kind, label, created (UTC ISO 8601), duration_s
     machine     cpu, arch, isa (e.g. ["AVX", "AVX2", "FMA"] or ["NEON", "DOTPROD", "I8MM"]), cores_physical,
-                cores_logical, cores_usable, ram_bytes, os, python, load_avg_1min
+                cores_logical, cores_usable, core_kinds [{kind, cpus}] (fastest first), ram_bytes, os, python,
+                load_avg_1min
     libraries   {distribution: version} (edgespec, onnxruntime, numpy, tokenizers, ...)
-    backend     name, device, draft_backend, draft_device, threads
+    backend     name, device, draft_backend, draft_device, threads, cores {cpus, threads, pinned, reason, layout}
+                (the cores run on: the fast ones of a big.LITTLE CPU, engine/cores.py)
     bundle      name, model_type, family, base_model, chat_format, target {format, precision, n_layers,
                 vocab_size, source}, draft (same, plus vocab_info) or null
     config      prompts, repeat, max_tokens, warmup, stop_at_eos, sampling ("greedy", or {temperature, top_p,
@@ -24,6 +26,12 @@ Version 2 (`"kind": "edgespec-bench"`), one run on one device:
                 {backend, draft_body, verify_width}, tune_ms, candidates [{backend, draft_body, free,
                 one_token_ms, draft_ms, verify_ms {B: ms}, exact_width, measure_ms, cached, score}]
     peer        when llama.cpp was measured: name, library, version, gguf (file name), origin, threads, n_ctx
+    thermal     the CPU around every measured run (bench/thermal.py): source {cpus, clocks, zones, vcgencmd},
+                cooldown_s, configs {config: {runs, verdict ("steady", "throttled", "unknown"),
+                runs_below_top_clock, firmware (Raspberry Pi throttling bits seen), clock_mhz, temp_c, temp_rise_c
+                ({median, min, max}, clocks right after each run, i.e. under load), clock_share_min}}, warnings
+                (configurations compared at different clocks, throttling); per prompt, each configuration's
+                `heat` [{clock_mhz, clock_share, temp_c, temp_rise_c, throttled}] per repeat
     peers       every peer that ran, by configuration name: the same record; llama-server's adds build (source,
                 cmake flags, compiler, cpu), flags (its command line, file names only), spec_type, draft_gguf
     configs     configuration names: "plain", "speculative", then "k=N" of a sweep, then "llama.cpp"
@@ -38,7 +46,8 @@ Version 2 (`"kind": "edgespec-bench"`), one run on one device:
 
 metrics: prompts, runs, new_tokens, prompt_tokens, tok_s (decode: every run's tokens after its first step
 over every run's time after it),
-tok_s_per_repeat, e2e_tok_s, ttft_ms, prefill_tok_s, acceptance (null for plain),
+tok_s_per_repeat, tok_s_spread {min, max, relative} (over the repeats), e2e_tok_s, ttft_ms, prefill_tok_s,
+acceptance (null for plain),
 mean_accepted_length (tokens per target forward), mean_draft_length, draft_ms_per_token,
 verify_ms_per_token, draft_share, peak_rss_bytes, by_draft_length [{drafter, k, steps, accepted,
 acceptance}], identical (null for sampled runs, which are not compared token for token); and for

@@ -22,9 +22,11 @@ from collections import defaultdict
 from statistics import median
 
 from .measure import PEER, PLAIN, RunRecord, is_peer
+from .thermal import heat_rows
 
-__all__ = ["summarise", "group_runs", "class_metrics", "prompt_rows", "mismatches", "first_difference",
-           "peer_ratio", "peer_ratio_paired", "peer_agreement", "peer_figures", "peer_key", "peers_of"]
+__all__ = ["summarise", "group_runs", "class_metrics", "repeat_spread", "prompt_rows", "mismatches",
+           "first_difference", "peer_ratio", "peer_ratio_paired", "peer_agreement", "peer_figures", "peer_key",
+           "peers_of"]
 
 
 def peer_key(peer: str) -> str:
@@ -52,6 +54,12 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
+def repeat_spread(values: list[float]) -> dict:
+    """{min, max, relative}: how far per-repeat speeds spread, relative = (max - min) / median."""
+    mid = median(values)
+    return {"min": min(values), "max": max(values), "relative": (max(values) - min(values)) / mid if mid > 0 else None}
+
+
 def class_metrics(groups: list[list[RunRecord]], plain: dict | None = None) -> dict:
     """Figures for one configuration over a set of prompts (`groups`: one list of repeats per prompt)."""
     groups = [g for g in groups if g]
@@ -66,7 +74,7 @@ def class_metrics(groups: list[list[RunRecord]], plain: dict | None = None) -> d
     draft_ms, verify_ms = sum(r.draft_ms for r in flat), sum(r.verify_ms for r in flat)
     made = sum(len(r.tokens) for r in flat)
     n_rep = max(len(g) for g in groups)
-    per_rep = []  # the class speed in each repeat alone: how noisy the medians are
+    per_rep: list[float] = []  # the class speed in each repeat alone: how noisy the medians are
     for i in range(n_rep):
         reps = [g[i] for g in groups if i < len(g)]
         s = sum(r.decode_s for r in reps)
@@ -83,6 +91,8 @@ def class_metrics(groups: list[list[RunRecord]], plain: dict | None = None) -> d
         "prompt_tokens": int(sum(g[0].prompt_tokens for g in groups)),
         "tok_s": decoded / dec_s if dec_s > 0 else 0.0,
         "tok_s_per_repeat": per_rep,
+        # how far the repeats spread: a device that heats (or a busy neighbour) widens it
+        "tok_s_spread": repeat_spread(per_rep),
         "e2e_tok_s": made_all / tot_s if tot_s > 0 else 0.0,
         "ttft_ms": 1e3 * median(ttft),
         "prefill_tok_s": sum(g[0].prompt_tokens for g in groups) / sum(ttft) if sum(ttft) > 0 else 0.0,
@@ -241,6 +251,7 @@ def prompt_rows(groups: dict[tuple[str, str, str], list[RunRecord]], configs: li
             rs = groups.get((cls, prompt, c), [])
             if rs:
                 row["configs"][c] = _config_cells(rs, ref, greedy, c, peer_runs)
+                row["configs"][c].update(heat_rows(rs))  # per repeat: the CPU right after the run (thermal.py)
         rows.append(row)
     return rows
 

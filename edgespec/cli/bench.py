@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "always end where edgespec chat ends a reply")
     g.add_argument("--k-sweep", type=_k_list, default=(), metavar="K1,K2,...",
                    help="also measure fixed draft lengths, e.g. 1,2,4,8 (plotted as speed per draft length)")
+    g.add_argument("--cooldown", type=float, default=0.0, metavar="SECONDS",
+                   help="pause this long before every measured run, so a phone or a fanless board starts each "
+                        "run cooler (clocks and temperatures are recorded either way; default: 0)")
     g.add_argument("--json", default=None, metavar="FILE", help="write the results (versioned schema) here")
     g.add_argument("--report", default=None, metavar="DIR", help="write report.md and PNG plots into DIR")
     g.add_argument("--label", default=None, help="name of this run in reports (default: CPU, cores, backend)")
@@ -126,7 +129,7 @@ def _run(argv: list[str]) -> int:
     req = BenchRequest(bundle=args.bundle, engine=engine_config_from_args(args),
                        bench=BenchConfig(repeat=args.repeat, max_tokens=args.max_tokens, warmup=args.warmup,
                                          stop_at_eos=args.stop_at_eos, k_sweep=args.k_sweep,
-                                         sampling=sampling_params(args)),
+                                         sampling=sampling_params(args), cooldown_s=args.cooldown),
                        prompts=args.prompts, json=args.json, report=args.report, label=args.label,
                        peer_gguf=args.peer_gguf or (None if args.no_peer else _gguf_given(args.bundle)),
                        peer=not args.no_peer, peers=args.peers, llama_server=args.llama_server,

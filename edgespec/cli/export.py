@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "NAME the target's file or folder name without .gguf; without --target: the embedded "
                         "default's bundle in the user cache, which only this or an explicit -o rewrites)")
     p.add_argument("--force", action="store_true", help="replace an existing bundle")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="memory the export may use, e.g. 900MB: it streams the weights, and stops before a "
+                        "step that would pass the budget (a GGUF source)")
     p.add_argument("-v", "--verbose", action="count", default=0)
     return p
 
@@ -119,6 +122,7 @@ def main(argv: list[str]) -> int:
         draft_head=None if args.draft_head == "none" else args.draft_head,
         train_minutes=args.train_minutes,
         tree=args.tree,
+        memory_budget=args.memory_budget,
     )
     out = export_bundle(cfg)
     print(f"bundle written: {out}")

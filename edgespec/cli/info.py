@@ -30,6 +30,17 @@ def _backends() -> list[str]:
     return lines
 
 
+def _cores() -> list[str]:
+    """The machine's kinds of core and the ones an engine decodes on by default (engine/cores.py)."""
+    from ..engine.cores import machine_cores, read_cores
+
+    choice = machine_cores(None)
+    threads = f"{choice.threads} threads per model" if choice.threads else "threads: the backend's choice"
+    return [f"cores: {read_cores().describe()}",
+            f"  decoding on cores {','.join(map(str, choice.cpus))} ({threads}{', pinned' if choice.pin else ''}): "
+            f"{choice.reason}; --threads N sets the count"]
+
+
 def _version(package: str) -> str:
     for dist in (package, package.replace("_", "-")):
         try:
@@ -116,6 +127,7 @@ def main(argv: list[str]) -> int:
                         "cached after the first run)")
     p.add_argument("--retune", action="store_true", help="probe and measure again instead of reading the cache")
     args = p.parse_args(argv)
+    print("\n".join(_cores()))
     print("backends:")
     print("\n".join(_backends()))
     if args.bundle:

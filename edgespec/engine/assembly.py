@@ -22,6 +22,7 @@ from ..runtimes import BACKENDS, pick_backend
 from .choices import STATIC_DRAFT_WIDTH, backend_for_device, resolve_drafting, shared_body_blocker
 from .config import EngineConfig
 from .context import check_max_context
+from .cores import CoreChoice
 
 if TYPE_CHECKING:
     from .tuning import Tuning
@@ -72,6 +73,12 @@ class EnginePlan:
     verify_limit: int | None = None  # the tuner's widest verify (None: the exact widths alone decide)
     tuned: bool = False  # the tuner chose what the config left open
     tuning: Tuning | None = None  # what the tuner measured (its candidates' figures), where it ran
+    cores: CoreChoice | None = None  # the cores run on and the threads per model (cores.py); None: not chosen
+
+    @property
+    def threads(self) -> int | None:
+        """Threads per model as the runtimes are opened with them (None: the backend's choice)."""
+        return self.target.options.get("threads")
 
     @property
     def backend(self) -> str:
@@ -96,7 +103,8 @@ class EnginePlan:
                 "policy": self.policy, "k": self.k,
                 "draft_body": self.draft_body,
                 "draft_body_reason": self.draft_body_reason, "budgeted": self.budgeted,
-                "max_context": self.max_context, "verify_limit": self.verify_limit, "tuned": self.tuned}
+                "max_context": self.max_context, "verify_limit": self.verify_limit, "tuned": self.tuned,
+                "cores": None if self.cores is None else self.cores.to_dict()}
 
 
 def probe_width(drafter: str | None, policy: str, k: int, max_batch: int | None) -> int:
@@ -132,6 +140,9 @@ def decoder_limits(max_context: int | None, kv_capacities: list[int | None], mem
                    else None if prefill_chunk is None else max(prefill_chunk, MAX_PROBE_WIDTH)))
 
 
+def _threads(config: EngineConfig, cores: CoreChoice | None) -> int | None:
+    """Threads per model: the core choice's (made for config.threads), else the config's."""
+    return config.threads if cores is None else cores.threads
 def _exact_bounds(exactness, verify_limit: int | None) -> tuple[int | None, int | None]:
     """(widest verify, most keys a verify may reach): the widths the probe found exact, within the
     tuner's `verify_limit`, and the keys it checked them at; None where it found no width exact."""
@@ -163,10 +174,12 @@ def _default_context(m, backend: str) -> int | None:
     return default_context(trained, per_token, available_memory())
 
 
-def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tuned | None = None) -> EnginePlan:
+def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tuned | None = None,
+                cores: CoreChoice | None = None) -> EnginePlan:
     """The plan for opening a bundle with `manifest` under `config` where `installed` backends are;
     `tuned` (tuning.py) fills what the config leaves open: the backend, an auto draft body, and
-    the verify width where no k is given."""
+    the verify width where no k is given; `cores` (cores.choose_cores, made for config.threads)
+    gives the threads per model and the cores the engine pins itself to."""
     c = config
     m = manifest
     check_max_context(c.max_context, getattr(m.target, "context_length", None))  # None: an older bundle
@@ -188,7 +201,7 @@ def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tun
     # static shapes (asked for, or an NPU's) hold their whole capacity from the start: their own default
     fixed = c.static or (c.device or "").upper().startswith("NPU")
     ctx = c.max_context if c.max_context is not None or budgeted or fixed else _default_context(m, backend)
-    common = {"threads": c.threads, "device": c.device,
+    common = {"threads": _threads(c, cores), "device": c.device,
               **({"kv_capacity": ctx} if ctx is not None and not budgeted else {})}
     shared, reason = False, "no draft model"  # the draft's body is decided here, and only here
     if wants_draft:
@@ -219,7 +232,7 @@ def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tun
     draft_body = "shared" if shared else "own" if draft is not None else None
     return EnginePlan(c, target, draft, drafter, policy, k, draft_body, reason, budgeted, switchable, c.max_context,
                       k if policy == "fixed" else 2 * k, tuned.verify_width if tuned and c.k is None else None,
-                      tuned is not None)
+                      tuned is not None, cores=cores)
 
 
 def _own_draft(m, c: EngineConfig, backend: str, fmt: str, common: dict, installed: list[str]) -> ModelPlan:

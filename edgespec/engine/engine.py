@@ -43,6 +43,7 @@ from ..tokenizer import IncrementalDecoder, Tokenizer
 from .assembly import EnginePlan, plan_engine
 from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
 from .config import EngineConfig, engine_config
+from .cores import machine_cores
 from .inputs import check_stop, check_text, check_token_ids
 from .opening import open_plan
 from .tuning import tune
@@ -72,8 +73,9 @@ class Response:
         return sum(v for parts in self.memory.values() for k, v in parts.items() if k != "kv_used")
 
 
-def default_bundle(fmt: str = "onnx") -> Path:
-    """The default bundle in format `fmt`, exported from the embedded Gemma 3 270M the first time."""
+def default_bundle(fmt: str = "onnx", memory_budget: int | None = None) -> Path:
+    """The default bundle in format `fmt`, exported from the embedded Gemma 3 270M the first time
+    (within `memory_budget` bytes for the whole process, where one is given)."""
     from ..models.catalog import DEFAULT_PRESET, default_bundle_path
 
     path = default_bundle_path(DEFAULT_PRESET, fmt)
@@ -82,10 +84,12 @@ def default_bundle(fmt: str = "onnx") -> Path:
     with built_once(path):  # a second first run waits for this one and takes its bundle
         if not path.exists():
             from ..exporters.export import ExportConfig, export_bundle
+            from ..runtimes.heap import trim_heap
 
             with task(f"building the default bundle in {path} (one time, a few minutes)", announce=True):
                 # a GGUF target shares the assembled file (written by rename, never in place) by a link
-                export_bundle(ExportConfig(output=path, formats=(fmt,), share_source=True))
+                export_bundle(ExportConfig(output=path, formats=(fmt,), share_source=True, memory_budget=memory_budget))
+            trim_heap()  # the build's freed pages back to the OS before the engine measures what it holds
     return path
 
 
@@ -129,7 +133,8 @@ class Engine:
     def __init__(self, bundle: Bundle, config: EngineConfig | None = None, *, plan: EnginePlan | None = None,
                  clock: Callable[[], float] = time.perf_counter, **overrides) -> None:
         if plan is None:
-            plan = plan_engine(bundle.manifest, engine_config(config, **overrides), installed_backends())
+            cfg = engine_config(config, **overrides)
+            plan = plan_engine(bundle.manifest, cfg, installed_backends(), cores=machine_cores(cfg.threads))
         elif config is not None or overrides:
             raise ConfigError("give Engine a config (and overrides) or a plan, not both")
         self.config, self.plan, self.bundle = plan.config, plan, bundle
@@ -479,8 +484,9 @@ def resolve(bundle: Bundle, config: EngineConfig | None = None, *, installed: li
     it: this runs before the engine that is kept exists."""
     cfg = engine_config(config, **overrides)
     installed = installed_backends() if installed is None else installed
-    tuning = tune(bundle, cfg, installed, lambda plan: Engine(bundle, plan=plan, clock=clock))
-    plan = plan_engine(bundle.manifest, cfg, installed, tuning.choice if tuning else None)
+    cores = machine_cores(cfg.threads)  # the fast cores of a big.LITTLE CPU (cores.py)
+    tuning = tune(bundle, cfg, installed, lambda plan: Engine(bundle, plan=plan, clock=clock), cores)
+    plan = plan_engine(bundle.manifest, cfg, installed, tuning.choice if tuning else None, cores)
     return plan if tuning is None else dataclasses.replace(plan, tuning=tuning)
 
 
@@ -496,11 +502,11 @@ def load(bundle: str | Path | None = None, config: EngineConfig | None = None, *
     cfg = engine_config(config, **overrides)  # checked before any bundle is built
     fmt = first_use_format(cfg)
     if bundle is None:
-        path = default_bundle(fmt)
+        path = default_bundle(fmt, cfg.memory_budget)
     else:
         from ..exporters.gguf.bundles import resolve_bundle
 
-        path = resolve_bundle(bundle, fmt)
+        path = resolve_bundle(bundle, fmt, cfg.memory_budget)
     b = load_bundle(path)
     return Engine(b, plan=resolve(b, cfg))
 

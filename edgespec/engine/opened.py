@@ -110,4 +110,5 @@ class Opened:
                 "draft_body": self.draft_body, "drafter": self.drafter, "policy": self.policy, "k": self.k,
                 "limits": self.limits.to_dict(),
                 "exactness": None if probe is None else {"summary": probe.describe(), **probe.to_dict()},
-                "speculation": self.speculation(), "deviations": [d.to_dict() for d in self.deviations]}
+                "speculation": self.speculation(), "deviations": [d.to_dict() for d in self.deviations],
+                "cores": None if self.plan.cores is None else self.plan.cores.to_dict()}

@@ -17,6 +17,7 @@ from ..bundle import Bundle
 from ..decoding.cache import batch_limit
 from ..runtimes import BACKENDS, Runtime, exact_mode_memory, open_runtime, open_shared_pair
 from .assembly import EnginePlan, decoder_limits, probe_width
+from .cores import pin_process
 from .exact_mode import inexact_drafting, settle_exact_mode
 from .opened import DRAFT_DOES_NOT_FIT, DRAFTING_REFUSED, Deviation, Opened
 
@@ -60,6 +61,7 @@ def open_plan(bundle: Bundle, plan: EnginePlan, stack: ExitStack, *, retune: boo
     """Open what `plan` lists (everything opened is entered into `stack`), plan memory under a
     budget, settle the target's exact mode; `retune`: probe again instead of reading the cache."""
     st = _Opening(plan, stack, drafter=plan.drafter)
+    pin_process(plan.cores)  # before any runtime starts its threads: they inherit the cores
     budget = _budget(bundle, plan)  # None: no budget
     files = [bundle.file(plan.target.file)] + ([bundle.file(plan.draft.file)] if plan.shared_body else [])
     modes = _ModeMemory.of(plan, files, retune=retune)
@@ -100,7 +102,8 @@ class _ModeMemory:
         modes = BACKENDS[backend].exact_modes if not c.static else ()  # static shapes have one width
         if not modes:
             return cls({}, None, None)
-        recall, remember = exact_mode_memory(backend, files[:1], {"threads": c.threads, "device": c.device, **ctx_kw})
+        options = {"threads": plan.threads, "device": c.device, **ctx_kw}
+        recall, remember = exact_mode_memory(backend, files[:1], options)
         remembered = None if retune else recall()
         return cls(remembered or {}, remembered, remember)
 
@@ -121,7 +124,7 @@ def _settle_first(plan: EnginePlan, files: list[Path], modes: _ModeMemory, retun
         if shared is not None:
             stack.enter_context(shared)
         widest = probe_width(plan.drafter, plan.policy, plan.k, batch_limit(target, None))
-        settled = settle_exact_mode(plan.backend, target, shared, files, widest, threads=plan.config.threads,
+        settled = settle_exact_mode(plan.backend, target, shared, files, widest, threads=plan.threads,
                                     retune=retune, reopen=reopen, mode={}, stack=stack, remember=modes.remember,
                                     reach=plan.config.probe_context)
     return settled.mode
@@ -161,7 +164,7 @@ def _settle(st: _Opening, files: list[Path], reopen, modes: _ModeMemory, memory_
     max_batch = decoder_limits(None, [], memory_plan, None, False).max_batch
     widest = probe_width(st.drafter, plan.policy, plan.k, batch_limit(st.target, max_batch))
     settled = settle_exact_mode(plan.backend, st.target, st.draft if plan.shared_body else None, files,
-                                widest, threads=plan.config.threads, retune=retune, mode=modes.mode,
+                                widest, threads=plan.threads, retune=retune, mode=modes.mode,
                                 stack=st.stack, reopen=reopen, remember=modes.remember,
                                 reach=plan.config.probe_context)
     st.target = settled.target

@@ -45,6 +45,7 @@ from ..progress import task
 from ..runtimes import BACKENDS, backend_version
 from .assembly import EnginePlan, Tuned, plan_engine
 from .config import EngineConfig
+from .cores import CoreChoice
 
 __all__ = ["ACCEPTANCES", "DRAFT_LENGTHS", "Measurement", "Tuning", "candidate_plans", "candidates", "choose",
            "contenders",
@@ -343,7 +344,8 @@ def candidates(manifest, config: EngineConfig, installed: list[str]) -> list[tup
     return list(candidate_plans(manifest, config, installed))
 
 
-def candidate_plans(manifest, config: EngineConfig, installed: list[str]) -> dict[tuple[str, str | None], EnginePlan]:
+def candidate_plans(manifest, config: EngineConfig, installed: list[str],
+                    cores: CoreChoice | None = None) -> dict[tuple[str, str | None], EnginePlan]:
     """candidates(), each with the plan that opens it (untuned): planned once per candidate."""
     backends = [config.backend] if config.backend else [
         n for n in installed if BACKENDS[n].bundle_format in manifest.target.formats]
@@ -352,7 +354,8 @@ def candidate_plans(manifest, config: EngineConfig, installed: list[str]) -> dic
     for backend in backends:
         for body in bodies:
             try:
-                plan = plan_engine(manifest, config.replace(backend=backend, draft_body=body, tune=False), installed)
+                plan = plan_engine(manifest, config.replace(backend=backend, draft_body=body, tune=False), installed,
+                                   cores=cores)
             except ConfigError:
                 continue  # this backend or body cannot open the bundle under the config
             out.setdefault((backend, plan.draft_body), plan)
@@ -415,8 +418,8 @@ def _measured(plans: list, measure: Callable[[EnginePlan], Measurement | None], 
     return found
 
 
-def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callable[[EnginePlan], object]
-         ) -> Tuning | None:
+def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callable[[EnginePlan], object],
+         cores: CoreChoice | None = None) -> Tuning | None:
     """Measure each candidate configuration of `bundle` under `config` (or read its figures from
     the cache) and choose; None where there is nothing to choose (one candidate) or the load is
     not tuned (skip_reason). `open_engine(plan)` opens an engine on the bundle executing `plan`
@@ -425,7 +428,7 @@ def tune(bundle, config: EngineConfig, installed: list[str], open_engine: Callab
     if why is not None:
         logger.debug("not tuning: %s", why)
         return None
-    cands = candidate_plans(bundle.manifest, config, installed)
+    cands = candidate_plans(bundle.manifest, config, installed, cores)  # measured on the cores the engine runs on
     if len(cands) < 2:
         return None
     plans = []

@@ -14,8 +14,10 @@ import onnx
 from ..bundle import MANIFEST, SCHEMA_VERSION, Artifact, Manifest, ModelEntry, staged_bundle_dir
 from ..errors import ConfigError, ExportError
 from ..models.catalog import DEFAULT_PRESET, preset_source
+from .build_memory import CALIBRATION_KV_TOKENS, BuildBudget
 from .context import trained_context
 from .draft_shape import DraftShape, shape_draft
+from .onnx.external import ExternalData, save_streamed
 from .onnx.graph import GraphOptions, build_decoder
 from .onnx.quantize import SCHEMES, quantize_model
 from .sources import Source, check_source, load_source
@@ -87,6 +89,9 @@ class ExportConfig:
     train_minutes: float | None = None  # its training budget (None: distill's default)
     # the target's ONNX graph takes draft trees (exporters/onnx/tree.py): one forward verifies a tree
     tree: bool = False
+    # bytes the whole process may hold while building (build_memory.py): each costly phase is
+    # checked before it runs, and one that would not fit stops the build (None: no budget)
+    memory_budget: int | str | None = None
     # a GGUF kept as it is may be a hard link to the source rather than a copy (the direct-GGUF
     # cache: no second copy on disk); the bundle records it and refuses to load once it changed
     share_source: bool = False
@@ -119,7 +124,14 @@ class ExportConfig:
             raise ConfigError("--calibration only matters with --draft-vocab or --draft-head trained")
         if self.tree and "onnx" not in self.formats:
             raise ConfigError("--tree writes the ONNX target's graph for tree verification: add --format onnx")
+        self._parse_budget()
         self._check_draft_head()
+
+    def _parse_budget(self) -> None:
+        if self.memory_budget is not None:
+            from ..memory.budget import parse_bytes
+
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))  # bytes once built
 
     def _check_draft_head(self) -> None:
         if self.draft_head not in (None, "trained"):
@@ -153,6 +165,14 @@ def _save(model: onnx.ModelProto, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=path.name + ".data", size_threshold=1024)
+
+
+def write_streamed(spec: ModelSpec, weights, opts: GraphOptions, path: Path) -> None:
+    """Build and save a decoder graph whose initializers go to `path`'s data file as they are made
+    (onnx/external.py): the weights are never all in memory, in the source's form or the graph's."""
+    with ExternalData(path) as data:
+        model = build_decoder(spec, weights, opts, data=data)
+    save_streamed(model, path)
 
 
 def _weights(source: Source) -> dict[str, np.ndarray]:
@@ -213,10 +233,8 @@ def write_onnx(job: ModelJob, bar) -> Artifact:
     if job.precision == "source":  # the GGUF's blocks as MatMulNBits, nothing re-encoded
         bar.set_postfix_str(f"transcoding {job.role}")
         opts = replace(job.opts, weight_dtype="fp32", kv_layout="append", nbits_accuracy=SOURCE_ACCURACY_LEVEL)
-        model = build_decoder(job.spec, job.weights, opts)
+        write_streamed(job.spec, job.weights, opts, path)
         precision, quant = _source_quantization(replace(job, opts=opts))
-        bar.set_postfix_str(f"writing {job.role}")
-        _save(model, path)
         return Artifact(file=str(path.relative_to(job.bundle_dir)), precision=precision, quantization=quant)
     job = replace(job, precision=job.precision or "fp32")
     # "append" KV: the runtime keeps fixed preallocated cache buffers (edgespec/memory)
@@ -262,7 +280,8 @@ def _check_draft_vocab(target: Source, draft: Source) -> None:
         raise ExportError("the draft's tokenizer differs from the target's; pick a draft of the same family")
 
 
-def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx: Path | None):
+def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx: Path | None,
+                         budget: BuildBudget | None = None):
     """A factory of an onnxruntime Runtime on the exported target, for VocabTrim calibration
     without torch; None for a transformers source (its model generates). Without an ONNX target
     in the bundle, a scratch one is built (and removed with the staging folder's scratch)."""
@@ -275,7 +294,7 @@ def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx
             from ..runtimes.llamacpp.runtime import LlamaCppRuntime
 
             try:
-                return LlamaCppRuntime(source.path, kv_capacity=1024)
+                return LlamaCppRuntime(source.path, kv_capacity=CALIBRATION_KV_TOKENS)
             except BackendError as e:
                 raise ExportError(f"VocabTrim calibration for --format gguf runs llama.cpp ({e}); "
                                   "or give --draft-vocab full") from e
@@ -284,10 +303,11 @@ def _calibration_runtime(source: Source, spec: ModelSpec, tmp: Path, target_onnx
         path = target_onnx
         if path is None:
             path = tmp / ".calibration" / "model.onnx"
-            model = build_decoder(spec, source.model.tensors,
-                                  GraphOptions(kv_layout="append", nbits_accuracy=SOURCE_ACCURACY_LEVEL))
-            _save(model, path)
-        return OnnxRuntime(path, kv_capacity=1024)
+            write_streamed(spec, source.model.tensors,
+                           GraphOptions(kv_layout="append", nbits_accuracy=SOURCE_ACCURACY_LEVEL), path)
+        if budget is not None:
+            budget.check_session(path.with_name(path.name + ".data"), spec)
+        return OnnxRuntime(path, kv_capacity=CALIBRATION_KV_TOKENS)
     return make
 
 
@@ -313,9 +333,10 @@ def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: Model
         bar.update()
     vocab = auto_draft_vocab(spec.vocab_size) if cfg.draft_vocab == "auto" else cfg.draft_vocab
     bar.set_postfix_str("calibrating VocabTrim" if vocab else "shaping draft")
+    budget = BuildBudget(cfg.memory_budget)
     shape = shape_draft(source, spec, chat_template, vocab=vocab, layers=cfg.draft_layers,
-                        calibration=cfg.calibration, runtime=_calibration_runtime(source, spec, tmp, target_onnx),
-                        stop_ids=stop_ids)
+                        calibration=cfg.calibration,
+                        runtime=_calibration_runtime(source, spec, tmp, target_onnx, budget), stop_ids=stop_ids)
     shutil.rmtree(tmp / ".calibration", ignore_errors=True)  # a scratch target, if one was built
     shaped = shape.layers is not None or shape.vocab_keep is not None
     top = int(shape.vocab_keep.max()) + 1 if shape.vocab_keep is not None else spec.vocab_size
@@ -326,6 +347,7 @@ def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: Model
     weights = _job_weights(source, precision, weights if precision != "source" else None)
     # an untied head lets the quantizer shrink the LM head too, the draft's costliest matmul
     opts = GraphOptions(layers=shape.layers, vocab_keep=shape.vocab_keep, tie_head=False)
+    budget.check_matrices(weights, "draft")
     arts = _write_formats(cfg.formats, ModelJob("draft", spec, weights, precision, opts, source, tmp,
                                                 cfg.share_source), bar)
     id_map = None
@@ -357,6 +379,8 @@ def export_bundle(cfg: ExportConfig) -> Path:
 
         read_prompt_file(Path(cfg.calibration))  # read again when used: here only checked before any work
     steps = 4 + (cfg.draft is not None) + (draft_path is not None)
+    budget = BuildBudget(cfg.memory_budget)
+    budget.check_source(target_path)  # before any work: the build's costliest phase, from the file's size
     with staged_bundle_dir(Path(cfg.output), force=cfg.force) as tmp, task("export", total=steps) as bar:
         bar.set_postfix_str(f"loading {Path(target_path).name}")
         source = load_source(target_path, lazy=lazy_gguf(cfg.formats))
@@ -366,6 +390,7 @@ def export_bundle(cfg: ExportConfig) -> Path:
         bar.update()
         # the target keeps a tied embedding as one tensor (Gather and Gemm share it)
         opts = GraphOptions(tie_head=True, tree=cfg.tree)
+        budget.check_matrices(weights, "target")
         target_arts = _write_formats(cfg.formats, ModelJob("target", spec, weights, precision, opts, source, tmp,
                                                            cfg.share_source), bar)
         bar.update()

@@ -38,14 +38,15 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-def resolve_bundle(arg: str | os.PathLike, fmt: str = "onnx") -> Path:
+def resolve_bundle(arg: str | os.PathLike, fmt: str = "onnx", memory_budget: int | None = None) -> Path:
     """The bundle folder a BUNDLE argument names: a GGUF file becomes its cached bundle in format
-    `fmt` (built on first use); anything else is taken as a bundle folder, which load_bundle checks."""
+    `fmt` (built on first use, within `memory_budget` bytes where given); anything else is taken
+    as a bundle folder, which load_bundle checks."""
     path = Path(arg).expanduser()
     if path.is_dir():
         return path
     if path.is_file() or path.suffix.lower() == ".gguf":
-        return bundle_for_gguf(path, fmt)
+        return bundle_for_gguf(path, fmt, memory_budget)
     return path
 
 
@@ -79,7 +80,7 @@ def _check_architecture(path: Path) -> None:
                           f"(supported: {', '.join(sorted(ARCHS))})")
 
 
-def bundle_for_gguf(path: str | os.PathLike, fmt: str = "onnx") -> Path:
+def bundle_for_gguf(path: str | os.PathLike, fmt: str = "onnx", memory_budget: int | None = None) -> Path:
     """The `fmt` bundle of the GGUF file `path` in the user cache: reused when one was built from
     the same content by this bundle revision, else exported now (atomically: a run killed half-way
     leaves only a staging folder, which the next export sweeps). A backend that runs GGUF gets a
@@ -101,5 +102,9 @@ def bundle_for_gguf(path: str | os.PathLike, fmt: str = "onnx") -> Path:
                   "other options)", announce=True):
             # ExportConfig's other defaults are the embedded default bundle's: a self-draft, the GGUF's own
             # blocks; the target shares the user's file (a hard link, checked at load) rather than doubling it
-            return export_bundle(ExportConfig(output=out, target=gguf.resolve(), formats=(fmt,), force=out.exists(),
-                                              share_source=True))
+            bundle = export_bundle(ExportConfig(output=out, target=gguf.resolve(), formats=(fmt,), force=out.exists(),
+                                                share_source=True, memory_budget=memory_budget))
+    from ...runtimes.heap import trim_heap
+
+    trim_heap()  # the build's freed pages back to the OS before an engine measures what it holds
+    return bundle

@@ -17,6 +17,7 @@ import logging
 import math
 import numbers
 from collections import Counter
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +27,7 @@ import numpy as np
 from ...errors import ExportError
 from ...models.families import family_for
 from ..spec import ModelSpec
+from .deferred import LazyTensors, deferring
 from .reader import check_layout, open_gguf
 from .reader import field as _field
 from .transcode import BlockWeight, quant_type_name, transcode
@@ -98,7 +100,9 @@ class GGUFModel:
 
     spec: ModelSpec
     config: SimpleNamespace  # max_position_embeddings, intermediate_size (what gguf/export reads)
-    tensors: dict[str, BlockWeight | np.ndarray]  # transformers names, the file's own blocks
+    # transformers names -> the file's own blocks (BlockWeight) or float arrays, large ones read
+    # from the file when asked for (gguf/deferred.LazyTensors)
+    tensors: MutableMapping[str, BlockWeight | np.ndarray]
     block_types: dict[str, int] = field(default_factory=dict)  # GGUF type -> tensor count
     file_type: str = "unknown"  # llama.cpp's name, e.g. Q4_K_M
     precision: str | None = None  # edgespec's name when it has one (int4 for Q4_K_M)
@@ -410,6 +414,13 @@ def _check_tensors(spec: ModelSpec, tensors: dict) -> None:
                                   f"metadata's head counts give {shape}")
 
 
+def _loader(path: Path, reader, load):
+    """(read_gguf's `load`, whether it decodes weights): None leaves matrices in the file (deferred)."""
+    if load is None:
+        return deferring(path, reader), True
+    return load, load is transcode
+
+
 def _rope_freqs(t) -> np.ndarray:
     """The rope frequency factors a GGUF stores (llama 3's long-context scaling): every rotation
     divides by them, so each must be a finite number > 0 (a NaN would make every logit NaN)."""
@@ -420,15 +431,20 @@ def _rope_freqs(t) -> np.ndarray:
     return freqs
 
 
-def read_gguf(path: Path, reader=None, load=transcode) -> GGUFModel:
-    """Read `path`'s config and weights; every unsupported feature is a one-line ExportError."""
+def read_gguf(path: Path, reader=None, load=None) -> GGUFModel:
+    """Read `path`'s config and weights; every unsupported feature is a one-line ExportError.
+
+    load: how a tensor is taken from the file, (raw, qtype, shape, name) -> weight. None: matrices
+    stay in the file until a writer reads them (gguf/deferred.py), norms and biases are transcoded
+    now; `transcode` decodes everything now; reader.lazy_tensor only describes them."""
     reader = reader or open_gguf(path)
     arch = str(_field(reader, "general.architecture", ""))
     if arch not in ARCHS:
         raise ExportError(f"GGUF architecture {arch[:40]!r} is not supported (supported: {', '.join(sorted(ARCHS))})")
     facts = ARCHS[arch]
     family = family_for(facts.model_type)
-    if facts.moe and load is transcode:  # before any weight is decoded: a graph computes every expert
+    load, decodes = _loader(path, reader, load)
+    if facts.moe and decodes:  # before any weight is decoded: a graph computes every expert
         check_dense_experts(arch, *_experts(reader, arch))
     tensors: dict[str, BlockWeight | np.ndarray] = {}
     types: Counter = Counter()
@@ -473,5 +489,5 @@ def read_gguf(path: Path, reader=None, load=transcode) -> GGUFModel:
     from .export import precision_of_gguf
 
     have, ftype = precision_of_gguf(path, reader)
-    return GGUFModel(spec=spec, config=config, tensors=tensors, block_types=dict(types), file_type=ftype,
+    return GGUFModel(spec=spec, config=config, tensors=LazyTensors(tensors), block_types=dict(types), file_type=ftype,
                      precision=have or ftype.lower())

@@ -171,7 +171,7 @@ def _byte_level_bpe(reader, tokens: list[str]):
 
 
 def build_tokenizer(reader):
-    """(tokenizers.Tokenizer, token types, token strings) from a GGUFReader's tokenizer.* metadata,
+    """(tokenizers.Tokenizer, token types, token strings) from an open GGUF's tokenizer.* metadata,
     tokenizing as llama.cpp does with special tokens parsed."""
     from tokenizers import AddedToken
 

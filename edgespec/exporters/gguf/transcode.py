@@ -47,7 +47,8 @@ import numpy as np
 
 from ...errors import ExportError
 
-__all__ = ["BlockWeight", "transcode", "TRANSCODABLE", "dequantize_blockweight", "quant_type_name", "fold_mins"]
+__all__ = ["BlockWeight", "transcode", "check_transcodable", "TRANSCODABLE", "dequantize_blockweight",
+           "quant_type_name", "fold_mins"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ def _q5_1(blocks: np.ndarray):
 
 def _q8_0(blocks: np.ndarray):
     d = _f16(blocks[:, :2])
-    q = (blocks[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    q = blocks[:, 2:] ^ np.uint8(0x80)  # int8 q + 128 as a byte: flipping the sign bit, no wider temporary
     return q[:, None, :], d, None, 8, None
 
 
@@ -314,27 +315,37 @@ def quant_type_name(qtype) -> str:
         return f"type {int(qtype)}"
 
 
+def check_transcodable(qtype, shape: tuple[int, ...], name: str) -> str:
+    """The block type's name if `transcode` takes a tensor of this type and shape, else a one-line
+    ExportError naming the tensor: checked when a GGUF is read, before any tensor is decoded."""
+    tname = quant_type_name(qtype)
+    if tname in _FLOATS:
+        return tname
+    if tname not in _DECODERS:
+        raise ExportError(f"tensor {name} has GGUF block type {tname}, which edgespec cannot transcode "
+                          f"(supported: {', '.join(TRANSCODABLE)})")
+    if len(shape) != 2:
+        raise ExportError(f"tensor {name}: a quantized {tname} tensor of shape {tuple(shape)} is not a matrix")
+    if shape[1] % _DECODERS[tname][0]:
+        raise ExportError(f"tensor {name}: row length {shape[1]} is not a multiple of the {tname} block "
+                          f"({_DECODERS[tname][0]})")
+    return tname
+
+
 def transcode(raw: np.ndarray, qtype, shape: tuple[int, ...], name: str) -> BlockWeight | np.ndarray:
     """One GGUF tensor (`raw`: its bytes or its float array as gguf's reader returns them; `shape`:
     numpy order, rows last-but-one) as a BlockWeight (2-D quantized) or a float32 array.
 
     A block type not listed in TRANSCODABLE is a one-line ExportError naming it and the tensor."""
-    tname = quant_type_name(qtype)
+    tname = check_transcodable(qtype, shape, name)
     if tname in _FLOATS:
         if tname == "BF16":
             arr = (np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:
             arr = np.asarray(raw).astype(np.float32)
         return arr.reshape(shape)
-    if tname not in _DECODERS:
-        raise ExportError(f"tensor {name} has GGUF block type {tname}, which edgespec cannot transcode "
-                          f"(supported: {', '.join(TRANSCODABLE)})")
-    if len(shape) != 2:
-        raise ExportError(f"tensor {name}: a quantized {tname} tensor of shape {tuple(shape)} is not a matrix")
     n, k = shape
     per, nbytes, decode = _DECODERS[tname]
-    if k % per:
-        raise ExportError(f"tensor {name}: row length {k} is not a multiple of the {tname} block ({per})")
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, nbytes)
     if blocks.shape[0] != n * k // per:
         raise ExportError(f"tensor {name}: {blocks.shape[0]} {tname} blocks for shape {tuple(shape)}")

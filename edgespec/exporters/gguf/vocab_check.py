@@ -33,13 +33,13 @@ class VocabFacts:
 def _tokens(reader) -> tuple[bytes, ...]:
     """Token texts as raw bytes, without decoding 100k+ strings one by one."""
     f = reader.fields.get("tokenizer.ggml.tokens")
-    if f is None:
+    if f is None or not isinstance(f.value, list):
         return ()
-    return tuple(bytes(f.parts[i]) for i in f.data)
+    return tuple(f.value)  # reader.GGUFField keeps strings as the bytes stored
 
 
 def vocab_facts(reader) -> VocabFacts:
-    """The facts of an open gguf.GGUFReader's vocabulary."""
+    """The facts of an open GGUF's vocabulary (reader.open_gguf)."""
     from .reader import field
 
     def opt_int(key: str) -> int | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from ..gguf.transcode import BlockWeight
 
@@ -14,7 +14,7 @@ __all__ = ["BlockOps", "kernel_form"]
 
 class BlockOps:
     """Mixin of the graph builder (onnx/graph._G) for BlockWeight weights; expects its `op`,
-    `const`, `name`, `nodes`, `inits`, `nbits_accuracy`, `float_zero_points`, `fused` and a `_blocks` dict."""
+    `const`, `name`, `nodes`, `init`, `nbits_accuracy`, `float_zero_points`, `fused` and a `_blocks` dict."""
 
     def blocks(self, w: BlockWeight, name: str) -> tuple[str, ...]:
         """(codes, scales[, zero points]) initializer names of a BlockWeight, written once per name."""
@@ -22,8 +22,8 @@ class BlockOps:
             return self._blocks[name]
         n, k = w.shape
         names = [name + ".codes", name + ".scales"]
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(w.codes), names[0]))
-        self.inits.append(numpy_helper.from_array(w.scales.reshape(-1), names[1]))  # (N * k_blocks,)
+        self.init(np.ascontiguousarray(w.codes), names[0])
+        self.init(w.scales.reshape(-1), names[1])  # (N * k_blocks,)
         if w.zero_points is not None:
             zp = w.zero_points
             if zp.dtype == np.uint8 and w.bits == 4:  # two per byte, each row padded to whole bytes
@@ -31,7 +31,7 @@ class BlockOps:
                     zp = np.concatenate([zp, np.full((n, 1), 8, np.uint8)], axis=1)
                 zp = zp[:, 0::2] | (zp[:, 1::2] << np.uint8(4))
             names.append(name + ".zero_points")
-            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(zp).reshape(-1), names[2]))
+            self.init(np.ascontiguousarray(zp).reshape(-1), names[2])
         self._blocks[name] = tuple(names)
         return self._blocks[name]
 
@@ -92,14 +92,14 @@ class BlockOps:
     def _mins(self, w: BlockWeight, name: str) -> str:
         """The block mins as a (kb, N) initializer, written once per name."""
         if name + ".mins" not in self._blocks:
-            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(w.mins.T), name + ".mins"))
+            self.init(np.ascontiguousarray(w.mins.T), name + ".mins")
             self._blocks[name + ".mins"] = (name + ".mins",)
         return name + ".mins"
 
     def _flat_mins(self, w: BlockWeight, name: str) -> str:
         key = name + ".mins_rows"
         if key not in self._blocks:
-            self.inits.append(numpy_helper.from_array(w.mins.reshape(-1), key))  # (N * k_blocks,)
+            self.init(w.mins.reshape(-1), key)  # (N * k_blocks,)
             self._blocks[key] = (key,)
         return key
 

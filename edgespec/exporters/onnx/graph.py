@@ -44,8 +44,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from ..gguf.deferred import pick_rows, shallow_copy
 from ..gguf.transcode import BlockWeight
 from ..spec import ModelSpec
+from .external import ExternalData
 from .fused import rotary
 from .masks import buffer_positions_and_masks, positions_and_masks, window_align
 from .moe import is_moe, moe_mlp
@@ -274,14 +276,18 @@ def build_decoder(
     weights: dict[str, np.ndarray],
     options: GraphOptions = GraphOptions(),
     progress: Callable[[int], None] | None = None,
+    data: ExternalData | None = None,
 ) -> onnx.ModelProto:
-    """Return the ONNX model for `spec` with `weights` (HF names, float32 numpy)."""
-    w = dict(weights)
+    """Return the ONNX model for `spec` with `weights` (HF names: float32 numpy arrays or GGUF
+    blocks). With `data`, each initializer's bytes go to that external data file as the graph is
+    built (onnx/external.py), so only the tensor being written is in memory: save the returned
+    graph with external.save_streamed, beside it."""
+    w = shallow_copy(weights)  # _split_fused renames entries; nothing is read from the file for it
     layers = options.layers if options.layers is not None else tuple(range(spec.n_layers))
     if options.tree and not (options.kv_layout == "append" and options.fused):
         # checked here, not in GraphOptions: writers set the layout on options built without it
         raise ValueError("tree verification is written for onnxruntime's fused append graph")
-    g = _G(options.weight_dtype)
+    g = _G(options.weight_dtype, data)
     g.nbits_accuracy, g.float_zero_points = options.nbits_accuracy, options.nbits_float_zero_points
     g.fused = options.fused
     n_vocab = len(options.vocab_keep) if options.vocab_keep is not None else spec.vocab_size
@@ -427,17 +433,18 @@ def _head_rows(g: _G, spec: ModelSpec, x: str, buffer: bool) -> str:
 
 def _lm_head(g: _G, spec: ModelSpec, w, options: GraphOptions, x2: str, emb_name: str | None) -> None:
     """The LM head (tied, untied or VocabTrim-trimmed) and the final softcap, into the output "logits"."""
-    embed, head_w, keep = w["model.embed_tokens.weight"], w.get("lm_head.weight"), options.vocab_keep
-    tied = head_w is None or spec.tie_embeddings
+    keep = options.vocab_keep
+    tied = "lm_head.weight" not in w or spec.tie_embeddings
     if tied and options.tie_head and keep is None:
+        embed = w["model.embed_tokens.weight"]
         if isinstance(embed, BlockWeight):  # the same blocks as the embedding's Gather
             logits = g.matmul_nbits(x2, embed, "model.embed_tokens.weight")
         else:
             logits = g.op("Gemm", [x2, emb_name], transB=1)  # shares the embedding initializer
     else:
-        hw = embed if tied else head_w
-        if keep is not None:
-            hw = hw.rows(keep) if isinstance(hw, BlockWeight) else hw[np.asarray(keep)]
+        key = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        # a trimmed head reads only its rows (from the GGUF file, where the weights are left there)
+        hw = pick_rows(w, key, keep) if keep is not None else w[key]
         logits = _linear(g, x2, hw, "lm_head.weight")
     if spec.final_logit_softcap:
         cap = g.const(spec.final_logit_softcap, dtype=np.float32)

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 from ..gguf.transcode import BlockWeight
 from ..spec import ModelSpec
 from .blocks import BlockOps
+from .external import ExternalData
 from .fused import fast_gelu, fused_add_rms_norm, fused_rms_norm, linear_group
 
 __all__ = ["_G", "_activation", "_add_norm", "_linear", "_linears", "_norm", "_rms_norm", "_rope", "_softcap"]
@@ -21,15 +22,20 @@ __all__ = ["_G", "_activation", "_add_norm", "_linear", "_linears", "_norm", "_r
 class _G(BlockOps):
     """Tiny node/initializer accumulator with unique names."""
 
-    def __init__(self, weight_dtype: str = "fp32") -> None:
+    def __init__(self, weight_dtype: str = "fp32", data: ExternalData | None = None) -> None:
         self.half = weight_dtype == "fp16"
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
+        self.data = data  # where initializers' bytes go as they are made (None: kept in the protos)
         self._n = 0
         self.nbits_accuracy = 0
         self.float_zero_points = False
         self.fused = False
         self._blocks: dict[str, tuple[str, ...]] = {}  # BlockWeight initializers, shared by name
+
+    def init(self, arr: np.ndarray, name: str) -> None:
+        """Add initializer `name` holding `arr` (written to the data file at once, where there is one)."""
+        self.inits.append(numpy_helper.from_array(arr, name) if self.data is None else self.data.tensor(arr, name))
 
     def name(self, hint: str) -> str:
         self._n += 1
@@ -44,15 +50,15 @@ class _G(BlockOps):
     def const(self, value, hint: str = "c", dtype=None) -> str:
         arr = np.asarray(value, dtype=dtype)
         name = self.name(hint)
-        self.inits.append(numpy_helper.from_array(arr, name))
+        self.init(arr, name)
         return name
 
     def weight(self, arr: np.ndarray, name: str) -> str:
         if not self.half:
-            self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float32), name))
+            self.init(np.ascontiguousarray(arr, dtype=np.float32), name)
             return name
         # fp16 halves the file; onnxruntime's CPU kernels are fp32, so cast once at load
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float16), name + ".fp16"))
+        self.init(np.ascontiguousarray(arr, dtype=np.float16), name + ".fp16")
         return self.op("Cast", [name + ".fp16"], hint=name, to=TensorProto.FLOAT)
 
 

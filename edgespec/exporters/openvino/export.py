@@ -34,7 +34,9 @@ import numpy as np
 
 from ...bundle import Artifact
 from ...errors import ExportError
+from ..gguf.deferred import LazyTensors
 from ..gguf.transcode import BlockWeight, fold_mins
+from ..onnx.external import ExternalData, save_streamed
 from ..onnx.graph import build_decoder
 from ..onnx.masks import window_align
 
@@ -109,10 +111,17 @@ def _group_size(hidden: int, wanted: int) -> int:
     return g if hidden % g == 0 else -1
 
 
-def source_weights(weights: dict) -> dict:
+def _fold(value):
+    return fold_mins(value) if isinstance(value, BlockWeight) else value
+
+
+def source_weights(weights):
     """A GGUF job's weights as the OpenVINO graph takes them: BlockWeights with mins folded into
-    float zero points (the codes untouched), float tensors as they are."""
-    return {k: fold_mins(v) if isinstance(v, BlockWeight) else v for k, v in weights.items()}
+    float zero points (the codes untouched), float tensors as they are; tensors left in the GGUF
+    file (gguf/deferred.LazyTensors) are folded as they are read."""
+    if isinstance(weights, LazyTensors):
+        return weights.mapped(_fold)
+    return {k: _fold(v) for k, v in weights.items()}
 
 
 def _exact_shifts(model) -> int:
@@ -145,15 +154,14 @@ def _exact_shifts(model) -> int:
 def convert_graph(spec, weights: dict, opts, scratch_dir: Path, what: str = "model"):
     """edgespec's decoder graph (onnx/graph.build_decoder) as an OpenVINO model, through a
     scratch ONNX file in `scratch_dir` (OpenVINO's ONNX frontend reads files)."""
-    import onnx
-
     ov = _import_ov()
-    # 4-bit float zero points (Q4_K, Q4_1) stay the Subtract's operand of the compressed pattern
-    graph = build_decoder(spec, weights, replace(opts, nbits_float_zero_points=True))
     with tempfile.TemporaryDirectory(dir=scratch_dir) as scratch:
         path = Path(scratch) / "model.onnx"
-        onnx.save_model(graph, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location="model.onnx.data", size_threshold=1024)
+        # 4-bit float zero points (Q4_K, Q4_1) stay the Subtract's operand of the compressed pattern;
+        # each weight goes to the scratch file as it is made (onnx/external.py)
+        with ExternalData(path) as data:
+            graph = build_decoder(spec, weights, replace(opts, nbits_float_zero_points=True), data=data)
+        save_streamed(graph, path)
         del graph
         try:
             model = ov.convert_model(str(path))
