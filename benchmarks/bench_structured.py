@@ -33,6 +33,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 from contextlib import contextmanager
@@ -105,12 +106,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, name: str) -> None:
 @contextmanager
 def server(cmd: list[str], port: int, name: str):
     """A server process on a loopback port, stopped (SIGINT, then killed) on the way out."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # its log goes to a file: a pipe nobody reads fills, and the server then blocks on its next log line
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc, name)
+        try:
+            wait_healthy(url, proc, name)
+        except SystemExit as e:
+            log.seek(0)
+            raise SystemExit(f"{e}: {log.read()[-2000:]}") from None
         yield url
     finally:
+        log.close()
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(30)
