@@ -263,23 +263,28 @@ def run_benchmark(req: BenchRequest, *, notify: Callable[[str], None] | None = N
                 if table is not None:
                     table.close()
             heat = _heat(runs, thermal, cfg, notify)
-            c = engine.config
+            ran = [peer] if peer is not None else []
             return build_document(
                 engine, runs, cfg, prompts_spec=req.prompts, configs=configs, machine=machine, label=req.label,
-                prompts=prompts,
-                backend={"name": engine.backend, "device": c.device, "draft_backend": engine.draft_backend,
-                         "draft_device": c.draft_device or (c.device if engine.draft_backend else None),
-                         "threads": engine.plan.threads,
-                         # the cores run on, and why (edgespec/engine/cores.py)
-                         "cores": engine.plan.cores.to_dict() if engine.plan.cores is not None else None,
-                         # whether onnxruntime's sessions shared the process-wide pool (runtimes/onnxruntime/pool.py)
-                         "onnxruntime_pool": pool_state()},
+                prompts=prompts, backend=_backend_record(engine),
                 memory={"rss_before_load": rss_before, "rss_after_load": rss_after, "engine": engine.memory()},
-                memory_budget=c.memory_budget, started=started, duration_s=time.perf_counter() - t0,
+                memory_budget=engine.config.memory_budget, started=started, duration_s=time.perf_counter() - t0,
                 peer=peer.describe() if peer is not None else None, verify_costs=costs, roofline=roof,
-                peers={p.name: p.describe() for p in ([peer] if peer is not None else []) + servers}, thermal=heat)
+                peers={p.name: p.describe() for p in ran + servers}, thermal=heat)
     finally:
         rss.stop()
+
+
+def _backend_record(engine) -> dict:
+    """The JSON's `backend`: where the target and the draft ran, on how many threads and cores."""
+    c = engine.config
+    return {"name": engine.backend, "device": c.device, "draft_backend": engine.draft_backend,
+            "draft_device": c.draft_device or (c.device if engine.draft_backend else None),
+            "threads": engine.plan.threads,
+            # the cores run on, and why (edgespec/engine/cores.py)
+            "cores": engine.plan.cores.to_dict() if engine.plan.cores is not None else None,
+            # whether onnxruntime's sessions shared the process-wide pool (runtimes/onnxruntime/pool.py)
+            "onnxruntime_pool": pool_state()}
 
 
 def save_results(doc: dict, path: str) -> str:

@@ -193,8 +193,8 @@ class GrammarLimits:
 
     compile_timeout_s: float = 5.0
     max_grammar_size: int = 500_000  # symbols in the grammar's productions
-    initial_lexer_fuel: int = 2_000_000  # building the lexer: ~40 ms
-    step_lexer_fuel: int = 400_000  # one token's mask: ~30 ms at most
+    initial_lexer_fuel: int = 2_000_000  # building the lexer: tens of milliseconds, bounded
+    step_lexer_fuel: int = 400_000  # one token's mask: bounded so no step stalls the stream
     max_lexer_states: int = 250_000  # lexer states built while decoding (1-2 kB each)
 
     def parser_limits(self):
