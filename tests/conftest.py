@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.first_run import FirstRun, run_first_chat
-from tests.real import BUNDLES_ENV, RealBundles
+from tests.real import BUNDLES_ENV, DEFAULT_KEPT, RealBundles
 from tests.zoo import TinyZoo
 
 # The slow tier exports the real default model (minutes, GBs of temp files): a plain `pytest` is
@@ -107,7 +107,10 @@ def default_cache(first_run) -> Path:
     from edgespec.engine.engine import default_bundle
     from edgespec.models.catalog import cache_dir
 
-    default_bundle()  # built by the first run: found, not built again
+    path = default_bundle()  # built by the first run: found, not built again
+    root = os.environ.get(BUNDLES_ENV)
+    if root:  # kept for later tiers beside the slow tier's other bundles (tests/real.py)
+        RealBundles(Path(root)).keep(DEFAULT_KEPT, path)
     return cache_dir()
 
 
