@@ -79,6 +79,9 @@ def test_default_gguf_verify_pass_is_bit_identical_to_one_token_decodes(bundle):
 
     b = load_bundle(bundle)
     ids = Tokenizer(b.file(b.manifest.tokenizer.file), b.manifest.tokenizer).encode(" ".join(PROMPTS) * 20)
-    with LlamaCppRuntime(b.file(b.manifest.target.formats["gguf"].file)) as rt:
+    # a context just past the checks' reach: the probe that bounds the checked width reaches as far
+    # as the runtime holds, else to PROBE_REACH keys, a prefill of as many tokens (the long-context
+    # test's probe reaches the far end of this bundle's context)
+    with LlamaCppRuntime(b.file(b.manifest.target.formats["gguf"].file), kv_capacity=1024) as rt:
         for start in (9, 600):  # a short context, and one past flash attention's 512-position split
             assert_verify_equals_one_token_decodes(rt, ids, start, width=5)
