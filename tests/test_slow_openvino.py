@@ -27,28 +27,19 @@ def exported(real_bundle):
     return real_bundle("openvino-fp32")
 
 
-def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(exported):
+def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(exported, hf_default):
     """Gemma 3 270M exported to OpenVINO (fp32 target, NNCF int4 self-draft): speculative greedy ==
     plain greedy == transformers, dynamic, static-shape and with the draft on the target's body.
     Where the probe finds no exact verify width for a configuration on this CPU (static shapes
     here), the engine decodes plainly and says why, and drafting anyway (allow_inexact) still
     drafts; the int4 IR verifies bit for bit like one-token decodes, and split at its hidden state
     it computes the fused IR's bits."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from edgespec.models.catalog import preset_source
-
     out = exported
-    gguf = preset_source()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     n = 32
     refs = []
     for prompt in ("The capital of France is", "def fibonacci(n):\n    "):
-        ids = tok(prompt).input_ids
-        refs.append((ids, hf_greedy(hf, ids, n)))
-    del hf
+        ids = hf_default.tokenizer(prompt).input_ids
+        refs.append((ids, hf_greedy(hf_default.model, ids, n)))
     for static, body in ((False, "own"), (True, "own"), (False, "shared")):
         with load(out, use_draft=False, static=static) as plain, \
                 load(out, k=4, drafter="model", static=static, draft_body=body) as spec:
