@@ -18,6 +18,10 @@ from tests.test_export_onnx import decode, hf_greedy, verify_matches_decodes  # 
 from tests.test_openvino import exact_mode  # noqa: E402
 
 pytestmark = pytest.mark.slow
+# The context every engine and runtime here holds: the prompts, their replies and the verify checks
+# sit within it, and a probe checks the context its runtime holds (at most PROBE_REACH keys, a
+# prefill of as many tokens per configuration). OpenVINO's long contexts: tests/test_slow_contexts.py.
+CONTEXT = 1024
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +45,8 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
         ids = hf_default.tokenizer(prompt).input_ids
         refs.append((ids, hf_greedy(hf_default.model, ids, n)))
     for static, body in ((False, "own"), (True, "own"), (False, "shared")):
-        with load(out, use_draft=False, static=static) as plain, \
-                load(out, k=4, drafter="model", static=static, draft_body=body) as spec:
+        with load(out, use_draft=False, static=static, max_context=CONTEXT) as plain, \
+                load(out, k=4, drafter="model", static=static, draft_body=body, max_context=CONTEXT) as spec:
             refused = spec.opened.inexact_refusal
             assert plain.backend == spec.backend == "openvino"
             assert spec.draft_backend == (None if refused else "openvino")
@@ -55,7 +59,8 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
                 assert got_spec == got_plain == ref
             assert (drafted == 0) if refused else (drafted > 0), (static, body, refused)
         if refused:  # the mechanism still drafts when told to, and rounds like plain on these prompts
-            with load(out, k=4, drafter="model", static=static, draft_body=body, allow_inexact=True) as spec:
+            with load(out, k=4, drafter="model", static=static, draft_body=body, allow_inexact=True,
+                      max_context=CONTEXT) as spec:
                 drafted = 0
                 for ids, ref in refs:
                     got_spec, d, _ = decode(spec, ids, n)
@@ -70,7 +75,7 @@ def test_default_model_on_openvino_speculative_equals_plain_equals_transformers(
     draft_ir = out / load_bundle(out).manifest.draft.formats["openvino"].file
     ids = [int(t) for t in np.random.default_rng(0).integers(1000, 200000, 760)]
     starts = (9, 58, 60, 700, 750)
-    rt, verdict = exact_mode(draft_ir)
+    rt, verdict = exact_mode(draft_ir, kv_capacity=CONTEXT)
     assert rt.capabilities.extra["dynamic_quantization"]
     assert verdict.fully_exact, verdict.describe()
     assert all(verify_matches_decodes(rt, ids, start, width=6) for start in starts)
