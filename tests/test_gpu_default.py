@@ -15,13 +15,14 @@ import pytest
 pytestmark = pytest.mark.slow
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
+# raw text, code and chat turns: each prompt asks the device the same question (a verify's rows
+# against its one-token rows, at the probe's widths), and a software GPU decodes slowly, so the
+# tier's time goes with their number
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
            "<start_of_turn>user\nName three colors.<end_of_turn>\n<start_of_turn>model\n",
-           "Water boils at", "The three primary colors are", "import numpy as np\n\ndef mean(xs):\n",
-           "Once upon a time, in a small village,", "The largest planet in the solar system is",
-           "To make a cup of tea, first", "SELECT name FROM users WHERE", "The opposite of hot is",
+           "import numpy as np\n\ndef mean(xs):\n", "Once upon a time, in a small village,",
+           "SELECT name FROM users WHERE",
            "<start_of_turn>user\nWhat is 7 times 8?<end_of_turn>\n<start_of_turn>model\n",
-           "A haiku about the sea:\n", "for i in range(10):\n    ", "The first month of the year is",
            "Photosynthesis is the process by which"]
 # few tokens: a software GPU decodes about one a second; the first prompts' texts also go to the CPU check
 N_TOKENS = int(os.environ.get("EDGESPEC_GPU_TOKENS", "6"))

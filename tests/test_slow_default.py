@@ -21,16 +21,11 @@ def cache(default_cache):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(cache):
+def hf_reference(cache, hf_default):
     """Greedy continuations from transformers on the same GGUF weights."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from edgespec.models.catalog import preset_source
-
-    gguf = preset_source()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32").eval()
+    tok, model = hf_default.tokenizer, hf_default.model
     out = {}
     with torch.no_grad():
         for p in PROMPTS:

@@ -2,10 +2,16 @@
 installed backend, on the machine at hand: all 24 bench prompts x 64 tokens (the grounded ones
 run past 128 and 144 keys, where onnxruntime's score products once rounded apart), the cost
 policy free to pick any draft length, each backend verifying only at the widths its exactness
-probe found exact here (or in the exact mode the engine switched to)."""
+probe found exact here (or in the exact mode the engine switched to). The engines open with the
+long-context tests' options (tests/real.py's LONG_CONTEXT), so the probe that reaches ~8k keys for
+test_slow_contexts is the one these read from the session's cache: one probe per backend. This is
+the slow tier's one check of speculative == plain on llama.cpp's GGUF bundle at short contexts
+(test_slow_llamacpp's six prompts were a subset of the same question on the same bundle)."""
 from __future__ import annotations
 
 import pytest
+
+from tests.real import LONG_CONTEXT
 
 pytestmark = pytest.mark.slow
 
@@ -47,7 +53,8 @@ def test_speculative_greedy_equals_plain_on_every_backend(bundle, prompts):
     from edgespec.engine.engine import load
 
     backend, path = bundle
-    with load(path, backend=backend, use_draft=False) as plain, load(path, backend=backend) as spec:
+    kw = {"backend": backend, **LONG_CONTEXT}
+    with load(path, use_draft=False, **kw) as plain, load(path, **kw) as spec:
         verdict = spec.exactness
         assert verdict is not None, "the default engine drafts, so it probes"
         print(f"{backend}: {verdict.describe()} [probe {verdict.probe_ms:.0f} ms]")
