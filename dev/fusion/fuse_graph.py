@@ -2,7 +2,8 @@
 time it against the bundle's own graph, interleaved in one process. A dev/ experiment, not a
 product path: the bundle is left as it is, the variant written to a temporary folder.
 
-    python dev/fusion/fuse_graph.py [BUNDLE] [--passes mins,bsnh] [--probe-width 17] [--reach 1024]
+    python dev/fusion/fuse_graph.py [BUNDLE] [--variants "mins;bsnh,sum;mins,bsnh,sum"] [--probe-width 17]
+                                    [--reach 1024] [--probe-skip bundle] [--no-probe] [--no-timings]
                                     [--rounds 7] [--reps 15] [--out dev/results/fusion.json]
 
 The bundle's fused graph (exporters/onnx/fused.py) already names onnxruntime's RMSNorm,
@@ -25,8 +26,11 @@ the exactness probe (runtimes/exactness.probe, widths 2..--probe-width, sampled 
 --reach keys), then the step's time: the bundle's graph and each variant in one process on
 onnxruntime's process-wide pool (as `edgespec` runs them), interleaved round by round: a plain
 step (1 row) and verifies of 2, 4 and 8 rows after 64 and 512 positions, and the draft's one-row
-forward (its graph rewritten alike). Medians over rounds of the per-round medians, with the
-spread (min-max of the round medians) and the paired ratio to the bundle's graph.
+forward (its graph rewritten alike), the variants' order alternating from round to round.
+Medians over rounds of the per-round medians, with the spread (min-max of the round medians)
+and the paired ratio to the bundle's graph. A process's sessions can run a few percent faster or
+slower as a whole than the same graph in another process: compare several processes' ratios
+(dev/results/fusion.md).
 """
 from __future__ import annotations
 
