@@ -199,7 +199,6 @@ class LlamaCppRuntime(Runtime):
         path = Path(model_path)
         if not path.is_file():
             raise BackendError(f"GGUF model not found: {path}")
-        self._path = path
         gpu_layers = self._gpu_layers(lib, device)
         extra_bufts = self._load(lib, path, gpu_layers, threads, kv_capacity)
         self.capabilities = Capabilities(backend="llamacpp", can_trim=True, max_batch_tokens=MAX_BATCH,
@@ -228,6 +227,7 @@ class LlamaCppRuntime(Runtime):
               build: str = "llama.cpp") -> bool:
         """Load the model with `gpu_layers` offloaded and open its context (closing what was opened
         if that fails); returns whether repacked weight buffers are in use."""
+        self._path = path  # both builds: what the roofline reads the tensors' sizes from
         self._check_header(path)
         mparams = lib.llama_model_default_params()
         mparams.n_gpu_layers = gpu_layers
