@@ -40,7 +40,7 @@ from edgespec.decoding.acceptance import map_draft_ids
 from edgespec.decoding.cache import TrackedCache
 from edgespec.decoding.context_vocab import ContextVocab, Extension
 from edgespec.decoding.draft import Draft, Drafter
-from edgespec.decoding.draws import Noise
+from edgespec.decoding.draws import Draws
 from edgespec.decoding.grammar import Constraint
 from edgespec.decoding.head_drafter import HeadDrafter, draft_distribution, draft_index
 from edgespec.decoding.policy import DraftPolicy
@@ -146,7 +146,7 @@ class ModelDrafter(Drafter):
                 ahead = self._feed(tokens, drafts, pending, len(ahead), ext, n_guess)
                 computed = len(pending) - min(self.runtime.reused_rows, len(pending))
             # a sampled token is raced on its position's noise (draws.py)
-            drawn = self._draw(ahead.pop(0)[1], drafts, params, rng.at(len(tokens) + len(drafts)), ext,
+            drawn = self._draw(ahead.pop(0)[1], drafts, params, (rng, len(tokens) + len(drafts)), ext,
                                constraint, dists)
             if drawn is None:  # a grammar allows none of the draft's tokens here
                 break
@@ -164,11 +164,12 @@ class ModelDrafter(Drafter):
                 break
         return self._drafted(drafts, dists, steady, policy, before)
 
-    def _draw(self, logits: np.ndarray, drafts: list[int], params, noise: Noise, ext: Extension | None,
+    def _draw(self, logits: np.ndarray, drafts: list[int], params, at: tuple[Draws, int], ext: Extension | None,
               constraint: Constraint | None, dists: list[TokenDist]) -> tuple[int, np.ndarray] | None:
         """One drafted token (a target id) from a draft row, and the row it was drawn from: the
         argmax, or a draw from the sampler's distribution (appended to `dists`); under a grammar,
-        from the row masked by it (None: it allows none of the row's tokens)."""
+        from the row masked by it (None: it allows none of the row's tokens). `at`: the stream's
+        draws and the token's sequence position, whose noise a sampled draft races on."""
         id_map = self.id_map if ext is None else ext.id_map
         if constraint is not None:
             logits = constraint.masked(logits, drafts, id_map)
@@ -178,7 +179,8 @@ class ModelDrafter(Drafter):
             return map_draft_ids([int(np.argmax(logits))], id_map)[0], logits
         index = (lambda: self._index) if ext is None else (lambda: ext.index)
         dists.append(draft_distribution(logits, params, id_map, index))
-        return dists[-1].sample(noise), logits
+        rng, position = at
+        return dists[-1].sample(rng.at(position)), logits
 
     def _drafted(self, drafts: list[int], dists: list[TokenDist], steady: list[float], policy: DraftPolicy,
                  before: tuple[int, int]) -> Draft:
