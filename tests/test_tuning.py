@@ -176,7 +176,7 @@ def test_the_tuned_choice_fills_only_what_the_config_leaves_open():
     assert (p.backend, p.shared_body, p.verify_limit) == ("onnxruntime", True, None)
     assert plan_engine(m, EngineConfig(), ALL).verify_limit is None
     # the decoder keeps to the narrower of the exact widths and the tuner's limit
-    probe = SimpleNamespace(exact_width=9, trees=None)
+    probe = SimpleNamespace(exact_width=9, trees=None, reach=4096)
     assert decoder_limits(None, [], None, probe, True, 5).verify_width == 5
     assert decoder_limits(None, [], None, probe, True, 17).draft_width == 9
     assert decoder_limits(None, [], None, probe, False).verify_width == 9
