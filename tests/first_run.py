@@ -28,11 +28,12 @@ class FirstRun:
 
 
 def run_first_chat(cache: Path, *args: str, timeout_s: float = 3600) -> FirstRun:
-    """`edgespec chat ARGS` with a question piped in, on `cache` as EDGESPEC_CACHE. The tuning a
-    user's first run does is left on (the test session turns it off for its own loads). The child
+    """`edgespec chat ARGS` with a question piped in, on `cache` as EDGESPEC_CACHE. The tuning and
+    the progress lines a user's first run has are left on (the test session turns both off). The child
     is reaped with os.wait4, which returns its own rusage (RUSAGE_CHILDREN would give the largest
     child the session ever had)."""
-    env = {k: v for k, v in os.environ.items() if k != "EDGESPEC_TUNE"}
+    # as a user's first run: tuning on, and the progress lines the test session silences shown
+    env = {k: v for k, v in os.environ.items() if k not in ("EDGESPEC_TUNE", "EDGESPEC_PROGRESS")}
     env["EDGESPEC_CACHE"] = str(cache)
     with tempfile.TemporaryFile("w+") as stdin, tempfile.TemporaryFile("w+") as out, \
             tempfile.TemporaryFile("w+") as err:
