@@ -33,8 +33,8 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
