@@ -66,55 +66,80 @@ def class_metrics(groups: list[list[RunRecord]], plain: dict | None = None) -> d
     if not groups:
         return {}
     flat = [r for g in groups for r in g]
-    n_tok = [median(len(r.tokens) for r in g) for g in groups]
-    ttft = [median(r.ttft_s for r in g) for g in groups]
-    decoded, dec_s = sum(r.decode_tokens for r in flat), sum(r.decode_s for r in flat)
-    made_all, tot_s = sum(len(r.tokens) for r in flat), sum(r.total_s for r in flat)
-    drafted, accepted, steps = (sum(getattr(r, f) for r in flat) for f in ("drafted", "accepted", "steps"))
-    draft_ms, verify_ms = sum(r.draft_ms for r in flat), sum(r.verify_ms for r in flat)
-    made = sum(len(r.tokens) for r in flat)
-    n_rep = max(len(g) for g in groups)
-    per_rep: list[float] = []  # the class speed in each repeat alone: how noisy the medians are
-    for i in range(n_rep):
-        reps = [g[i] for g in groups if i < len(g)]
-        s = sum(r.decode_s for r in reps)
-        per_rep.append(sum(r.decode_tokens for r in reps) / s if s > 0 else 0.0)
-    by_k: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for r in flat:
-        for key, (n, a) in r.by_k.items():
-            by_k[key][0] += n
-            by_k[key][1] += a
+    per_rep = _per_repeat_speed(groups)
     m = {
-        "prompts": len(groups),
+        **_prompt_figures(groups),
         "runs": len(flat),
-        "new_tokens": int(sum(n_tok)),
-        "prompt_tokens": int(sum(g[0].prompt_tokens for g in groups)),
-        "tok_s": decoded / dec_s if dec_s > 0 else 0.0,
+        "tok_s": _rate(sum(r.decode_tokens for r in flat), sum(r.decode_s for r in flat)),
         "tok_s_per_repeat": per_rep,
         # how far the repeats spread: a device that heats (or a busy neighbour) widens it
         "tok_s_spread": repeat_spread(per_rep),
-        "e2e_tok_s": made_all / tot_s if tot_s > 0 else 0.0,
-        "ttft_ms": 1e3 * median(ttft),
-        "prefill_tok_s": sum(g[0].prompt_tokens for g in groups) / sum(ttft) if sum(ttft) > 0 else 0.0,
+        "e2e_tok_s": _rate(sum(len(r.tokens) for r in flat), sum(r.total_s for r in flat)),
+        **_step_figures(flat),
+        "peak_rss_bytes": _first_repeat_peak(flat),
+        "by_draft_length": _by_draft_length(flat),
+    }
+    if plain is not None:
+        m["speedup"] = _ratio(m["tok_s"], plain.get("tok_s"))
+        m["e2e_speedup"] = _ratio(m["e2e_tok_s"], plain.get("e2e_tok_s"))
+    return m
+
+
+def _prompt_figures(groups: list[list[RunRecord]]) -> dict:
+    """Per prompt the median over its repeats: tokens made, time to first token, prefill speed."""
+    ttft = [median(r.ttft_s for r in g) for g in groups]
+    prompt_tokens = sum(g[0].prompt_tokens for g in groups)
+    return {"prompts": len(groups), "new_tokens": int(sum(median(len(r.tokens) for r in g) for g in groups)),
+            "prompt_tokens": int(prompt_tokens), "ttft_ms": 1e3 * median(ttft),
+            "prefill_tok_s": _rate(prompt_tokens, sum(ttft))}
+
+
+def _first_repeat_peak(flat: list[RunRecord]) -> int:
+    """Peak RSS over the first repeat, where classes run in suite order: the allocator keeps what
+    it took, so a later repeat would show every class at the whole run's peak."""
+    first = min(r.repeat for r in flat)
+    return max(r.peak_rss for r in flat if r.repeat == first)
+
+
+def _rate(amount: float, seconds: float) -> float:
+    """`amount` per second, 0.0 over no time."""
+    return amount / seconds if seconds > 0 else 0.0
+
+
+def _per_repeat_speed(groups: list[list[RunRecord]]) -> list[float]:
+    """The class speed in each repeat alone: how noisy the medians are."""
+    out = []
+    for i in range(max(len(g) for g in groups)):
+        reps = [g[i] for g in groups if i < len(g)]
+        out.append(_rate(sum(r.decode_tokens for r in reps), sum(r.decode_s for r in reps)))
+    return out
+
+
+def _step_figures(flat: list[RunRecord]) -> dict:
+    """Acceptance, tokens and drafts per target forward, and where a step's time went."""
+    drafted, accepted, steps = (sum(getattr(r, f) for r in flat) for f in ("drafted", "accepted", "steps"))
+    draft_ms, verify_ms = sum(r.draft_ms for r in flat), sum(r.verify_ms for r in flat)
+    made = sum(len(r.tokens) for r in flat)
+    return {
         "acceptance": accepted / drafted if drafted else None,
         "mean_accepted_length": made / steps if steps else 0.0,  # tokens committed per target forward
         "mean_draft_length": drafted / steps if steps else 0.0,
         "draft_ms_per_token": draft_ms / made if made else 0.0,
         "verify_ms_per_token": verify_ms / made if made else 0.0,
         "draft_share": draft_ms / (draft_ms + verify_ms) if draft_ms + verify_ms > 0 else 0.0,
-        # from the first repeat, where classes run in suite order: the allocator keeps what it took, so a
-        # later repeat would show every class at the whole run's peak
-        "peak_rss_bytes": max(r.peak_rss for r in flat if r.repeat == min(x.repeat for x in flat)),
-        "by_draft_length": [
-            {"drafter": key.split(":")[0], "k": int(key.split(":")[1]), "steps": n, "accepted": a,
-             "acceptance": a / (n * int(key.split(":")[1]))}
-            for key, (n, a) in sorted(by_k.items(), key=lambda kv: (kv[0].split(":")[0], int(kv[0].split(":")[1])))
-        ],
     }
-    if plain is not None:
-        m["speedup"] = _ratio(m["tok_s"], plain.get("tok_s"))
-        m["e2e_speedup"] = _ratio(m["e2e_tok_s"], plain.get("e2e_tok_s"))
-    return m
+
+
+def _by_draft_length(flat: list[RunRecord]) -> list[dict]:
+    """Steps and accepted drafts per (drafter, draft length), in drafter then length order."""
+    by_k: dict[tuple[str, int], list[int]] = defaultdict(lambda: [0, 0])
+    for r in flat:
+        for key, (n, a) in r.by_k.items():
+            drafter, k = key.split(":")
+            by_k[(drafter, int(k))][0] += n
+            by_k[(drafter, int(k))][1] += a
+    return [{"drafter": drafter, "k": k, "steps": n, "accepted": a, "acceptance": a / (n * k)}
+            for (drafter, k), (n, a) in sorted(by_k.items())]
 
 
 def _paired(runs: list[RunRecord], peer_runs: list[RunRecord]) -> float | None:
