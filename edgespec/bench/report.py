@@ -381,26 +381,40 @@ def _plot_draft_length(runs: list[dict], out: Path) -> None:
     swept = any(c not in (PLAIN, SPECULATIVE) for r in runs for c in _edgespec_configs(r))
     for i, r in enumerate(runs):
         tag = f" {r['label']}" if len(runs) > 1 else ""
-        rows = (_spec(r["overall"]) or {}).get("by_draft_length", [])
-        for j, drafter in enumerate(dict.fromkeys(x["drafter"] for x in rows)):
-            pts = sorted((x["k"], x["acceptance"], x["steps"]) for x in rows if x["drafter"] == drafter)
-            ax1.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{i}", ls=["-", "--", ":"][j % 3],
-                     label=f"{drafter}{tag}")
-            # marker area ~ steps: a point from two steps should not look as sure as one from two hundred
-            ax1.scatter([p[0] for p in pts], [p[1] for p in pts], s=[12 + 4 * p[2] ** 0.5 for p in pts],
-                        color=f"C{i}", zorder=3)
-            if not swept:
-                total = sum(p[2] for p in pts) or 1
-                ax2.plot([p[0] for p in pts], [p[2] / total for p in pts], marker="o", color=f"C{i}",
-                         ls=["-", "--", ":"][j % 3], label=f"{drafter}{tag}")
+        _plot_acceptance_by_k(ax1, None if swept else ax2, r, f"C{i}", tag)
         if swept:
-            ks = sorted((int(c[2:]), r["overall"][c]["tok_s"]) for c in r["configs"]
-                        if c.startswith("k=") and c in r["overall"])
-            ax2.plot([k for k, _ in ks], [t for _, t in ks], marker="o", color=f"C{i}", label=f"fixed k{tag}")
-            ax2.axhline(r["overall"][PLAIN]["tok_s"], color=f"C{i}", ls=":", lw=1, label=f"plain{tag}")
-            if SPECULATIVE in r["overall"]:
-                ax2.axhline(r["overall"][SPECULATIVE]["tok_s"], color=f"C{i}", ls="--", lw=1,
-                            label=f"speculative ({r['config'].get('policy')}){tag}")
+            _plot_sweep_speed(ax2, r, f"C{i}", tag)
+    _label_draft_length_axes(ax1, ax2, swept)
+    fig.savefig(out)
+
+
+def _plot_acceptance_by_k(ax1, ax2, r: dict, color: str, tag: str) -> None:
+    """One run's acceptance per draft length and drafter on `ax1`; on `ax2` (when given) the share
+    of drafted steps at each length."""
+    rows = (_spec(r["overall"]) or {}).get("by_draft_length", [])
+    for j, drafter in enumerate(dict.fromkeys(x["drafter"] for x in rows)):
+        ks, acc, steps = zip(*sorted((x["k"], x["acceptance"], x["steps"]) for x in rows if x["drafter"] == drafter))
+        ls = ["-", "--", ":"][j % 3]
+        ax1.plot(ks, acc, color=color, ls=ls, label=f"{drafter}{tag}")
+        # marker area ~ steps: a point from two steps should not look as sure as one from two hundred
+        ax1.scatter(ks, acc, s=[12 + 4 * n ** 0.5 for n in steps], color=color, zorder=3)
+        if ax2 is not None:
+            total = sum(steps) or 1
+            ax2.plot(ks, [n / total for n in steps], marker="o", color=color, ls=ls, label=f"{drafter}{tag}")
+
+
+def _plot_sweep_speed(ax, r: dict, color: str, tag: str) -> None:
+    """One run's speed at each fixed k of --k-sweep, with plain's and the policy's as lines."""
+    ks = sorted((int(c[2:]), r["overall"][c]["tok_s"]) for c in r["configs"]
+                if c.startswith("k=") and c in r["overall"])
+    ax.plot([k for k, _ in ks], [t for _, t in ks], marker="o", color=color, label=f"fixed k{tag}")
+    ax.axhline(r["overall"][PLAIN]["tok_s"], color=color, ls=":", lw=1, label=f"plain{tag}")
+    if SPECULATIVE in r["overall"]:
+        ax.axhline(r["overall"][SPECULATIVE]["tok_s"], color=color, ls="--", lw=1,
+                   label=f"speculative ({r['config'].get('policy')}){tag}")
+
+
+def _label_draft_length_axes(ax1, ax2, swept: bool) -> None:
     from matplotlib.ticker import MaxNLocator
 
     for ax in (ax1, ax2):
@@ -419,7 +433,6 @@ def _plot_draft_length(runs: list[dict], out: Path) -> None:
     for ax in (ax1, ax2):
         if ax.has_data():
             ax.legend(fontsize=8)
-    fig.savefig(out)
 
 
 def _plot_peer(runs: list[dict], out: Path) -> None:
