@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..bundle import Bundle, built_once, load_bundle
+from ..bundle import Bundle, load_bundle
 from ..decoding import (
     DRAFTERS,
     DraftPolicy,
@@ -37,13 +37,13 @@ from ..decoding.grammar import Constraint, Grammar, GrammarCompiler, GrammarErro
 from ..decoding.limits import DecoderLimits
 from ..decoding.overlap import OverlappedDecoder
 from ..errors import BusyError, ConfigError, ContextFullError, EngineClosedError
-from ..progress import task
-from ..runtimes import BACKENDS, installed_backends
+from ..runtimes import installed_backends
 from ..tokenizer import IncrementalDecoder, Tokenizer
 from .assembly import EnginePlan, plan_engine
 from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
 from .config import EngineConfig, engine_config
 from .cores import machine_cores
+from .first_use import default_bundle, first_use_format
 from .inputs import check_stop, check_text, check_token_ids
 from .opening import open_plan
 from .tuning import tune
@@ -71,32 +71,6 @@ class Response:
         """Bytes held by the models (weights, KV caches, buffers) after this step; `kv_used`, the
         filled part of a preallocated cache, is already inside `kv`."""
         return sum(v for parts in self.memory.values() for k, v in parts.items() if k != "kv_used")
-
-
-def default_bundle(fmt: str = "onnx", memory_budget: int | None = None) -> Path:
-    """The default bundle in format `fmt`, exported from the embedded Gemma 3 270M the first time
-    (within `memory_budget` bytes for the whole process, where one is given)."""
-    from ..models.catalog import DEFAULT_PRESET, default_bundle_path
-
-    path = default_bundle_path(DEFAULT_PRESET, fmt)
-    if path.exists():
-        return path
-    with built_once(path):  # a second first run waits for this one and takes its bundle
-        if not path.exists():
-            from ..exporters.export import ExportConfig, export_bundle
-            from ..runtimes.heap import trim_heap
-
-            with task(f"building the default bundle in {path} (one time, a few minutes)", announce=True):
-                # a GGUF target shares the assembled file (written by rename, never in place) by a link
-                export_bundle(ExportConfig(output=path, formats=(fmt,), share_source=True, memory_budget=memory_budget))
-            trim_heap()  # the build's freed pages back to the OS before the engine measures what it holds
-    return path
-
-
-def first_use_format(config: EngineConfig) -> str:
-    """The format a bundle built on first use is exported in: the one the named backend runs
-    (a GGUF run on llama.cpp stays GGUF), else ONNX, which the default backend runs."""
-    return BACKENDS[config.backend].bundle_format if config.backend in BACKENDS else "onnx"
 
 
 def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
