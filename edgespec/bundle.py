@@ -240,19 +240,8 @@ def _check_values(m: Manifest) -> None:
         raise BundleError("broken manifest: tokenizer token ids must not be negative")
     check_relative(tok.file, "tokenizer.file")
     for where, e in (("target", m.target), ("draft", m.draft)):
-        if e is None:
-            continue
-        for name in ("n_layers", "n_kv_heads", "head_dim", "vocab_size"):
-            if getattr(e, name) < 1:
-                raise BundleError(f"broken manifest: {where}.{name} must be >= 1, got {getattr(e, name)}")
-        if e.context_length is not None and e.context_length < 1:
-            raise BundleError(f"broken manifest: {where}.context_length must be >= 1, got {e.context_length}")
-        if e.layers is not None and any(i < 0 for i in e.layers):
-            raise BundleError(f"broken manifest: {where}.layers must not hold negative indices")
-        for fmt, a in e.formats.items():
-            check_relative(a.file, f"{where}.formats.{_key(fmt)}.file")
-        if e.id_map is not None:
-            check_relative(e.id_map, f"{where}.id_map")
+        if e is not None:
+            _check_model_values(e, where)
     if m.draft_head is not None:
         check_relative(m.draft_head.file, "draft_head.file")
         if m.draft is None:
@@ -260,6 +249,21 @@ def _check_values(m: Manifest) -> None:
         for name in ("k", "hidden_size", "inner_size"):
             if getattr(m.draft_head, name) < 1:
                 raise BundleError(f"broken manifest: draft_head.{name} must be >= 1, got {getattr(m.draft_head, name)}")
+
+
+def _check_model_values(e: ModelEntry, where: str) -> None:
+    """One model entry's ranges and files (`where`: "target" or "draft")."""
+    for name in ("n_layers", "n_kv_heads", "head_dim", "vocab_size"):
+        if getattr(e, name) < 1:
+            raise BundleError(f"broken manifest: {where}.{name} must be >= 1, got {getattr(e, name)}")
+    if e.context_length is not None and e.context_length < 1:
+        raise BundleError(f"broken manifest: {where}.context_length must be >= 1, got {e.context_length}")
+    if e.layers is not None and any(i < 0 for i in e.layers):
+        raise BundleError(f"broken manifest: {where}.layers must not hold negative indices")
+    for fmt, a in e.formats.items():
+        check_relative(a.file, f"{where}.formats.{_key(fmt)}.file")
+    if e.id_map is not None:
+        check_relative(e.id_map, f"{where}.id_map")
 
 
 def check_relative(rel: str, where: str) -> str:

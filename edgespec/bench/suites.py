@@ -59,7 +59,12 @@ def parse_prompt(obj: object, default_cls: str, where: str) -> Prompt:
             raise ConfigError(f"{where}: 'text' must be a non-empty string")
         # a raw text is a base-model continuation: its own class unless the record names one
         return Prompt(pid, obj.get("class", CONTINUATION), text=obj["text"])
-    msgs = obj["messages"]
+    return Prompt(pid, cls, messages=_messages(obj["messages"], where))
+
+
+def _messages(msgs: object, where: str) -> tuple[tuple[str, str], ...]:
+    """A record's 'messages' as (role, content) pairs, the last one the user's; else a one-line
+    ConfigError naming `where`."""
     if not isinstance(msgs, list) or not msgs:
         raise ConfigError(f"{where}: 'messages' must be a non-empty list")
     out = []
@@ -69,7 +74,7 @@ def parse_prompt(obj: object, default_cls: str, where: str) -> Prompt:
         out.append((m["role"], m["content"]))
     if out[-1][0] != "user":
         raise ConfigError(f"{where}: the last message must be the user's (the model answers it)")
-    return Prompt(pid, cls, messages=tuple(out))
+    return tuple(out)
 
 
 def jsonl_records(text: str, name: str) -> Iterator[tuple[int, object]]:
