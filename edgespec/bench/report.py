@@ -444,22 +444,12 @@ def _plot_peer(runs: list[dict], out: Path) -> None:
     width = 0.8 / n
     fig, (ax,) = _figure(max(6.0, 1.2 * len(classes) * n / 2 + 2), 4.2)
     for i, r in enumerate(runs):
+        tag = f" ({r['label']})" if len(runs) > 1 else ""
         for j, c in enumerate(configs):
             slot = i * len(configs) + j
             xs = [k + slot * width - 0.4 + width / 2 for k in range(len(classes))]
-            vals = [((r["overall"] if cls == "overall" else r["classes"].get(cls, {})).get(c) or {}).get("x_llamacpp")
-                    for cls in classes]
-            tag = f" ({r['label']})" if len(runs) > 1 else ""
-            bars = ax.bar(xs, [v or 0.0 for v in vals], width, color=f"C{i}", alpha=0.45 if c == PLAIN else 1.0,
-                          label=f"edgespec {c}{tag}")
-            for bar, v in zip(bars, vals):
-                if v:
-                    ax.annotate(f"{v:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                                va="bottom", fontsize=8)
-            for row in r.get("prompts", []):  # the per-prompt pairs the medians are taken over
-                x = (row["configs"].get(c) or {}).get("x_llamacpp_paired")
-                if x is not None and row["class"] in classes:
-                    ax.scatter([xs[classes.index(row["class"])], xs[-1]], [x, x], s=9, color="black", zorder=3)
+            _peer_bars(ax, xs, width, r, c, classes, f"C{i}", tag)
+            _paired_dots(ax, xs, r, c, classes)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xticks(range(len(classes)), classes)
     ax.set_ylabel("decode tok/s over llama.cpp's")
@@ -467,6 +457,27 @@ def _plot_peer(runs: list[dict], out: Path) -> None:
                  "bars: total tokens over total time; dots: per prompt, median of paired repeats", fontsize=9)
     ax.legend(fontsize=8)
     fig.savefig(out)
+
+
+def _peer_bars(ax, xs: list[float], width: float, r: dict, config: str, classes: list[str], color: str,
+               tag: str) -> None:
+    """One configuration's speed over llama.cpp's per class (the ratio of totals), annotated."""
+    vals = [((r["overall"] if cls == "overall" else r["classes"].get(cls, {})).get(config) or {}).get("x_llamacpp")
+            for cls in classes]
+    bars = ax.bar(xs, [v or 0.0 for v in vals], width, color=color, alpha=0.45 if config == PLAIN else 1.0,
+                  label=f"edgespec {config}{tag}")
+    for bar, v in zip(bars, vals):
+        if v:
+            ax.annotate(f"{v:.2f}×", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=8)
+
+
+def _paired_dots(ax, xs: list[float], r: dict, config: str, classes: list[str]) -> None:
+    """The per-prompt paired ratios the medians are taken over, at their class and at "overall"."""
+    for row in r.get("prompts", []):
+        x = (row["configs"].get(config) or {}).get("x_llamacpp_paired")
+        if x is not None and row["class"] in classes:
+            ax.scatter([xs[classes.index(row["class"])], xs[-1]], [x, x], s=9, color="black", zorder=3)
 
 
 def write_report(runs: list[dict], out_dir: str | Path) -> Path:
