@@ -48,10 +48,31 @@ def _is_toy(item: pytest.Item) -> bool:
             and item.get_closest_marker("slow") is None)
 
 
+# pytest-xdist runs the suite on a worker per core (addopts: -n auto --dist loadgroup). A module's tests
+# share its fixtures (tiny exports, opened sessions), so they stay on one worker; the slow tier's tests
+# share the real model's bundles and its transformers reference, so they all run on one worker while
+# the others take the fast tests. More workers than this would each build the zoo for little gain.
+MAX_WORKERS = 4
+REAL_MODEL_GROUP = "real-model"
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(usable, MAX_WORKERS))
+
+
+def _xdist_group(item: pytest.Item) -> str:
+    if item.get_closest_marker("slow") is not None:
+        return REAL_MODEL_GROUP
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if _is_toy(item):
             item.add_marker(pytest.mark.toy)
+        item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
     if slow_tier_enabled(config):
         return
     # A skip, not a deselect: `-ra` lists what was left out and why, so nobody mistakes it for a pass.
