@@ -111,8 +111,9 @@ def _pytest(*args: str, slow_env: str | None = None) -> subprocess.CompletedProc
     env = {k: v for k, v in os.environ.items() if k != "EDGESPEC_SLOW"}
     if slow_env is not None:
         env["EDGESPEC_SLOW"] = slow_env
+    # one process (-n 0): --setup-plan lists what would run only without xdist's workers
     return subprocess.run([sys.executable, "-m", "pytest", "tests/test_slow_default.py", "-p", "no:cacheprovider",
-                           "-q", "-rs", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           "-n", "0", "-q", "-rs", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_a_plain_pytest_skips_the_slow_tier_and_says_how_to_run_it():
