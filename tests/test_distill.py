@@ -110,11 +110,21 @@ def test_a_distilled_bundle_loads_and_another_distill_replaces_its_head(bundle):
 
 def test_export_with_a_trained_head_writes_it_into_the_new_bundle(zoo, tmp_path):
     from edgespec.bundle import load_bundle
-    from edgespec.exporters.export import export_bundle
+    from edgespec.training.distill import export_with_head
 
-    out = export_bundle(ExportConfig(output=tmp_path / "b", target=zoo.source("gemma3"), draft_precision="int8",
-                                     draft_head="trained", train_minutes=2 / 60))
+    out = export_with_head(ExportConfig(output=tmp_path / "b", target=zoo.source("gemma3"), draft_precision="int8",
+                                        draft_head="trained", train_minutes=2 / 60))
     m = load_bundle(out).manifest
     assert m.draft_head is not None and (out / m.draft_head.file).is_file()
     assert m.draft_head.train_minutes == 2 / 60 and m.draft_head.k == m.draft.vocab_size
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no staging folder left
+
+
+def test_the_exporters_alone_refuse_a_head_they_cannot_train(zoo, tmp_path):
+    """The exporters do not import the torch-side training: a head is trained by the step its caller
+    passes, and without one the export stops before any work instead of dropping the option."""
+    from edgespec.exporters.export import export_bundle
+
+    with pytest.raises(ConfigError, match="export_with_head"):
+        export_bundle(ExportConfig(output=tmp_path / "b", target=zoo.source("gemma3"), draft_head="trained"))
+    assert not (tmp_path / "b").exists()

@@ -306,6 +306,11 @@ def test_failed_forced_export_keeps_the_old_bundle(zoo, tmp_path, monkeypatch):
     (dict(draft_precision="fp16"), "draft-precision"),
     (dict(formats=("tflite",)), "format"),
     (dict(draft="self", draft_precision="fp32"), "draft"),
+    (dict(draft_vocab=0), "^--draft-vocab must be an integer >= 1, got 0$"),
+    (dict(draft_vocab=True), "^--draft-vocab must be an integer >= 1, got True$"),
+    (dict(draft_vocab="half"), "--draft-vocab takes a number, 'auto' or 'full'"),
+    (dict(draft_head="trained", train_minutes=float("inf")), "^--train-minutes must be a finite number > 0"),
+    (dict(tree=True, formats=("gguf",)), "--tree .* add --format onnx"),
 ])
 def test_export_config_rejects_bad_options(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -56,8 +56,8 @@ def test_select_layers():
     assert select_layers(18, 18) == tuple(range(18))
     assert select_layers(18, 9)[0] == 0 and select_layers(18, 9)[-1] == 17 and len(select_layers(18, 9)) == 9
     assert select_layers(4, (3, 0)) == (0, 3)
-    for bad in (0, 19, (18,)):
-        with pytest.raises(ConfigError):
+    for bad in (0, 19, (18,), (), True, "3", (1, True)):
+        with pytest.raises(ConfigError, match="--draft-layers"):
             select_layers(18, bad)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import integer, is_int
 from ..errors import ConfigError
 from ..models.templates import TemplateRenderer
 from ..progress import task
@@ -37,15 +38,12 @@ class DraftShape:
 def select_layers(n_layers: int, keep: int | tuple[int, ...]) -> tuple[int, ...]:
     """Layer indices to keep: explicit indices, or `keep` layers spread evenly from the
     first to the last (the first and last layers matter most for the output distribution)."""
-    if isinstance(keep, int):
-        if not 1 <= keep <= n_layers:
-            raise ConfigError(f"--draft-layers must be between 1 and {n_layers}, got {keep}")
+    if not isinstance(keep, tuple | list):  # a count of layers
+        keep = integer(keep, "--draft-layers", least=1, most=n_layers)
         return tuple(sorted({int(round(x)) for x in np.linspace(0, n_layers - 1, keep)}))
-    layers = tuple(sorted(set(keep)))
-    bad = [i for i in layers if not 0 <= i < n_layers]
-    if bad or not layers:
+    if not keep or not all(is_int(i) and 0 <= i < n_layers for i in keep):
         raise ConfigError(f"--draft-layers indices must be in 0..{n_layers - 1}, got {list(keep)}")
-    return layers
+    return tuple(sorted({int(i) for i in keep}))
 
 
 def shape_draft(source, spec, chat_template: str | None, *, vocab: int | None,

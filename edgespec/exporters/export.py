@@ -5,6 +5,7 @@ import importlib
 import importlib.util
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import onnx
 
 from ..bundle import MANIFEST, SCHEMA_VERSION, Artifact, Manifest, ModelEntry, staged_bundle_dir
+from ..checks import integer, number, one_of
 from ..errors import ConfigError, ExportError
 from ..models.catalog import DEFAULT_PRESET, preset_source
 from .build_memory import CALIBRATION_KV_TOKENS, BuildBudget
@@ -85,7 +87,8 @@ class ExportConfig:
     draft_layers: tuple[int, ...] | int | None = None  # layer-cut draft: a count or explicit indices
     calibration: Path | None = None  # extra calibration prompts for VocabTrim (and a trained draft head)
     force: bool = False
-    draft_head: str | None = None  # "trained": add a trained draft head (training/distill.py)
+    # "trained": add a trained draft head (export_bundle's train_head, training/distill.py)
+    draft_head: str | None = None
     train_minutes: float | None = None  # its training budget (None: distill's default)
     # the target's ONNX graph takes draft trees (exporters/onnx/tree.py): one forward verifies a tree
     tree: bool = False
@@ -97,58 +100,70 @@ class ExportConfig:
     share_source: bool = False
 
     def __post_init__(self) -> None:
-        if not self.formats:
-            raise ConfigError("--format needs at least one format")
-        bad = [f for f in self.formats if f not in FORMATS]
-        if bad:
-            raise ConfigError(f"format '{bad[0]}' is not supported yet (available: {', '.join(FORMATS)})")
-        for fmt in self.formats:
-            package, extra = FORMAT_PACKAGES.get(fmt, (None, None))
-            if package and importlib.util.find_spec(package) is None:
-                raise ConfigError(f"--format {fmt} needs {package}: pip install 'edgespec[{extra}]'")
-        if self.target_precision is not None and self.target_precision not in TARGET_PRECISIONS:
-            raise ConfigError(f"--target-precision must be one of {', '.join(TARGET_PRECISIONS)}")
-        if self.draft_precision is not None and self.draft_precision not in DRAFT_PRECISIONS:
-            raise ConfigError(f"--draft-precision must be one of {', '.join(DRAFT_PRECISIONS)}")
-        if isinstance(self.draft_vocab, str) and self.draft_vocab != "auto":
-            raise ConfigError(f"--draft-vocab takes a number, 'auto' or 'full', got {self.draft_vocab!r}")
-        shaped = self.draft_vocab not in (None, "auto") or self.draft_layers is not None
-        if (self.draft == "self" and not shaped and self.draft_precision == "fp32"
-                and self.target_precision in (None, "fp32")):
-            raise ConfigError("a 'self' draft in fp32 is the target itself; give --draft-precision int8 or int4")
-        if self.draft is None and (shaped or self.calibration):
-            raise ConfigError("--draft-vocab, --draft-layers and --calibration shape a draft; drop --draft none")
-        if isinstance(self.draft_vocab, int) and self.draft_vocab < 1:
-            raise ConfigError(f"--draft-vocab must be >= 1, got {self.draft_vocab}")
-        if self.calibration is not None and self.draft_vocab is None and self.draft_head is None:
-            raise ConfigError("--calibration only matters with --draft-vocab or --draft-head trained")
-        if self.tree and "onnx" not in self.formats:
-            raise ConfigError("--tree writes the ONNX target's graph for tree verification: add --format onnx")
-        self._parse_budget()
-        self._check_draft_head()
-
-    def _parse_budget(self) -> None:
+        _check_formats(self.formats)
+        _check_values(self)
+        conflict = next((why for wrong, why in _CONFLICTS if wrong(self)), None)
+        if conflict is not None:
+            raise ConfigError(conflict)
         if self.memory_budget is not None:
             from ..memory.budget import parse_bytes
 
             object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))  # bytes once built
 
-    def _check_draft_head(self) -> None:
-        if self.draft_head not in (None, "trained"):
-            raise ConfigError(f"--draft-head takes 'trained' or 'none', got {self.draft_head!r}")
-        if self.draft_head is None:
-            if self.train_minutes is not None:
-                raise ConfigError("--train-minutes is the draft head's budget; add --draft-head trained")
-            return
-        if self.draft != "self" or self.draft_layers is not None:
-            raise ConfigError("--draft-head trained runs on the target's body: it needs --draft self without "
-                              "--draft-layers")
-        if "onnx" not in self.formats:
-            raise ConfigError("--draft-head trained is trained on the ONNX target: add --format onnx")
-        if self.train_minutes is not None:
-            from ..training.distill import DistillConfig
 
-            DistillConfig(self.output, train_minutes=self.train_minutes)  # the same check as `edgespec distill`
+def _check_formats(formats: tuple[str, ...]) -> None:
+    """Formats edgespec writes, each with the packages its writer needs (checked before any work)."""
+    if not formats:
+        raise ConfigError("--format needs at least one format")
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise ConfigError(f"format '{bad[0]}' is not supported yet (available: {', '.join(FORMATS)})")
+    for fmt in formats:
+        package, extra = FORMAT_PACKAGES.get(fmt, (None, None))
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--format {fmt} needs {package}: pip install 'edgespec[{extra}]'")
+
+
+def _check_values(cfg: ExportConfig) -> None:
+    """Each option on its own: one of its choices, or a number in its range."""
+    if cfg.target_precision is not None:
+        one_of(cfg.target_precision, "--target-precision", TARGET_PRECISIONS)
+    if cfg.draft_precision is not None:
+        one_of(cfg.draft_precision, "--draft-precision", DRAFT_PRECISIONS)
+    if isinstance(cfg.draft_vocab, str) and cfg.draft_vocab != "auto":
+        raise ConfigError(f"--draft-vocab takes a number, 'auto' or 'full', got {cfg.draft_vocab!r}")
+    if cfg.draft_vocab not in (None, "auto"):
+        integer(cfg.draft_vocab, "--draft-vocab", least=1)
+    if cfg.draft_head not in (None, "trained"):
+        raise ConfigError(f"--draft-head takes 'trained' or 'none', got {cfg.draft_head!r}")
+    if cfg.train_minutes is not None:
+        number(cfg.train_minutes, "--train-minutes", above=0)  # the rule of `edgespec distill`'s flag
+
+
+def _shapes_draft(cfg: ExportConfig) -> bool:
+    """Whether the options make the draft other than the target's body and head (trimmed or cut)."""
+    return cfg.draft_vocab not in (None, "auto") or cfg.draft_layers is not None
+
+
+# Options that cannot go together: (whether a config has the conflict, what to tell the user),
+# checked in this order once each option is valid on its own
+_CONFLICTS: tuple[tuple[Callable[[ExportConfig], bool], str], ...] = (
+    (lambda c: c.draft == "self" and not _shapes_draft(c) and c.draft_precision == "fp32"
+     and c.target_precision in (None, "fp32"),
+     "a 'self' draft in fp32 is the target itself; give --draft-precision int8 or int4"),
+    (lambda c: c.draft is None and (_shapes_draft(c) or c.calibration is not None),
+     "--draft-vocab, --draft-layers and --calibration shape a draft; drop --draft none"),
+    (lambda c: c.calibration is not None and c.draft_vocab is None and c.draft_head is None,
+     "--calibration only matters with --draft-vocab or --draft-head trained"),
+    (lambda c: c.tree and "onnx" not in c.formats,
+     "--tree writes the ONNX target's graph for tree verification: add --format onnx"),
+    (lambda c: c.draft_head is None and c.train_minutes is not None,
+     "--train-minutes is the draft head's budget; add --draft-head trained"),
+    (lambda c: c.draft_head is not None and (c.draft != "self" or c.draft_layers is not None),
+     "--draft-head trained runs on the target's body: it needs --draft self without --draft-layers"),
+    (lambda c: c.draft_head is not None and "onnx" not in c.formats,
+     "--draft-head trained is trained on the ONNX target: add --format onnx"),
+)
 
 
 # Measured on Gemma 3 270M (dev/sweep_vocabtrim.py, docs/LOG.md): K = 16k keeps the full head's
@@ -358,29 +373,36 @@ def _export_draft(cfg: ExportConfig, tmp: Path, bar, source: Source, spec: Model
     return _entry(spec, arts, source, shape, id_map)
 
 
-def _train_draft_head(cfg: ExportConfig, tmp: Path, bar) -> None:
-    from ..training.distill import DEFAULT_TRAIN_MINUTES, DistillConfig, distill_bundle
-
-    bar.set_postfix_str("training the draft head")
-    minutes = cfg.train_minutes if cfg.train_minutes is not None else DEFAULT_TRAIN_MINUTES
-    distill_bundle(DistillConfig(tmp, train_minutes=minutes, calibration=cfg.calibration))
-
-
-def export_bundle(cfg: ExportConfig) -> Path:
-    """Export `cfg.target` (and its draft) into the bundle folder `cfg.output`; return it."""
-    from ..progress import task
-
+def _checked_sources(cfg: ExportConfig) -> tuple[Path, Path | None]:
+    """The target's and the draft's source paths (None: no draft model of its own), checked before
+    any work with the calibration file and the memory budget, so a bad input writes nothing."""
     target_path = Path(cfg.target) if cfg.target is not None else preset_source(DEFAULT_PRESET)
     draft_path = Path(cfg.draft) if cfg.draft not in (None, "self") else None
     for path in filter(None, (target_path, draft_path)):
-        check_source(path)  # fail on a bad path before any work
+        check_source(path)
     if cfg.calibration is not None:
         from .vocabtrim import read_prompt_file
 
-        read_prompt_file(Path(cfg.calibration))  # read again when used: here only checked before any work
+        read_prompt_file(Path(cfg.calibration))  # read again when used: here only checked
+    BuildBudget(cfg.memory_budget).check_source(target_path)  # the build's costliest phase, from the file's size
+    return target_path, draft_path
+
+
+def export_bundle(cfg: ExportConfig, *, train_head: Callable[[Path], object] | None = None) -> Path:
+    """Export `cfg.target` (and its draft) into the bundle folder `cfg.output`; return it.
+
+    `train_head(staged)` adds the draft head `cfg.draft_head` asks for to the staged bundle before it
+    is moved into place, so a failed training leaves no bundle. The training is torch's side, which
+    uses the exporters and not the reverse: its caller passes it (training.distill.export_with_head).
+    """
+    from ..progress import task
+
+    if cfg.draft_head is not None and train_head is None:
+        raise ConfigError(f"--draft-head {cfg.draft_head} is trained by edgespec.training: export with "
+                          "edgespec.training.distill.export_with_head")
+    target_path, draft_path = _checked_sources(cfg)
     steps = 4 + (cfg.draft is not None) + (draft_path is not None)
     budget = BuildBudget(cfg.memory_budget)
-    budget.check_source(target_path)  # before any work: the build's costliest phase, from the file's size
     with staged_bundle_dir(Path(cfg.output), force=cfg.force) as tmp, task("export", total=steps) as bar:
         bar.set_postfix_str(f"loading {Path(target_path).name}")
         source = load_source(target_path, lazy=lazy_gguf(cfg.formats))
@@ -412,8 +434,9 @@ def export_bundle(cfg: ExportConfig) -> Path:
             draft=draft_entry,
         )
         (tmp / MANIFEST).write_text(manifest.to_json())
-        if cfg.draft_head == "trained":  # on the staged bundle: a failed training leaves no bundle
-            _train_draft_head(cfg, tmp, bar)
+        if cfg.draft_head is not None:  # on the staged bundle: a failed training leaves no bundle
+            bar.set_postfix_str("training the draft head")
+            train_head(tmp)
         bar.set_postfix_str("done")
         bar.update()
     logger.info("bundle written to %s", cfg.output)

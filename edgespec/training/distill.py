@@ -16,17 +16,22 @@ import tempfile
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..bundle import MANIFEST, DraftHeadEntry, load_bundle
+from ..checks import integer, number
 from ..errors import BackendError, ConfigError
 from ..exporters.vocabtrim import builtin_prompts, read_prompt_file
 from ..progress import reporting, task
 from .draft_head import FEATURE_LAYER, HEAD_DIR, HEAD_FILE, build_onnx, draft_index, reference
 from .draft_head_data import collect, head_matrix, prompt_ids
 
-__all__ = ["DEFAULT_TRAIN_MINUTES", "DistillConfig", "distill_bundle"]
+if TYPE_CHECKING:
+    from ..exporters.export import ExportConfig
+
+__all__ = ["DEFAULT_TRAIN_MINUTES", "DistillConfig", "distill_bundle", "export_with_head"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +51,8 @@ class DistillConfig:
     progress: bool | None = None  # False: silent; else progress.Console's bars or lines (progress.py)
 
     def __post_init__(self) -> None:
-        m = self.train_minutes
-        if isinstance(m, bool) or not isinstance(m, int | float) or not np.isfinite(m) or m <= 0:
-            raise ConfigError(f"--train-minutes must be a number of minutes > 0, got {m}")
-        if isinstance(self.gen_tokens, bool) or not isinstance(self.gen_tokens, int) or self.gen_tokens < 0:
-            raise ConfigError(f"--gen-tokens must be an integer >= 0, got {self.gen_tokens}")
+        number(self.train_minutes, "--train-minutes", above=0)
+        integer(self.gen_tokens, "--gen-tokens", least=0)
         if not self.builtin and self.calibration is None:
             raise ConfigError("no calibration prompts: give a calibration file or keep the built-in prompts")
         if self.threads is not None:
@@ -66,8 +68,7 @@ def _usable_cpus() -> int:
 def _bounded_threads(threads) -> int:
     """--threads checked (an integer >= 1) and capped by the CPUs this process may use: more
     threads than cores only contend for them, and a huge count would make every pool spawn them."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ConfigError(f"--threads must be an integer >= 1, got {threads!r}")
+    threads = integer(threads, "--threads", least=1)
     usable = _usable_cpus()
     if threads > usable:
         logger.warning("--threads %d is more than the %d CPUs this process may use; using %d", threads, usable,
@@ -163,6 +164,22 @@ def distill_bundle(cfg: DistillConfig) -> DraftHeadEntry:
         raise
     logger.info("draft head written to %s: held-out agreement %.3f", bundle.path / HEAD_FILE, entry.held_out_agreement)
     return entry
+
+
+def export_with_head(cfg: ExportConfig) -> Path:
+    """`edgespec export --draft-head trained`: export the bundle `cfg` describes and train its draft
+    head on the staged folder (exporters.export.export_bundle's `train_head`), so a failed training
+    leaves no bundle; the bundle's folder. A `cfg` without a draft head exports as export_bundle does."""
+    from ..exporters.export import export_bundle  # onnx and the graph builders: only when exporting
+
+    if cfg.draft_head is None:
+        return export_bundle(cfg)
+    minutes = cfg.train_minutes if cfg.train_minutes is not None else DEFAULT_TRAIN_MINUTES
+
+    def train(staged: Path) -> None:
+        distill_bundle(DistillConfig(staged, train_minutes=minutes, calibration=cfg.calibration))
+
+    return export_bundle(cfg, train_head=train)
 
 
 def _make_stage(stage: Path) -> None:

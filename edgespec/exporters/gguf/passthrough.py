@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -242,49 +243,73 @@ def write_passthrough(job, bar) -> Artifact:
     """The GGUF format of a GGUF source (`job`: exporters.export.ModelJob): `<role>/model.gguf`,
     the source's file or a cut of it, and for a trimmed draft its input embedding and its
     full-vocabulary twin."""
-    from .reader import open_gguf
-
     folder = job.bundle_dir / job.role
     folder.mkdir(parents=True, exist_ok=True)
-    out = folder / "model.gguf"
-    layers, keep = job.opts.layers, job.opts.vocab_keep
+    have = _source_precision(job)[0]
+    precision = None if job.precision in (None, "source", have) else job.precision  # None: the source's blocks
+    if job.opts.layers is None and job.opts.vocab_keep is None:
+        return _whole(job, folder / "model.gguf", precision, bar)
+    return _cut(job, folder, precision, bar)
+
+
+def _rel(job, path: Path) -> str:
+    return str(path.relative_to(job.bundle_dir))
+
+
+def _whole(job, out: Path, precision: str | None, bar) -> Artifact:
+    """The whole source at `out`: its own file (copied, cloned or shared), or requantized."""
     have, ftype = _source_precision(job)
-    precision = None if job.precision in (None, "source", have) else job.precision
-    rel = lambda p: str(p.relative_to(job.bundle_dir))  # noqa: E731
     src = job.source.path
-    if layers is None and keep is None:
-        if precision is None:
-            bar.set_postfix_str(f"copying the {job.role} GGUF ({src.stat().st_size / 2**30:.1f} GiB)")
-            shared = copy_file(src, out, share=job.share_source)
-            return Artifact(file=rel(out), precision=have,
-                            quantization={"method": "llama.cpp", "type": ftype, "passthrough": True,
-                                          "standalone": rel(out)}, shared=shared)
-        bar.set_postfix_str(f"requantizing {job.role} to {precision}")
-        qname = _requantize(src, out, precision)
-        return Artifact(file=rel(out), precision=precision,
-                        quantization={"method": "llama.cpp", "type": qname, "requantized_from": ftype,
-                                      "standalone": rel(out)})
+    if precision is None:
+        bar.set_postfix_str(f"copying the {job.role} GGUF ({src.stat().st_size / 2**30:.1f} GiB)")
+        shared = copy_file(src, out, share=job.share_source)
+        return Artifact(file=_rel(job, out), precision=have,
+                        quantization={"method": "llama.cpp", "type": ftype, "passthrough": True,
+                                      "standalone": _rel(job, out)}, shared=shared)
+    bar.set_postfix_str(f"requantizing {job.role} to {precision}")
+    qname = _requantize(src, out, precision)
+    return Artifact(file=_rel(job, out), precision=precision,
+                    quantization={"method": "llama.cpp", "type": qname, "requantized_from": ftype,
+                                  "standalone": _rel(job, out)})
+
+
+def _cut(job, folder: Path, precision: str | None, bar) -> Artifact:
+    """A draft cut from the source (kept layers, a VocabTrim head) at `<folder>/model.gguf`; with a
+    trimmed head also its full-vocabulary twin and its input embedding."""
+    from .reader import open_gguf
+
+    have, ftype = _source_precision(job)
+    layers, keep, src = job.opts.layers, job.opts.vocab_keep, job.source.path
     bar.set_postfix_str(f"cutting {job.role} GGUF")
     reader = open_gguf(src)
-    spec = job.spec
-    scale = float(np.sqrt(spec.hidden_size)) if spec.family.embed_scale else 1.0
-    name = f"{src.stem} ({job.role}, edgespec)"
+    scale = float(np.sqrt(job.spec.hidden_size)) if job.spec.family.embed_scale else 1.0
+    write = partial(write_draft, reader, src, spec=job.spec, layers=layers, embed_scale=scale,
+                    name=f"{src.stem} ({job.role}, edgespec)")
+    out = folder / "model.gguf"
     quant = {"method": "llama.cpp", "type": ftype}
     full = folder / FULL_DRAFT_FILE if keep is not None else out
     targets = [(out, keep)] + ([(full, None)] if keep is not None else [])
     for path, rows in targets:
         if rows is None and layers is None and precision is None:
             _twin(src, path, job)
-            continue
-        staged = path.with_name(path.stem + ".src.gguf") if precision is not None else path
-        write_draft(reader, src, staged, spec, layers=layers, keep=rows, embed_scale=scale, name=name)
-        if precision is not None:
-            try:
-                quant["type"] = _requantize(staged, path, precision)
-            finally:
-                staged.unlink(missing_ok=True)
+        else:
+            quant["type"] = _cut_file(write, path, rows, precision) or quant["type"]
     if keep is not None:
         write_input_embedding(reader, src, folder / EMBD_FILE)
         quant.update(input_embedding=EMBD_FILE, head="trimmed")
-    quant["standalone"] = rel(full)
-    return Artifact(file=rel(out), precision=precision or have, quantization=quant)
+    quant["standalone"] = _rel(job, full)
+    return Artifact(file=_rel(job, out), precision=precision or have, quantization=quant)
+
+
+def _cut_file(write, path: Path, rows: np.ndarray | None, precision: str | None) -> str | None:
+    """One cut file at `path` (`write(path, keep=rows)`: write_draft), its blocks the source's own,
+    or written aside and requantized by llama.cpp to `precision`; the type it was requantized to."""
+    if precision is None:
+        write(path, keep=rows)
+        return None
+    staged = path.with_name(path.stem + ".src.gguf")
+    write(staged, keep=rows)
+    try:
+        return _requantize(staged, path, precision)
+    finally:
+        staged.unlink(missing_ok=True)

@@ -6,6 +6,7 @@ import ctypes
 import os
 from pathlib import Path
 
+from ...checks import is_int
 from ...errors import ExportError
 
 __all__ = ["EMBD_FILE", "LLAMA_FTYPES", "precision_of_gguf", "quantize"]
@@ -26,7 +27,7 @@ def precision_of_gguf(path: Path, reader=None) -> tuple[str | None, str]:
     ftype = _field(reader or open_gguf(path), "general.file_type")
     if ftype is None:
         return None, "unknown"
-    if isinstance(ftype, bool) or not isinstance(ftype, int):
+    if not is_int(ftype):  # the value's text cut short: a broken file may hold anything there
         raise ExportError(f"the GGUF's 'general.file_type' must be an integer, got {str(ftype)[:40]!r}")
     name = LlamaFileType(ftype).name.replace("MOSTLY_", "").replace("ALL_", "") if ftype in set(
         t.value for t in LlamaFileType) else str(ftype)

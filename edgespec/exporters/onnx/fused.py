@@ -77,22 +77,33 @@ def concat_rows(ws: Sequence[BlockWeight]) -> BlockWeight | None:
     requantized), or None when their block formats differ (bits, block size, zero-point kind).
     A weight without zero points gets the op's default (2^(bits-1)) written out, and one without
     block mins zeros, where the others have them: the products are unchanged."""
-    ws = [kernel_form(w) for w in ws]
+    ws = _one_format([kernel_form(w) for w in ws])
+    if ws is None:
+        return None
     first = ws[0]
+    zps = None if first.zero_points is None else np.concatenate([w.zero_points for w in ws])
+    return BlockWeight(np.concatenate([w.codes for w in ws]), np.concatenate([w.scales for w in ws]), zps,
+                       first.bits, first.block_size, "+".join(sorted({w.source_type for w in ws})), _stacked_mins(ws))
+
+
+def _one_format(ws: list[BlockWeight]) -> list[BlockWeight] | None:
+    """`ws` in one block format: as they are when they share it; with the default zero points
+    written out when only some have them (8-bit codes); None when they cannot share one."""
     kinds = {(w.bits, w.block_size, w.shape[1], _zero_kind(w)) for w in ws}
-    if len(kinds) > 1:
-        kinds = {(b, bs, k, z if z != "none" else "uint8") for b, bs, k, z in kinds}
-        if len(kinds) > 1 or any(w.bits == 4 for w in ws):  # 4-bit zero points are packed: keep apart
-            return None
-        ws = [w if w.zero_points is not None else replace(
-            w, zero_points=np.full(w.scales.shape, 1 << (w.bits - 1), np.uint8)) for w in ws]
-    zps = [w.zero_points for w in ws]
-    mins = None
-    if any(w.mins is not None for w in ws):
-        mins = np.concatenate([w.mins if w.mins is not None else np.zeros_like(w.scales) for w in ws])
-    return BlockWeight(np.concatenate([w.codes for w in ws]), np.concatenate([w.scales for w in ws]),
-                       None if zps[0] is None else np.concatenate(zps), first.bits, first.block_size,
-                       "+".join(sorted({w.source_type for w in ws})), mins)
+    if len(kinds) == 1:
+        return ws
+    kinds = {(b, bs, k, z if z != "none" else "uint8") for b, bs, k, z in kinds}
+    if len(kinds) > 1 or any(w.bits == 4 for w in ws):  # 4-bit zero points are packed: keep apart
+        return None
+    return [w if w.zero_points is not None else replace(
+        w, zero_points=np.full(w.scales.shape, 1 << (w.bits - 1), np.uint8)) for w in ws]
+
+
+def _stacked_mins(ws: list[BlockWeight]) -> np.ndarray | None:
+    """The block mins of the stacked weight: zeros for a weight without (None when none has them)."""
+    if all(w.mins is None for w in ws):
+        return None
+    return np.concatenate([w.mins if w.mins is not None else np.zeros_like(w.scales) for w in ws])
 
 
 def _zero_kind(w: BlockWeight) -> str:
