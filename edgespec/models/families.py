@@ -14,7 +14,7 @@ from types import MappingProxyType
 from ..errors import ExportError
 
 __all__ = ["ArchFacts", "Family", "FAMILIES", "GGUF_ARCHS", "family_for", "family_for_arch", "register",
-           "unregister", "GEMMA_CHAT_TEMPLATE", "merges_by_position"]
+           "unregister", "CHATML_TEMPLATE", "GEMMA_CHAT_TEMPLATE", "merges_by_position"]
 
 # Gemma's turn markers (the instruction-tuned Gemma template, minus tool calling). Kept in the
 # bundle of a Gemma checkpoint that carries no template of its own (e.g. the base GGUF), for
