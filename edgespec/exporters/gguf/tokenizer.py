@@ -105,7 +105,7 @@ def _token_id(reader, key: str, n_tokens: int) -> int | None:
         return None
     if not checks.is_int(value) or not 0 <= value < n_tokens:
         raise _bad(key, f"a token id below {n_tokens}", value)
-    return value
+    return int(value)
 
 
 def default_add_bos(reader) -> bool:
