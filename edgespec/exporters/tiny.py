@@ -42,25 +42,36 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
-def make_config(family: str, vocab: int, layers: int = 2, tied: bool | None = None):
-    """The transformers config of a tiny `family` model; `tied` overrides the family's default
-    tie_word_embeddings (llama: untied, qwen2 and gemma3: tied)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+# tiny names that are a family's tiny model with more config keys, not families of their own
+_VARIANTS = {"llama3": ("llama", {"rope_scaling": LLAMA3_ROPE})}  # Llama 3.1's RoPE scaling (model_type "llama")
 
+
+def _layer_types(pattern, layers: int) -> list[str]:
+    """A family's repeating layer-type pattern over `layers` layers."""
+    return [pattern[i % len(pattern)] for i in range(layers)]
+
+
+def make_config(family: str, vocab: int, layers: int = 2, tied: bool | None = None):
+    """The transformers config of a tiny `family` model (a registered family with a `tiny` row, or a
+    variant of one, e.g. "llama3"); `tied` overrides the family's default tie_word_embeddings
+    (llama: untied, qwen2 and gemma3: tied)."""
+    from transformers import AutoConfig
+
+    from ..models.families import FAMILIES
+
+    base, extra = _VARIANTS.get(family, (family, {}))
+    row = FAMILIES.get(base)
+    if row is None or row.tiny is None:
+        known = [*(name for name, r in FAMILIES.items() if r.tiny is not None), *_VARIANTS]
+        raise ValueError(f"no tiny model of family {family!r} (known: {', '.join(known)})")
+    keys = {**row.tiny, **{k: dict(v) if isinstance(v, dict) else v for k, v in extra.items()}}
+    if "layer_types" in keys:
+        keys["layer_types"] = _layer_types(keys["layer_types"], layers)
+    if tied is not None:
+        keys["tie_word_embeddings"] = bool(tied)
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if family == "llama":
-        return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=bool(tied), **common)
-    if family == "llama3":  # a Llama with Llama 3.1's RoPE scaling (model_type "llama")
-        return LlamaConfig(num_key_value_heads=2, tie_word_embeddings=bool(tied), rope_scaling=dict(LLAMA3_ROPE),
-                           **common)
-    if family == "qwen2":
-        return Qwen2Config(num_key_value_heads=2, tie_word_embeddings=tied is not False, **common)
-    if family == "gemma3":
-        return Gemma3TextConfig(num_key_value_heads=1, head_dim=32, sliding_window=16, query_pre_attn_scalar=32,
-                                layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1),
-                                tie_word_embeddings=tied is not False, **common)
-    raise ValueError(f"no tiny model of family {family!r} (known: {', '.join(FAMILIES)})")
+    return AutoConfig.for_model(row.model_type, **keys, **common)
 
 
 def make_model(family: str, out: Path, seed: int = 0, chat_template: str | None = None,

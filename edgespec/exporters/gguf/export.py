@@ -5,7 +5,8 @@ inside the llama-cpp-python sdist (no wheel installs it), reads only HF folders 
 and cannot write what edgespec derives in memory (layer-cut drafts, VocabTrim heads, GGUF
 sources that transformers already dequantized). GGUFWriter writes numpy arrays, and gguf's
 own TensorNameMap gives the llama.cpp tensor names per architecture, so the per-family
-knowledge here is a few metadata keys (models/families.py has the architecture name).
+knowledge here is a few metadata keys; what differs by family (the architecture name, q/k row
+order, Llama 3's `rope_freqs`, norm offsets) is read from the family's row (models/families.py).
 Quantization (Q8_0, Q4_K_M) is llama.cpp's own `llama_model_quantize`, so the quantized
 files are the ones llama.cpp's quantize tool would make.
 
@@ -109,7 +110,7 @@ def _rope_freqs(job) -> tuple[float, np.ndarray] | None:
     (Llama 3.1+ scaling): llama.cpp's converter stores them as `rope_freqs.weight`, which ggml_rope_ext
     applies as freq_factors, theta_i = pos * base^(-2i/d) / rope_freqs[i]. None: the table is geometric."""
     spec, cfg = job.spec, job.source.model.config
-    if not spec.family.gguf_rope_freqs or "full_attention" not in spec.rope:
+    if not spec.family.gguf.rope_freqs or "full_attention" not in spec.rope:
         return None
     inv, attn_scale = spec.rope["full_attention"]
     theta = _rope_theta(getattr(cfg, "text_config", None) or cfg)
@@ -127,8 +128,9 @@ def _rope_freqs(job) -> tuple[float, np.ndarray] | None:
 def _hparams(w, job, arch: str, n_layers: int, layers: tuple[int, ...], freqs) -> None:
     spec, cfg = job.spec, job.source.model.config
     cfg = getattr(cfg, "text_config", None) or cfg
-    if arch == "gemma3" and abs(spec.query_scale - spec.head_dim ** -0.5) > 1e-9:
-        raise ExportError("llama.cpp's gemma3 scales queries by 1/sqrt(head_dim); this model does not")
+    # llama.cpp takes no query scale from the file: every architecture written here scales by 1/sqrt(head_dim)
+    if abs(spec.query_scale - spec.head_dim ** -0.5) > 1e-9:
+        raise ExportError(f"llama.cpp's {arch} scales queries by 1/sqrt(head_dim); this model does not")
     w.add_name(f"{job.source.path.stem} ({job.role}, edgespec)")
     w.add_context_length(int(getattr(cfg, "max_position_embeddings", 4096)))
     w.add_embedding_length(spec.hidden_size)
@@ -176,37 +178,43 @@ def _tokenizer(w, job, trimmed: bool, n_vocab: int) -> None:
         w.add_vocab_size(n_vocab)
 
 
-def _hf_bpe_tokenizer(w, tok, n_vocab: int) -> bool:
-    """Write a byte-level BPE (GPT-2 style) tokenizer; False for other kinds."""
-    import json
-
+def _token_type(i: int, added: dict, known: bool):
+    """llama.cpp's type of token `i`: a special added token is CONTROL, another added one USER_DEFINED."""
     from gguf import TokenType
 
-    data = json.loads(tok.backend_tokenizer.to_str())
-    model = data.get("model", {})
-    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
-        return False
-    vocab = tok.get_vocab()
-    by_id = {i: t for t, i in vocab.items()}
-    added = {a["id"]: a for a in data.get("added_tokens", [])}
-    tokens, types = [], []
-    for i in range(n_vocab):
-        tokens.append(by_id.get(i, f"[PAD{i}]"))
-        a = added.get(i)
-        types.append(TokenType.CONTROL if a and a.get("special") else TokenType.USER_DEFINED if a
-                     else TokenType.NORMAL if i in by_id else TokenType.UNUSED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
+    a = added.get(i)
+    if a:
+        return TokenType.CONTROL if a.get("special") else TokenType.USER_DEFINED
+    return TokenType.NORMAL if known else TokenType.UNUSED
+
+
+def _special_ids(w, tok) -> None:
+    """BOS, EOS and padding ids, and whether the tokenizer puts BOS first."""
     for tid, add in ((tok.bos_token_id, w.add_bos_token_id), (tok.eos_token_id, w.add_eos_token_id),
                      (tok.pad_token_id, w.add_pad_token_id)):
         if tid is not None:
             add(int(tid))
     bos = tok.bos_token_id
     w.add_add_bos_token(bool(bos is not None and tok("a").input_ids[:1] == [bos]))
+
+
+def _hf_bpe_tokenizer(w, tok, n_vocab: int) -> bool:
+    """Write a byte-level BPE (GPT-2 style) tokenizer; False for other kinds."""
+    import json
+
+    data = json.loads(tok.backend_tokenizer.to_str())
+    model = data.get("model", {})
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
+        return False
+    by_id = {i: t for t, i in tok.get_vocab().items()}
+    added = {a["id"]: a for a in data.get("added_tokens", [])}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([by_id.get(i, f"[PAD{i}]") for i in range(n_vocab)])
+    w.add_token_types([_token_type(i, added, i in by_id) for i in range(n_vocab)])
+    w.add_token_merges(merges)
+    _special_ids(w, tok)
     if getattr(tok, "chat_template", None) and isinstance(tok.chat_template, str):
         w.add_chat_template(tok.chat_template)
     return True
@@ -217,14 +225,9 @@ def _permute(wt: np.ndarray, n_head: int) -> np.ndarray:
     return (wt.reshape(n_head, 2, wt.shape[0] // n_head // 2, *wt.shape[1:]).swapaxes(1, 2).reshape(wt.shape))
 
 
-def _tensors(job, arch: str, layers: tuple[int, ...]):
-    """(gguf name, float32 array) for every tensor llama.cpp expects."""
-    from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, get_tensor_name_map
-
-    arch_enum = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch and a in MODEL_ARCH)
-    names = get_tensor_name_map(arch_enum, job.spec.n_layers)
-    spec, fam, wts = job.spec, job.spec.family, job.weights
-    keep = job.opts.vocab_keep
+def _top_tensors(job):
+    """(gguf name, array) of the embedding, the head and the final norm."""
+    spec, wts, keep = job.spec, job.weights, job.opts.vocab_keep
     embed = wts["model.embed_tokens.weight"]
     head = wts.get("lm_head.weight")
     tied = head is None or spec.tie_embeddings
@@ -235,9 +238,30 @@ def _tensors(job, arch: str, layers: tuple[int, ...]):
         yield "token_embd.weight", embed
         if not tied:
             yield "output.weight", head
-    yield "output_norm.weight", wts["model.norm.weight"] + fam.norm_offset
+    yield "output_norm.weight", wts["model.norm.weight"] + spec.family.norm_offset
+
+
+def _layer_tensor(spec, name: str, arr: np.ndarray) -> np.ndarray:
+    """A layer tensor as llama.cpp stores it: norms with the family's offset, q/k rows in its order."""
+    fam = spec.family
+    if name.endswith(_NORM_SUFFIXES):
+        return arr + fam.norm_offset
+    if fam.gguf.permute_qk and ".attn_q." in name:
+        return _permute(arr, spec.n_heads)
+    if fam.gguf.permute_qk and ".attn_k." in name:
+        return _permute(arr, spec.n_kv_heads)
+    return arr
+
+
+def _tensors(job, arch: str, layers: tuple[int, ...]):
+    """(gguf name, float32 array) for every tensor llama.cpp expects."""
+    from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch_enum = next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch and a in MODEL_ARCH)
+    names = get_tensor_name_map(arch_enum, job.spec.n_layers)
+    yield from _top_tensors(job)
     remap = {li: j for j, li in enumerate(layers)}
-    for key, arr in wts.items():
+    for key, arr in job.weights.items():
         if not key.startswith("model.layers."):
             continue
         li = int(key.split(".")[2])
@@ -248,13 +272,7 @@ def _tensors(job, arch: str, layers: tuple[int, ...]):
         if name is None:
             raise ExportError(f"no GGUF name for tensor {key} ({arch})")
         name = name.replace(f"blk.{li}.", f"blk.{remap[li]}.", 1) + "." + suffix
-        if name.endswith(_NORM_SUFFIXES):
-            arr = arr + fam.norm_offset
-        if fam.gguf_permute_qk and ".attn_q." in name:
-            arr = _permute(arr, spec.n_heads)
-        elif fam.gguf_permute_qk and ".attn_k." in name:
-            arr = _permute(arr, spec.n_kv_heads)
-        yield name, arr
+        yield name, _layer_tensor(job.spec, name, arr)
 
 
 def _write(job, path: Path, half: bool) -> None:

@@ -6,7 +6,8 @@ arrays (gguf-py's own dequantizer) for formats and precisions that re-encode.
 
 The config becomes a ModelSpec from the `<arch>.*` metadata keys, with the facts llama.cpp itself
 hard-codes per architecture (activation, sliding-window patterns, Gemma 2's soft-caps, SmolLM3's layers
-without RoPE, Phi-3's fused matrices, Qwen 3 MoE's experts) in `ARCHS`. RoPE tables
+without RoPE, Phi-3's fused matrices, Qwen 3 MoE's experts) in the family's row (models/families.py,
+`ArchFacts`; `ARCHS` is its view by architecture). RoPE tables
 are computed as llama.cpp rotates: the linear scale factor and Llama 3's `rope_freqs.weight` divisors
 applied, any other `<arch>.rope.*` key refused by name. The tokenizer becomes a `tokenizers`
 tokenizer.json (gguf/tokenizer.py).
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from collections import Counter
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
@@ -24,8 +24,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from ... import checks
 from ...errors import ExportError
-from ...models.families import family_for
+from ...models.families import GGUF_ARCHS, ArchFacts, Family, family_for_arch
 from ..spec import ModelSpec
 from .deferred import LazyTensors, deferring
 from .reader import check_layout, open_gguf
@@ -33,47 +34,13 @@ from .reader import field as _field
 from .transcode import BlockWeight, quant_type_name, transcode
 
 __all__ = ["GGUFModel", "check_layout", "open_gguf", "read_gguf", "ArchFacts", "ARCHS", "MAX_DENSE_EXPERTS",
-           "check_dense_experts", "expert_name"]
+           "check_dense_experts", "expert_name", "split_fused"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ArchFacts:
-    """What a GGUF's metadata leaves to llama.cpp's code for one architecture."""
-
-    model_type: str  # transformers' model_type (what spec_from_hf would report)
-    activation: str
-    swa_period: int | None = None  # every Nth layer is full attention, the rest sliding (Gemma 3: 6)
-    swa_base: float | None = None  # rope base of sliding layers when the file does not say
-    swa_window: int | None = None  # the window when the file gives no `attention.sliding_window` (Gemma 2: 4096)
-    unpermute_qk: bool = False  # llama.cpp reordered q/k rows for its interleaved RoPE
-    # soft-caps llama.cpp applies when the file has no `<arch>.attn_logit_softcapping` /
-    # `<arch>.final_logit_softcapping` key (Gemma 2: 50 and 30); None: no cap unless the file gives one
-    attn_softcap: float | None = None
-    final_softcap: float | None = None
-    nope_period: int | None = None  # every Nth layer has no RoPE (SmolLM3: 4; no GGUF key says so)
-    fused_up: bool = False  # `ffn_up` holds the gate rows, then the up rows (Phi-3)
-    # the block count at which llama.cpp scales queries by 1/sqrt(hidden / heads), not 1/sqrt(head_dim)
-    # (Gemma 2 27B)
-    hidden_query_scale_layers: int | None = None
-    # a mixture of experts: a router (`ffn_gate_inp`) and 3-D expert tensors (`ffn_*_exps`), the top
-    # `expert_used_count` softmax weights renormalised (Qwen 3 MoE; onnx/moe.py)
-    moe: bool = False
-
-
-ARCHS: dict[str, ArchFacts] = {
-    "gemma2": ArchFacts("gemma2", "gelu_tanh", swa_period=2, swa_window=4096, attn_softcap=50.0,
-                        final_softcap=30.0, hidden_query_scale_layers=46),
-    "gemma3": ArchFacts("gemma3_text", "gelu_tanh", swa_period=6, swa_base=10000.0),
-    "llama": ArchFacts("llama", "silu", unpermute_qk=True),
-    # llama.cpp disables Phi-3's sliding window (it reads the key and attends to every position)
-    "phi3": ArchFacts("phi3", "silu", fused_up=True),
-    "qwen2": ArchFacts("qwen2", "silu"),
-    "qwen3": ArchFacts("qwen3", "silu"),
-    "qwen3moe": ArchFacts("qwen3_moe", "silu", moe=True),
-    "smollm3": ArchFacts("smollm3", "silu", unpermute_qk=True, nope_period=4),
-}
+# the family rows a GGUF source may have, by llama.cpp architecture (models/families.py registers them)
+ARCHS = GGUF_ARCHS
 NOPE = "full_attention_nope"  # the layer type of a full-attention layer without RoPE (an identity table)
 # tensors llama.cpp reads for a RoPE edgespec does not compute: refused by name rather than dropped
 _UNSUPPORTED_TENSORS = {"rope_factors_long.weight": "Phi-3's LongRoPE factors",
@@ -136,7 +103,7 @@ def _size(reader, key: str, default=None) -> int:
     value = _field(reader, key, default)
     if value is None:
         raise ExportError(f"the GGUF has no '{key}' metadata; cannot read its configuration")
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not checks.is_int(value) or value < 1:
         raise ExportError(f"the GGUF's '{key}' must be an integer >= 1, got {_show(value)}")
     return int(value)
 
@@ -146,7 +113,7 @@ def _number(reader, key: str, default=None, *, positive: bool = False) -> float:
     value = _field(reader, key, default)
     if value is None:
         raise ExportError(f"the GGUF has no '{key}' metadata; cannot read its configuration")
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = checks.is_number(value) and math.isfinite(value)
     if not ok or (positive and value <= 0):
         raise ExportError(f"the GGUF's '{key}' must be a finite number{' > 0' if positive else ''}, got {_show(value)}")
     return float(value)
@@ -185,6 +152,20 @@ def _inv_freq(base: float, dim: int) -> np.ndarray:
     return (np.float32(1.0) / (np.float32(base) ** exp)).astype(np.float32)
 
 
+def _periodic(n_layers: int, period: int, every: str, other: str) -> tuple[str, ...]:
+    """`every` on each `period`-th layer (layer il where (il + 1) % period == 0, as llama.cpp counts), `other` elsewhere."""
+    return tuple(every if (i + 1) % period == 0 else other for i in range(n_layers))
+
+
+def _swa_period(key: str, pattern, facts: ArchFacts) -> int | None:
+    """The sliding-window period the file gives (an integer >= 0), else the architecture's."""
+    if pattern is None:
+        return facts.swa_period
+    if not checks.is_int(pattern) or pattern < 0:
+        raise ExportError(f"the GGUF's '{key}' must be an integer >= 0 or a list per layer, got {_show(pattern)}")
+    return int(pattern)
+
+
 def _layer_types(reader, arch: str, facts: ArchFacts, n_layers: int) -> tuple[str, ...]:
     key = f"{arch}.attention.sliding_window_pattern"
     pattern = _field(reader, key)
@@ -192,13 +173,11 @@ def _layer_types(reader, arch: str, facts: ArchFacts, n_layers: int) -> tuple[st
         if len(pattern) != n_layers:
             raise ExportError(f"the GGUF's '{key}' has {len(pattern)} entries for {n_layers} layers")
         return tuple("sliding_attention" if p else "full_attention" for p in pattern)
-    if pattern is not None and (isinstance(pattern, bool) or not isinstance(pattern, numbers.Integral) or pattern < 0):
-        raise ExportError(f"the GGUF's '{key}' must be an integer >= 0 or a list per layer, got {_show(pattern)}")
-    period = int(pattern) if pattern is not None else facts.swa_period
+    period = _swa_period(key, pattern, facts)
     if period and (facts.swa_window or _field(reader, f"{arch}.attention.sliding_window") is not None):
-        return tuple("full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layers))
-    if facts.nope_period:  # llama.cpp skips the rotation of q and k on layer il where (il + 1) % period == 0
-        return tuple(NOPE if (i + 1) % facts.nope_period == 0 else "full_attention" for i in range(n_layers))
+        return _periodic(n_layers, period, "full_attention", "sliding_attention")
+    if facts.nope_period:  # llama.cpp skips the rotation of q and k on these layers
+        return _periodic(n_layers, facts.nope_period, NOPE, "full_attention")
     return ("full_attention",) * n_layers
 
 
@@ -256,8 +235,10 @@ def _rope(reader, arch: str, facts: ArchFacts, head_dim: int, layer_types, freqs
     return tables
 
 
-def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool,
+def _spec(reader, family: Family, vocab: int, tied: bool,
           freqs: np.ndarray | None) -> tuple[ModelSpec, SimpleNamespace]:
+    facts = family.gguf
+    arch = facts.arch
     hidden, n_heads, n_kv, head_dim = _heads(reader, arch)
     n_layers = _size(reader, f"{arch}.block_count")
     # every layer has tensors of its own: a count past the file's tensors is refused before any
@@ -273,8 +254,8 @@ def _spec(reader, arch: str, facts: ArchFacts, vocab: int, tied: bool,
     query_dim = hidden // n_heads if n_layers == facts.hidden_query_scale_layers else head_dim
     experts = _experts(reader, arch) if facts.moe else None
     spec = ModelSpec(
-        model_type=facts.model_type,
-        family=family_for(facts.model_type),
+        model_type=family.model_type,
+        family=family,
         hidden_size=hidden,
         n_layers=n_layers,
         n_heads=n_heads,
@@ -368,28 +349,28 @@ def _unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
     return np.argsort(perm)
 
 
-def _split_fused(spec: ModelSpec, tensors: dict) -> None:
-    """Phi-3's fused matrices into the Llama names, by rows (a BlockWeight keeps its own blocks): qkv
-    is q's rows, then k's, then v's; gate_up the gate's rows, then up's (llama.cpp's fused SwiGLU
-    gates with the first half)."""
+def split_fused(tensors: MutableMapping, spec: ModelSpec, layer: int) -> None:
+    """Phi-3's fused matrices of `layer` into the Llama names, by rows (a BlockWeight keeps its own
+    blocks): qkv is q's rows, then k's, then v's; gate_up the gate's rows, then up's (llama.cpp's
+    fused SwiGLU gates with the first half). The one home of the split: the ONNX graph calls it on a
+    HF folder's weights, the GGUF reader on a file's."""
     def take(w, start: int, stop: int):
         return w.rows(np.arange(start, stop)) if isinstance(w, BlockWeight) else w[start:stop]
 
     q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-    for i in range(spec.n_layers):
-        p = f"model.layers.{i}."
-        qkv = tensors.pop(p + "self_attn.qkv_proj.weight", None)
-        if qkv is not None:
-            if qkv.shape[0] != q + 2 * kv:
-                raise ExportError(f"layer {i}'s fused qkv weight has {qkv.shape[0]} rows, but the metadata's "
-                                  f"head counts give {q + 2 * kv}")
-            for name, (a, b) in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
-                tensors[f"{p}self_attn.{name}.weight"] = take(qkv, a, b)
-        gate_up = tensors.pop(p + "mlp.gate_up_proj.weight", None)
-        if gate_up is not None:
-            half = gate_up.shape[0] // 2
-            tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"] = (
-                take(gate_up, 0, half), take(gate_up, half, 2 * half))
+    p = f"model.layers.{layer}."
+    qkv = tensors.pop(p + "self_attn.qkv_proj.weight", None)
+    if qkv is not None:
+        if qkv.shape[0] != q + 2 * kv:
+            raise ExportError(f"layer {layer}'s fused qkv weight has {qkv.shape[0]} rows, but the metadata's "
+                              f"head counts give {q + 2 * kv}")
+        for name, (a, b) in (("q_proj", (0, q)), ("k_proj", (q, q + kv)), ("v_proj", (q + kv, q + 2 * kv))):
+            tensors[f"{p}self_attn.{name}.weight"] = take(qkv, a, b)
+    gate_up = tensors.pop(p + "mlp.gate_up_proj.weight", None)
+    if gate_up is not None:
+        half = gate_up.shape[0] // 2
+        tensors[p + "mlp.gate_proj.weight"], tensors[p + "mlp.up_proj.weight"] = (
+            take(gate_up, 0, half), take(gate_up, half, 2 * half))
 
 
 def _check_tensors(spec: ModelSpec, tensors: dict) -> None:
@@ -431,6 +412,65 @@ def _rope_freqs(t) -> np.ndarray:
     return freqs
 
 
+def _tensor_name(gguf_name: str, family: Family) -> str:
+    """transformers' name of a (non-expert) GGUF tensor, or a one-line ExportError."""
+    name = _hf_name(gguf_name, family.sandwich_norm)
+    if name is None:
+        raise ExportError(f"GGUF tensor {gguf_name} has no counterpart in edgespec's {family.gguf.arch} graph")
+    if family.gguf.fused_up and name.endswith(".mlp.up_proj.weight"):  # split by split_fused
+        return name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
+    return name
+
+
+def _weight(t, name: str, family: Family, load):
+    """One tensor as `load` takes it, a norm's stored offset undone."""
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne0 (the row length) first
+    w = load(t.data, t.tensor_type, shape, t.name)  # transcode, or reader.lazy_tensor
+    if isinstance(w, np.ndarray) and name.endswith("norm.weight") and family.norm_offset:
+        # llama.cpp stores Gemma's (1 + w), transformers w; in float64 the graph's w + 1 gives the
+        # GGUF's float32 value back exactly (float32 arithmetic would round some of them)
+        w = w.astype(np.float64) - family.norm_offset
+    return w
+
+
+@dataclass(frozen=True)
+class _Tensors:
+    """The file's tensors under transformers' names, with what was read beside them."""
+
+    tensors: dict[str, BlockWeight | np.ndarray]
+    types: Counter  # GGUF type -> tensor count
+    freqs: np.ndarray | None  # Llama 3's rope_freqs divisors
+
+
+def _read_tensors(reader, family: Family, load) -> _Tensors:
+    tensors: dict[str, BlockWeight | np.ndarray] = {}
+    types: Counter = Counter()
+    freqs = None
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight" and family.gguf.rope_freqs:
+            freqs = _rope_freqs(t)
+            continue
+        if t.name in _UNSUPPORTED_TENSORS:
+            raise ExportError(f"GGUF tensor {t.name} ({_UNSUPPORTED_TENSORS[t.name]}) is not supported")
+        if family.gguf.moe and _is_expert_tensor(t.name):
+            tensors.update(_expert_tensors(t, load))
+        else:
+            name = _tensor_name(t.name, family)
+            tensors[name] = _weight(t, name, family, load)
+        types[quant_type_name(t.tensor_type)] += 1
+    return _Tensors(tensors, types, freqs)
+
+
+def _unpermute_qk(spec: ModelSpec, tensors: dict) -> None:
+    """Undo llama.cpp's q/k row order (gguf/export._permute) in place."""
+    for i in range(spec.n_layers):
+        for proj, heads in (("q_proj", spec.n_heads), ("k_proj", spec.n_kv_heads)):
+            key = f"model.layers.{i}.self_attn.{proj}.weight"
+            w = tensors[key]
+            order = _unpermute_rows(w.shape[0], heads)
+            tensors[key] = w.rows(order) if isinstance(w, BlockWeight) else w[order]
+
+
 def read_gguf(path: Path, reader=None, load=None) -> GGUFModel:
     """Read `path`'s config and weights; every unsupported feature is a one-line ExportError.
 
@@ -439,55 +479,23 @@ def read_gguf(path: Path, reader=None, load=None) -> GGUFModel:
     now; `transcode` decodes everything now; reader.lazy_tensor only describes them."""
     reader = reader or open_gguf(path)
     arch = str(_field(reader, "general.architecture", ""))
-    if arch not in ARCHS:
-        raise ExportError(f"GGUF architecture {arch[:40]!r} is not supported (supported: {', '.join(sorted(ARCHS))})")
-    facts = ARCHS[arch]
-    family = family_for(facts.model_type)
+    family = family_for_arch(arch)
     load, decodes = _loader(path, reader, load)
-    if facts.moe and decodes:  # before any weight is decoded: a graph computes every expert
+    if family.gguf.moe and decodes:  # before any weight is decoded: a graph computes every expert
         check_dense_experts(arch, *_experts(reader, arch))
-    tensors: dict[str, BlockWeight | np.ndarray] = {}
-    types: Counter = Counter()
-    freqs = None
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight" and family.gguf_rope_freqs:
-            freqs = _rope_freqs(t)
-            continue
-        if t.name in _UNSUPPORTED_TENSORS:
-            raise ExportError(f"GGUF tensor {t.name} ({_UNSUPPORTED_TENSORS[t.name]}) is not supported")
-        if facts.moe and _is_expert_tensor(t.name):
-            tensors.update(_expert_tensors(t, load))
-            types[quant_type_name(t.tensor_type)] += 1
-            continue
-        name = _hf_name(t.name, family.sandwich_norm)
-        if name is not None and facts.fused_up and name.endswith(".mlp.up_proj.weight"):
-            name = name.replace(".mlp.up_proj.", ".mlp.gate_up_proj.")
-        if name is None:
-            raise ExportError(f"GGUF tensor {t.name} has no counterpart in edgespec's {arch} graph")
-        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne0 (the row length) first
-        w = load(t.data, t.tensor_type, shape, t.name)  # transcode, or reader.lazy_tensor
-        types[quant_type_name(t.tensor_type)] += 1
-        if isinstance(w, np.ndarray) and name.endswith("norm.weight") and family.norm_offset:
-            # llama.cpp stores Gemma's (1 + w), transformers w; in float64 the graph's w + 1 gives the
-            # GGUF's float32 value back exactly (float32 arithmetic would round some of them)
-            w = w.astype(np.float64) - family.norm_offset
-        tensors[name] = w
+    read = _read_tensors(reader, family, load)
+    tensors = read.tensors
     if "model.embed_tokens.weight" not in tensors:
         raise ExportError(f"{path.name} has no token embedding (token_embd.weight)")
     vocab = tensors["model.embed_tokens.weight"].shape[0]
-    tied = "lm_head.weight" not in tensors
-    spec, config = _spec(reader, arch, facts, vocab, tied, freqs)
-    _split_fused(spec, tensors)
+    spec, config = _spec(reader, family, vocab, "lm_head.weight" not in tensors, read.freqs)
+    for i in range(spec.n_layers):
+        split_fused(tensors, spec, i)
     _check_tensors(spec, tensors)
-    if facts.unpermute_qk:
-        for i in range(spec.n_layers):
-            for proj, heads in (("q_proj", spec.n_heads), ("k_proj", spec.n_kv_heads)):
-                key = f"model.layers.{i}.self_attn.{proj}.weight"
-                w = tensors[key]
-                order = _unpermute_rows(w.shape[0], heads)
-                tensors[key] = w.rows(order) if isinstance(w, BlockWeight) else w[order]
+    if family.gguf.permute_qk:
+        _unpermute_qk(spec, tensors)
     from .export import precision_of_gguf
 
     have, ftype = precision_of_gguf(path, reader)
-    return GGUFModel(spec=spec, config=config, tensors=LazyTensors(tensors), block_types=dict(types), file_type=ftype,
-                     precision=have or ftype.lower())
+    return GGUFModel(spec=spec, config=config, tensors=LazyTensors(tensors), block_types=dict(read.types),
+                     file_type=ftype, precision=have or ftype.lower())

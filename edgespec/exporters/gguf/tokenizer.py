@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from ... import checks
 from ...errors import ExportError
+from ...models.families import merges_by_position
 from .pretokenizers import pre_tokenizer
 from .reader import field
 
@@ -30,10 +32,6 @@ __all__ = ["GGUFTokenizer", "build_tokenizer", "compact_merges", "default_add_bo
 logger = logging.getLogger(__name__)
 
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
-
-
-# architectures whose SentencePiece merge order is the token order (transformers' gemma_tokenizer)
-_MERGE_BY_POSITION = ("gemma", "gemma2", "gemma3")
 
 
 def spm_merges(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
@@ -84,16 +82,18 @@ def _string(reader, key: str, default=None) -> str | None:
     return value
 
 
+# what an item of a metadata list must be, by the kind asked for, and its name in an error
+_ITEMS = {str: (lambda v: isinstance(v, str), "strings"), int: (checks.is_int, "integers"),
+          float: (checks.is_number, "numbers")}
+
+
 def _list(reader, key: str, kind: type, n: int | None) -> list | None:
     """The array `key` of `kind` items (numbers for float), `n` long where given; None if absent."""
     value = _field(reader, key)
     if value is None:
         return None
-    ok = kind is float and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value) \
-        if isinstance(value, list) else False
-    ok = ok or (isinstance(value, list) and kind is not float and all(
-        isinstance(v, kind) and not isinstance(v, bool) for v in value))
-    name = {str: "strings", int: "integers", float: "numbers"}[kind]
+    item, name = _ITEMS[kind]
+    ok = isinstance(value, list) and all(item(v) for v in value)
     if not ok or (n is not None and len(value) != n):
         raise _bad(key, f"a list of {n if n is not None else 'some'} {name}", value)
     return value
@@ -103,9 +103,9 @@ def _token_id(reader, key: str, n_tokens: int) -> int | None:
     value = _field(reader, key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n_tokens:
+    if not checks.is_int(value) or not 0 <= value < n_tokens:
         raise _bad(key, f"a token id below {n_tokens}", value)
-    return value
+    return int(value)
 
 
 def default_add_bos(reader) -> bool:
@@ -123,7 +123,7 @@ def _spm(reader, tokens: list[str]):
     from tokenizers import Tokenizer, decoders, normalizers
     from tokenizers.models import BPE
 
-    if _field(reader, "general.architecture", "") in _MERGE_BY_POSITION:
+    if merges_by_position(str(_field(reader, "general.architecture", ""))):
         scores = [-float(i) for i in range(len(tokens))]
     else:
         scores = _list(reader, "tokenizer.ggml.scores", float, len(tokens))

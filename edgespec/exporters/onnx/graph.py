@@ -45,6 +45,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..gguf.deferred import pick_rows, shallow_copy
+from ..gguf.source import split_fused
 from ..gguf.transcode import BlockWeight
 from ..spec import ModelSpec
 from .external import ExternalData
@@ -108,20 +109,6 @@ class GraphOptions:
     @property
     def windowed(self) -> bool:
         return self.kv_layout == "append" and not self.tree if self.window_keys is None else self.window_keys
-
-
-def _split_fused(w: dict[str, np.ndarray], spec: ModelSpec, i: int) -> None:
-    """Phi-3 stores qkv and gate/up as one matrix each: split them into the Llama names."""
-    p = f"model.layers.{i}."
-    qkv = w.pop(p + "self_attn.qkv_proj.weight", None)
-    if qkv is not None:
-        q, kv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
-        w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"], w[p + "self_attn.v_proj.weight"] = (
-            qkv[:q], qkv[q : q + kv], qkv[q + kv :])
-    gu = w.pop(p + "mlp.gate_up_proj.weight", None)
-    if gu is not None:
-        half = gu.shape[0] // 2
-        w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"] = gu[:half], gu[half:]
 
 
 def _attention(g: _G, spec: ModelSpec, w, p: str, h: str, li: int, past: tuple[str, str], ctx: dict,
@@ -282,7 +269,7 @@ def build_decoder(
     blocks). With `data`, each initializer's bytes go to that external data file as the graph is
     built (onnx/external.py), so only the tensor being written is in memory: save the returned
     graph with external.save_streamed, beside it."""
-    w = shallow_copy(weights)  # _split_fused renames entries; nothing is read from the file for it
+    w = shallow_copy(weights)  # split_fused renames entries; nothing is read from the file for it
     layers = options.layers if options.layers is not None else tuple(range(spec.n_layers))
     if options.tree and not (options.kv_layout == "append" and options.fused):
         # checked here, not in GraphOptions: writers set the layout on options built without it
@@ -386,7 +373,7 @@ def _layer(g: _G, spec: ModelSpec, w, li: int, x: str, residual: str | None, pas
            kv_names: tuple[str, str]) -> tuple[str, str]:
     """Decoder layer `li`: (the residual stream, the MLP branch the next norm adds to it). Its new
     KV rows leave the graph as `kv_names`."""
-    _split_fused(w, spec, li)
+    split_fused(w, spec, li)
     p, fused, sandwich = f"model.layers.{li}.", ctx["fused"], spec.family.sandwich_norm
 
     def norm(x: str, name: str) -> str:
