@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from ..checks import integer, is_int, number
 from ..decoding import FixedK, GenerationStats, SamplingParams, SpeculativeDecoder
 from ..engine.session import chat_format_for
 from ..errors import ConfigError
@@ -56,15 +57,12 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name, value, low in (("--repeat", self.repeat, 1), ("--max-tokens", self.max_tokens, 2),
                                  ("--warmup", self.warmup, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {value}")
-        if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.k_sweep):
+            integer(value, name, least=low)
+        if not all(is_int(k) and k >= 1 for k in self.k_sweep):
             raise ConfigError(f"--k-sweep takes draft lengths >= 1, got {list(self.k_sweep)}")
         if len(set(self.k_sweep)) != len(self.k_sweep):
             raise ConfigError(f"--k-sweep repeats a draft length: {list(self.k_sweep)}")
-        if isinstance(self.cooldown_s, bool) or not isinstance(self.cooldown_s, (int, float)) \
-                or not 0 <= self.cooldown_s <= 3600:
-            raise ConfigError(f"--cooldown must be a number of seconds from 0 to 3600, got {self.cooldown_s}")
+        number(self.cooldown_s, "--cooldown", least=0, most=3600)
 
 
 @dataclass
