@@ -212,8 +212,9 @@ def test_context_limit_skips_prompts_and_limits_reach_every_decoder(zoo, caplog)
 
 
 def _rec(config, cls, prompt, rep, n, ttft, total, tokens=None, drafted=0, accepted=0):
-    return RunRecord(config, cls, prompt, rep, 5, tokens or list(range(n)), ttft, total, steps=n, drafted=drafted,
-                     accepted=accepted, draft_ms=1.0, verify_ms=3.0, peak_rss=100 + rep)
+    return RunRecord.timed(5, tokens or list(range(n)), ttft, total, steps=n, drafted=drafted, accepted=accepted,
+                           draft_ms=1.0, verify_ms=3.0, config=config, cls=cls, prompt=prompt, repeat=rep,
+                           peak_rss=100 + rep)
 
 
 def test_summary_speed_is_a_ratio_of_totals():
