@@ -65,6 +65,11 @@ class BenchConfig:
         number(self.cooldown_s, "--cooldown", least=0, most=3600)
 
 
+def _stat(name: str, doc: str | None = None) -> property:
+    """A record's figure read from its GenerationStats."""
+    return property(lambda self: getattr(self.stats, name), doc=doc)
+
+
 @dataclass(frozen=True)
 class RunRecord:
     """One measured generation of one configuration on one prompt: the generation's own
@@ -103,35 +108,14 @@ class RunRecord:
                              first_step_tokens=1, elapsed_s=total_s)
         return cls(st, list(tokens), total_s, **where)
 
-    # the figures the summary reads, each the statistics' own
-    @property
-    def prompt_tokens(self) -> int:
-        return self.stats.prompt_tokens
-
-    @property
-    def ttft_s(self) -> float:
-        """Prefill (draft catch-up included) and the first committed step."""
-        return self.stats.first_token_s
-
-    @property
-    def steps(self) -> int:
-        return self.stats.steps
-
-    @property
-    def drafted(self) -> int:
-        return self.stats.drafted
-
-    @property
-    def accepted(self) -> int:
-        return self.stats.accepted
-
-    @property
-    def draft_ms(self) -> float:
-        return self.stats.draft_ms
-
-    @property
-    def verify_ms(self) -> float:
-        return self.stats.verify_ms
+    # the figures the summary reads: the statistics' own, not copies
+    prompt_tokens = _stat("prompt_tokens")
+    ttft_s = _stat("first_token_s", "Prefill (draft catch-up included) and the first committed step.")
+    steps = _stat("steps")
+    drafted = _stat("drafted")
+    accepted = _stat("accepted")
+    draft_ms = _stat("draft_ms")
+    verify_ms = _stat("verify_ms")
 
     @property
     def by_k(self) -> dict[str, list[int]]:
@@ -259,6 +243,8 @@ def _heated(run: Callable[[], RunRecord], thermal, cooldown_s: float) -> RunReco
     before = thermal.read()
     rec = run()
     return dataclasses.replace(rec, heat=(before, thermal.read()))
+
+
 def _by_name(peer, peers) -> dict:
     return {p.name: p for p in [*([] if peer is None else [peer]), *peers]}
 
