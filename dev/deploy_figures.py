@@ -20,6 +20,7 @@ prints the table, naming the CPU.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -68,9 +69,7 @@ def measure(servers: dict, prompts: list[tuple[str, list[int]]], stop_ids, args)
             shift = (rep + i) % len(names)
             for name in names[shift:] + names[:shift]:
                 doc = servers[name].post("/completion", completion_body(ids, args.max_tokens, SamplingParams(), True))
-                rec = record_from_response(doc, len(ids), stop_ids)
-                rec.cls = cls
-                runs[name].append(rec)
+                runs[name].append(dataclasses.replace(record_from_response(doc, len(ids), stop_ids), cls=cls))
     return runs
 
 

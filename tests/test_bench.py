@@ -7,6 +7,7 @@ import copy
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -212,8 +213,9 @@ def test_context_limit_skips_prompts_and_limits_reach_every_decoder(zoo, caplog)
 
 
 def _rec(config, cls, prompt, rep, n, ttft, total, tokens=None, drafted=0, accepted=0):
-    return RunRecord(config, cls, prompt, rep, 5, tokens or list(range(n)), ttft, total, steps=n, drafted=drafted,
-                     accepted=accepted, draft_ms=1.0, verify_ms=3.0, peak_rss=100 + rep)
+    return RunRecord.timed(5, tokens or list(range(n)), ttft, total, steps=n, drafted=drafted, accepted=accepted,
+                           draft_ms=1.0, verify_ms=3.0, config=config, cls=cls, prompt=prompt, repeat=rep,
+                           peak_rss=100 + rep)
 
 
 def test_summary_speed_is_a_ratio_of_totals():
@@ -317,6 +319,39 @@ def test_json_schema_round_trip(doc, tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(ConfigError, match="cannot read"):
         load_runs(tmp_path / "bad.json")
+
+
+COMMITTED = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def _with(doc: dict, path: tuple, value) -> dict:
+    """`doc` with `value` at `path`, copying only the objects on the way."""
+    head, *rest = path
+    return {**doc, head: _with(doc[head], tuple(rest), value) if rest else value}
+
+
+def test_committed_results_are_read_and_a_figure_of_the_wrong_kind_is_named():
+    """Every committed version-2 result reads back; a field that is there but not a figure (a
+    `true` where a rate or a count is meant, a NaN speed-up) is refused naming its place."""
+    files = [p for p in COMMITTED.rglob("*.json") if '"schema_version": 2' in p.read_text()]
+    assert len(files) >= 3, files
+    runs = [run for p in files for run in load_runs(p)]
+    run = max(runs, key=lambda r: len(r["configs"]))
+    spec, cls = next(c for c in run["configs"] if c != PLAIN), next(iter(run["classes"]))
+    for part, field, value, msg in (
+            (("classes", cls), "acceptance", True, f"{cls}/{spec}: field 'acceptance' has the wrong type (bool)"),
+            (("overall",), "acceptance", 1.5, f"overall/{spec}: field 'acceptance' must be less than or equal to 1"),
+            (("overall",), "speedup", float("nan"), f"overall/{spec}: field 'speedup' is not a finite number"),
+            (("overall",), "runs", 3.0, f"overall/{spec}: field 'runs' has the wrong type (float)")):
+        bad = _with(run, (*part, spec, field), value)
+        with pytest.raises(ConfigError, match=f"^x.json: {re.escape(msg)}$"):
+            validate(bad, "x.json")
+    for key, value, msg in (("machine", {**run["machine"], "cores_logical": True}, "machine: field 'cores_logical'"),
+                            ("config", {k: v for k, v in run["config"].items() if k != "repeat"},
+                             "config: missing field 'repeat'"),
+                            ("duration_s", "12", "field 'duration_s' has the wrong type (str)")):
+        with pytest.raises(ConfigError, match=re.escape(f"x.json: {msg}")):
+            validate({**run, key: value}, "x.json")
 
 
 def test_report_and_compare_merge_two_runs(doc, tmp_path):

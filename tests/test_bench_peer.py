@@ -53,9 +53,7 @@ class StandInPeer:
         rec = measure_run(SpeculativeDecoder(self.engine.target), [self.engine.target], list(ids), max_tokens,
                           stop_ids, rss, params, ended)
         vocab = self.engine.target.vocab_size
-        rec.tokens = rec.tokens[:AGREE] + [(t + 1) % vocab for t in rec.tokens[AGREE:]]
-        rec.config = PEER
-        return rec
+        return replace(rec, tokens=rec.tokens[:AGREE] + [(t + 1) % vocab for t in rec.tokens[AGREE:]], config=PEER)
 
     def describe(self) -> dict:
         return {"name": PEER, "library": "stand-in", "version": "0", "gguf": "model.gguf", "origin": "given",
@@ -141,7 +139,8 @@ def test_peer_figures_in_the_json(peer_doc, tmp_path):
 
 def test_x_llamacpp_is_a_ratio_of_totals_with_the_paired_median_beside_it():
     def rec(config, prompt, rep, decode_s):  # 11 tokens: 10 decoded after the first
-        return RunRecord(config, "c", prompt, rep, 4, list(range(11)), 0.1, 0.1 + decode_s, steps=11)
+        return RunRecord.timed(4, list(range(11)), 0.1, 0.1 + decode_s, steps=11, config=config, cls="c",
+                               prompt=prompt, repeat=rep)
 
     runs = [
         # prompt a: paired ratios 2.0 (0.5 s vs 1.0 s) and 4.0 (0.5 vs 2.0: a slow patch hit the peer) -> 3.0

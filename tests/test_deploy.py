@@ -298,9 +298,8 @@ def test_peer_names():
 
 
 def _rec(config, prompt, repeat, decode_s, tokens, drafted=0, accepted=0):
-    r = RunRecord(config, "chat", prompt, repeat, 4, list(tokens), 0.1, 0.1 + decode_s, steps=len(tokens),
-                  drafted=drafted, accepted=accepted)
-    return r
+    return RunRecord.timed(4, list(tokens), 0.1, 0.1 + decode_s, steps=len(tokens), drafted=drafted,
+                           accepted=accepted, config=config, cls="chat", prompt=prompt, repeat=repeat)
 
 
 def test_every_peer_gets_its_own_ratio_and_agreement_and_none_is_a_mismatch():

@@ -50,9 +50,8 @@ def _runs(root: Path, cpus, plan: list[tuple[str, int, float, int, float]], thro
         _set(root, cpus, mhz0, temp_c=t0)
         before = thermal.read()
         _set(root, cpus, mhz1, temp_c=t1)  # the run heats the board
-        rec = RunRecord(config, "chat", "p", rep // 2, 4, [1, 2, 3], 0.1, 1.0)
-        rec.heat = (before, thermal.read())
-        out.append(rec)
+        out.append(RunRecord.timed(4, [1, 2, 3], 0.1, 1.0, config=config, cls="chat", prompt="p", repeat=rep // 2,
+                                   heat=(before, thermal.read())))
     return out
 
 

@@ -12,8 +12,9 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from ..checks import integer, is_int, number
 from ..decoding import FixedK, GenerationStats, SamplingParams, SpeculativeDecoder
 from ..engine.session import chat_format_for
 from ..errors import ConfigError
@@ -56,46 +57,75 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name, value, low in (("--repeat", self.repeat, 1), ("--max-tokens", self.max_tokens, 2),
                                  ("--warmup", self.warmup, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an integer >= {low}, got {value}")
-        if any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in self.k_sweep):
+            integer(value, name, least=low)
+        if not all(is_int(k) and k >= 1 for k in self.k_sweep):
             raise ConfigError(f"--k-sweep takes draft lengths >= 1, got {list(self.k_sweep)}")
         if len(set(self.k_sweep)) != len(self.k_sweep):
             raise ConfigError(f"--k-sweep repeats a draft length: {list(self.k_sweep)}")
-        if isinstance(self.cooldown_s, bool) or not isinstance(self.cooldown_s, (int, float)) \
-                or not 0 <= self.cooldown_s <= 3600:
-            raise ConfigError(f"--cooldown must be a number of seconds from 0 to 3600, got {self.cooldown_s}")
+        number(self.cooldown_s, "--cooldown", least=0, most=3600)
 
 
-@dataclass
+def _stat(name: str, doc: str | None = None) -> property:
+    """A record's figure read from its GenerationStats."""
+    return property(lambda self: getattr(self.stats, name), doc=doc)
+
+
+@dataclass(frozen=True)
 class RunRecord:
-    """One measured generation of one configuration on one prompt."""
+    """One measured generation of one configuration on one prompt: the generation's own
+    statistics (decoding/stats.py, as the API and the server keep them), the reply as shown, and
+    where and how it ran. `tokens` ends where the reply's text ended (endings.py); the statistics
+    count every step the decoder took, a step past that end included."""
 
-    config: str
-    cls: str
-    prompt: str
-    repeat: int
-    prompt_tokens: int
+    stats: GenerationStats
     tokens: list[int]
-    ttft_s: float  # prefill (draft catch-up included) and the first committed step
-    total_s: float
-    steps: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    draft_ms: float = 0.0
-    verify_ms: float = 0.0
+    total_s: float  # the whole run, prompt included, until the stream was closed
+    config: str = ""
+    cls: str = ""
+    prompt: str = ""
+    repeat: int = 0
     peak_rss: int = 0
-    by_k: dict[str, list[int]] = field(default_factory=dict)  # "model:4" -> [steps, accepted]
-    first_tokens: int = 1  # tokens the first step committed, timed inside ttft_s
     heat: tuple | None = None  # (before, after) thermal.Reading of the CPU around the run, where read
 
+    # the parameters before "/" are positional-only, so `cls=` in `where` is the prompt's class
     @classmethod
-    def from_stats(cls, st: GenerationStats, tokens: list[int], total_s: float) -> RunRecord:
-        """A record of one measured generation (config, class, prompt and repeat left blank)."""
-        return cls("", "", "", 0, st.prompt_tokens, tokens, st.first_token_s if st.steps else total_s, total_s,
-                   steps=st.steps, drafted=st.drafted, accepted=st.accepted, draft_ms=st.draft_ms,
-                   verify_ms=st.verify_ms, by_k=st.by_draft_length(),
-                   first_tokens=min(st.first_step_tokens, len(tokens)))
+    def from_stats(cls, st: GenerationStats, tokens: list[int], total_s: float, /, **where) -> RunRecord:
+        """A record of one measured generation, the other fields from `where` (config, cls,
+        prompt, repeat, peak_rss, heat; blank if not given). A generation that took no step has
+        the whole run as its first-token time."""
+        if not st.steps:
+            st = dataclasses.replace(st, first_token_s=total_s)
+        return cls(st, tokens, total_s, **where)
+
+    @classmethod
+    def timed(cls, prompt_tokens: int, tokens: list[int], ttft_s: float, total_s: float, /, *, steps: int = 0,
+              drafted: int = 0, accepted: int = 0, draft_ms: float = 0.0, verify_ms: float = 0.0,
+              **where) -> RunRecord:
+        """A record from a run's figures as another program reports them (a peer: bench/peer.py,
+        server_peer.py), in the engine's statistics: its first token timed within `ttft_s`."""
+        st = GenerationStats(prompt_tokens=prompt_tokens, new_tokens=len(tokens), steps=steps, drafted=drafted,
+                             accepted=accepted, draft_ms=draft_ms, verify_ms=verify_ms, first_token_s=ttft_s,
+                             first_step_tokens=1, elapsed_s=total_s)
+        return cls(st, list(tokens), total_s, **where)
+
+    # the figures the summary reads: the statistics' own, not copies
+    prompt_tokens = _stat("prompt_tokens")
+    ttft_s = _stat("first_token_s", "Prefill (draft catch-up included) and the first committed step.")
+    steps = _stat("steps")
+    drafted = _stat("drafted")
+    accepted = _stat("accepted")
+    draft_ms = _stat("draft_ms")
+    verify_ms = _stat("verify_ms")
+
+    @property
+    def by_k(self) -> dict[str, list[int]]:
+        """{"model:4": [steps, accepted], ...}: GenerationStats.by_draft_length."""
+        return self.stats.by_draft_length()
+
+    @property
+    def first_tokens(self) -> int:
+        """Tokens the first step committed (timed inside ttft_s), of those shown."""
+        return min(self.stats.first_step_tokens, len(self.tokens))
 
     @property
     def decode_s(self) -> float:
@@ -172,11 +202,10 @@ def measure_run(decoder: SpeculativeDecoder, runtimes, ids: list[int], max_token
             before = len(tokens) - len(ids)
     finally:
         stream.close()  # a reply that ended by its text: the decoder rewinds its caches now
+    total_s = clock() - t0
     new = tokens[len(ids):]
-    rec = RunRecord.from_stats(st, new if ended is None else cut_at_ending(new, before, ended), clock() - t0)
-    if rss is not None:
-        rec.peak_rss = rss.mark()
-    return rec
+    return RunRecord.from_stats(st, new if ended is None else cut_at_ending(new, before, ended), total_s,
+                                peak_rss=0 if rss is None else rss.mark())
 
 
 def cut_at_ending(new: list[int], before: int, ended: Callable[[list[int]], bool]) -> list[int]:
@@ -213,8 +242,9 @@ def _heated(run: Callable[[], RunRecord], thermal, cooldown_s: float) -> RunReco
         return run()
     before = thermal.read()
     rec = run()
-    rec.heat = (before, thermal.read())
-    return rec
+    return dataclasses.replace(rec, heat=(before, thermal.read()))
+
+
 def _by_name(peer, peers) -> dict:
     return {p.name: p for p in [*([] if peer is None else [peer]), *peers]}
 
@@ -282,7 +312,7 @@ def run_bench(engine, prompts: list[Prompt], cfg: BenchConfig,
             for name in rotated(names, rep + i):
                 rec = _heated(functools.partial(one, name, rendered, cfg.max_tokens, rss, params), thermal,
                               cfg.cooldown_s)
-                rec.config, rec.cls, rec.prompt, rec.repeat = name, p.cls, p.id, rep
+                rec = dataclasses.replace(rec, config=name, cls=p.cls, prompt=p.id, repeat=rep)
                 runs.append(rec)
                 if on_run is not None:
                     on_run(rec, len(runs), total)

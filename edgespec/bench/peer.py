@@ -151,7 +151,6 @@ def _timed(prompt_len: int, tokens: Iterator[int], max_tokens: int, stop_ids: Se
     the caller. The loop is closed at the last token kept, before it evaluates one more."""
     if rss is not None:
         rss.mark()
-    rec = RunRecord(PEER, "", "", 0, prompt_len, [], 0.0, 0.0)
     out: list[int] = []
     stops = set(stop_ids)
     first = None
@@ -165,12 +164,10 @@ def _timed(prompt_len: int, tokens: Iterator[int], max_tokens: int, stop_ids: Se
                 break
     finally:
         tokens.close()
-    rec.total_s = time.perf_counter() - t0
-    rec.ttft_s = rec.total_s if first is None else first
-    rec.tokens, rec.steps = out, len(out)  # one forward per token
-    if rss is not None:
-        rec.peak_rss = rss.mark()
-    return rec
+    total_s = time.perf_counter() - t0
+    return RunRecord.timed(prompt_len, out, total_s if first is None else first, total_s,
+                           steps=len(out),  # one forward per token
+                           config=PEER, peak_rss=0 if rss is None else rss.mark())
 
 
 class _Peer(abc.ABC):

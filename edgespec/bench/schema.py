@@ -69,62 +69,114 @@ New fields may be added within a version; removing or changing one bumps the ver
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from ..errors import ConfigError
+from .measure import PLAIN
 
 __all__ = ["SCHEMA_VERSION", "KIND", "COMPARE_KIND", "validate", "save", "save_compare", "load_runs",
-           "compare_document",
-           "check_json_path"]
+           "compare_document", "check_json_path"]
 
 SCHEMA_VERSION = 2
 KIND = "edgespec-bench"
 COMPARE_KIND = "edgespec-bench-compare"
 
-NUMBER = (int, float)
-TOP: dict[str, type | tuple] = {
-    "schema_version": int, "kind": str, "label": str, "created": str, "duration_s": NUMBER,
-    "machine": dict, "libraries": dict, "backend": dict, "bundle": dict, "config": dict, "memory": dict,
-    "configs": list, "classes": dict, "overall": dict, "prompts": list, "mismatches": list, "identical": bool,
-}
-MACHINE = {"cpu": str, "arch": str, "cores_logical": int, "ram_bytes": int, "os": str, "python": str}
-CONFIG = {"repeat": int, "max_tokens": int, "prompts": str}
-METRICS = {
-    "prompts": int, "runs": int, "new_tokens": int, "tok_s": NUMBER, "e2e_tok_s": NUMBER, "ttft_ms": NUMBER,
-    "prefill_tok_s": NUMBER, "mean_accepted_length": NUMBER, "draft_share": NUMBER, "peak_rss_bytes": int,
-    "by_draft_length": list, "identical": (bool, type(None)),
-}
+
+class _Part(BaseModel):
+    """The fields a reader relies on, typed strictly (true is no count, "4" no number, NaN no
+    figure); any other field is allowed, as new fields may be added within a version."""
+
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
-def _check(obj: dict, spec: dict, where: str) -> None:
-    for key, typ in spec.items():
-        if key not in obj:
-            raise ConfigError(f"{where}: missing field '{key}'")
-        v = obj[key]
-        if isinstance(v, bool) and bool not in (typ if isinstance(typ, tuple) else (typ,)):
-            raise ConfigError(f"{where}: field '{key}' has the wrong type")
-        if not isinstance(v, typ):
-            raise ConfigError(f"{where}: field '{key}' has the wrong type ({type(v).__name__})")
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ConfigError(f"{where}: field '{key}' is not a finite number")
+class _Machine(_Part):
+    cpu: str
+    arch: str
+    cores_logical: int
+    ram_bytes: int
+    os: str
+    python: str
 
 
-def _check_metrics(m: object, where: str, plain: bool) -> None:
-    if not isinstance(m, dict):
-        raise ConfigError(f"{where}: expected an object")
-    _check(m, METRICS, where)
-    acc = m.get("acceptance")
-    if acc is not None and not (isinstance(acc, NUMBER) and 0 <= acc <= 1):
-        raise ConfigError(f"{where}: acceptance must be null or in [0, 1]")
-    if not plain and not isinstance(m.get("speedup"), (*NUMBER, type(None))):
-        raise ConfigError(f"{where}: missing field 'speedup'")
+class _Config(_Part):
+    repeat: int
+    max_tokens: int
+    prompts: str
 
 
-def validate(doc: object, where: str = "bench result") -> dict:
-    """`doc` if it is a valid version-2 run document, else a one-line ConfigError saying what is wrong."""
+class _Run(_Part):
+    schema_version: int
+    kind: str
+    label: str
+    created: str
+    duration_s: float
+    machine: _Machine
+    libraries: dict
+    backend: dict
+    bundle: dict
+    config: _Config
+    memory: dict
+    configs: list
+    classes: dict
+    overall: dict
+    prompts: list
+    mismatches: list
+    identical: bool
+
+
+class _Metrics(_Part):
+    """One configuration's figures over a class of prompts (or over all of them)."""
+
+    prompts: int
+    runs: int
+    new_tokens: int
+    tok_s: float
+    e2e_tok_s: float
+    ttft_ms: float
+    prefill_tok_s: float
+    mean_accepted_length: float
+    draft_share: float
+    peak_rss_bytes: int
+    by_draft_length: list
+    identical: bool | None
+    acceptance: float | None = Field(default=None, ge=0, le=1)  # null for plain and the peers
+
+
+class _Compared(_Metrics):
+    """A configuration measured against plain."""
+
+    speedup: float | None = None
+
+
+def _one_line(error: dict, where: str) -> str:
+    """A pydantic error as one line naming the field and the part of the document it is in."""
+    if not error["loc"]:
+        return f"{where}: expected an object"
+    *parts, key = error["loc"]
+    at = ": ".join([where, *map(str, parts)])
+    kind = error["type"]
+    if kind == "missing":
+        return f"{at}: missing field '{key}'"
+    if kind == "finite_number":
+        return f"{at}: field '{key}' is not a finite number"
+    if kind.endswith("_type"):
+        return f"{at}: field '{key}' has the wrong type ({type(error['input']).__name__})"
+    return f"{at}: field '{key}' {error['msg'].replace('Input should be', 'must be')}"  # a bound it missed
+
+
+def _parse(model: type[_Part], value: object, where: str) -> None:
+    try:
+        model.model_validate(value)
+    except ValidationError as e:
+        raise ConfigError(_one_line(e.errors()[0], where)) from None
+
+
+def _check_identity(doc: object, where: str) -> None:
+    """A foreign file or another version is named as such before any of its fields is read."""
     if not isinstance(doc, dict):
         raise ConfigError(f"{where}: not a JSON object")
     if doc.get("kind") != KIND:
@@ -132,21 +184,29 @@ def validate(doc: object, where: str = "bench result") -> dict:
     if doc.get("schema_version") != SCHEMA_VERSION:
         raise ConfigError(f"{where}: schema version {doc.get('schema_version')!r} is not supported "
                           f"(this edgespec reads version {SCHEMA_VERSION})")
-    _check(doc, TOP, where)
-    _check(doc["machine"], MACHINE, f"{where}: machine")
-    _check(doc["config"], CONFIG, f"{where}: config")
-    configs = doc["configs"]
-    if not configs or configs[0] != "plain" or not all(isinstance(c, str) for c in configs):
-        raise ConfigError(f"{where}: 'configs' must list 'plain' first")
+
+
+def _check_classes(doc: dict, configs: list, where: str) -> None:
+    """Every class (and the overall block) has plain's figures, and figures only of listed configurations."""
     if not doc["classes"]:
         raise ConfigError(f"{where}: no prompt classes")
     for cls, block in [*doc["classes"].items(), ("overall", doc["overall"])]:
-        if not isinstance(block, dict) or "plain" not in block:
+        if not isinstance(block, dict) or PLAIN not in block:
             raise ConfigError(f"{where}: class '{cls}' has no plain results")
         for c, m in block.items():
             if c not in configs:
                 raise ConfigError(f"{where}: class '{cls}' has results for an unlisted configuration '{c}'")
-            _check_metrics(m, f"{where}: {cls}/{c}", plain=c == "plain")
+            _parse(_Metrics if c == PLAIN else _Compared, m, f"{where}: {cls}/{c}")
+
+
+def validate(doc: object, where: str = "bench result") -> dict:
+    """`doc` if it is a valid version-2 run document, else a one-line ConfigError saying what is wrong."""
+    _check_identity(doc, where)
+    _parse(_Run, doc, where)
+    configs = doc["configs"]
+    if not configs or configs[0] != PLAIN or not all(isinstance(c, str) for c in configs):
+        raise ConfigError(f"{where}: 'configs' must list 'plain' first")
+    _check_classes(doc, configs, where)
     _check_peer_records(doc, configs, where)
     if doc["identical"] != (not doc["mismatches"]):
         raise ConfigError(f"{where}: 'identical' disagrees with 'mismatches'")

@@ -14,6 +14,7 @@ end-to-end comparison of the two servers is benchmarks/bench_server.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,12 +78,12 @@ def record_from_response(doc: dict, prompt_len: int, stop_ids: Sequence[int] = (
     cut = next((i + 1 for i, tok in enumerate(tokens) if tok in stops), len(tokens))
     tokens = tokens[:cut]
     ttft = float(t["prompt_ms"]) / 1e3
-    rec = RunRecord("", "", "", 0, prompt_len, tokens, ttft, ttft + float(t["predicted_ms"]) / 1e3)
-    rec.drafted, rec.accepted = int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0))
+    accepted = int(t.get("draft_n_accepted", 0))
     # the first token comes with the prompt's forward; each later step commits one token plus
     # those of its draft it accepted
-    rec.steps = max(len(tokens) - rec.accepted, 0)
-    return rec
+    return RunRecord.timed(prompt_len, tokens, ttft, ttft + float(t["predicted_ms"]) / 1e3,
+                           steps=max(len(tokens) - accepted, 0), drafted=int(t.get("draft_n", 0)),
+                           accepted=accepted)
 
 
 class LlamaServerPeer(_Peer):
@@ -137,10 +138,8 @@ class LlamaServerPeer(_Peer):
             doc = self._proc.post("/completion", body)
         except (DeployError, OSError) as e:
             raise ConfigError(f"{self.name}: {e}") from None
-        rec = record_from_response(doc, len(ids), stop_ids)
-        rec.config = self.name
-        rec.peak_rss = self._rss()
-        return rec
+        return dataclasses.replace(record_from_response(doc, len(ids), stop_ids), config=self.name,
+                                   peak_rss=self._rss())
 
     def _rss(self) -> int:
         import psutil
