@@ -124,6 +124,11 @@ def main(argv: list[str]) -> int:
         tree=args.tree,
         memory_budget=args.memory_budget,
     )
-    out = export_bundle(cfg)
+    if cfg.draft_head is None:
+        out = export_bundle(cfg)
+    else:  # the training (torch's side) uses the exporters, not the reverse: it runs the export
+        from ..training.distill import export_with_head
+
+        out = export_with_head(cfg)
     print(f"bundle written: {out}")
     return 0
