@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...checks import integer
+from ...checks import integer, one_of
 from ...errors import BackendError
 from ..base import Capabilities, Runtime, Streamed
 from ..heap import drop_file_pages, trim_heap
@@ -57,8 +57,7 @@ def _check_options(device: str | None, kv_dtype: str | None, kv_dtypes: tuple[st
                            f"{', '.join(kv_dtypes)})")
     if kv_capacity is not None:
         integer(kv_capacity, "kv_capacity", least=1, error=BackendError)
-    if output not in OUTPUTS:
-        raise BackendError(f"onnxruntime: output must be 'logits' or 'hidden', got {output!r}")
+    one_of(output, "onnxruntime: output", OUTPUTS, error=BackendError)
 
 
 def _open_session(ort, path: Path, threads: int | None, spin: bool, output: str,
