@@ -86,9 +86,18 @@ def _nbits(codes: np.ndarray, hidden: int) -> int | None:
     return next((b for b in (4, 8) if -(-hidden // (blob * 8 // b)) == blocks), None)
 
 
-def _nbits_tensors(inputs: tuple[str, ...], arrays: Callable[[str], np.ndarray | None]) -> tuple | None:
-    """(codes, scales, zero points or None) a MatMulNBits without group index or bias reads; None
-    where one of them is not a mapped initializer, or the zero points are not uint8."""
+@dataclass(frozen=True)
+class _NBitsTensors:
+    """The initializers a MatMulNBits without group index or bias reads."""
+
+    codes: np.ndarray  # (N, blocks, blob) uint8, the codes packed low bits first
+    scales: np.ndarray  # one per block
+    zero_points: np.ndarray | None  # uint8, packed as the codes; None: 2^(bits-1)
+
+
+def _nbits_tensors(inputs: tuple[str, ...], arrays: Callable[[str], np.ndarray | None]) -> _NBitsTensors | None:
+    """The tensors a MatMulNBits without group index or bias reads; None where one of them is not
+    a mapped initializer, or the zero points are not uint8."""
     if len(inputs) > 4 and any(inputs[4:]) or len(inputs) < 3:
         return None
     codes, scales = arrays(inputs[1]), arrays(inputs[2])
@@ -96,20 +105,19 @@ def _nbits_tensors(inputs: tuple[str, ...], arrays: Callable[[str], np.ndarray |
     zp = arrays(zp_name) if zp_name else None
     if codes is None or scales is None or (zp_name and zp is None):
         return None
-    return None if zp is not None and zp.dtype != np.uint8 else (codes, scales, zp)
+    return None if zp is not None and zp.dtype != np.uint8 else _NBitsTensors(codes, scales, zp)
 
 
 def _nbits_head(node, arrays: Callable[[str], np.ndarray | None], hidden: int) -> HeadRows | None:
     """A MatMulNBits head: codes (N, blocks, blob) of 4 or 8 bits, one scale per block."""
-    tensors = _nbits_tensors(tuple(node.inputs), arrays)
-    if tensors is None or tensors[0].ndim != 3:
+    t = _nbits_tensors(tuple(node.inputs), arrays)
+    if t is None or t.codes.ndim != 3:
         return None
-    codes, scales, zp = tensors
-    bits = _nbits(codes, hidden)
-    n, blocks, _ = codes.shape
-    if bits is None or scales.size != n * blocks:
+    bits = _nbits(t.codes, hidden)
+    n, blocks, _ = t.codes.shape
+    if bits is None or t.scales.size != n * blocks:
         return None
-    return HeadRows(n, hidden, nbits_rows(codes, scales, zp, hidden, bits))
+    return HeadRows(n, hidden, nbits_rows(t.codes, t.scales, t.zero_points, hidden, bits))
 
 
 def _float_head(node, arrays: Callable[[str], np.ndarray | None], hidden: int) -> HeadRows | None:
