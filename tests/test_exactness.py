@@ -141,6 +141,20 @@ def test_a_verdict_cached_before_the_reach_was_recorded_reads_as_the_default_rea
         Exactness.from_dict({**old, "reach": 1})
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("max_width", True, "max_width must be an integer in 2..1024, got True"),
+    ("max_width", 2000, "max_width must be an integer in 2..1024, got 2000"),
+    ("exact", [2, "3"], "exact width must be an integer in 2..9, got '3'"),
+    ("worst_diff", float("inf"), "worst_diff must be a finite number >= 0, got inf"),
+    ("probe_ms", -1.0, "probe_ms must be a finite number >= 0, got -1.0"),
+])
+def test_a_cached_verdict_field_out_of_its_bounds_is_named(field, value, message):
+    good = {"max_width": 9, "exact": list(range(2, 10)), "worst_diff": 0.0, "probe_ms": 1.0}
+    with pytest.raises(ValueError) as e:
+        Exactness.from_dict({**good, field: value})
+    assert str(e.value) == message
+
+
 def test_drafting_stops_where_the_probe_stopped_and_says_so_once(caplog):
     """Past the verdict's reach a sequence decodes plainly: a verify there was never compared with
     one-token forwards on this machine. Greedy output is plain output all along."""

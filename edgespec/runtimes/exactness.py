@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import platform
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import integer, number
 from ..progress import task
 from .base import Runtime
 
@@ -156,19 +156,22 @@ class Exactness:
         unknown = set(data) - _VERDICT_FIELDS
         if unknown:
             raise ValueError(f"unknown fields {sorted(unknown)}")
-        max_width = _int(data["max_width"], "max_width", 2, MAX_PROBE_WIDTH)
+        max_width = integer(data["max_width"], "max_width", least=2, most=MAX_PROBE_WIDTH, error=ValueError)
         exact = data["exact"]
         if not isinstance(exact, list):
             raise ValueError("exact is not a list")
-        exact = tuple(_int(w, "exact width", 2, max_width) for w in exact)
+        exact = tuple(integer(w, "exact width", least=2, most=max_width, error=ValueError) for w in exact)
         if list(exact) != sorted(set(exact)):
             raise ValueError("exact widths are not sorted and distinct")
         trees = data.get("trees")
         if trees is not None and not isinstance(trees, bool):
             raise ValueError("trees is not true, false or null")
-        verdict = cls(max_width=max_width, exact=exact, worst_diff=_float(data["worst_diff"], "worst_diff"),
-                      probe_ms=_float(data["probe_ms"], "probe_ms"), cached=bool(data.get("cached", False)),
-                      trees=trees, reach=_int(data.get("reach", PROBE_REACH), "reach", 2, MAX_PROBE_REACH))
+        verdict = cls(max_width=max_width, exact=exact,
+                      worst_diff=number(data["worst_diff"], "worst_diff", least=0, error=ValueError),
+                      probe_ms=number(data["probe_ms"], "probe_ms", least=0, error=ValueError),
+                      cached=bool(data.get("cached", False)), trees=trees,
+                      reach=integer(data.get("reach", PROBE_REACH), "reach", least=2, most=MAX_PROBE_REACH,
+                                    error=ValueError))
         if "exact_width" in data and data["exact_width"] != verdict.exact_width:
             raise ValueError("exact_width disagrees with exact")
         return verdict
@@ -178,18 +181,6 @@ class Exactness:
 MAX_PROBE_WIDTH = 1024
 MAX_PROBE_REACH = 1 << 24
 _VERDICT_FIELDS = {"max_width", "exact", "worst_diff", "probe_ms", "cached", "trees", "exact_width", "reach"}
-
-
-def _int(value: object, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} {value!r} is not an integer in {low}..{high}")
-    return value
-
-
-def _float(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} {value!r} is not a finite number >= 0")
-    return float(value)
 
 
 def _ids(rt: Runtime, n: int) -> list[int]:

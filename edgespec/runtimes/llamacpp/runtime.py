@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...checks import integer
 from ...errors import BackendError, BundleError, ContextFullError
 from ...models.gguf_layout import GGUFLayoutError, check_gguf_layout
 from ..base import Capabilities, Runtime, Streamed
@@ -253,8 +254,8 @@ class LlamaCppRuntime(Runtime):
 
     def _open(self, lib, path: Path, threads: int | None, kv_capacity: int | None) -> None:
         n_train = lib.llama_model_n_ctx_train(self._model)
-        if kv_capacity is not None and kv_capacity < 1:
-            raise BackendError(f"kv_capacity must be >= 1, got {kv_capacity}")
+        if kv_capacity is not None:
+            integer(kv_capacity, "kv_capacity", least=1, error=BackendError)
         cap = kv_capacity or min(DEFAULT_KV_CAPACITY, n_train if n_train > 0 else DEFAULT_KV_CAPACITY)
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = cap

@@ -21,7 +21,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -174,20 +174,43 @@ def _direct_product(model: OnnxModel, nodes: list[Node], cut: str) -> list[Node]
     over: a buffer of whole logit rows per call at Gemma 3's vocabulary, served from glibc's heap
     once the first were freed, whose free blocks grew it during a generation (and with it the
     default configuration's peak). Any other head is left as it is."""
+    head = _flat_head(nodes, cut)
+    if head is None or not _flattens_rows(model, head):
+        return nodes
+    flat, prod, last = head.flat, head.prod, head.last
+    if [n for n in nodes if {*flat.outputs, *prod.outputs} & set(n.inputs)] != [prod, last]:
+        return nodes  # the flattened rows or the product have another reader
+    direct = rewired(prod, (cut, *prod.inputs[1:]), (LOGITS,))
+    return [direct if n is prod else n for n in nodes if n is not flat and n is not last]
+
+
+@dataclass(frozen=True)
+class _FlatHead:
+    """`logits = last(prod(flat(cut, shape), ...), axes)`, the nodes _direct_product rewrites."""
+
+    flat: Node  # Reshape of the cut's (1, N, H) rows
+    prod: Node  # a batched product (_BATCHED) of the reshaped rows
+    last: Node  # Unsqueeze of the product into `logits`
+
+
+def _flat_head(nodes: list[Node], cut: str) -> _FlatHead | None:
+    """The Reshape, product and Unsqueeze of a head shaped as _direct_product rewrites it, else None
+    (their constants are _flattens_rows's to check)."""
     by_out = {o: n for n in nodes for o in n.outputs}
     last = by_out.get(LOGITS)
     prod = by_out.get(last.inputs[0]) if last is not None and last.op_type == "Unsqueeze" else None
     flat = by_out.get(prod.inputs[0]) if prod is not None and prod.op_type in _BATCHED else None
     if flat is None or flat.op_type != "Reshape" or flat.inputs[0] != cut or len(last.inputs) != 2:
-        return nodes
+        return None
+    return _FlatHead(flat=flat, prod=prod, last=last)
+
+
+def _flattens_rows(model: OnnxModel, head: _FlatHead) -> bool:
+    """Whether the Reshape is to constant [-1, H] and the Unsqueeze's axes are constant [0]: the
+    product then sees the cut's rows as they are, only without their leading 1."""
     consts = {t.name: t for t in model.initializers if t.external is None}
-    shape = _ints_of(consts, flat.inputs[1])
-    if _ints_of(consts, last.inputs[1]) != [0] or shape is None or len(shape) != 2 or shape[0] != -1:
-        return nodes
-    if [n for n in nodes if {*flat.outputs, *prod.outputs} & set(n.inputs)] != [prod, last]:
-        return nodes  # the flattened rows or the product have another reader
-    direct = rewired(prod, (cut, *prod.inputs[1:]), (LOGITS,))
-    return [direct if n is prod else n for n in nodes if n is not flat and n is not last]
+    shape = _ints_of(consts, head.flat.inputs[1])
+    return _ints_of(consts, head.last.inputs[1]) == [0] and shape is not None and len(shape) == 2 and shape[0] == -1
 
 
 def _label(src) -> str:

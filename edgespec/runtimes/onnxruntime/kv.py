@@ -418,10 +418,15 @@ def plan_kv(inputs: Sequence[tuple[str, Sequence]], outputs: Sequence[str], *, c
     window = _window(meta or {}, name) if kind.fixed else None
     cap = int(capacity or kind.default_capacity) if kind.fixed else capacity
     pad, tree = int(pad_rows and kind.pads), "tree_path" in names and kind.fixed
-    # window-sized buffers where they are smaller; a tree forward's keep_rows moves rows by position
-    rows = window.rows(pad) if window is not None and not tree else None
     return KVPlan(kind, layout, cap, pad, tree=tree, window=window,
-                  sliding_rows=rows if rows is not None and cap is not None and rows < cap + pad else None)
+                  sliding_rows=_sliding_rows(window, tree, cap, pad))
+
+
+def _sliding_rows(window: KVWindow | None, tree: bool, capacity: int | None, pad: int) -> int | None:
+    """KVPlan.sliding_rows: window-sized buffers where they are smaller than the others
+    (capacity + pad rows); None for a tree graph, whose keep_rows moves rows by position."""
+    rows = window.rows(pad) if window is not None and not tree else None
+    return rows if rows is not None and capacity is not None and rows < capacity + pad else None
 
 
 def _window(meta: Mapping[str, str], name: str) -> KVWindow | None:

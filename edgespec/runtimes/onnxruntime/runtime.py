@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...checks import integer, one_of
 from ...errors import BackendError
 from ..base import Capabilities, Runtime, Streamed
 from ..heap import drop_file_pages, trim_heap
@@ -54,10 +55,9 @@ def _check_options(device: str | None, kv_dtype: str | None, kv_dtypes: tuple[st
     if kv_dtype not in (None, *kv_dtypes):
         raise BackendError(f"onnxruntime: KV dtype {kv_dtype!r} is not available (available: "
                            f"{', '.join(kv_dtypes)})")
-    if kv_capacity is not None and kv_capacity < 1:
-        raise BackendError(f"kv_capacity must be >= 1, got {kv_capacity}")
-    if output not in OUTPUTS:
-        raise BackendError(f"onnxruntime: output must be 'logits' or 'hidden', got {output!r}")
+    if kv_capacity is not None:
+        integer(kv_capacity, "kv_capacity", least=1, error=BackendError)
+    one_of(output, "onnxruntime: output", OUTPUTS, error=BackendError)
 
 
 def _open_session(ort, path: Path, threads: int | None, spin: bool, output: str,

@@ -4,8 +4,8 @@ The runtimes need little of a decoder graph at load: each node's op type, inputs
 each initializer's name, type, shape and where its external data lies, the graph's inputs and
 outputs, the model's metadata; and they write models made of the source's own pieces (a body or
 a head cut out of it, runtimes/onnxruntime/graphs.py). Importing `onnx` for that held resident
-memory in every process that opens a bundle (its C++ extension and protobuf), a sizeable part
-of what the default configuration's peak is over llama.cpp's. So the file is read here: the
+memory in every process that opens a bundle (its C++ extension and protobuf; the measurement is
+in docs/dependencies.md), where nothing else imports either. So the file is read here: the
 fields named above are decoded, every other one (node attributes, a tensor's data, value types)
 stays as the bytes it was written as, copied into a rebuilt model unchanged, so onnxruntime reads
 exactly what the exporter wrote.

@@ -436,17 +436,29 @@ def plan_kv(device: str, precision: str, *, static: bool = False, kv: str | None
     shapes bind one fixed size for every layer, and OpenVINO's state keeps the whole past; its
     sliding layers then hold window-sized buffers (KVWindow.rows) where those are smaller."""
     static = static or device.startswith("NPU")
+    kind = _holder(kv, static)
+    quantize = kind.quantize if kind.quantize is not None else kind.padded or precision != "f32"
+    capacity = capacity or (DEFAULT_STATIC_CAPACITY if static else DEFAULT_KV_CAPACITY)
+    pad_rows = pad_rows and kind.dynamic
+    window = window if issubclass(kind, DynamicBufferKV) else None
+    return KVPlan(kind, capacity, max(int(width or 1), 1) if static else None, pad_rows,
+                  wide and kind.dynamic and device.startswith("CPU"), quantize, window,
+                  _sliding_rows(window, pad_rows, capacity))
+
+
+def _holder(kv: object, static: bool) -> type[KVHolder]:
+    """The holder named `kv` (default "buffer"), StaticKV for the buffer with static shapes."""
     kind = KV_KINDS.get(kv or "buffer") if isinstance(kv, str) or kv is None else None
     if static and kind is DynamicBufferKV:
         kind = StaticKV
     if kind is None or static != kind.static:
         raise BackendError(f"OpenVINO: kv must be one of {', '.join(KV_KINDS)} ('buffer' with static shapes), "
                            f"got {kv!r}")
-    quantize = kind.quantize if kind.quantize is not None else kind.padded or precision != "f32"
-    capacity = capacity or (DEFAULT_STATIC_CAPACITY if static else DEFAULT_KV_CAPACITY)
-    pad_rows = pad_rows and kind.dynamic
-    window = window if issubclass(kind, DynamicBufferKV) else None
-    rows = window.rows(int(pad_rows)) if window is not None else None  # window-sized where smaller
-    return KVPlan(kind, capacity, max(int(width or 1), 1) if static else None, pad_rows,
-                  wide and kind.dynamic and device.startswith("CPU"), quantize, window,
-                  rows if rows is not None and rows < capacity else None)
+    return kind
+
+
+def _sliding_rows(window: KVWindow | None, pad_rows: bool, capacity: int) -> int | None:
+    """KVPlan.sliding_rows: window-sized buffers for the sliding layers where they are smaller
+    than the capacity; None where every layer holds the capacity."""
+    rows = window.rows(int(pad_rows)) if window is not None else None
+    return rows if rows is not None and rows < capacity else None

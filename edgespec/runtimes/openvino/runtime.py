@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ...checks import integer, one_of
 from ...errors import BackendError
 from ..base import Capabilities, Runtime, Streamed
 from ..window import sliding_kv
@@ -151,12 +152,11 @@ def compile_model(core, model, path: Path, device: str, precision: str, threads:
 
 
 def _check_options(precision: str | None, kv_capacity: int | None, output: str) -> None:
-    if precision is not None and precision not in PRECISIONS:
-        raise BackendError(f"OpenVINO: precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if kv_capacity is not None and kv_capacity < 1:
-        raise BackendError(f"kv_capacity must be >= 1, got {kv_capacity}")
-    if output not in OUTPUTS:
-        raise BackendError(f"OpenVINO: output must be one of {', '.join(OUTPUTS)}, got {output!r}")
+    if precision is not None:
+        one_of(precision, "OpenVINO: precision", PRECISIONS, error=BackendError)
+    if kv_capacity is not None:
+        integer(kv_capacity, "kv_capacity", least=1, error=BackendError)
+    one_of(output, "OpenVINO: output", OUTPUTS, error=BackendError)
 
 
 def _vocab_size(model, name: str) -> int:
@@ -186,6 +186,22 @@ def streamed_of(model, compiled) -> Streamed:
     """What one forward of the compiled `model` reads whole (its matrix weights: a table only
     Gathers read is read by rows) and the nodes the plugin runs."""
     return Streamed(repacked_bytes(model), len(compiled.get_runtime_model().get_ordered_ops()))
+
+
+def _weight_bytes(path: Path, model, plan: KVPlan) -> int:
+    """The IR's files, and the second compiled copy's repacked weights where forwards run wide."""
+    files = sum(p.stat().st_size for p in (path, path.with_suffix(".bin")) if p.is_file())
+    return files + (repacked_bytes(model) if plan.wide else 0)
+
+
+def _capabilities(device: str, precision: str, plan: KVPlan) -> Capabilities:
+    return Capabilities(
+        backend="openvino", can_trim=True, static_shapes=plan.kind.static, max_batch_tokens=plan.width,
+        free_batch_tokens=plan.width or 1, devices=(device,),
+        batch_variance=batch_variance(device, precision, plan),
+        extra={"precision": precision, "kv_capacity": plan.capacity, "kv": plan.kind.name,
+               "dynamic_quantization": plan.quantize, "wide": plan.wide, "pad_rows": plan.pad_rows,
+               "window": plan.window.size if plan.window else None})
 
 
 class OpenVinoRuntime(Runtime):
@@ -231,8 +247,7 @@ class OpenVinoRuntime(Runtime):
         # per request: input index -> (the holder's buffer, the Tensor set on it), see _bind
         self._bound: dict[int, tuple[np.ndarray, object]] = {}
         self._wide_bound: dict[int, tuple[np.ndarray, object]] = {}
-        self._weight_bytes = (sum(p.stat().st_size for p in (path, path.with_suffix(".bin")) if p.is_file())
-                              + (repacked_bytes(model) if plan.wide else 0))
+        self._weight_bytes = _weight_bytes(path, model, plan)
         self.kv = plan.kind(layout, plan, self._req)
         self._streamed = streamed_of(model, self._compiled)
         self._tensor = import_ov().Tensor
@@ -247,13 +262,7 @@ class OpenVinoRuntime(Runtime):
         # (share of kv_bytes_per_token on window-sized buffers, rows they hold): the memory planner's
         # footprint counts those layers' KV once, not per position
         self.kv_sliding = plan.sliding_kv(layout.n_layers)
-        self.capabilities = Capabilities(
-            backend="openvino", can_trim=True, static_shapes=plan.kind.static, max_batch_tokens=plan.width,
-            free_batch_tokens=plan.width or 1, devices=(device,),
-            batch_variance=batch_variance(device, self.precision, plan),
-            extra={"precision": self.precision, "kv_capacity": plan.capacity, "kv": plan.kind.name,
-                   "dynamic_quantization": plan.quantize, "wide": plan.wide, "pad_rows": plan.pad_rows,
-                   "window": plan.window.size if plan.window else None})
+        self.capabilities = _capabilities(device, self.precision, plan)
 
     @property
     def n_past(self) -> int:
