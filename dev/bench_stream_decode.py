@@ -103,13 +103,21 @@ def measure(path: Path) -> dict:
                                    "min": round(min(t), 2), "max": round(max(t), 2)} for name, t in times.items()}}
 
 
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         results = {"gemma3-270m": measure(_default_tokenizer(folder)), "tiny-byte-level": measure(_tiny_tokenizer(folder))}
     import tokenizers
 
-    out = {"cpu": platform.processor() or platform.machine(), "python": sys.version.split()[0],
+    out = {"cpu": _cpu(), "python": sys.version.split()[0],
            "tokenizers": tokenizers.__version__, "rounds": ROUNDS, "results": results}
     target = Path(__file__).parent / "results" / "stream_decode.json"
     target.write_text(json.dumps(out, indent=1) + "\n")

@@ -83,6 +83,9 @@ def test_streamed_text_is_the_full_decode(tokenizer, chunk):
     for text in TEXTS:
         ids = tokenizer.encode(text, add_special_tokens=False)
         assert _streamed(tokenizer, ids, chunk) == tokenizer.decode(ids), text
+        # a special token inside the reply is skipped, as the full decode skips it
+        marked = ids[:2] + [tokenizer.hf.token_to_id("</s>")] + ids[2:]
+        assert _streamed(tokenizer, marked, chunk) == tokenizer.decode(marked) == tokenizer.decode(ids), text
 
 
 def test_text_is_held_back_until_a_character_is_whole_and_flush_gives_the_rest(tokenizer):
