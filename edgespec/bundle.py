@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .checks import is_int
 from .errors import BundleError
 from .files import build_lock, path_problem, rename_noreplace
 
@@ -190,7 +191,7 @@ def _conforms(value: Any, hint: Any) -> bool:
     if hint is type(None):
         return value is None
     if hint is int:  # bool is an int subclass, but `true` is not a layer count
-        return isinstance(value, int) and not isinstance(value, bool)
+        return is_int(value)
     if origin is list:
         return isinstance(value, list) and all(_conforms(v, args[0]) for v in value)
     if origin is dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .bundle import TokenizerInfo
@@ -67,6 +66,11 @@ class Tokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(self.info.chat_template)
+
+    @property
+    def hf(self):
+        """The `tokenizers.Tokenizer` underneath (its decoder streams text: IncrementalDecoder)."""
+        return self._tok
 
     def serialized(self) -> str:
         """The tokenizer as tokenizer.json text (a grammar engine builds its view of it from this)."""
@@ -140,31 +144,61 @@ def _check_vocabulary(tok, info: TokenizerInfo, name: str) -> None:
                               f"its vocabulary holds {size}); export the bundle again")
 
 
-@dataclass
 class IncrementalDecoder:
-    """Turns a growing list of ids into text deltas without splitting multi-byte characters.
+    """Turns a growing list of ids into text deltas without splitting multi-byte characters:
+    tokenizers' `DecodeStream`, which decodes a short window before the new ids and emits the
+    difference, so merges, byte-fallback tokens and SentencePiece's leading spaces come out as a
+    full decode writes them.
 
-    Decodes a short window before the new ids and emits the difference, so merges and
-    byte-fallback tokens come out right (the approach of vLLM and TGI)."""
+    DecodeStream refuses (raises) when a run of byte tokens that is not UTF-8 changes text it
+    already emitted (a full decode renders such a run as one U+FFFD per byte, including bytes it
+    emitted as characters before the run was cut): a model with random weights writes such runs.
+    That step's text is then the window's difference in characters, and the stream starts again
+    after it: no error in the middle of a reply, and no text repeated."""
 
-    tokenizer: Tokenizer
-    ids: list[int] = field(default_factory=list)
-    _prefix: int = 0
-    _read: int = 0
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        # the window DecodeStream compares against: ids[_prefix:_read] is text already emitted
+        self._prefix = self._read = 0
+        self._stream = _decode_stream(self.tokenizer)
 
     def push(self, new_ids: Sequence[int]) -> str:
+        if not new_ids:
+            return ""
         self.ids.extend(new_ids)
-        prefix_text = self.tokenizer.decode(self.ids[self._prefix : self._read])
-        text = self.tokenizer.decode(self.ids[self._prefix :])
-        if len(text) > len(prefix_text) and not text.endswith("\ufffd"):
-            delta = text[len(prefix_text) :]
+        try:
+            delta = self._stream.step(self.tokenizer.hf, list(new_ids))
+        except Exception:  # noqa: BLE001 -- the binding raises a bare Exception ("Invalid prefix ...")
+            # the window's difference, then a stream that takes everything so far as emitted
+            delta = self._window_delta()
+            self._stream = _decode_stream(self.tokenizer, self.ids[self._read:])
             self._prefix, self._read = self._read, len(self.ids)
             return delta
-        return ""
+        if delta is None:  # held back: an incomplete character, or no text yet
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return delta
 
     def flush(self) -> str:
         """The text still held back (an incomplete character at the end comes out as U+FFFD)."""
+        delta = self._window_delta()
+        self._prefix = self._read = len(self.ids)
+        self._stream = _decode_stream(self.tokenizer)
+        return delta
+
+    def _window_delta(self) -> str:
         prefix_text = self.tokenizer.decode(self.ids[self._prefix : self._read])
         text = self.tokenizer.decode(self.ids[self._prefix :])
-        self._prefix = self._read = len(self.ids)
         return text[len(prefix_text) :]
+
+
+def _decode_stream(tokenizer: Tokenizer, emitted: Sequence[int] = ()):
+    """A DecodeStream that takes `emitted` as text already given out, the context of the next
+    token's leading space. DecodeStream takes ids whose text ends in U+FFFD as not given out yet
+    (it would write them again), so such ids are left out: only a leading space can differ then."""
+    from tokenizers.decoders import DecodeStream
+
+    if emitted and tokenizer.decode(emitted).endswith("\ufffd"):
+        emitted = ()
+    return DecodeStream(list(emitted) or None, skip_special_tokens=True)

@@ -84,28 +84,28 @@ def test_messages_that_are_not_json_values_are_a_config_error(renderer):
 def test_close_ends_the_child():
     r = TemplateRenderer(timeout_s=5.0)
     assert r.render("{{ 'a' ~ 'b' }}", {}) == "ab"
-    proc = r._proc
+    proc = r._worker._proc
     r.close()
     assert proc.poll() is not None
 
 
 def test_ctrl_c_during_a_render_ends_that_child_so_no_late_answer_reaches_the_next(monkeypatch):
-    import edgespec.models.templates as templates
+    import edgespec.models.child as child
 
     r = TemplateRenderer(timeout_s=5.0)
     assert r.render("{{ 1 }}", {}) == "1"
-    first = r._proc
-    real = templates._read_line
+    first = r._worker._proc
+    real = child._read_line
 
-    def interrupted(proc, timeout_s, request=b""):
+    def interrupted(proc, timeout_s, request, limit):
         proc.stdin.write(request)  # the child got the request and is answering it
         proc.stdin.flush()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(templates, "_read_line", interrupted)
+    monkeypatch.setattr(child, "_read_line", interrupted)
     with pytest.raises(KeyboardInterrupt):
         r.render("{{ 'late' }}", {})
-    monkeypatch.setattr(templates, "_read_line", real)
+    monkeypatch.setattr(child, "_read_line", real)
     assert first.poll() is not None
     assert r.render("{{ 'next' }}", {}) == "next"
     r.close()

@@ -6,12 +6,13 @@ that builds a huge string takes the machine's memory (or aborts the process that
 Python thread cannot be stopped, so the template runs in a child process,
 `python -m edgespec.models.templates`, under an address-space limit; the caller waits for its
 answer with a time limit and kills the child (starting a new one on the next render) when it
-passes. The child is started on the first render and kept: its start costs a Python start and
-jinja2's import, a render afterwards a pipe round trip.
+passes (models/child.py owns the child, its handshake, its limits and its restarts). The child is
+started on the first render and kept: its start costs a Python start and jinja2's import, a
+render afterwards a pipe round trip.
 
-The protocol is one JSON object per line: the child first writes `{"ready": true}`; then each
-`{"template": ..., "context": {...}}` is answered by `{"text": ...}` or
-`{"kind": ..., "error": ...}` (kinds: "invalid", "unsafe", "raised", "limit", "failed").
+After the child's handshake, each request `{"template": ..., "context": {...}}` is answered by
+`{"text": ...}` or `{"kind": ..., "error": ...}` (kinds: "invalid", "unsafe", "raised", "limit",
+"failed").
 
 Errors: a template that does not compile or that the sandbox refuses is broken whatever the
 messages (ChatTemplateError, a BundleError: "the bundle's chat template is invalid/unsafe: ...");
@@ -20,18 +21,13 @@ ConfigError naming the template. Every message is one line.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import subprocess
-import sys
 import threading
-import weakref
-from pathlib import Path
 from typing import Any
 
-from ..errors import BackendError, BundleError, ConfigError
+from ..errors import BundleError, ConfigError
+from .child import ChildDied, ChildSpec, ChildStartError, ChildTimeout, ChildWorker, limit_memory, serve
 
 __all__ = ["ChatTemplateError", "TemplateLimitError", "TemplateRenderer", "InProcessRenderer", "limit_memory",
            "TEMPLATE_TIMEOUT_S", "CHILD_MEMORY", "OUTPUT_LIMIT"]
@@ -186,78 +182,70 @@ class InProcessRenderer:
         self._cache.clear()
 
 
-def limit_memory(nbytes: int) -> None:
-    """Cap this process's address space (where the OS has the limit): a template that builds a
-    huge string then fails with MemoryError instead of taking the machine's memory. For child
-    processes only: it applies to everything the process does afterwards."""
-    if sys.platform == "win32":
-        return
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    cap = nbytes if hard == resource.RLIM_INFINITY else min(nbytes, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """End a child: at the end of its input it exits; one that does not (it is rendering) is killed."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(OSError):
-        proc.stdin.close()
-    try:
-        proc.wait(timeout=1.0)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 class TemplateRenderer:
-    """Renders chat templates in a child process, one at a time, each within `timeout_s`.
-    Thread-safe; the child is started on the first render and ended by close() (or when the
-    renderer is collected, or at exit)."""
+    """Renders chat templates in a child process (models/child.py), one at a time, each within
+    `timeout_s`. Thread-safe; the child is started on the first render and ended by close() (or
+    when the renderer is collected, or at exit)."""
 
     def __init__(self, timeout_s: float = TEMPLATE_TIMEOUT_S, memory_bytes: int = CHILD_MEMORY) -> None:
         if not timeout_s > 0:
             raise ConfigError(f"the chat template time limit must be > 0 s, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
         self.memory_bytes = int(memory_bytes)
-        self.restarts = 0  # children killed for passing the time limit
-        self._proc: subprocess.Popen | None = None
-        self._finalizer: weakref.finalize | None = None
+        self._worker = ChildWorker(ChildSpec(module=__name__, memory_bytes=self.memory_bytes,
+                                             startup_timeout_s=STARTUP_TIMEOUT_S, line_limit=_LINE_LIMIT))
         self._lock = threading.Lock()
         # where no child can be started (a frozen app, an interpreter under user-mode emulation):
         # render here, unbounded, said once, rather than refuse every chat
         self._here: InProcessRenderer | None = None
 
+    @property
+    def restarts(self) -> int:
+        """Children killed for passing the time limit."""
+        return self._worker.restarts
+
     def render(self, source: str, context: dict, origin: str = "the bundle's") -> str:
         """`source` rendered with `context` (JSON values: messages, add_generation_prompt, the
         special tokens). ChatTemplateError: invalid or unsafe; TemplateLimitError: past the time or
         memory limit; ConfigError: the template refused or failed on these messages."""
+        request = {"template": source, "context": context, "origin": origin}
         try:
-            request = json.dumps({"template": source, "context": context, "origin": origin}, ensure_ascii=True)
+            json.dumps(request)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"chat messages must be JSON values (strings, numbers, lists, objects): {e}") from None
-        with self._lock:
-            if self._here is None and self._proc is None:
-                try:
-                    self._proc = self._start()
-                except BackendError as e:
-                    logger.warning("%s; rendering chat templates in this process, without a time or memory "
-                                   "limit", e)
-                    self._here = InProcessRenderer()
-            if self._here is not None:
-                return self._here.render(source, context, origin)
-            answer = self._ask(request + "\n", origin)
+        here = self._fallback()
+        if here is not None:
+            return here.render(source, context, origin)
+        answer = self._ask(request, origin)
         if "text" in answer:
             return answer["text"]
         raise _error(answer.get("kind", "failed"), str(answer.get("error", "no answer")))
 
-    def close(self) -> None:
+    def _fallback(self) -> InProcessRenderer | None:
+        """The in-process renderer where this platform cannot start the child (tried once: a
+        child that started before and fails to restart after a kill is an error, since what
+        killed it would run unbounded here)."""
         with self._lock:
-            if self._finalizer is not None:
-                self._finalizer()  # runs _stop once
-            self._proc = self._finalizer = None
+            if self._here is None and not self._worker.started:
+                try:
+                    self._worker.start()
+                except ChildStartError as e:
+                    logger.warning("%s; rendering chat templates in this process, without a time or memory "
+                                   "limit", e)
+                    self._here = InProcessRenderer()
+            return self._here
+
+    def _ask(self, request: dict, origin: str) -> dict:
+        try:
+            return self._worker.ask(request, self.timeout_s)
+        except ChildTimeout:
+            return {"kind": "limit", "error": f"{origin} chat template did not render within {self.timeout_s:g} s"}
+        except ChildDied as e:
+            return {"kind": "limit", "error": f"{origin} chat template stopped its renderer (exit status "
+                                              f"{e.status}; memory limit {self.memory_bytes >> 20} MiB)"}
+
+    def close(self) -> None:
+        self._worker.close()
 
     def __enter__(self) -> TemplateRenderer:
         return self
@@ -265,119 +253,20 @@ class TemplateRenderer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _start(self) -> subprocess.Popen:
-        env = dict(os.environ)
-        # the child imports this package from where the parent did, whatever its working folder
-        root = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        try:
-            proc = subprocess.Popen([sys.executable, "-m", __name__, str(self.memory_bytes)], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
-        except OSError as e:
-            raise BackendError(f"cannot start the chat template renderer: {e.strerror or e}") from None
-        self._finalizer = weakref.finalize(self, _stop, proc)
-        ready, expired = _read_line(proc, STARTUP_TIMEOUT_S)
-        if expired or _parse(ready) != {"ready": True}:
-            self._finalizer()
-            why = f"not ready within {STARTUP_TIMEOUT_S:g} s" if expired else f"exit status {proc.poll()}"
-            raise BackendError(f"the chat template renderer did not start ({why})")
-        return proc
 
-    def _ask(self, request: str, origin: str) -> dict:
-        if self._proc is None or self._proc.poll() is not None:
-            self._proc = self._start()
-        proc = self._proc
-        try:
-            line, expired = _read_line(proc, self.timeout_s, request.encode())
-        except BaseException:  # Ctrl-C while it renders: its late answer must not reach the next render
-            self._finalizer()
-            self._proc = self._finalizer = None
-            raise
-        answer = _parse(line) if not expired else None
-        if isinstance(answer, dict):
-            return answer
-        self._finalizer()  # killed by the timer, crashed, or answered garbage: the next render starts anew
-        self._proc = self._finalizer = None
-        if expired:
-            self.restarts += 1
-            return {"kind": "limit", "error": f"{origin} chat template did not render within {self.timeout_s:g} s"}
-        return {"kind": "limit", "error": f"{origin} chat template stopped its renderer (exit status "
-                                          f"{proc.poll()}; memory limit {self.memory_bytes >> 20} MiB)"}
-
-
-def _read_line(proc: subprocess.Popen, timeout_s: float, request: bytes = b"") -> tuple[bytes, bool]:
-    """(one line the child wrote after `request`, whether the time limit killed it first). A timer
-    kills the child at the limit, which ends a blocked write or read: portable, unlike select()
-    on a pipe."""
-    expired = threading.Event()
-
-    def expire() -> None:
-        expired.set()
-        with contextlib.suppress(OSError):
-            proc.kill()
-
-    timer = threading.Timer(timeout_s, expire)
-    timer.daemon = True
-    timer.start()
-    try:
-        if request:
-            proc.stdin.write(request)
-            proc.stdin.flush()
-        line = proc.stdout.readline(_LINE_LIMIT)
-    except (OSError, ValueError):
-        line = b""
-    finally:
-        timer.cancel()
-    return line, expired.is_set()
-
-
-def _parse(line: bytes) -> Any:
-    if not line.endswith(b"\n"):
-        return None
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
-
-
-def _watch_parent() -> None:
-    """End this child when its parent is gone (killed outright while a render ran): otherwise a
-    template that never ends would keep a core busy with no one waiting for it."""
-    import time
-
-    parent = os.getppid()
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(1)
-
-
-def _serve(stdin, stdout) -> None:
-    """The child: answer render requests until stdin closes."""
+def _handler(hello: dict):
+    """The child's side: a render request answered by its text or its refusal."""
     env, cache = _environment(), {}
-    stdout.write(json.dumps({"ready": True}) + "\n")
-    stdout.flush()
-    for line in stdin:
+
+    def handle(request: dict) -> dict:
+        origin = str(request.get("origin", "the bundle's"))
         try:
-            request = json.loads(line)
-            origin = str(request.get("origin", "the bundle's"))
-            answer = {"text": _render(env, request["template"], request["context"], origin, cache)}
+            return {"text": _render(env, request["template"], request["context"], origin, cache)}
         except _Refusal as e:
-            answer = {"kind": e.kind, "error": str(e)}
-        except MemoryError:
-            answer = {"kind": "limit", "error": "the chat template renderer ran out of memory"}
-        except (ValueError, KeyError, TypeError) as e:
-            answer = {"kind": "failed", "error": f"malformed render request: {type(e).__name__}"}
-        stdout.write(json.dumps(answer, ensure_ascii=True) + "\n")
-        stdout.flush()
+            return {"kind": e.kind, "error": str(e)}
+
+    return handle
 
 
 if __name__ == "__main__":
-    import signal
-
-    # Ctrl-C in the terminal reaches the whole process group: the parent reports it, the child
-    # must not print a traceback of its own
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    limit_memory(int(sys.argv[1]) if len(sys.argv) > 1 else CHILD_MEMORY)
-    threading.Thread(target=_watch_parent, daemon=True, name="edgespec-template-parent").start()
-    _serve(sys.stdin, sys.stdout)
+    serve(_handler)

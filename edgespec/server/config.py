@@ -10,10 +10,10 @@ uvicorn, so `edgespec serve --help` works without the `serve` extra.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks import integer, is_int, number
 from ..errors import ConfigError
 
 __all__ = ["ServerConfig", "Option", "OPTIONS", "API_KEY_ENV", "DEFAULT_CHAT_MAX_TOKENS"]
@@ -86,7 +86,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         _check_text(self)
-        if not isinstance(self.max_request_bytes, int) or isinstance(self.max_request_bytes, bool):
+        if not is_int(self.max_request_bytes):
             object.__setattr__(self, "max_request_bytes", _parse_size(self.max_request_bytes))
         _check_ints(self)
         if self.max_tokens is None:
@@ -128,23 +128,22 @@ def _parse_size(value: object) -> int:
         raise ConfigError(f"{_name('max_request_bytes')} must be a size like 256KB or 4MiB, got {value!r}") from None
 
 
+# integer fields and their bounds (least, most)
+_INT_BOUNDS = {"port": (0, 65535), "max_queue": (1, None), "max_tokens": (1, None), "max_tokens_cap": (1, None),
+               "max_request_bytes": (64, None)}
+_SECONDS = ("client_timeout_s", "template_timeout_s", "shutdown_timeout_s", "disconnect_poll_s")
+
+
 def _check_ints(cfg: ServerConfig) -> None:
-    bounds = {"port": (0, 65535), "max_queue": (1, None), "max_tokens": (1, None), "max_tokens_cap": (1, None),
-              "max_request_bytes": (64, None)}
-    for name, (low, high) in bounds.items():
+    for name, (least, most) in _INT_BOUNDS.items():
         value = getattr(cfg, name)
-        if name == "max_tokens" and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-            span = f"{low}..{high}" if high is not None else f">= {low}"
-            raise ConfigError(f"{_name(name)} must be an integer {span}, got {value!r}")
+        if not (name == "max_tokens" and value is None):
+            integer(value, _name(name), least=least, most=most)
 
 
 def _check_seconds(cfg: ServerConfig) -> None:
-    for name in ("client_timeout_s", "template_timeout_s", "shutdown_timeout_s", "disconnect_poll_s"):
-        value = getattr(cfg, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ConfigError(f"{_name(name)} must be a positive number of seconds, got {value!r}")
+    for name in _SECONDS:
+        number(getattr(cfg, name), _name(name), above=0)
 
 
 # field name -> its command-line form (with the field's default); `edgespec serve` builds its
