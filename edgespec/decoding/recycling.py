@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from edgespec.checks import integer, is_int
 from edgespec.decoding.draft import Draft, Drafter
 from edgespec.decoding.tree import DraftTree, best_shape, shape_size
-from edgespec.errors import ConfigError
 
 __all__ = ["STRIDE", "SUCCESSORS", "RecyclingDrafter", "SuccessorTable", "recycled_tree", "top_successors"]
 
@@ -68,8 +68,7 @@ class SuccessorTable:
 
     def __init__(self, vocab: int, k: int = SUCCESSORS, stride: int = STRIDE) -> None:
         for name, v in (("vocab", vocab), ("k", k), ("stride", stride)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"successor table {name} must be an integer >= 1, got {v!r}")
+            integer(v, f"successor table {name}", least=1)
         self.k, self.stride = min(k, vocab), stride
         self.rows = np.full((vocab, self.k), -1, dtype=np.int32)
         self.updates = 0  # rows written so far
@@ -110,7 +109,7 @@ def recycled_tree(table: SuccessorTable, root_token: int, widths: Sequence[int])
     the tree may be smaller than its shape; widths (1,) * n give that chain. Nodes are stored
     depth first: the first-children path, the likeliest, is rows 0..d as in a chain verify (the
     runtime moves any other accepted path's rows there: Runtime.keep_rows)."""
-    if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= table.k for w in widths):
+    if not all(is_int(w) and 1 <= w <= table.k for w in widths):
         raise ValueError(f"tree widths must be integers in 1..{table.k} (the table's k), got {list(widths)}")
     if not 0 <= root_token < len(table.rows):
         raise ValueError(f"root token {root_token} is outside the table's vocabulary of {len(table.rows)}")

@@ -25,6 +25,7 @@ from functools import cached_property
 
 import numpy as np
 
+from edgespec.checks import integer
 from edgespec.decoding.draws import Draws
 from edgespec.decoding.token_dist import TokenDist
 
@@ -130,8 +131,7 @@ def tree_shapes(max_nodes: int) -> tuple[tuple[int, ...], ...]:
     """The menu of shapes holding at most `max_nodes` drafts: chains of 1..max_nodes, then a top-2,
     a top-3 and a top-2-then-top-2 head, each continued by chains as deep as the bound allows.
     Fixed and small on purpose: the engine picks among them from measured verify cost."""
-    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
-        raise ValueError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
+    integer(max_nodes, "max_nodes", least=1, error=ValueError)
     shapes = []
     for head in _HEADS:
         shape = head
