@@ -131,7 +131,6 @@ def recycled_tree(table: SuccessorTable, root_token: int, widths: Sequence[int])
     return DraftTree(tuple(tokens), tuple(parents))
 
 
-
 class RecyclingDrafter(Drafter):
     """Token Recycling (see the module docstring). The policy sizes a chain like any other
     drafter's, from its measured cost (table reads, ~0) and acceptance; with `trees`, a tree of

@@ -160,7 +160,7 @@ class BudgetedLoad:
         kept = {role: rt for role, rt in (runtimes or {}).items() if rt is not None}  # a draft not loaded
         self._cap_context(kept.values())
         plan = self.plan(self.target, draft)
-        probed = [self._probe(role, rt, plan) for role, rt in kept.items() if self._probes(role, plan)]
+        probed = [self._probe(role, rt, plan) for role, rt in kept.items() if self._runs_probes(role, plan)]
         if any(probed):
             plan = self.plan(self.target, self.draft if plan.use_draft else draft)
         return plan
@@ -177,7 +177,7 @@ class BudgetedLoad:
         if caps:
             self.max_context = min([*caps, *([self.max_context] if self.max_context else [])])
 
-    def _probes(self, role: str, plan: Plan) -> bool:
+    def _runs_probes(self, role: str, plan: Plan) -> bool:
         """Whether `role`'s runtime runs probe forwards: a model measured at load, with forwards of
         its own (not a head on the target's body), that the plan keeps."""
         mem = getattr(self, role)
