@@ -7,7 +7,7 @@ from scipy.stats import chisquare
 
 from edgespec.decoding.acceptance import accept_coupled, accept_greedy
 from edgespec.decoding.draws import Draws
-from edgespec.decoding.recycling import SuccessorTable
+from edgespec.decoding.recycling import SuccessorTable, recycled_tree
 from edgespec.decoding.token_dist import Candidates
 from edgespec.decoding.tree import (
     DraftTree,
@@ -15,7 +15,6 @@ from edgespec.decoding.tree import (
     accept_tree_greedy,
     best_shape,
     expected_tree_tokens,
-    recycled_tree,
     shape_size,
     tree_shapes,
 )

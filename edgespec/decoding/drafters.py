@@ -36,6 +36,7 @@ from functools import cached_property
 
 import numpy as np
 
+from edgespec.checks import integer
 from edgespec.decoding.acceptance import map_draft_ids
 from edgespec.decoding.cache import TrackedCache
 from edgespec.decoding.context_vocab import ContextVocab, Extension
@@ -274,8 +275,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, clock: Callable[[], float] = time.perf_counter) -> None:
         for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {v}")
+            integer(v, name, least=1)
         if min_ngram > max_ngram:
             raise ConfigError(f"min_ngram ({min_ngram}) exceeds max_ngram ({max_ngram})")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -13,14 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from edgespec.checks import integer
 from edgespec.errors import ConfigError
 
 __all__ = ["DecoderLimits", "UNLIMITED"]
-
-
-def _check(name: str, value: int | None, least: int) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-        raise ConfigError(f"{name} must be an integer >= {least}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -47,7 +43,8 @@ class DecoderLimits:
     def __post_init__(self) -> None:
         for name, least in (("context_limit", 2), ("max_draft", 0), ("verify_width", 1), ("draft_width", 1),
                             ("max_batch", 2), ("exact_reach", 2)):
-            _check(name, getattr(self, name), least)
+            if getattr(self, name) is not None:  # None: no limit
+                integer(getattr(self, name), name, least=least)
         if not isinstance(self.trees, bool):
             raise ConfigError(f"trees must be True or False, got {self.trees!r}")
 

@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from edgespec.checks import integer
 from edgespec.decoding.policy_rules import (
     best_k,
     best_tail,
@@ -121,11 +122,6 @@ class DraftPolicy(abc.ABC):
         `expected`: as in `update`."""
 
 
-def _check_k(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name} must be an integer >= 0, got {value}")
-
-
 def _check_min_joint(value: float) -> None:
     if not 0 <= value < 1:
         raise ConfigError(f"confidence threshold must be in [0, 1), got {value}")
@@ -139,7 +135,7 @@ class FixedK(DraftPolicy):
     min_joint: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_k("draft length k", self.k)
+        integer(self.k, "draft length k", least=0)
         _check_min_joint(self.min_joint)
 
     def next_k(self, source: str = "model") -> int:
@@ -158,7 +154,7 @@ class HeuristicK(DraftPolicy):
 
     def __post_init__(self) -> None:
         for name in ("k", "k_min", "k_max"):
-            _check_k(name, getattr(self, name))
+            integer(getattr(self, name), name, least=0)
         if not self.k_min <= self.k <= self.k_max:
             raise ConfigError(f"need k_min <= k <= k_max, got {self.k_min}, {self.k}, {self.k_max}")
         _check_min_joint(self.min_joint)
@@ -234,7 +230,7 @@ class CostAwareK(DraftPolicy):
     def __post_init__(self) -> None:
         for name in ("k_max", "probe_every", "max_probe_every", "probe_k", "explore_every", "window",
                      "warmup", "refresh_every", "free_width"):
-            _check_k(name, getattr(self, name))
+            integer(getattr(self, name), name, least=0)
         if self.probe_every < 1 or self.max_probe_every < self.probe_every:
             raise ConfigError("need 1 <= probe_every <= max_probe_every")
         if min(self.window, self.explore_every, self.warmup, self.refresh_every) < 1:
@@ -422,7 +418,7 @@ def make_policy(name: str, k: int, *, free_width: int = 1) -> DraftPolicy:
         factory = POLICIES[name]
     except KeyError:
         raise ConfigError(f"unknown draft policy {name!r}; choose one of: {', '.join(POLICIES)}") from None
-    _check_k("draft length k", k)
+    integer(k, "draft length k", least=0)
     policy = factory(k)
     if free_width != 1 and any(f.name == "free_width" for f in dataclasses.fields(policy)):
         policy = dataclasses.replace(policy, free_width=free_width)

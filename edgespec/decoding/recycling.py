@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from edgespec.checks import integer, is_int
 from edgespec.decoding.draft import Draft, Drafter
-from edgespec.decoding.tree import best_shape, recycled_tree, shape_size
-from edgespec.errors import ConfigError
+from edgespec.decoding.tree import DraftTree, best_shape, shape_size
 
-__all__ = ["STRIDE", "SUCCESSORS", "RecyclingDrafter", "SuccessorTable", "top_successors"]
+__all__ = ["STRIDE", "SUCCESSORS", "RecyclingDrafter", "SuccessorTable", "recycled_tree", "top_successors"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +68,7 @@ class SuccessorTable:
 
     def __init__(self, vocab: int, k: int = SUCCESSORS, stride: int = STRIDE) -> None:
         for name, v in (("vocab", vocab), ("k", k), ("stride", stride)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"successor table {name} must be an integer >= 1, got {v!r}")
+            integer(v, f"successor table {name}", least=1)
         self.k, self.stride = min(k, vocab), stride
         self.rows = np.full((vocab, self.k), -1, dtype=np.int32)
         self.updates = 0  # rows written so far
@@ -100,6 +99,36 @@ class SuccessorTable:
                 break
             out.append(token)
         return out
+
+
+def recycled_tree(table: SuccessorTable, root_token: int, widths: Sequence[int]) -> DraftTree:
+    """A static tree from the successor table: every node at depth d takes the first widths[d] ids
+    of its token's row (best first), skipping an id a sibling already holds.
+
+    Reads the table as `SuccessorTable.chain` does: a token never scored (-1) ends its branch, so
+    the tree may be smaller than its shape; widths (1,) * n give that chain. Nodes are stored
+    depth first: the first-children path, the likeliest, is rows 0..d as in a chain verify (the
+    runtime moves any other accepted path's rows there: Runtime.keep_rows)."""
+    if not all(is_int(w) and 1 <= w <= table.k for w in widths):
+        raise ValueError(f"tree widths must be integers in 1..{table.k} (the table's k), got {list(widths)}")
+    if not 0 <= root_token < len(table.rows):
+        raise ValueError(f"root token {root_token} is outside the table's vocabulary of {len(table.rows)}")
+    tokens: list[int] = []
+    parents: list[int] = []
+
+    def grow(node: int, token: int, depth: int) -> None:
+        if depth == len(widths):
+            return
+        taken: set[int] = set()
+        for successor in table.rows[token, : widths[depth]].tolist():
+            if successor >= 0 and successor not in taken:
+                taken.add(successor)
+                tokens.append(successor)
+                parents.append(node)
+                grow(len(tokens), successor, depth + 1)
+
+    grow(0, int(root_token), 0)
+    return DraftTree(tuple(tokens), tuple(parents))
 
 
 class RecyclingDrafter(Drafter):

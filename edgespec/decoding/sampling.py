@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from edgespec.checks import is_int, is_number
 from edgespec.decoding.token_dist import Candidates, DenseDist, TokenDist
 from edgespec.errors import ConfigError
 
@@ -25,6 +27,19 @@ logger = logging.getLogger(__name__)
 
 # A nucleus whose cumulative mass falls short of top_p only by rounding counts as reaching it.
 _TOP_P_TOLERANCE = 1e-12
+
+
+# SamplingParams' numbers, by attribute and by the option name users type
+_NUMBERS = (("temperature", "temperature"), ("top_p", "top-p"), ("min_p", "min-p"))
+# then each value's range, in this order (the numbers are numbers by then): attribute, test, rule
+_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("temperature", lambda t: t >= 0, "temperature must be >= 0"),  # also rejects NaN
+    ("temperature", math.isfinite, "temperature must be finite"),
+    ("top_p", lambda p: 0 < p <= 1, "top-p must be in (0, 1]"),
+    ("top_k", lambda k: is_int(k) and k >= 0, "top-k must be an integer >= 0 (0 disables it)"),
+    ("min_p", lambda p: 0 <= p < 1, "min-p must be in [0, 1)"),
+    ("seed", lambda s: s is None or (is_int(s) and s >= 0), "seed must be an integer >= 0"),
+)
 
 
 @dataclass(frozen=True)
@@ -39,24 +54,13 @@ class SamplingParams:
     min_p: float = 0.0
 
     def __post_init__(self) -> None:
-        for name, value in (("temperature", self.temperature), ("top-p", self.top_p), ("min-p", self.min_p)):
+        for attr, option in _NUMBERS:
             # a string from a form or a JSON file is the caller's mistake, named as one
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{name} must be a number, got {value!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not math.isfinite(self.temperature):
-            raise ConfigError(f"temperature must be finite, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ConfigError(f"top-k must be an integer >= 0 (0 disables it), got {self.top_k}")
-        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p < 1:
-            raise ConfigError(f"min-p must be in [0, 1), got {self.min_p}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
-        ):
-            raise ConfigError(f"seed must be an integer >= 0, got {self.seed}")
+            if not is_number(getattr(self, attr)):
+                raise ConfigError(f"{option} must be a number, got {getattr(self, attr)!r}")
+        for attr, holds, rule in _RULES:
+            if not holds(getattr(self, attr)):
+                raise ConfigError(f"{rule}, got {getattr(self, attr)}")
 
     @property
     def greedy(self) -> bool:
@@ -65,7 +69,7 @@ class SamplingParams:
 
 def check_max_tokens(max_tokens: int, name: str = "max-tokens") -> int:
     """`max_tokens` if it asks for at least one new token; the one check every caller uses."""
-    if isinstance(max_tokens, bool) or not hasattr(max_tokens, "__index__"):
+    if not is_int(max_tokens):
         raise ConfigError(f"{name} must be an integer >= 1, got {max_tokens!r} ({type(max_tokens).__name__})")
     if max_tokens < 1:
         raise ConfigError(f"{name} must be >= 1, got {max_tokens}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from edgespec.checks import integer
 from edgespec.errors import ConfigError
 
 __all__ = ["Source", "family", "lookup_source"]
@@ -25,8 +26,8 @@ class Source:
     def __post_init__(self) -> None:
         if not self.kind or ":" in self.kind:
             raise ConfigError(f"a source kind is a name without ':', got {self.kind!r}")
-        if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 0):
-            raise ConfigError(f"a source's match length must be an integer >= 0, got {self.n!r}")
+        if self.n is not None:
+            integer(self.n, "a source's match length", least=0)
 
     @property
     def key(self) -> str:

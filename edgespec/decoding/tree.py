@@ -1,4 +1,5 @@
-"""Draft trees for Token Recycling's tree verification: shape, drafting, acceptance.
+"""Draft trees for Token Recycling's tree verification: shape and acceptance (recycling.py
+drafts them from its successor table, and imports this module; nothing here imports it back).
 
 A chain stakes a whole verify on one guess per position; the successor table already holds the
 target's other top-k guesses, so a tree tries several at the first positions for the same one
@@ -21,15 +22,12 @@ import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edgespec.checks import integer
 from edgespec.decoding.draws import Draws
 from edgespec.decoding.token_dist import TokenDist
-
-if TYPE_CHECKING:  # recycling.py drafts these trees: imported there, not here
-    from edgespec.decoding.recycling import SuccessorTable
 
 __all__ = [
     "DraftTree",
@@ -37,7 +35,6 @@ __all__ = [
     "accept_tree_coupled",
     "best_shape",
     "expected_tree_tokens",
-    "recycled_tree",
     "shape_size",
     "tree_shapes",
 ]
@@ -124,36 +121,6 @@ class DraftTree:
         return (-1, *self.parents)
 
 
-def recycled_tree(table: SuccessorTable, root_token: int, widths: Sequence[int]) -> DraftTree:
-    """A static tree from the successor table: every node at depth d takes the first widths[d] ids
-    of its token's row (best first), skipping an id a sibling already holds.
-
-    Reads the table as `SuccessorTable.chain` does: a token never scored (-1) ends its branch, so
-    the tree may be smaller than its shape; widths (1,) * n give that chain. Nodes are stored
-    depth first: the first-children path, the likeliest, is rows 0..d as in a chain verify (the
-    runtime moves any other accepted path's rows there: Runtime.keep_rows)."""
-    if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= table.k for w in widths):
-        raise ValueError(f"tree widths must be integers in 1..{table.k} (the table's k), got {list(widths)}")
-    if not 0 <= root_token < len(table.rows):
-        raise ValueError(f"root token {root_token} is outside the table's vocabulary of {len(table.rows)}")
-    tokens: list[int] = []
-    parents: list[int] = []
-
-    def grow(node: int, token: int, depth: int) -> None:
-        if depth == len(widths):
-            return
-        taken: set[int] = set()
-        for successor in table.rows[token, : widths[depth]].tolist():
-            if successor >= 0 and successor not in taken:
-                taken.add(successor)
-                tokens.append(successor)
-                parents.append(node)
-                grow(len(tokens), successor, depth + 1)
-
-    grow(0, int(root_token), 0)
-    return DraftTree(tuple(tokens), tuple(parents))
-
-
 def shape_size(widths: Sequence[int]) -> int:
     """Most draft nodes a shape can hold (a sparse table fills fewer): the verify's rows less one."""
     return sum(math.prod(widths[: d + 1]) for d in range(len(widths)))
@@ -164,8 +131,7 @@ def tree_shapes(max_nodes: int) -> tuple[tuple[int, ...], ...]:
     """The menu of shapes holding at most `max_nodes` drafts: chains of 1..max_nodes, then a top-2,
     a top-3 and a top-2-then-top-2 head, each continued by chains as deep as the bound allows.
     Fixed and small on purpose: the engine picks among them from measured verify cost."""
-    if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
-        raise ValueError(f"max_nodes must be an integer >= 1, got {max_nodes!r}")
+    integer(max_nodes, "max_nodes", least=1, error=ValueError)
     shapes = []
     for head in _HEADS:
         shape = head

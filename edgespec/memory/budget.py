@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 
+from ..checks import is_number
 from ..errors import MemoryBudgetError
 
 __all__ = ["parse_bytes", "format_bytes", "UNITS"]
@@ -25,7 +26,7 @@ def parse_bytes(text: str | int | float) -> int:
     """Bytes in `text`; a MemoryBudgetError (one line, with examples) when it is not a size."""
     if isinstance(text, bool):
         raise MemoryBudgetError(f"memory budget must be a size like 1.5GB or 900MiB, got {text!r}")
-    if isinstance(text, (int, float)):
+    if is_number(text):
         value, unit = float(text), ""
     else:
         m = _PATTERN.match(str(text))

@@ -9,7 +9,7 @@ from the measured numbers, sets the context limit (never above the buffers).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 from ..runtimes.base import Runtime
@@ -156,47 +156,67 @@ class BudgetedLoad:
         context, and the scratch it really took replaces the estimate in the final plan."""
         if self.target is None:
             raise RuntimeError("open the target first")
-        draft = self.draft or draft_estimate
-        if draft is not None and self.draft is None:
-            draft = replace(draft, measured=False)
-        runtimes = {role: rt for role, rt in (runtimes or {}).items() if rt is not None}  # a draft not loaded
-        caps = [rt.kv_capacity for rt in runtimes.values() if rt.kv_capacity]
-        if caps:  # never plan past the buffers the runtimes hold
-            self.max_context = min([*caps, *([self.max_context] if self.max_context else [])])
+        draft = self._draft_or(draft_estimate)
+        kept = {role: rt for role, rt in (runtimes or {}).items() if rt is not None}  # a draft not loaded
+        self._cap_context(kept.values())
         plan = self.plan(self.target, draft)
-        probed = False
-        for role, rt in runtimes.items():
-            mem = getattr(self, role)
-            if mem is None or mem.shares_body or (role == "draft" and not plan.use_draft):
-                continue
-            # first at the lower bounds' own shape, which they then count; each probe's peak is
-            # taken from before the first, so what the first left held counts in the second
-            before = rss_bytes()
-            bctx = min(MIN_CONTEXT, rt.kv_capacity or MIN_CONTEXT, self.max_context or MIN_CONTEXT)
-            ran, peak = peak_during(lambda rt=rt, bctx=bctx: rt.probe_scratch(min(MIN_CHUNK, bctx), bctx))
-            if ran:
-                mem = replace(mem, bound_scratch=(min(MIN_CHUNK, bctx), bctx, max(0, peak - before)))
-                setattr(self, role, mem)
-                probed = True
-            if mem.bound_scratch and plan.kv_capacity < 2 * MIN_CONTEXT:
-                # a budget near the bound: a larger probe could itself take the room the bound
-                # counted on (an allocator may keep it), so the bounds' probe is the measurement
-                setattr(self, role, replace(mem, scratch=mem.bound_scratch))
-                continue
-            # then below the planned context (the estimate is scaled to it): a probe at the full
-            # context could leave held what the plan then has no room for
-            ctx = min(plan.kv_capacity, max(MIN_CONTEXT, plan.kv_capacity // 4))
-            chunk = min(plan.prefill_chunk, ctx)
-            ran, peak = peak_during(lambda rt=rt, chunk=chunk, ctx=ctx: ctx > 0 and rt.probe_scratch(chunk, ctx))
-            if ran:
-                took = max(0, peak - before)
-                setattr(self, role, replace(mem, scratch=(chunk, ctx, took)))
-                logger.info("%s scratch of a %d-token forward over %d positions: %d MiB", role, chunk, ctx,
-                            took >> 20)
-                probed = True
-        if probed:
+        probed = [self._probe(role, rt, plan) for role, rt in kept.items() if self._runs_probes(role, plan)]
+        if any(probed):
             plan = self.plan(self.target, self.draft if plan.use_draft else draft)
         return plan
+
+    def _draft_or(self, estimate: ModelMemory | None) -> ModelMemory | None:
+        """The measured draft, else its estimate (marked so: the plan's parts say "estimated")."""
+        if self.draft is not None:
+            return self.draft
+        return None if estimate is None else replace(estimate, measured=False)
+
+    def _cap_context(self, runtimes: Iterable[Runtime]) -> None:
+        """Never plan past the KV buffers the runtimes hold."""
+        caps = [rt.kv_capacity for rt in runtimes if rt.kv_capacity]
+        if caps:
+            self.max_context = min([*caps, *([self.max_context] if self.max_context else [])])
+
+    def _runs_probes(self, role: str, plan: Plan) -> bool:
+        """Whether `role`'s runtime runs probe forwards: a model measured at load, with forwards of
+        its own (not a head on the target's body), that the plan keeps."""
+        mem = getattr(self, role)
+        return mem is not None and not mem.shares_body and (role != "draft" or plan.use_draft)
+
+    def _probe(self, role: str, rt: Runtime, plan: Plan) -> bool:
+        """Measure `rt`'s scratch, record it in `role`'s memory; whether a probe ran.
+
+        First at the lower bounds' own shape, which they then count; each probe's peak is taken
+        from before the first, so what the first left held counts in the second."""
+        mem: ModelMemory = getattr(self, role)
+        before = rss_bytes()
+        bctx = min(MIN_CONTEXT, rt.kv_capacity or MIN_CONTEXT, self.max_context or MIN_CONTEXT)
+        bound = _scratch_probe(rt, min(MIN_CHUNK, bctx), bctx, before)
+        if bound is not None:
+            mem = replace(mem, bound_scratch=bound)
+            setattr(self, role, mem)
+        if mem.bound_scratch and plan.kv_capacity < 2 * MIN_CONTEXT:
+            # a budget near the bound: a larger probe could itself take the room the bound
+            # counted on (an allocator may keep it), so the bounds' probe is the measurement
+            setattr(self, role, replace(mem, scratch=mem.bound_scratch))
+            return bound is not None
+        # then below the planned context (the estimate is scaled to it): a probe at the full
+        # context could leave held what the plan then has no room for
+        ctx = min(plan.kv_capacity, max(MIN_CONTEXT, plan.kv_capacity // 4))
+        planned = _scratch_probe(rt, min(plan.prefill_chunk, ctx), ctx, before)
+        if planned is None:
+            return bound is not None
+        setattr(self, role, replace(mem, scratch=planned))
+        chunk, ctx, took = planned
+        logger.info("%s scratch of a %d-token forward over %d positions: %d MiB", role, chunk, ctx, took >> 20)
+        return True
+
+
+def _scratch_probe(rt: Runtime, chunk: int, ctx: int, before: int) -> tuple[int, int, int] | None:
+    """(chunk, ctx, bytes) the process's RSS peaked above `before` during `rt`'s probe forward of
+    `chunk` tokens over `ctx` positions; None where the runtime cannot probe."""
+    ran, peak = peak_during(lambda: ctx > 0 and rt.probe_scratch(chunk, ctx))
+    return (chunk, ctx, max(0, peak - before)) if ran else None
 
 
 def _windowed(mem: ModelMemory, path, fmt: str) -> ModelMemory:

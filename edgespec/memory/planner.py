@@ -157,36 +157,66 @@ def _with_headroom(need: int | None) -> int | None:
     return None if need is None else math.ceil(need / (1 - PLAN_HEADROOM))
 
 
-def _capacity(budget: int, base: int, models: list[ModelMemory], dtypes: list[str], k: int,
-              draft_vocab: int | None, target_vocab: int, chunk: int, sampling: bool, max_context: int,
-              reused: bool) -> int:
-    """The most positions that fit (need grows with the context, so bisect)."""
-    usable = budget - _unplanned(budget)
+@dataclass(frozen=True)
+class _Room:
+    """What every fit within one budget shares: the budget and the process's base, the target, the
+    contexts asked for, and how prompts' sampling rows and forwards' scratch are counted."""
 
-    def fits(n: int) -> bool:
-        return _need(base, models, dtypes, k, draft_vocab, target_vocab, n, chunk, sampling, reused) <= usable
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, max_context
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
+    budget: int
+    base: int
+    target: ModelMemory
+    min_context: int
+    max_context: int
+    sampling: bool
+    reused: bool  # forwards give their scratch back before the next one runs (see _scratch)
 
 
-def _pick_chunk(budget: int, base: int, models: list[ModelMemory], dvocab: int | None, target_vocab: int,
-                chunk: int, sampling: bool, max_context: int, reused: bool) -> int:
+@dataclass(frozen=True)
+class _Fit:
+    """The target (and a draft, second) in a room, prompts fed `chunk` tokens at a time."""
+
+    room: _Room
+    models: tuple[ModelMemory, ...]
+    chunk: int
+
+    @property
+    def draft_vocab(self) -> int | None:
+        return self.models[1].vocab if len(self.models) > 1 else None
+
+    def capacity(self, dtypes: list[str], k: int) -> int:
+        """The most positions that fit with KV in `dtypes` (one per model) and `k` drafts a step
+        (need grows with the context, so bisect)."""
+        r, models = self.room, list(self.models)
+        usable = r.budget - _unplanned(r.budget)
+
+        def fits(n: int) -> bool:
+            return _need(r.base, models, dtypes, k, self.draft_vocab, r.target.vocab, n, self.chunk, r.sampling,
+                         r.reused) <= usable
+
+        if not fits(1):
+            return 0
+        lo, hi = 1, r.max_context
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
+
+    def capacity_in(self, dtype: str, k: int) -> int:
+        """`capacity` with every model's KV in `dtype` where it offers it (else its first)."""
+        return self.capacity(_dtypes(list(self.models), dtype), k)
+
+
+def _pick_chunk(room: _Room, models: tuple[ModelMemory, ...], chunk: int) -> _Fit:
     """The largest prefill chunk (halving from `chunk`, down to MIN_CHUNK) whose attention scratch at the
     resulting capacity stays within what the KV cache itself takes: long contexts get small
     chunks, so the budget goes to context rather than to scratch."""
     dtypes = [m.kv_dtypes[0] for m in models]
     while chunk > MIN_CHUNK:
-        n = _capacity(budget, base, models, dtypes, 0, dvocab, target_vocab, chunk, sampling, max_context, reused)
-        if _scratch(models, chunk, n, reused) <= sum(m.kv(d, n) for m, d in zip(models, dtypes)):
+        n = _Fit(room, models, chunk).capacity(dtypes, 0)
+        if _scratch(list(models), chunk, n, room.reused) <= sum(m.kv(d, n) for m, d in zip(models, dtypes)):
             break
         chunk //= 2
-    return chunk
+    return _Fit(room, models, chunk)
 
 
 def plan_memory(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None = None, *, k: int = 4,
@@ -204,76 +234,114 @@ def plan_memory(budget: int, base: int, target: ModelMemory, draft: ModelMemory 
     min_context = min(min_context, max_context)  # a context capped on purpose is still useful
     max_k = max(k, max_k or k)
     bounds = lower_bounds(base, target, draft, k, min_context, min(chunk, MIN_CHUNK), sampling, reused_scratch)
-    r = reused_scratch
-    if budget < bounds.least_plain:
-        spec = f", {format_bytes(bounds.speculative)} with the draft model" if bounds.speculative else ""
-        raise MemoryBudgetError(
-            f"memory budget {format_bytes(budget)} is below the least this bundle needs: "
-            f"{format_bytes(bounds.plain)} for plain decoding{spec} ({min_context}-token context)")
-    use_draft = draft is not None and bounds.least_speculative is not None and budget >= bounds.least_speculative
-    plan = _plan(budget, base, target, draft if use_draft else None, k if use_draft or draft is None else 0,
-                 max_k, min_context, max_context, chunk, sampling, bounds, r)
-    if plan.kv_capacity < min_context and use_draft:  # the bound assumes the smallest prompt chunk
-        plan = _plan(budget, base, target, draft, k, max_k, min_context, max_context, MIN_CHUNK, sampling, bounds, r)
-    scratch_bound = use_draft and plan.kv_capacity < min_context  # measured scratch exceeds the estimate
-    if scratch_bound:
-        use_draft = False
-        plan = _plan(budget, base, target, None, 0, 0, min_context, max_context, chunk, sampling, bounds, r)
-    if plan.kv_capacity < min_context:
-        need = _need(base, [target], [_smallest_dtype(target)], 0, None, target.vocab, min_context,
-                     min(chunk, MIN_CHUNK), sampling, r)
-        raise MemoryBudgetError(
-            f"memory budget {format_bytes(budget)} leaves room for only {plan.kv_capacity} tokens of context "
-            f"once loaded; plain decoding with a {min_context}-token context needs {format_bytes(need)} here")
-    if draft is not None and k > 0 and not use_draft:
-        why = (f"leaves the draft model less than a {min_context}-token context once its measured scratch "
-               "is counted" if scratch_bound else f"is below the speculative bound {format_bytes(bounds.speculative)}")
-        note = f"memory budget {format_bytes(budget)} {why}: the draft model is dropped, decoding plainly"
-        plan = replace(plan, notes=(note, *plan.notes))
+    room = _Room(budget, base, target, min_context, max_context, sampling, reused_scratch)
+    _require_plain(room, bounds)
+    speculative = draft is not None and bounds.least_speculative is not None and budget >= bounds.least_speculative
+    if speculative:
+        plan, scratch_bound = _with_draft(room, draft, k, max_k, chunk, bounds)
+    else:  # prompt lookup still drafts without a draft model; a dropped draft model takes k with it
+        plan, scratch_bound = _plan(room, None, k if draft is None else 0, max_k, chunk, bounds), False
+    _require_context(room, plan, chunk)
+    if draft is not None and k > 0 and not plan.use_draft:
+        plan = replace(plan, notes=(_dropped(room, bounds, scratch_bound), *plan.notes))
     return plan
 
 
-def _plan(budget: int, base: int, target: ModelMemory, draft: ModelMemory | None, k: int, max_k: int,
-          min_context: int, max_context: int, chunk: int, sampling: bool, bounds: Bounds, reused: bool) -> Plan:
-    notes: list[str] = []
-    use_draft = draft is not None
+def _require_plain(room: _Room, bounds: Bounds) -> None:
+    """Refuse a budget below the least plain decoding needs, naming both bounds."""
+    if room.budget < bounds.least_plain:
+        spec = f", {format_bytes(bounds.speculative)} with the draft model" if bounds.speculative else ""
+        raise MemoryBudgetError(
+            f"memory budget {format_bytes(room.budget)} is below the least this bundle needs: "
+            f"{format_bytes(bounds.plain)} for plain decoding{spec} ({room.min_context}-token context)")
+
+
+def _with_draft(room: _Room, draft: ModelMemory, k: int, max_k: int, chunk: int, bounds: Bounds
+                ) -> tuple[Plan, bool]:
+    """The plan with the draft model, and whether it was dropped after all: above the speculative
+    bound the draft still goes where its measured scratch leaves less than min_context."""
+    plan = _plan(room, draft, k, max_k, chunk, bounds)
+    if plan.kv_capacity < room.min_context:  # the bound assumes the smallest prompt chunk
+        plan = _plan(room, draft, k, max_k, MIN_CHUNK, bounds)
+    if plan.kv_capacity >= room.min_context:
+        return plan, False
+    return _plan(room, None, 0, 0, chunk, bounds), True  # measured scratch exceeds the estimate
+
+
+def _require_context(room: _Room, plan: Plan, chunk: int) -> None:
+    """Refuse a plan with less than min_context positions, naming what plain decoding needs here."""
+    if plan.kv_capacity < room.min_context:
+        target = room.target
+        need = _need(room.base, [target], [_smallest_dtype(target)], 0, None, target.vocab, room.min_context,
+                     min(chunk, MIN_CHUNK), room.sampling, room.reused)
+        raise MemoryBudgetError(
+            f"memory budget {format_bytes(room.budget)} leaves room for only {plan.kv_capacity} tokens of context "
+            f"once loaded; plain decoding with a {room.min_context}-token context needs {format_bytes(need)} here")
+
+
+def _dropped(room: _Room, bounds: Bounds, scratch_bound: bool) -> str:
+    """The note saying why the draft model was dropped."""
+    why = (f"leaves the draft model less than a {room.min_context}-token context once its measured scratch "
+           "is counted" if scratch_bound else f"is below the speculative bound {format_bytes(bounds.speculative)}")
+    return f"memory budget {format_bytes(room.budget)} {why}: the draft model is dropped, decoding plainly"
+
+
+def _plan(room: _Room, draft: ModelMemory | None, k: int, max_k: int, chunk: int, bounds: Bounds) -> Plan:
+    """The plan with these models: draft length, then KV dtype, then the capacity they leave."""
+    fit = _pick_chunk(room, (room.target,) if draft is None else (room.target, draft),
+                      min(chunk, room.max_context))
+    target = room.target
     max_k = max_k if k else 0
-    models = [target] + ([draft] if use_draft else [])
-    dvocab = draft.vocab if use_draft else None
-    chunk = _pick_chunk(budget, base, models, dvocab, target.vocab, min(chunk, max_context), sampling, max_context,
-                        reused)
-
-    def cap(dtype: str, kk: int) -> int:
-        return _capacity(budget, base, models, _dtypes(models, dtype), kk, dvocab, target.vocab, chunk, sampling,
-                         max_context, reused)
-
-    smallest = _smallest_dtype(target)
-    kk = next((c for c in range(max_k, k, -1) if cap(smallest, c) >= min_context), k)
+    kk = _draft_length(fit, k, max_k)
+    dtype = _kv_dtype(fit, kk)
+    capacity = fit.capacity_in(dtype, kk)
+    notes: list[str] = []
     if kk < max_k:
-        notes.append(f"draft length capped at {kk} (of {max_k}) to keep a {min_context}-token context")
-    want = min(WANT_CONTEXT, max_context)
-    dtype = next((d for d in target.kv_dtypes if cap(d, kk) >= want), None)
-    if dtype is None:  # none reaches the wanted context: the one that holds the most
-        dtype = max(target.kv_dtypes, key=lambda d: cap(d, kk))
+        notes.append(f"draft length capped at {kk} (of {max_k}) to keep a {room.min_context}-token context")
     if dtype != target.kv_dtypes[0]:
         notes.append(f"KV cache in {dtype} (not {target.kv_dtypes[0]}) to fit a longer context")
-    capacity = cap(dtype, kk)
-    dts = _dtypes(models, dtype)
-    scratch = _scratch(models, chunk, capacity, reused)
+    return Plan(room.budget, draft is not None, capacity, kk, dtype, min(fit.chunk, capacity), bounds,
+                _parts(fit, dtype, capacity, kk), tuple(notes))
+
+
+def _draft_length(fit: _Fit, k: int, max_k: int) -> int:
+    """The longest draft, from max_k down, that still leaves min_context in the smallest KV dtype
+    (k when none does: the bounds counted k)."""
+    smallest = _smallest_dtype(fit.room.target)
+    return next((c for c in range(max_k, k, -1) if fit.capacity_in(smallest, c) >= fit.room.min_context), k)
+
+
+def _kv_dtype(fit: _Fit, k: int) -> str:
+    """The most exact KV dtype that still gives WANT_CONTEXT (or max_context, if smaller); where
+    none reaches it, the one that holds the most."""
+    want = min(WANT_CONTEXT, fit.room.max_context)
+    dtypes = fit.room.target.kv_dtypes
+    reaching = next((d for d in dtypes if fit.capacity_in(d, k) >= want), None)
+    return reaching if reaching is not None else max(dtypes, key=lambda d: fit.capacity_in(d, k))
+
+
+def _parts(fit: _Fit, dtype: str, capacity: int, k: int) -> tuple[tuple[str, int], ...]:
+    """Where the planned bytes go, labelled for describe_plan."""
+    room, models = fit.room, list(fit.models)
+    parts = [("runtime + tokenizer (measured)", room.base)]
+    for m, d in zip(models, _dtypes(models, dtype)):
+        parts += _model_parts(m, d, capacity)
+    parts.append((f"candidates and logits (k <= {k})",
+                  candidate_bytes(k, room.target.vocab, fit.draft_vocab, room.sampling)))
     probed = all(m.scratch is not None for m in models if not m.shares_body)
-    parts = [("runtime + tokenizer (measured)", base)]
-    for m, d in zip(models, dts):
-        how = "measured" if m.measured else "estimated"
-        if m.shares_body:
-            parts.append((f"{m.role} head on the target's body ({how})", m.fixed))
-            continue
-        parts.append((f"{m.role} weights + runtime ({how})", m.fixed))
-        parts.append((f"{m.role} KV cache ({_kv_label(m, d, capacity)})", m.kv(d, capacity)))
-    parts.append((f"candidates and logits (k <= {kk})", candidate_bytes(kk, target.vocab, dvocab, sampling)))
-    whose = "the larger forward" if reused and len(models) > 1 else "a forward"
-    parts.append((f"scratch of {whose} of {min(chunk, capacity)} tokens over the context "
-                  f"({'measured' if probed else 'estimated'})", scratch))
-    return Plan(budget, use_draft, capacity, kk, dtype, min(chunk, capacity), bounds, tuple(parts), tuple(notes))
+    whose = "the larger forward" if room.reused and len(models) > 1 else "a forward"
+    parts.append((f"scratch of {whose} of {min(fit.chunk, capacity)} tokens over the context "
+                  f"({'measured' if probed else 'estimated'})", _scratch(models, fit.chunk, capacity, room.reused)))
+    return tuple(parts)
+
+
+def _model_parts(m: ModelMemory, dtype: str, capacity: int) -> list[tuple[str, int]]:
+    """One model's bytes: its weights and runtime, and its KV cache (a head on the target's body has none)."""
+    how = "measured" if m.measured else "estimated"
+    if m.shares_body:
+        return [(f"{m.role} head on the target's body ({how})", m.fixed)]
+    return [(f"{m.role} weights + runtime ({how})", m.fixed),
+            (f"{m.role} KV cache ({_kv_label(m, dtype, capacity)})", m.kv(dtype, capacity))]
 
 
 def _kv_label(m: ModelMemory, dtype: str, capacity: int) -> str:
