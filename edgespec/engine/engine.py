@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bundle import Bundle, load_bundle
+from ..checks import is_number
 from ..decoding import (
     DRAFTERS,
     DraftPolicy,
@@ -88,7 +89,7 @@ def _wait_timeout(wait: bool | float) -> float | None:
         return None
     if wait is False:
         return 0.0
-    if isinstance(wait, (int, float)) and wait >= 0:
+    if is_number(wait) and wait >= 0:
         return float(wait)
     raise ConfigError(f"wait must be True, False or a number of seconds >= 0, got {wait!r}")
 

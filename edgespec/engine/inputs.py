@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..checks import is_int
 from ..errors import ConfigError
 
 __all__ = ["check_text", "check_stop", "check_token_ids"]
@@ -40,7 +41,7 @@ def check_token_ids(tokens: Sequence[object], vocab: int) -> None:
     outside the vocabulary: a negative one would index from the embedding's end, a large one crash
     the backend."""
     for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not hasattr(t, "__index__"):
+        if not is_int(t):
             raise ConfigError(f"token ids must be integers; the prompt's item {i} is {t!r} ({type(t).__name__})")
         if not 0 <= t < vocab:
             raise ConfigError(f"token id {t!r} is out of range (vocabulary size {vocab})")

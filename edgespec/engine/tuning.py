@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -39,6 +38,7 @@ from statistics import mean, median
 
 import numpy as np
 
+from ..checks import integer, number
 from ..decoding.policy import expected_tokens, isotonic
 from ..errors import ConfigError, EdgespecError
 from ..progress import task
@@ -219,19 +219,15 @@ _MAX_MS = 3.6e6  # an hour: no step of a model edgespec runs takes longer
 
 def _ms(value: object, name: str, zero: bool = False) -> float:
     """A measured time in ms: finite, > 0 (>= 0 where `zero`), below an hour."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not (0 <= value if zero else 0 < value) or value > _MAX_MS:
-        raise ValueError(f"{name} {value!r} is not a time in ms")
-    return float(value)
+    bound = {"least": 0} if zero else {"above": 0}
+    return number(value, name, most=_MAX_MS, error=ValueError, **bound)
 
 
 def _width(value: object, low: int = 2, key: bool = False) -> int:
     """A verify width: an integer in low..1024 (`key`: a JSON object key, which arrives as a string)."""
     if key and isinstance(value, str) and value.isdigit():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1024:
-        raise ValueError(f"width {value!r} is not an integer in {low}..1024")
-    return value
+    return integer(value, "width", least=low, most=1024, error=ValueError)
 
 
 def measure_engine(engine, prefix: int = TUNE_PREFIX, repeats: int = TUNE_REPEATS) -> Measurement | None:
