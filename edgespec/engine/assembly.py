@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..decoding import DEFAULT_K, DRAFTERS
 from ..decoding.limits import DecoderLimits
@@ -23,9 +23,7 @@ from .choices import STATIC_DRAFT_WIDTH, backend_for_device, resolve_drafting, s
 from .config import EngineConfig
 from .context import check_max_context
 from .cores import CoreChoice
-
-if TYPE_CHECKING:
-    from .tuning import Tuning
+from .measured import Tuned, Tuning
 
 __all__ = ["ModelPlan", "EnginePlan", "Tuned", "plan_engine", "MAX_PROBE_WIDTH", "probe_width", "decoder_limits"]
 
@@ -41,15 +39,6 @@ class ModelPlan:
     file: str  # the artifact's file, relative to the bundle
     precision: str | None
     options: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))
-
-
-@dataclass(frozen=True)
-class Tuned:
-    """What the tuner (tuning.py) measured fastest here: it fills what the config leaves open."""
-
-    backend: str
-    draft_body: str | None  # "shared" or "own"; None: no draft model
-    verify_width: int  # the widest verify worth running here (within the exact widths)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,31 +46,14 @@ from .cores import machine_cores
 from .first_use import default_bundle, first_use_format
 from .inputs import check_stop, check_text, check_token_ids
 from .opening import open_plan
+from .response import Response
+from .session import ChatSession
 from .tuning import tune
 
 __all__ = ["load", "resolve", "Engine", "EngineConfig", "Response", "GenerationStats", "DRAFT_BODIES",
            "default_bundle", "first_use_format", "resolve_drafting", "shared_body_blocker"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Response:
-    """One streamed piece of a generation; metrics travel with it."""
-
-    text: str  # new text since the previous Response
-    token_ids: list[int]
-    from_draft: int  # how many of token_ids were accepted drafts
-    tokens_per_s: float  # running decode speed of this generation
-    finish_reason: str | None = None  # "stop", "length", "cancelled" or None while running
-    stats: GenerationStats | None = None
-    memory: dict[str, dict[str, int]] = field(default_factory=dict)  # bytes per model: weights, kv
-
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes held by the models (weights, KV caches, buffers) after this step; `kv_used`, the
-        filled part of a preallocated cache, is already inside `kv`."""
-        return sum(v for parts in self.memory.values() for k, v in parts.items() if k != "kv_used")
 
 
 def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
@@ -365,8 +347,6 @@ class Engine:
 
         chat_format: "auto" (None: the model's own template, or a base model's plain-text
         transcript), "template" or a transcript name (edgespec.models.chat_formats)."""
-        from .session import ChatSession
-
         return ChatSession(self, system=system, chat_format=chat_format)
 
     def memory(self) -> dict[str, dict[str, int]]:
