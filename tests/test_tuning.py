@@ -169,12 +169,12 @@ def test_loads_that_are_not_tuned_say_why(kw, why):
 def test_the_tuned_choice_fills_only_what_the_config_leaves_open():
     m, tuned = manifest(), Tuned("openvino", "own", 5)
     p = plan_engine(m, EngineConfig(), ALL, tuned)
-    assert (p.backend, p.shared_body, p.verify_limit, p.tuned) == ("openvino", False, 5, True)
-    assert "measured" in p.draft_body_reason
+    assert (p.backend, p.shared_body, p.pacing.verify_limit, p.tuned) == ("openvino", False, 5, True)
+    assert "measured" in p.drafting.reason
     # an explicit backend, draft body and k win; no k given keeps the tuner's width
     p = plan_engine(m, EngineConfig(backend="onnxruntime", draft_body="shared", k=3), ALL, tuned)
-    assert (p.backend, p.shared_body, p.verify_limit) == ("onnxruntime", True, None)
-    assert plan_engine(m, EngineConfig(), ALL).verify_limit is None
+    assert (p.backend, p.shared_body, p.pacing.verify_limit) == ("onnxruntime", True, None)
+    assert plan_engine(m, EngineConfig(), ALL).pacing.verify_limit is None
     # the decoder keeps to the narrower of the exact widths and the tuner's limit
     probe = SimpleNamespace(exact_width=9, trees=None, reach=4096)
     assert decoder_limits(None, [], None, probe, True, 5).verify_width == 5
