@@ -230,7 +230,7 @@ def test_on_a_shared_body_each_verify_follows_its_drafts_and_runs_the_body_on_on
 
     log: list = []
     target, draft = shared_pair(Recorder(log, "body"), Head(log, "target", 64), Head(log, "draft", 32))
-    out = verify_costs(target, (1, 2, 5), prefix=8, repeats=2, draft=draft)
+    out = verify_costs(target, (1, 2, 5), prefix=8, repeats=2, draft=draft, shared_body=True)
     assert set(out["ms"]) == {"1", "2", "5"} and out["draft_ms"] > 0 and target.n_past == draft.n_past == 0
     verifies = [i for i, (who, rows) in enumerate(log) if who == "target" and rows > 1]
     assert len(verifies) == 3 * 2  # widths 2 and 5, warm-up pass and two repeats

@@ -34,9 +34,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from statistics import median
-
-import numpy as np
 
 from ..errors import ConfigError, EdgespecError
 from ..progress import task
@@ -45,6 +42,7 @@ from .assembly import EnginePlan, plan_engine
 from .config import EngineConfig
 from .cores import CoreChoice
 from .measured import ACCEPTANCES, DRAFT_LENGTHS, Measurement, Tuned, Tuning
+from .step_costs import WIDTHS, verify_costs
 
 __all__ = ["ACCEPTANCES", "DRAFT_LENGTHS", "Measurement", "Tuning", "candidate_plans", "candidates", "choose",
            "contenders",
@@ -53,9 +51,6 @@ __all__ = ["ACCEPTANCES", "DRAFT_LENGTHS", "Measurement", "Tuning", "candidate_p
 logger = logging.getLogger(__name__)
 
 TUNE_VERSION = 2  # bump when the measurement changes: cached figures are then measured again
-WIDTHS = (1, 2, 4, 8)  # the bench's c(B) widths
-PREFIX = 64  # positions already cached: a verify never starts from an empty cache
-REPEATS = 5
 # drafters whose every token costs a forward; each other one also drafts for free (prompt lookup,
 # Token Recycling), and its tails may run wide verifies
 COSTED_ONLY = ("model", "head")
@@ -67,87 +62,23 @@ TUNE_PREFIX, TUNE_REPEATS = 32, 3  # the tuner's: a few forwards per width, seco
 # ---------------------------------------------------------------- measuring one configuration
 
 
-def verify_costs(rt, widths: Sequence[int] = WIDTHS, prefix: int = PREFIX, repeats: int = REPEATS, *,
-                 draft=None, stat: Callable[[list[float]], float] = median) -> dict | None:
-    """c(B) of the runtime `rt`: {"one_token_ms", "ms": {B: ms}, "c": {B: cost over one token},
-    "prefix", "repeats"}, or None where it cannot be measured (static shapes, no trim). With a
-    `draft` runtime, each B-token verify follows B-1 drafted tokens fed to the draft (so a draft on
-    the target's body has computed their rows, as in a real step), and "draft_ms", one drafted
-    token, is measured too. Widths run interleaved; fresh ids every repeat (a shared body would
-    reuse rows of ids it has seen); `stat` (median) of the repeats. Leaves the caches empty."""
-    caps = rt.capabilities
-    if not caps.can_trim or caps.static_shapes:
-        return None  # static shapes pad every forward to one width: no curve to measure
-    widths = sorted({1, *widths})
-    top = max(widths)
-    for cap in (rt.kv_capacity, getattr(draft, "kv_capacity", None)):
-        if cap is not None:
-            prefix = min(prefix, cap - top - 1)
-    if prefix < 1:
-        return None
-    rng = np.random.default_rng(0)
-    vocab = min(rt.vocab_size, draft.vocab_size) if draft is not None else rt.vocab_size
-    low = min(16, max(vocab - 1, 0))  # the first ids are often special tokens
-    models = [m for m in (rt, draft) if m is not None]
-    # only a draft on the target's body changes what the verify computes (rows it has run already)
-    feed = draft is not None and getattr(draft, "shared", None) is not None and draft.shared is getattr(rt, "shared", 0)
-    samples: dict[int, list[float]] = {b: [] for b in widths}
-    drafted: list[float] = []
-    try:
-        ids = [int(t) for t in rng.integers(low, vocab, size=prefix)]
-        for m in models:
-            m.reset()
-            m.forward(ids, n_logits=1)
-        for rep in range(repeats + 1):  # the first pass warms every width up (allocations) and is dropped
-            for b in widths:
-                new = [int(t) for t in rng.integers(low, vocab, size=b)]
-                if feed and b > 1:  # the b-1 drafts fed to the draft on the target's body, untimed here
-                    draft.forward(new[:b - 1], n_logits=1)
-                t0 = time.perf_counter()
-                rt.forward(new, n_logits=b)  # a verify needs every row's logits
-                dt = time.perf_counter() - t0
-                for m in models:
-                    m.trim(prefix)
-                if rep:
-                    samples[b].append(dt)
-                if draft is not None and b == 1:  # one drafted token, on ids the target has not seen
-                    t0 = time.perf_counter()
-                    draft.forward([int(rng.integers(low, vocab))], n_logits=1)
-                    if rep:
-                        drafted.append(time.perf_counter() - t0)
-                    for m in models:
-                        m.trim(prefix)
-    except EdgespecError as e:
-        logger.warning("c(B) not measured: %s", e)
-        return None
-    finally:
-        for m in models:
-            m.reset()
-    ms = {b: 1e3 * stat(s) for b, s in samples.items()}
-    out = {"one_token_ms": round(ms[1], 3), "ms": {str(b): round(v, 3) for b, v in ms.items()},
-           "c": {str(b): round(v / ms[1], 3) for b, v in ms.items() if b != 1}, "prefix": prefix, "repeats": repeats}
-    if drafted:
-        out["draft_ms"] = round(1e3 * stat(drafted), 3)
-    return out
-
-
 def measure_engine(engine, prefix: int = TUNE_PREFIX, repeats: int = TUNE_REPEATS) -> Measurement | None:
     """The step costs of an open engine (its target, its draft model where it drafts with one)
     at the verify widths its exactness probe found exact; None where they cannot be measured."""
     t0 = time.perf_counter()
-    probe = engine.exactness
-    exact = probe.exact_width if probe is not None and engine.drafter_name is not None else 1
+    opened = engine.opened
+    exact = opened.exactness.exact_width if opened.exactness is not None and opened.drafter is not None else 1
     top = min(exact, engine.target.capabilities.max_batch_tokens or exact)
     widths = [k + 1 for k in DRAFT_LENGTHS if k + 1 <= top]
-    draft = engine.draft if engine.opened.draft_body is not None else None
+    draft = engine.draft if opened.draft_body is not None else None
     # the fastest of the repeats: a busy neighbour only ever adds time
-    costs = verify_costs(engine.target, widths, prefix, repeats, draft=draft, stat=min)
+    costs = verify_costs(engine.target, widths, prefix, repeats, draft=draft, shared_body=opened.shared_body,
+                         stat=min)
     if costs is None:
         return None
     ms = {int(b): v for b, v in costs["ms"].items()}
-    body = None if draft is None else engine.opened.draft_body
-    free = engine.drafter_name not in (None, *COSTED_ONLY)
-    return Measurement(engine.backend, body, free, ms[1], costs.get("draft_ms", 0.0),
+    free = opened.drafter not in (None, *COSTED_ONLY)
+    return Measurement(opened.backend, opened.draft_body, free, ms[1], costs.get("draft_ms", 0.0),
                        {b: v for b, v in ms.items() if b > 1}, exact, round((time.perf_counter() - t0) * 1e3, 1))
 
 
