@@ -189,3 +189,17 @@ def test_the_engine_switches_onnxruntime_to_padded_rows_where_one_row_rounds_apa
     with load(bundle, k=3, drafter="model") as e:  # the mode settled on is remembered: opened directly
         assert e.exactness.cached and opened[0] == e.target.capabilities.extra["pad_rows"]
         assert len(opened) == 2  # the target once, and the draft
+
+
+def test_a_dropped_draft_leaves_no_shared_body_behind(zoo, monkeypatch, tmp_path):
+    """The plan put the draft on the target's body; drafting refused, the draft is closed: what
+    was opened, and every view of it, says there is no draft body, while the plan keeps what was asked."""
+    from edgespec.engine.opened import DRAFTING_REFUSED
+
+    _wide_forwards_round_off(monkeypatch, tmp_path / "cache")
+    with load(zoo.bundle("llama", AGREEING), backend="onnxruntime", k=2, drafter="model", draft_body="shared",
+              retune=True) as e:
+        assert e.plan.shared_body and e.opened.inexact_refusal == DRAFTING_REFUSED and e.draft is None
+        assert e.opened.draft_body is None and e.opened.draft_backend is None
+        assert e.shared_body is e.opened.shared_body is False
+        assert e.describe()["draft_body"] is None

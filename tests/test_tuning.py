@@ -263,22 +263,22 @@ def test_the_engine_opens_a_measured_configuration_caches_it_and_retune_measures
     bundle = ov_bundle(zoo, "llama")
     # the draft body given, the tuner picks the backend only (and the load stays short)
     with load(bundle, tune=True, draft_body="own") as e:
-        t = e.tuning
+        t = e.opened.tuning
         names = [(m.backend, m.draft_body) for m in t.candidates]
         assert names == [("onnxruntime", "own"), ("openvino", "own")]
         assert (t.choice.backend, t.choice.draft_body) in names
         assert (e.backend, e.shared_body) == (t.choice.backend, False)
         assert not any(m.cached for m in t.candidates) and t.tune_ms > 0
-        assert e.limits.verify_width <= min(t.choice.verify_width, e.exactness.exact_width)
+        assert e.opened.limits.verify_width <= min(t.choice.verify_width, e.exactness.exact_width)
         assert e.describe()["tuning"]["choice"]["backend"] == e.backend
         text = e.generate("the cat", max_tokens=12)
     with load(bundle, tune=True, draft_body="own") as again:
-        assert all(m.cached for m in again.tuning.candidates) and again.tuning.tune_ms == 0
-        assert again.tuning.choice == t.choice and again.generate("the cat", max_tokens=12) == text
+        assert all(m.cached for m in again.opened.tuning.candidates) and again.opened.tuning.tune_ms == 0
+        assert again.opened.tuning.choice == t.choice and again.generate("the cat", max_tokens=12) == text
     # the chosen configuration runs in its exact mode: greedy output as plain decoding's
     with load(bundle, tune=False, backend=t.choice.backend, use_draft=False) as plain:
         assert plain.generate("the cat", max_tokens=12) == text
     with load(bundle, tune=True, draft_body="own", retune=True) as fresh:
-        assert not any(m.cached for m in fresh.tuning.candidates)
+        assert not any(m.cached for m in fresh.opened.tuning.candidates)
     with load(bundle, tune=True, backend="openvino", draft_body="own") as fixed:
-        assert fixed.tuning is None and fixed.backend == "openvino" and not fixed.shared_body
+        assert fixed.opened.tuning is None and fixed.backend == "openvino" and not fixed.shared_body
