@@ -195,7 +195,7 @@ def test_variants_share_the_runtimes_and_limits(zoo):
         plain, fixed = e.variant(plain=True), e.variant(policy=FixedK(3))
         ngram = e.variant(drafter="ngram", k=2)
         for d in (plain, fixed, ngram, e.decoder):
-            assert d.target is e.target and d.context_limit == e.context_limit == 96
+            assert d.target is e.target and d.context_limit == e.opened.context_limit == 96
             assert d.limits.verify_width == e.decoder.limits.verify_width
         assert plain.drafter is None and fixed.policy.k == 3 and fixed.draft is e.draft and ngram.draft is None
         assert ngram.policy.next_k() == 2

@@ -267,10 +267,10 @@ def test_the_engine_opens_a_measured_configuration_caches_it_and_retune_measures
         names = [(m.backend, m.draft_body) for m in t.candidates]
         assert names == [("onnxruntime", "own"), ("openvino", "own")]
         assert (t.choice.backend, t.choice.draft_body) in names
-        assert (e.backend, e.shared_body) == (t.choice.backend, False)
+        assert (e.opened.backend, e.opened.shared_body) == (t.choice.backend, False)
         assert not any(m.cached for m in t.candidates) and t.tune_ms > 0
-        assert e.opened.limits.verify_width <= min(t.choice.verify_width, e.exactness.exact_width)
-        assert e.describe()["tuning"]["choice"]["backend"] == e.backend
+        assert e.opened.limits.verify_width <= min(t.choice.verify_width, e.opened.exactness.exact_width)
+        assert e.describe()["tuning"]["choice"]["backend"] == e.opened.backend
         text = e.generate("the cat", max_tokens=12)
     with load(bundle, tune=True, draft_body="own") as again:
         assert all(m.cached for m in again.opened.tuning.candidates) and again.opened.tuning.tune_ms == 0
@@ -281,4 +281,4 @@ def test_the_engine_opens_a_measured_configuration_caches_it_and_retune_measures
     with load(bundle, tune=True, draft_body="own", retune=True) as fresh:
         assert not any(m.cached for m in fresh.opened.tuning.candidates)
     with load(bundle, tune=True, backend="openvino", draft_body="own") as fixed:
-        assert fixed.opened.tuning is None and fixed.backend == "openvino" and not fixed.shared_body
+        assert fixed.opened.tuning is None and fixed.opened.backend == "openvino" and not fixed.opened.shared_body
