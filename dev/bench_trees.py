@@ -58,7 +58,7 @@ def fixed_shape(engine, shape: tuple[int, ...]) -> SpeculativeDecoder:
     """Token Recycling always drafting `shape` on `engine`'s target, the cost policy gating it."""
     policy = make_policy("cost", engine.k)
     return SpeculativeDecoder(engine.target, drafter=RecyclingDrafter(engine.target.vocab_size, shape=shape),
-                              policy=policy, limits=engine.limits)
+                              policy=policy, limits=engine.opened.limits)
 
 
 def run_decoder(engine, decoder, ids: list[int], max_tokens: int) -> dict:

@@ -115,10 +115,10 @@ def test_the_backend_follows_the_preference_order_among_installed_ones():
 def test_the_draft_runs_on_the_targets_body_where_that_is_the_same_computation():
     p = plan(backend="openvino")
     assert p.shared_body and p.draft.backend == "openvino" and p.draft.file == "draft/openvino.model"
-    assert p.drafter == "both" and p.policy == "cost" and p.k == 4 and p.max_k == 8
+    assert p.drafter == "both" and p.policy == "cost" and p.k == 4 and p.pacing.max_k == 8
     assert "static" not in p.target.options and "spin" not in p.target.options
     own = plan(m=manifest(precision="fp32"), backend="openvino")
-    assert not own.shared_body and "dearer" in own.draft_body_reason
+    assert not own.shared_body and "dearer" in own.drafting.reason
     # forced: it shares all the same; impossible: the reason is the error
     assert plan(m=manifest(precision="fp32"), backend="openvino", draft_body="shared").shared_body
     gguf = manifest(target=("gguf",), draft=("gguf",))
@@ -195,7 +195,7 @@ def test_variants_share_the_runtimes_and_limits(zoo):
         plain, fixed = e.variant(plain=True), e.variant(policy=FixedK(3))
         ngram = e.variant(drafter="ngram", k=2)
         for d in (plain, fixed, ngram, e.decoder):
-            assert d.target is e.target and d.context_limit == e.context_limit == 96
+            assert d.target is e.target and d.context_limit == e.opened.context_limit == 96
             assert d.limits.verify_width == e.decoder.limits.verify_width
         assert plain.drafter is None and fixed.policy.k == 3 and fixed.draft is e.draft and ngram.draft is None
         assert ngram.policy.next_k() == 2

@@ -36,15 +36,15 @@ def _wide_forwards_round_off(monkeypatch, cache: Path):
 
 def test_the_engine_probes_the_target_and_caps_its_verifies(zoo):
     with load(zoo.bundle("llama", AGREEING), k=3, policy="cost", drafter="model") as e:
-        verdict = e.exactness
+        verdict = e.opened.exactness
         assert verdict is not None and verdict.max_width == 13  # 4k+1: adaptive drafts plus lookup tails
         assert e.decoder.limits.verify_width == (verdict.exact_width if verdict.exact_width >= 2 else None)
     with load(zoo.bundle("llama", AGREEING), k=3, policy="cost", drafter="model") as e:
-        assert e.exactness.cached and e.exactness.exact == verdict.exact
+        assert e.opened.exactness.cached and e.opened.exactness.exact == verdict.exact
     with load(zoo.bundle("llama", AGREEING), k=3, policy="fixed", drafter="model") as e:
-        assert e.exactness.max_width == 4  # a fixed k verifies k+1 at most
+        assert e.opened.exactness.max_width == 4  # a fixed k verifies k+1 at most
     with load(zoo.bundle("llama", AGREEING), use_draft=False) as e:
-        assert e.exactness is None  # plain decoding verifies nothing
+        assert e.opened.exactness is None  # plain decoding verifies nothing
 
 
 def test_no_exact_width_means_plain_decoding_unless_inexact_drafting_is_allowed(zoo, monkeypatch, caplog, tmp_path):
@@ -55,7 +55,7 @@ def test_no_exact_width_means_plain_decoding_unless_inexact_drafting_is_allowed(
     with load(bundle, use_draft=False) as e:
         plain = e.generate(PROMPTS[0], max_tokens=12)
     with caplog.at_level(logging.WARNING), load(bundle, k=3, drafter="model", retune=True) as e:
-        assert e.exactness.exact == () and e.drafter_name is None and e.draft is None
+        assert e.opened.exactness.exact == () and e.opened.drafter is None and e.draft is None
         assert e.opened.inexact_refusal == DRAFTING_REFUSED
         assert e.opened.speculation() == {"speculative": False, "reason": DRAFTING_REFUSED}
         assert e.opened.to_dict()["speculation"]["speculative"] is False
@@ -64,7 +64,7 @@ def test_no_exact_width_means_plain_decoding_unless_inexact_drafting_is_allowed(
     assert "drafting is off, decoding plainly" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING), load(bundle, k=3, drafter="model", allow_inexact=True) as e:
-        assert e.exactness.cached and e.drafter_name == "model" and e.decoder.limits.verify_width is None
+        assert e.opened.exactness.cached and e.opened.drafter == "model" and e.decoder.limits.verify_width is None
         assert e.opened.inexact_refusal is None and e.opened.speculation()["speculative"] is True
         e.generate(PROMPTS[0], max_tokens=12)
         assert e.last_stats.drafted > 0  # asked for: drafting runs, with a warning
@@ -173,9 +173,9 @@ def test_the_engine_switches_onnxruntime_to_padded_rows_where_one_row_rounds_apa
     monkeypatch.setattr(OnnxRuntime, "forward", rounded)
     bundle = zoo.bundle("llama", AGREEING)
     with load(bundle, k=3, drafter="model", retune=True) as e:
-        assert e.target.capabilities.extra["pad_rows"] == (e.exactness.exact_width > 1)
+        assert e.target.capabilities.extra["pad_rows"] == (e.opened.exactness.exact_width > 1)
         spec = e.generate(PROMPTS[1], max_tokens=16)
-        assert e.last_stats.drafted > 0 or e.exactness.exact_width < 2
+        assert e.last_stats.drafted > 0 or e.opened.exactness.exact_width < 2
     with load(bundle, use_draft=False) as plain:
         assert plain.generate(PROMPTS[1], max_tokens=16) == spec
     opened = []
@@ -187,5 +187,19 @@ def test_the_engine_switches_onnxruntime_to_padded_rows_where_one_row_rounds_apa
 
     monkeypatch.setattr(OnnxRuntime, "__init__", counting)
     with load(bundle, k=3, drafter="model") as e:  # the mode settled on is remembered: opened directly
-        assert e.exactness.cached and opened[0] == e.target.capabilities.extra["pad_rows"]
+        assert e.opened.exactness.cached and opened[0] == e.target.capabilities.extra["pad_rows"]
         assert len(opened) == 2  # the target once, and the draft
+
+
+def test_a_dropped_draft_leaves_no_shared_body_behind(zoo, monkeypatch, tmp_path):
+    """The plan put the draft on the target's body; drafting refused, the draft is closed: what
+    was opened, and every view of it, says there is no draft body, while the plan keeps what was asked."""
+    from edgespec.engine.opened import DRAFTING_REFUSED
+
+    _wide_forwards_round_off(monkeypatch, tmp_path / "cache")
+    with load(zoo.bundle("llama", AGREEING), backend="onnxruntime", k=2, drafter="model", draft_body="shared",
+              retune=True) as e:
+        assert e.plan.shared_body and e.opened.inexact_refusal == DRAFTING_REFUSED and e.draft is None
+        assert e.opened.draft_body is None and e.opened.draft_backend is None
+        assert e.shared_body is e.opened.shared_body is False
+        assert e.describe()["draft_body"] is None

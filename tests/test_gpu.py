@@ -335,7 +335,7 @@ def test_sampled_speculative_on_the_gpu_follows_the_targets_law(vulkan, zoo):
                                              threads=2, **CPU_DRAFT)
     with spec:
         ids = spec.tokenizer.encode("The quick brown fox")
-        rows = oracle.PlainRows(spec.target, ids, spec.limits.max_batch)
+        rows = oracle.PlainRows(spec.target, ids, spec.opened.limits.max_batch)
         t0 = time.perf_counter()
         statement = oracle.check_reference("GPU", rows, len(ids), params).statement(SEEDS)
         rows.release()

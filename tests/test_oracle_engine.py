@@ -39,7 +39,7 @@ class Checked:
     def __init__(self, name: str, engine, ids: list[int] | None = None) -> None:
         self.name, self.engine = name, engine
         self.ids = engine.tokenizer.encode(PROMPTS[1]) if ids is None else ids
-        self.rows = oracle.PlainRows(engine.target, self.ids, engine.limits.max_batch)
+        self.rows = oracle.PlainRows(engine.target, self.ids, engine.opened.limits.max_batch)
         t0, cpu = time.perf_counter(), time.process_time()
         self.verdict = oracle.check_reference(name, self.rows, len(self.ids), PARAMS)
         self.rows.release()  # every row the reference needs is memoised: the engine has its target back
@@ -80,7 +80,7 @@ def _seeded(seed: int) -> SamplingParams:
 def test_every_backend_with_the_default_drafting(zoo, backend):
     """Drafter auto (prompt lookup + the draft model) with three drafts a step, through the API."""
     with _load(zoo, backend, policy="fixed", k=3) as engine:
-        assert engine.drafter_name == "both" and engine.limits.verify_width >= 4, engine.describe()
+        assert engine.drafter_name == "both" and engine.opened.limits.verify_width >= 4, engine.describe()
         checked, drafted = Checked(backend, engine), []
         checked.path(f"{backend}, both, k=3", checked.through_the_api(drafted))
     assert sum(drafted) > oracle.N_SEEDS

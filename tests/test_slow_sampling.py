@@ -62,7 +62,7 @@ def engine(default_cache):
 def test_real_model_speculative_sampling_follows_the_target(engine, sampler):
     params, length = SAMPLERS[sampler]
     ids = engine.tokenizer.encode(PROMPT)
-    rows = oracle.PlainRows(engine.target, ids, engine.limits.max_batch)
+    rows = oracle.PlainRows(engine.target, ids, engine.opened.limits.max_batch)
     t0, cpu = time.perf_counter(), time.process_time()
     if sampler == "top-k 3":
         verdict = oracle.check_reference(sampler, rows, len(ids), params, length)

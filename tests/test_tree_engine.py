@@ -190,7 +190,7 @@ def test_the_probe_checks_tree_rows_and_the_engine_drafts_trees_only_then(zoo):
     with load(zoo.bundle("gemma3", None, tree=True), drafter="recycle") as engine:
         verdict = probe(engine.target, 7)
         assert verdict.trees is True and "tree verify exact" in verdict.describe()
-        assert engine.limits.trees and engine.variant(drafter="recycle").drafter.trees
+        assert engine.opened.limits.trees and engine.variant(drafter="recycle").drafter.trees
         assert not engine.variant(drafter="recycle", trees=False).drafter.trees
     with load(zoo.bundle("gemma3", None), drafter="recycle") as engine:
         assert probe(engine.target, 3).trees is None and not engine.target.capabilities.trees

@@ -169,12 +169,12 @@ def test_loads_that_are_not_tuned_say_why(kw, why):
 def test_the_tuned_choice_fills_only_what_the_config_leaves_open():
     m, tuned = manifest(), Tuned("openvino", "own", 5)
     p = plan_engine(m, EngineConfig(), ALL, tuned)
-    assert (p.backend, p.shared_body, p.verify_limit, p.tuned) == ("openvino", False, 5, True)
-    assert "measured" in p.draft_body_reason
+    assert (p.backend, p.shared_body, p.pacing.verify_limit, p.tuned) == ("openvino", False, 5, True)
+    assert "measured" in p.drafting.reason
     # an explicit backend, draft body and k win; no k given keeps the tuner's width
     p = plan_engine(m, EngineConfig(backend="onnxruntime", draft_body="shared", k=3), ALL, tuned)
-    assert (p.backend, p.shared_body, p.verify_limit) == ("onnxruntime", True, None)
-    assert plan_engine(m, EngineConfig(), ALL).verify_limit is None
+    assert (p.backend, p.shared_body, p.pacing.verify_limit) == ("onnxruntime", True, None)
+    assert plan_engine(m, EngineConfig(), ALL).pacing.verify_limit is None
     # the decoder keeps to the narrower of the exact widths and the tuner's limit
     probe = SimpleNamespace(exact_width=9, trees=None, reach=4096)
     assert decoder_limits(None, [], None, probe, True, 5).verify_width == 5
@@ -230,7 +230,7 @@ def test_on_a_shared_body_each_verify_follows_its_drafts_and_runs_the_body_on_on
 
     log: list = []
     target, draft = shared_pair(Recorder(log, "body"), Head(log, "target", 64), Head(log, "draft", 32))
-    out = verify_costs(target, (1, 2, 5), prefix=8, repeats=2, draft=draft)
+    out = verify_costs(target, (1, 2, 5), prefix=8, repeats=2, draft=draft, shared_body=True)
     assert set(out["ms"]) == {"1", "2", "5"} and out["draft_ms"] > 0 and target.n_past == draft.n_past == 0
     verifies = [i for i, (who, rows) in enumerate(log) if who == "target" and rows > 1]
     assert len(verifies) == 3 * 2  # widths 2 and 5, warm-up pass and two repeats
@@ -263,22 +263,22 @@ def test_the_engine_opens_a_measured_configuration_caches_it_and_retune_measures
     bundle = ov_bundle(zoo, "llama")
     # the draft body given, the tuner picks the backend only (and the load stays short)
     with load(bundle, tune=True, draft_body="own") as e:
-        t = e.tuning
+        t = e.opened.tuning
         names = [(m.backend, m.draft_body) for m in t.candidates]
         assert names == [("onnxruntime", "own"), ("openvino", "own")]
         assert (t.choice.backend, t.choice.draft_body) in names
-        assert (e.backend, e.shared_body) == (t.choice.backend, False)
+        assert (e.opened.backend, e.opened.shared_body) == (t.choice.backend, False)
         assert not any(m.cached for m in t.candidates) and t.tune_ms > 0
-        assert e.limits.verify_width <= min(t.choice.verify_width, e.exactness.exact_width)
-        assert e.describe()["tuning"]["choice"]["backend"] == e.backend
+        assert e.opened.limits.verify_width <= min(t.choice.verify_width, e.opened.exactness.exact_width)
+        assert e.describe()["tuning"]["choice"]["backend"] == e.opened.backend
         text = e.generate("the cat", max_tokens=12)
     with load(bundle, tune=True, draft_body="own") as again:
-        assert all(m.cached for m in again.tuning.candidates) and again.tuning.tune_ms == 0
-        assert again.tuning.choice == t.choice and again.generate("the cat", max_tokens=12) == text
+        assert all(m.cached for m in again.opened.tuning.candidates) and again.opened.tuning.tune_ms == 0
+        assert again.opened.tuning.choice == t.choice and again.generate("the cat", max_tokens=12) == text
     # the chosen configuration runs in its exact mode: greedy output as plain decoding's
     with load(bundle, tune=False, backend=t.choice.backend, use_draft=False) as plain:
         assert plain.generate("the cat", max_tokens=12) == text
     with load(bundle, tune=True, draft_body="own", retune=True) as fresh:
-        assert not any(m.cached for m in fresh.tuning.candidates)
+        assert not any(m.cached for m in fresh.opened.tuning.candidates)
     with load(bundle, tune=True, backend="openvino", draft_body="own") as fixed:
-        assert fixed.tuning is None and fixed.backend == "openvino" and not fixed.shared_body
+        assert fixed.opened.tuning is None and fixed.opened.backend == "openvino" and not fixed.opened.shared_body

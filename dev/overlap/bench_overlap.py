@@ -48,9 +48,9 @@ def encode(engine, kind: str, text: str) -> list[int]:
 
 def build(engine, cls, policy: str | None, k: int):
     if cls is None:
-        return SpeculativeDecoder(engine.target, limits=engine.limits)
+        return SpeculativeDecoder(engine.target, limits=engine.opened.limits)
     return cls(engine.target, engine.draft, id_map=engine.bundle.id_map(), drafter="model",
-               policy=make_policy(policy, k), limits=engine.limits)
+               policy=make_policy(policy, k), limits=engine.opened.limits)
 
 
 def run_once(engine, dec, ids: list[int], max_tokens: int) -> dict:
@@ -130,7 +130,7 @@ def main() -> None:
         report = summarise(runs)
         phases = phase_costs(engine, prompts[0], args.k)
     print(f"load at the end {os.getloadavg()[0]:.1f}; max {args.max_tokens} new tokens, k = {args.k}, "
-          f"verify width limit {engine.limits.verify_width}")
+          f"verify width limit {engine.opened.limits.verify_width}")
     print(f"{'config':<18}{'tok/s':>8}{'x plain':>9}{'accept':>8}{'ahead':>7}")
     for name, r in report.items():
         print(f"{name:<18}{r['tok_s']:>8.1f}{r['ratio']:>9.2f}{r['acceptance']:>8.2f}{r['ahead_share']:>7.2f}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..engine.inputs import check_text
 from ..errors import ConfigError
 from .common import (
     add_engine_args,
@@ -41,17 +42,6 @@ def read_stdin() -> str:
         raise ConfigError(f"stdin is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})") from None
 
 
-def check_text(text: str, what: str) -> None:
-    """Refuse text with a byte that was not UTF-8: Python keeps one from argv as a lone
-    surrogate (U+DC80..U+DCFF), which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        code = ord(text[e.start])
-        byte = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
-        raise ConfigError(f"{what} is not UTF-8 text ({byte} at offset {e.start})") from None
-
-
 @cli_entry
 def main(argv: list[str]) -> int:
     parser = build_parser()
@@ -65,7 +55,7 @@ def main(argv: list[str]) -> int:
         prompt = read_stdin()
     if not prompt:
         raise ConfigError("the prompt is empty; give the text to complete (or '-' to read it from stdin)")
-    check_text(prompt, "the prompt")
+    check_text(prompt, "the prompt", argv=True)
     setup_logging(args.verbose)
     validate_sampling(args)
     fmt = response_format_from_args(args)

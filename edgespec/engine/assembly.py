@@ -3,17 +3,18 @@
     plan = plan_engine(bundle.manifest, EngineConfig(k=3), installed_backends())
 
 From the manifest, the validated EngineConfig and the backends installed on this machine, the
-plan says which backend runs each model and from which bundle format, whether the draft runs on
-the target's body (and why not, where it does not), the runtime options of each model, and the
-limits the decoder gets. `Engine` (api.py) only executes it: open what the plan lists, plan memory
-under a budget, probe exactness (exact_mode.py), build the decoder. Each rule is testable with a
-fake manifest and no model.
+plan says, in small frozen parts each built by a short function: what runs the target (its
+backend, bundle format and runtime options: `ModelPlan`), what drafts, on which body and why
+(`DraftPlan`), and how drafting is paced (`PacingPlan`). `Engine` (engine.py) only executes it
+(opening.py): open what the plan lists, plan memory under a budget, probe exactness
+(exact_mode.py), build the decoder with `decoder_limits`. Each rule is testable with a fake
+manifest and no model.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..decoding import DEFAULT_K, DRAFTERS
 from ..decoding.limits import DecoderLimits
@@ -23,11 +24,10 @@ from .choices import STATIC_DRAFT_WIDTH, backend_for_device, resolve_drafting, s
 from .config import EngineConfig
 from .context import check_max_context
 from .cores import CoreChoice
+from .measured import Tuned, Tuning
 
-if TYPE_CHECKING:
-    from .tuning import Tuning
-
-__all__ = ["ModelPlan", "EnginePlan", "Tuned", "plan_engine", "MAX_PROBE_WIDTH", "probe_width", "decoder_limits"]
+__all__ = ["ModelPlan", "DraftPlan", "PacingPlan", "EnginePlan", "Tuned", "plan_engine", "MAX_PROBE_WIDTH",
+           "probe_width", "decoder_limits"]
 
 MAX_PROBE_WIDTH = 33  # the widest verify the exactness probe tries (and so the widest one allowed)
 
@@ -44,37 +44,45 @@ class ModelPlan:
 
 
 @dataclass(frozen=True)
-class Tuned:
-    """What the tuner (tuning.py) measured fastest here: it fills what the config leaves open."""
+class DraftPlan:
+    """What drafts, on which body, and why: decided here, and only here."""
 
-    backend: str
-    draft_body: str | None  # "shared" or "own"; None: no draft model
-    verify_width: int  # the widest verify worth running here (within the exact widths)
+    drafter: str | None  # a name from DRAFTERS, None: plain decoding
+    body: str | None  # "shared" (the target's body), "own", None: no draft model
+    reason: str  # why the draft's body is the target's, its own, or absent
+    # the draft model on its own body, or the draft's head on the target's body; None: no draft
+    # model (plain decoding, or drafters that need none)
+    model: ModelPlan | None = None
+
+    @property
+    def needs_model(self) -> bool:
+        return self.drafter is not None and DRAFTERS[self.drafter].needs_model
+
+
+@dataclass(frozen=True)
+class PacingPlan:
+    """How drafting is paced: the draft-length policy, its k and what the verify may span."""
+
+    policy: str
+    k: int
+    max_k: int  # the longest draft a policy may ask for (adaptive policies go up to 2k)
+    verify_limit: int | None = None  # the tuner's widest verify (None: the exact widths alone decide)
 
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """Everything `Engine` opens and the limits it builds its decoder with."""
+    """Everything `Engine` opens and the limits it builds its decoder with, in parts: the target
+    (what runs it), the drafting (what drafts and why) and the pacing (how long the drafts)."""
 
     config: EngineConfig
     target: ModelPlan
-    # the draft model on its own body, or the draft's head on the target's body (shared_body);
-    # None: no draft model (plain decoding, or prompt lookup only)
-    draft: ModelPlan | None
-    drafter: str | None  # a name from DRAFTERS, None: plain decoding
-    policy: str
-    k: int
-    draft_body: str | None  # "shared" (the target's body), "own", None: no draft model
-    draft_body_reason: str  # why the draft's body is the target's, its own, or absent
-    budgeted: bool  # a memory budget plans capacities when the models open
-    switchable: bool  # the target may reopen in one of its backend's exact modes (exact_mode.py)
-    max_context: int | None
-    max_k: int  # the longest draft a policy may ask for (adaptive policies go up to 2k)
-    verify_limit: int | None = None  # the tuner's widest verify (None: the exact widths alone decide)
+    drafting: DraftPlan
+    pacing: PacingPlan
     tuned: bool = False  # the tuner chose what the config left open
     tuning: Tuning | None = None  # what the tuner measured (its candidates' figures), where it ran
     cores: CoreChoice | None = None  # the cores run on and the threads per model (cores.py); None: not chosen
 
+    # -- read-only views of the parts and the config ---------------------------------------
     @property
     def threads(self) -> int | None:
         """Threads per model as the runtimes are opened with them (None: the backend's choice)."""
@@ -85,25 +93,52 @@ class EnginePlan:
         return self.target.backend
 
     @property
-    def shared_body(self) -> bool:
-        """The draft runs on the target's body (its artifact gives only the head)."""
-        return self.draft_body == "shared"
+    def budgeted(self) -> bool:
+        """A memory budget plans capacities when the models open."""
+        return self.config.memory_budget is not None
 
     @property
-    def wants_draft_model(self) -> bool:
-        return self.drafter is not None and DRAFTERS[self.drafter].needs_model
+    def switchable(self) -> bool:
+        """The target may reopen in one of its backend's exact modes (exact_mode.py): a budget
+        plans the target as opened, and static shapes have one width, so neither switches."""
+        return not self.budgeted and not self.config.static and bool(BACKENDS[self.backend].exact_modes)
+
+    @property
+    def draft(self) -> ModelPlan | None:
+        return self.drafting.model
+
+    @property
+    def drafter(self) -> str | None:
+        return self.drafting.drafter
+
+    @property
+    def draft_body(self) -> str | None:
+        return self.drafting.body
+
+    @property
+    def shared_body(self) -> bool:
+        """The draft runs on the target's body (its artifact gives only the head)."""
+        return self.drafting.body == "shared"
+
+    @property
+    def policy(self) -> str:
+        return self.pacing.policy
+
+    @property
+    def k(self) -> int:
+        return self.pacing.k
 
     def describe(self) -> dict[str, Any]:
-        """The plan as plain values, for reports."""
+        """The plan as plain values, for reports (and the tuner's cache key: keep it stable)."""
         def model(p: ModelPlan | None) -> dict | None:
             return None if p is None else {"backend": p.backend, "format": p.format, "precision": p.precision,
                                            "options": dict(p.options)}
 
-        return {"target": model(self.target), "draft": model(self.draft), "drafter": self.drafter,
-                "policy": self.policy, "k": self.k,
-                "draft_body": self.draft_body,
-                "draft_body_reason": self.draft_body_reason, "budgeted": self.budgeted,
-                "max_context": self.max_context, "verify_limit": self.verify_limit, "tuned": self.tuned,
+        d, pace = self.drafting, self.pacing
+        return {"target": model(self.target), "draft": model(d.model), "drafter": d.drafter,
+                "policy": pace.policy, "k": pace.k, "draft_body": d.body, "draft_body_reason": d.reason,
+                "budgeted": self.budgeted, "max_context": self.config.max_context,
+                "verify_limit": pace.verify_limit, "tuned": self.tuned,
                 "cores": None if self.cores is None else self.cores.to_dict()}
 
 
@@ -143,6 +178,8 @@ def decoder_limits(max_context: int | None, kv_capacities: list[int | None], mem
 def _threads(config: EngineConfig, cores: CoreChoice | None) -> int | None:
     """Threads per model: the core choice's (made for config.threads), else the config's."""
     return config.threads if cores is None else cores.threads
+
+
 def _exact_bounds(exactness, verify_limit: int | None) -> tuple[int | None, int | None]:
     """(widest verify, most keys a verify may reach): the widths the probe found exact, within the
     tuner's `verify_limit`, and the keys it checked them at; None where it found no width exact."""
@@ -180,59 +217,99 @@ def plan_engine(manifest, config: EngineConfig, installed: list[str], tuned: Tun
     `tuned` (tuning.py) fills what the config leaves open: the backend, an auto draft body, and
     the verify width where no k is given; `cores` (cores.choose_cores, made for config.threads)
     gives the threads per model and the cores the engine pins itself to."""
-    c = config
-    m = manifest
+    c, m = config, manifest
     check_max_context(c.max_context, getattr(m.target, "context_length", None))  # None: an older bundle
-    backend = pick_backend(m.target.formats, c.backend or (tuned.backend if tuned else None)
-                           or backend_for_device(c.device, m.target.formats, installed), installed)
-    body = tuned.draft_body if tuned and tuned.draft_body and c.draft_body == "auto" else c.draft_body
+    backend = _backend(m, c, installed, tuned)
+    drafter, policy, k = resolve_drafting(c.drafter, c.policy, c.k, has_draft=m.draft is not None,
+                                          use_draft=c.use_draft)
+    _check_format(m, backend)
+    body, reason = _draft_body(m, c, backend, drafter, tuned)
+    # every model's options: its threads, device and KV capacity
+    common = {"threads": _threads(c, cores), "device": c.device, **_kv_option(m, c, backend)}
+    return EnginePlan(
+        config=c, target=_target_model(m, c, backend, common, body, k),
+        drafting=DraftPlan(drafter=drafter, body=body, reason=reason,
+                           model=_draft_model(m, c, backend, common, body, installed)),
+        pacing=PacingPlan(policy=policy, k=k, max_k=k if policy == "fixed" else 2 * k,
+                          verify_limit=tuned.verify_width if tuned and c.k is None else None),
+        tuned=tuned is not None, cores=cores)
+
+
+def _backend(m, c: EngineConfig, installed: list[str], tuned: Tuned | None) -> str:
+    """The target's backend: the config's, else the tuner's, else the first installed one that
+    drives the config's device and runs a format the bundle has; static shapes need a backend
+    that has them (the draft's may be the one)."""
+    named = c.backend or (tuned.backend if tuned else None) or backend_for_device(c.device, m.target.formats, installed)
+    backend = pick_backend(m.target.formats, named, installed)
     if c.static and not (BACKENDS[backend].static_shapes
                          or (c.draft_backend is not None and BACKENDS[c.draft_backend].static_shapes)):
         need = next((n for n, b in BACKENDS.items() if b.static_shapes), "openvino")
         raise ConfigError(f"static shapes need the {need} backend, not {backend} (add --backend {need})")
+    return backend
+
+
+def _check_format(m, backend: str) -> None:
     fmt = BACKENDS[backend].bundle_format
-    drafter, policy, k = resolve_drafting(c.drafter, c.policy, c.k, has_draft=m.draft is not None,
-                                          use_draft=c.use_draft)
     if fmt not in m.target.formats:
         raise ConfigError(f"bundle has no {fmt} artifacts for backend {backend} "
                           f"(it has: {', '.join(sorted(m.target.formats))})")
-    wants_draft = drafter is not None and DRAFTERS[drafter].needs_model
-    budgeted = c.memory_budget is not None
-    # static shapes (asked for, or an NPU's) hold their whole capacity from the start: their own default
+
+
+def _draft_body(m, c: EngineConfig, backend: str, drafter: str | None, tuned: Tuned | None) -> tuple[str | None, str]:
+    """(the draft model's body, why): None without a draft model; "own" where it was asked for or
+    measured fastest, or where the target's body cannot run it (auto); else "shared". A body
+    asked for by --draft-body shared that cannot be is a ConfigError naming why."""
+    if drafter is None or not DRAFTERS[drafter].needs_model:
+        return None, "no draft model"
+    # the tuner's choice fills an auto body; `measured`: the body is the tuner's, not the config's
+    body = tuned.draft_body if tuned and tuned.draft_body and c.draft_body == "auto" else c.draft_body
+    measured = body != c.draft_body
+    if body == "own":
+        return "own", "own body: measured fastest here" if measured else "--draft-body own"
+    why = shared_body_blocker(m, BACKENDS[backend].bundle_format, backend, draft_backend=c.draft_backend,
+                              device=c.device, draft_device=c.draft_device, static=c.static, auto=body == "auto")
+    if why is None:
+        return "shared", "the target's body: measured fastest here" if measured else \
+            "a self-draft on a quantized target: one body"
+    if body == "shared":
+        raise ConfigError(f"--draft-body shared: {why}")
+    return "own", why
+
+
+def _kv_option(m, c: EngineConfig, backend: str) -> dict:
+    """{"kv_capacity": n} where the models open with a capacity of n, else {}: a budget sizes it
+    when they open; static shapes (asked for, or an NPU's) hold their whole capacity from the
+    start, so they keep their own default; else the trained context where memory allows."""
+    if c.memory_budget is not None:
+        return {}
     fixed = c.static or (c.device or "").upper().startswith("NPU")
-    ctx = c.max_context if c.max_context is not None or budgeted or fixed else _default_context(m, backend)
-    common = {"threads": _threads(c, cores), "device": c.device,
-              **({"kv_capacity": ctx} if ctx is not None and not budgeted else {})}
-    shared, reason = False, "no draft model"  # the draft's body is decided here, and only here
-    if wants_draft:
-        reason = "--draft-body own" if body == c.draft_body else "own body: measured fastest here"
-        if body != "own":
-            why = shared_body_blocker(m, fmt, backend, draft_backend=c.draft_backend, device=c.device,
-                                      draft_device=c.draft_device, static=c.static, auto=body == "auto")
-            if why is not None and body == "shared":
-                raise ConfigError(f"--draft-body shared: {why}")
-            shared, reason = why is None, why or ("a self-draft on a quantized target: one body" if body == c.draft_body
-                                                  else "the target's body: measured fastest here")
+    ctx = c.max_context if c.max_context is not None or fixed else _default_context(m, backend)
+    return {} if ctx is None else {"kv_capacity": ctx}
+
+
+def _target_model(m, c: EngineConfig, backend: str, common: dict, body: str | None, k: int) -> ModelPlan:
+    """The target's artifact and options: with a draft on its body, the common ones; else also
+    the static width (k drafts and its own token) and, where a draft model takes turns with it on
+    the cores, the backend's options for alternating models."""
     info = BACKENDS[backend]
-    alternating = wants_draft and not shared  # two models take turns on the cores
-    target_art = m.target.formats[fmt]
-    if shared:
-        target_opts = common
-    else:
-        target_opts = {**common, **info.static_options(c.static, k + 1), **(info.alternating if alternating else {})}
-    target = ModelPlan(backend, fmt, target_art.file, target_art.precision, _frozen(target_opts))
-    draft = None
-    if shared:
-        art = m.draft.formats[fmt]
-        draft = ModelPlan(backend, fmt, art.file, art.precision, _frozen(common))
-    elif wants_draft:
-        draft = _own_draft(m, c, backend, fmt, common, installed)
-    # a budget plans the target as opened, and static shapes have one width: neither switches
-    switchable = not budgeted and not c.static and bool(info.exact_modes)
-    draft_body = "shared" if shared else "own" if draft is not None else None
-    return EnginePlan(c, target, draft, drafter, policy, k, draft_body, reason, budgeted, switchable, c.max_context,
-                      k if policy == "fixed" else 2 * k, tuned.verify_width if tuned and c.k is None else None,
-                      tuned is not None, cores=cores)
+    fmt = info.bundle_format
+    art = m.target.formats[fmt]
+    options = common if body == "shared" else {**common, **info.static_options(c.static, k + 1),
+                                               **(info.alternating if body == "own" else {})}
+    return ModelPlan(backend=backend, format=fmt, file=art.file, precision=art.precision, options=_frozen(options))
+
+
+def _draft_model(m, c: EngineConfig, backend: str, common: dict, body: str | None,
+                 installed: list[str]) -> ModelPlan | None:
+    """The draft's artifact: its head on the target's body (the target's backend and options),
+    the model on its own body (_own_draft), or None without a draft model."""
+    if body is None:
+        return None
+    if body == "own":
+        return _own_draft(m, c, backend, BACKENDS[backend].bundle_format, common, installed)
+    fmt = BACKENDS[backend].bundle_format
+    art = m.draft.formats[fmt]
+    return ModelPlan(backend=backend, format=fmt, file=art.file, precision=art.precision, options=_frozen(common))
 
 
 def _own_draft(m, c: EngineConfig, backend: str, fmt: str, common: dict, installed: list[str]) -> ModelPlan:
@@ -248,4 +325,4 @@ def _own_draft(m, c: EngineConfig, backend: str, fmt: str, common: dict, install
     options = {**common, "device": c.draft_device or (c.device if dback == backend else None),
                **info.static_options(c.static, STATIC_DRAFT_WIDTH), **info.alternating}
     art = m.draft.formats[dfmt]
-    return ModelPlan(dback, dfmt, art.file, art.precision, _frozen(options))
+    return ModelPlan(backend=dback, format=dfmt, file=art.file, precision=art.precision, options=_frozen(options))

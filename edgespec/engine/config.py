@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checks import integer, one_of
 from ..decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, POLICIES
 from ..errors import ConfigError
 from ..runtimes import BACKENDS, backend_info
@@ -60,13 +61,6 @@ def _tune_default() -> bool:
 
 def _opt(*flags: str, help: str, **kw) -> dict:
     return {"cli": Option(flags, help, **kw)}
-
-
-def _check_int(name: str, value: object, least: int, most: int | None = None) -> None:
-    """A ConfigError unless `value` is an integer (not a bool) in least..most."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < least or (most is not None and value > most):
-        bound = f"in {least}..{most}" if most is not None else f">= {least}"
-        raise ConfigError(f"{name} must be an integer {bound}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -182,6 +176,26 @@ class EngineConfig:
         help="measure this machine again (the exactness probe and the tuning) instead of reading the cache"))
 
     def __post_init__(self) -> None:
+        self._check_choices()
+        if self.threads is not None:
+            # capped once here, so every cache key sees the count that runs
+            object.__setattr__(self, "threads", _usable_threads(integer(self.threads, "threads", least=1)))
+        if self.max_context is not None:
+            integer(self.max_context, "max_context", least=2)
+        if self.probe_context is not None:
+            integer(self.probe_context, "probe_context", least=64, most=MAX_PROBE_REACH)
+        integer(self.prefill_chunk, "prefill_chunk", least=1)
+        if self.memory_budget is not None:
+            from ..memory.budget import parse_bytes
+
+            # kept in bytes once parsed: "1.5GB" and 1500000000 are the same config
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
+        for name in _SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_choices(self) -> None:
+        """The names: backends from the registry, devices, the drafting, the draft's body."""
         for value in (self.backend, self.draft_backend):
             if value is not None:
                 backend_info(value)  # the registry names the known ones
@@ -190,30 +204,7 @@ class EngineConfig:
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ConfigError(f"{name} must be a device name such as CPU or GPU, got {value!r}")
         check_drafting(self.drafter, self.policy, self.k)
-        if self.draft_body not in DRAFT_BODIES:
-            raise ConfigError(f"draft_body must be one of {', '.join(DRAFT_BODIES)}, got {self.draft_body!r}")
-        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
-                                         or self.threads < 1):
-            raise ConfigError(f"threads must be an integer >= 1, got {self.threads!r}")
-        if self.threads is not None and self.threads > (usable := usable_cpus()):
-            # more spinning threads than cores only wait on each other (a 64-thread run on 2 cores
-            # never finished); capped once here, so every cache key sees the count that runs
-            logger.warning("threads %d is more than the %d CPUs this process may use; using %d",
-                           self.threads, usable, usable)
-            object.__setattr__(self, "threads", usable)
-        if self.max_context is not None:
-            _check_int("max_context", self.max_context, 2)
-        if self.probe_context is not None:
-            _check_int("probe_context", self.probe_context, 64, MAX_PROBE_REACH)
-        _check_int("prefill_chunk", self.prefill_chunk, 1)
-        if self.memory_budget is not None:
-            from ..memory.budget import parse_bytes
-
-            # kept in bytes once parsed: "1.5GB" and 1500000000 are the same config
-            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
-        for name in ("use_draft", "static", "allow_inexact", "tune", "retune", "overlap"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        one_of(self.draft_body, "draft_body", DRAFT_BODIES)
 
     @property
     def budget_bytes(self) -> int | None:
@@ -230,6 +221,19 @@ class EngineConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+_SWITCHES = ("use_draft", "static", "allow_inexact", "tune", "retune", "overlap")  # True or False, nothing else
+
+
+def _usable_threads(threads: int) -> int:
+    """`threads`, at most the CPUs this process may use: more spinning threads than cores only
+    wait on each other (a 64-thread run on 2 cores never finished)."""
+    usable = usable_cpus()
+    if threads > usable:
+        logger.warning("threads %d is more than the %d CPUs this process may use; using %d", threads, usable, usable)
+        return usable
+    return threads
 
 
 # field name -> its command-line form; the CLI builds its engine flags from this table alone

@@ -19,11 +19,11 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..bundle import Bundle, load_bundle
+from ..checks import is_number
 from ..decoding import (
     DRAFTERS,
     DraftPolicy,
@@ -34,10 +34,9 @@ from ..decoding import (
     make_policy,
 )
 from ..decoding.grammar import Constraint, Grammar, GrammarCompiler, GrammarError, ResponseFormat, response_format
-from ..decoding.limits import DecoderLimits
 from ..decoding.overlap import OverlappedDecoder
 from ..errors import BusyError, ConfigError, ContextFullError, EngineClosedError
-from ..runtimes import installed_backends
+from ..runtimes import Runtime, installed_backends
 from ..tokenizer import IncrementalDecoder, Tokenizer
 from .assembly import EnginePlan, plan_engine
 from .choices import DRAFT_BODIES, resolve_drafting, shared_body_blocker
@@ -46,31 +45,14 @@ from .cores import machine_cores
 from .first_use import default_bundle, first_use_format
 from .inputs import check_stop, check_text, check_token_ids
 from .opening import open_plan
+from .response import Response
+from .session import ChatSession
 from .tuning import tune
 
 __all__ = ["load", "resolve", "Engine", "EngineConfig", "Response", "GenerationStats", "DRAFT_BODIES",
            "default_bundle", "first_use_format", "resolve_drafting", "shared_body_blocker"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Response:
-    """One streamed piece of a generation; metrics travel with it."""
-
-    text: str  # new text since the previous Response
-    token_ids: list[int]
-    from_draft: int  # how many of token_ids were accepted drafts
-    tokens_per_s: float  # running decode speed of this generation
-    finish_reason: str | None = None  # "stop", "length", "cancelled" or None while running
-    stats: GenerationStats | None = None
-    memory: dict[str, dict[str, int]] = field(default_factory=dict)  # bytes per model: weights, kv
-
-    @property
-    def memory_bytes(self) -> int:
-        """Bytes held by the models (weights, KV caches, buffers) after this step; `kv_used`, the
-        filled part of a preallocated cache, is already inside `kv`."""
-        return sum(v for parts in self.memory.values() for k, v in parts.items() if k != "kv_used")
 
 
 def _stop_cut(text: str, stops: Sequence[str]) -> tuple[int, bool]:
@@ -88,7 +70,7 @@ def _wait_timeout(wait: bool | float) -> float | None:
         return None
     if wait is False:
         return 0.0
-    if isinstance(wait, (int, float)) and wait >= 0:
+    if is_number(wait) and wait >= 0:
         return float(wait)
     raise ConfigError(f"wait must be True, False or a number of seconds >= 0, got {wait!r}")
 
@@ -135,7 +117,8 @@ class Engine:
             self._stack.close()
             raise
 
-    # -- what was opened: read-only views of `opened` ------------------------------------
+    # -- what was opened: read `engine.opened`. These views stay for the callers that still use
+    # them; each is one read of `opened`, so none can disagree with it (nothing is mirrored).
     @property
     def backend(self) -> str:
         return self.opened.backend
@@ -146,7 +129,6 @@ class Engine:
 
     @property
     def drafter_name(self) -> str | None:
-        """The drafter decoding uses (None: plain decoding); the plan's unless opening deviated."""
         return self.opened.drafter
 
     @property
@@ -159,12 +141,10 @@ class Engine:
 
     @property
     def shared_body(self) -> bool:
-        """The plan puts the draft on the target's body (the draft reads it through its own head)."""
-        return self.plan.shared_body
+        return self.opened.shared_body
 
     @property
     def exactness(self):
-        """The probe's verdict: which verify widths round like plain decoding here (None: not probed)."""
         return self.opened.exactness
 
     @property
@@ -172,18 +152,8 @@ class Engine:
         return self.opened.memory_plan
 
     @property
-    def limits(self) -> DecoderLimits:
-        return self.opened.limits
-
-    @property
     def context_limit(self) -> int | None:
-        """Most tokens a sequence may hold (prompt + reply); None: no fixed limit."""
         return self.opened.context_limit
-
-    @property
-    def tuning(self):
-        """What the tuner measured and chose (tuning.Tuning), None where it did not run."""
-        return self.plan.tuning
 
     # -- seams for tools: decoder variants on the same runtimes, a description for reports ------
     def variant(self, *, plain: bool = False, drafter: str | None = None, policy: str | DraftPolicy | None = None,
@@ -198,27 +168,37 @@ class Engine:
         if self._closed:
             raise EngineClosedError("the engine is closed; load the bundle again")
         clock = clock or self._clock
-        name = None if plain else (drafter or self.drafter_name)
+        name = None if plain else (drafter or self.opened.drafter)
         if name is None:
-            return SpeculativeDecoder(self.target, limits=self.limits, clock=clock)
-        needs_model = name in DRAFTERS and DRAFTERS[name].needs_model  # an unknown name: the decoder says so
-        if needs_model and self.draft is None:
-            raise ConfigError(f"drafter {name!r} needs the draft model, which this engine has not loaded")
-        if not isinstance(policy, DraftPolicy):
-            # verifies up to the target's free width cost one plain step (static shapes pad to it)
-            policy = make_policy(policy or ("fixed" if k is not None else self.policy_name), self.k if k is None else k,
-                                 free_width=max(1, self.target.capabilities.free_batch_tokens))
-        draft = self.draft if needs_model else None
-        limits = self.limits if trees is not False else self.limits.replace(trees=False)
+            return SpeculativeDecoder(self.target, limits=self.opened.limits, clock=clock)
+        draft = self._draft_for(name)
+        limits = self.opened.limits if trees is not False else self.opened.limits.replace(trees=False)
         decoder = OverlappedDecoder if self.config.overlap else SpeculativeDecoder  # overlap.py: why and where
         return decoder(self.target, draft, id_map=self.bundle.id_map() if draft is not None else None,
-                       drafter=name, policy=policy, limits=limits, clock=clock)
+                       drafter=name, policy=self._policy(policy, k), limits=limits, clock=clock)
+
+    def _draft_for(self, drafter: str) -> Runtime | None:
+        """The draft model where `drafter` needs one (an unknown name: the decoder says so)."""
+        if drafter not in DRAFTERS or not DRAFTERS[drafter].needs_model:
+            return None
+        if self.draft is None:
+            raise ConfigError(f"drafter {drafter!r} needs the draft model, which this engine has not loaded")
+        return self.draft
+
+    def _policy(self, policy: str | DraftPolicy | None, k: int | None) -> DraftPolicy:
+        """`policy` as given, or built by name (the engine's, or fixed where only k is given)."""
+        if isinstance(policy, DraftPolicy):
+            return policy
+        name = policy or ("fixed" if k is not None else self.opened.policy)
+        # verifies up to the target's free width cost one plain step (static shapes pad to it)
+        return make_policy(name, self.opened.k if k is None else k,
+                           free_width=max(1, self.target.capabilities.free_batch_tokens))
 
     def describe(self) -> dict[str, Any]:
         """What this engine runs, as plain values for reports: backends, formats and precisions
         per model, the draft's body, drafting, limits, the exactness verdict, deviations from the
         plan, the tuning and the config (all read from `opened`)."""
-        tuning = self.plan.tuning
+        tuning = self.opened.tuning
         return {"bundle": self.bundle.path.name, **self.opened.to_dict(self.bundle.manifest),
                 "tuning": None if tuning is None else tuning.to_dict(), "config": self.config.to_dict()}
 
@@ -322,12 +302,13 @@ class Engine:
 
     def _fit_context(self, tokens: list[int], max_tokens: int) -> int:
         """New tokens that fit the context: a reply that reaches the limit ends with "length"."""
-        if self.context_limit is None:
+        limit = self.opened.context_limit
+        if limit is None:
             return max_tokens
-        room = self.context_limit - len(tokens)
+        room = limit - len(tokens)
         if room < 1:
-            raise ContextFullError(f"the prompt has {len(tokens)} tokens but the context holds {self.context_limit}"
-                                   f"{' (memory budget)' if self.memory_plan else ''}; shorten it")
+            raise ContextFullError(f"the prompt has {len(tokens)} tokens but the context holds {limit}"
+                                   f"{' (memory budget)' if self.opened.memory_plan else ''}; shorten it")
         return min(max_tokens, room)
 
     def stream(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
@@ -364,8 +345,6 @@ class Engine:
 
         chat_format: "auto" (None: the model's own template, or a base model's plain-text
         transcript), "template" or a transcript name (edgespec.models.chat_formats)."""
-        from .session import ChatSession
-
         return ChatSession(self, system=system, chat_format=chat_format)
 
     def memory(self) -> dict[str, dict[str, int]]:

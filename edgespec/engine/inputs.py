@@ -5,21 +5,33 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..checks import is_int
 from ..errors import ConfigError
 
 __all__ = ["check_text", "check_stop", "check_token_ids"]
 
 
-def check_text(value: object, name: str) -> str:
-    """`value` if it is text that encodes as UTF-8, else a one-line ConfigError naming `name`."""
+def check_text(value: object, name: str, *, argv: bool = False) -> str:
+    """`value` if it is text that encodes as UTF-8, else a one-line ConfigError naming `name`.
+    `argv`: the text came from the command line, where Python keeps a byte that was not UTF-8 as
+    a lone surrogate U+DC80..U+DCFF; the error then names the byte the user gave."""
     if not isinstance(value, str):
         raise ConfigError(f"{name} must be text (str), got {type(value).__name__}")
     if not value.isascii():
         try:  # a lone surrogate (from a bad byte in argv or a JSON escape) is not text
             value.encode("utf-8")
         except UnicodeEncodeError as e:
+            if argv:
+                what = _escaped(value[e.start])
+                raise ConfigError(f"{name} is not UTF-8 text ({what} at offset {e.start})") from None
             raise ConfigError(f"{name} is not valid Unicode text (a lone surrogate at offset {e.start})") from None
     return value
+
+
+def _escaped(char: str) -> str:
+    """What an unencodable character of argv stands for: the byte surrogateescape kept, else itself."""
+    code = ord(char)
+    return f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
 
 
 def check_stop(stop: object) -> tuple[str, ...]:
@@ -40,7 +52,7 @@ def check_token_ids(tokens: Sequence[object], vocab: int) -> None:
     outside the vocabulary: a negative one would index from the embedding's end, a large one crash
     the backend."""
     for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not hasattr(t, "__index__"):
+        if not is_int(t):
             raise ConfigError(f"token ids must be integers; the prompt's item {i} is {t!r} ({type(t).__name__})")
         if not 0 <= t < vocab:
             raise ConfigError(f"token id {t!r} is out of range (vocabulary size {vocab})")

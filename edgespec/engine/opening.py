@@ -79,7 +79,7 @@ def open_plan(bundle: Bundle, plan: EnginePlan, stack: ExitStack, *, retune: boo
         exactness = _settle(st, files, reopen if plan.switchable else None, modes, memory_plan, retune)
     c = plan.config
     kv = [rt.kv_capacity for rt in (st.target, st.draft) if rt is not None]
-    limits = decoder_limits(c.max_context, kv, memory_plan, exactness, plan.shared_body, plan.verify_limit,
+    limits = decoder_limits(c.max_context, kv, memory_plan, exactness, plan.shared_body, plan.pacing.verify_limit,
                             c.prefill_chunk)
     opened = Opened(plan, st.draft_backend, st.drafter, limits, exactness, memory_plan, tuple(st.deviations))
     return Runtimes(st.target, st.draft, opened)
@@ -147,7 +147,7 @@ def _open_models(st: _Opening, bundle: Bundle, budget, files: list[Path], mode: 
     else:
         reopen = functools.partial(open_runtime, plan.backend, files[0], **options)
         st.target = st.stack.enter_context(budget.open_target(reopen) if budget else reopen())
-    if plan.wants_draft_model and budget is not None and not budget.load_draft:
+    if plan.drafting.needs_model and budget is not None and not budget.load_draft:
         st.drop_draft(DRAFT_DOES_NOT_FIT)  # finish() says so once; a head opened with the body goes too
     if st.drafter is not None and plan.draft is not None and not plan.shared_body:
         open_draft = functools.partial(open_runtime, plan.draft.backend, bundle.file(plan.draft.file),
@@ -187,5 +187,5 @@ def _budget(bundle: Bundle, plan: EnginePlan):
     dfmt = fmt if m.draft is not None and fmt in m.draft.formats else None
     k = plan.k if plan.drafter is not None else 0
     return EngineBudget(plan.config.budget_bytes, bundle, fmt, dfmt, runtime_class(plan.backend).kv_dtypes, k,
-                        plan.max_k if k else 0, plan.wants_draft_model, plan.config.max_context,
+                        plan.pacing.max_k if k else 0, plan.drafting.needs_model, plan.config.max_context,
                         shared_body=plan.shared_body)

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..decoding import GenerationStats, SamplingParams, check_max_tokens
 from ..errors import ConfigError, ContextFullError, EdgespecError
@@ -22,14 +22,30 @@ from .inputs import check_stop, check_text
 if TYPE_CHECKING:
     import threading
 
-    from ..bundle import Manifest
+    from ..bundle import Bundle, Manifest
     from ..decoding.grammar import Grammar, ResponseFormat
     from ..tokenizer import Tokenizer
-    from .engine import Engine, Response
+    from .opened import Opened
+    from .response import Response
 
-__all__ = ["ChatSession", "ChatFormat", "ChatPrompt", "ReplyShaper", "chat_format_for"]
+__all__ = ["ChatEngine", "ChatSession", "ChatFormat", "ChatPrompt", "ReplyShaper", "chat_format_for"]
 
 logger = logging.getLogger(__name__)
+
+
+class ChatEngine(Protocol):
+    """What a chat needs of its engine (engine.Engine is one): its bundle and tokenizer, what was
+    opened (the context limit), grammars, and a stream of Responses over token ids."""
+
+    bundle: Bundle
+    tokenizer: Tokenizer
+    opened: Opened
+
+    def grammar(self, fmt: ResponseFormat | dict | None) -> Grammar | None: ...
+
+    def stream_ids(self, tokens: list[int], params: SamplingParams, max_tokens: int, stop: Sequence[str] = (),
+                   stats: GenerationStats | None = None, *, stop_event: threading.Event | None = None,
+                   wait: bool | float = False, grammar: Grammar | None = None) -> Iterator[Response]: ...
 
 
 @dataclass(frozen=True)
@@ -160,7 +176,7 @@ def chat_format_for(manifest: Manifest, tokenizer: Tokenizer, requested: str | N
 class ChatSession:
     """Messages plus the token sequence the engine's caches hold for them."""
 
-    def __init__(self, engine: Engine, system: str | None = None, chat_format: str | None = None) -> None:
+    def __init__(self, engine: ChatEngine, system: str | None = None, chat_format: str | None = None) -> None:
         self.format = chat_format_for(engine.bundle.manifest, engine.tokenizer, chat_format)
         self.engine = engine
         self.system = system

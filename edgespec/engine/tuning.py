@@ -30,22 +30,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from statistics import mean, median
 
-import numpy as np
-
-from ..decoding.policy import expected_tokens, isotonic
 from ..errors import ConfigError, EdgespecError
 from ..progress import task
 from ..runtimes import BACKENDS, backend_version
-from .assembly import EnginePlan, Tuned, plan_engine
+from .assembly import EnginePlan, plan_engine
 from .config import EngineConfig
 from .cores import CoreChoice
+from .measured import ACCEPTANCES, DRAFT_LENGTHS, Measurement, Tuned, Tuning
+from .step_costs import WIDTHS, verify_costs
 
 __all__ = ["ACCEPTANCES", "DRAFT_LENGTHS", "Measurement", "Tuning", "candidate_plans", "candidates", "choose",
            "contenders",
@@ -54,12 +51,6 @@ __all__ = ["ACCEPTANCES", "DRAFT_LENGTHS", "Measurement", "Tuning", "candidate_p
 logger = logging.getLogger(__name__)
 
 TUNE_VERSION = 2  # bump when the measurement changes: cached figures are then measured again
-ACCEPTANCES = (0.5, 0.7, 0.9)  # the cost policy's prior .. a self-draft on grounded prompts (BENCHMARKS.md)
-DRAFT_LENGTHS = (0, 1, 2, 4, 8, 16)  # k measured (verify width k+1), within the exact widths
-WIDTHS = (1, 2, 4, 8)  # the bench's c(B) widths
-WIDTHS_SHOWN = tuple(k + 1 for k in DRAFT_LENGTHS[1:])
-PREFIX = 64  # positions already cached: a verify never starts from an empty cache
-REPEATS = 5
 # drafters whose every token costs a forward; each other one also drafts for free (prompt lookup,
 # Token Recycling), and its tails may run wide verifies
 COSTED_ONLY = ("model", "head")
@@ -71,224 +62,27 @@ TUNE_PREFIX, TUNE_REPEATS = 32, 3  # the tuner's: a few forwards per width, seco
 # ---------------------------------------------------------------- measuring one configuration
 
 
-def verify_costs(rt, widths: Sequence[int] = WIDTHS, prefix: int = PREFIX, repeats: int = REPEATS, *,
-                 draft=None, stat: Callable[[list[float]], float] = median) -> dict | None:
-    """c(B) of the runtime `rt`: {"one_token_ms", "ms": {B: ms}, "c": {B: cost over one token},
-    "prefix", "repeats"}, or None where it cannot be measured (static shapes, no trim). With a
-    `draft` runtime, each B-token verify follows B-1 drafted tokens fed to the draft (so a draft on
-    the target's body has computed their rows, as in a real step), and "draft_ms", one drafted
-    token, is measured too. Widths run interleaved; fresh ids every repeat (a shared body would
-    reuse rows of ids it has seen); `stat` (median) of the repeats. Leaves the caches empty."""
-    caps = rt.capabilities
-    if not caps.can_trim or caps.static_shapes:
-        return None  # static shapes pad every forward to one width: no curve to measure
-    widths = sorted({1, *widths})
-    top = max(widths)
-    for cap in (rt.kv_capacity, getattr(draft, "kv_capacity", None)):
-        if cap is not None:
-            prefix = min(prefix, cap - top - 1)
-    if prefix < 1:
-        return None
-    rng = np.random.default_rng(0)
-    vocab = min(rt.vocab_size, draft.vocab_size) if draft is not None else rt.vocab_size
-    low = min(16, max(vocab - 1, 0))  # the first ids are often special tokens
-    models = [m for m in (rt, draft) if m is not None]
-    # only a draft on the target's body changes what the verify computes (rows it has run already)
-    feed = draft is not None and getattr(draft, "shared", None) is not None and draft.shared is getattr(rt, "shared", 0)
-    samples: dict[int, list[float]] = {b: [] for b in widths}
-    drafted: list[float] = []
-    try:
-        ids = [int(t) for t in rng.integers(low, vocab, size=prefix)]
-        for m in models:
-            m.reset()
-            m.forward(ids, n_logits=1)
-        for rep in range(repeats + 1):  # the first pass warms every width up (allocations) and is dropped
-            for b in widths:
-                new = [int(t) for t in rng.integers(low, vocab, size=b)]
-                if feed and b > 1:  # the b-1 drafts fed to the draft on the target's body, untimed here
-                    draft.forward(new[:b - 1], n_logits=1)
-                t0 = time.perf_counter()
-                rt.forward(new, n_logits=b)  # a verify needs every row's logits
-                dt = time.perf_counter() - t0
-                for m in models:
-                    m.trim(prefix)
-                if rep:
-                    samples[b].append(dt)
-                if draft is not None and b == 1:  # one drafted token, on ids the target has not seen
-                    t0 = time.perf_counter()
-                    draft.forward([int(rng.integers(low, vocab))], n_logits=1)
-                    if rep:
-                        drafted.append(time.perf_counter() - t0)
-                    for m in models:
-                        m.trim(prefix)
-    except EdgespecError as e:
-        logger.warning("c(B) not measured: %s", e)
-        return None
-    finally:
-        for m in models:
-            m.reset()
-    ms = {b: 1e3 * stat(s) for b, s in samples.items()}
-    out = {"one_token_ms": round(ms[1], 3), "ms": {str(b): round(v, 3) for b, v in ms.items()},
-           "c": {str(b): round(v / ms[1], 3) for b, v in ms.items() if b != 1}, "prefix": prefix, "repeats": repeats}
-    if drafted:
-        out["draft_ms"] = round(1e3 * stat(drafted), 3)
-    return out
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """What a speculative step costs with one candidate configuration on this machine."""
-
-    backend: str
-    draft_body: str | None  # "shared", "own", None: no draft model
-    free: bool  # the drafter has a source that drafts for free too (prompt lookup, Token Recycling)
-    one_token_ms: float  # a plain step
-    draft_ms: float  # one token drafted by the draft model (0.0: no draft model)
-    verify_ms: dict[int, float]  # verify width B (exact here) -> a verify of B tokens after B-1 drafts
-    exact_width: int  # the widest exact verify (the probe's; 1: none)
-    measure_ms: float  # what measuring took when it ran
-    cached: bool = False
-
-    @property
-    def name(self) -> str:
-        return self.backend + (f", draft body {self.draft_body}" if self.draft_body else "")
-
-    @property
-    def draft_costs(self) -> tuple[float, ...]:
-        """ms per drafted token of each source the drafter draws on: the draft model's, and 0.0
-        for a free one (none: plain decoding)."""
-        return (self.draft_ms,) * (self.draft_body is not None) + (0.0,) * self.free
-
-    @property
-    def curve(self) -> dict[int, float]:
-        """Forward width -> ms: 1 (a plain step) and the verify widths, made non-decreasing in
-        width (isotonic fit): a wider forward does not cost less, whatever a noisy sample says."""
-        widths = [1, *sorted(self.verify_ms)]
-        return dict(zip(widths, isotonic([self.one_token_ms, *(self.verify_ms[b] for b in widths[1:])])))
-
-    def step_ms(self, k: int, draft_ms: float, curve: dict[int, float] | None = None) -> float:
-        """A step drafting k tokens at `draft_ms` each, then their verify (k = 0: a plain step)."""
-        return k * draft_ms + (curve or self.curve)[k + 1]
-
-    def best(self, alpha: float, draft_ms: float) -> tuple[int, float]:
-        """(k, expected tokens/s) of the best draft length of a source drafting at `draft_ms` per
-        token with acceptance `alpha`, among the measured (exact) widths."""
-        curve = self.curve
-        rates = {b - 1: 1e3 * expected_tokens(alpha, b - 1) / self.step_ms(b - 1, draft_ms, curve) for b in curve}
-        k = max(rates, key=lambda n: (rates[n], -n))
-        return k, rates[k]
-
-    def score(self) -> float:
-        """Expected tokens/s: each source's best draft length's, averaged over ACCEPTANCES and
-        the sources (as if each drafted half the steps); plain decoding's without a source."""
-        costs = self.draft_costs
-        if not costs:
-            return 1e3 / self.curve[1]
-        return mean(self.best(a, d)[1] for a in ACCEPTANCES for d in costs)
-
-    def width(self) -> int:
-        """The widest verify worth running: the best of any source at the highest acceptance (at
-        least 2, so that drafting stays possible where a policy finds it pays)."""
-        return max([2, *(self.best(ACCEPTANCES[-1], d)[0] + 1 for d in self.draft_costs)])
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["verify_ms"] = {str(b): ms for b, ms in self.verify_ms.items()}
-        return out
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Measurement:
-        """A cached record, validated as a manifest is (known fields, bounded positive figures);
-        anything else is a ValueError, and the caller measures again."""
-        if not isinstance(d, dict) or set(d) - _RECORD_FIELDS:
-            raise ValueError("not a tuning record")
-        if not isinstance(d["backend"], str) or d["draft_body"] not in (None, "shared", "own"):
-            raise ValueError("unknown backend or draft body")
-        if not isinstance(d["free"], bool) or not isinstance(d["verify_ms"], dict):
-            raise ValueError("malformed fields")
-        widths = {_width(b, key=True): _ms(ms, f"verify_ms[{b}]") for b, ms in d["verify_ms"].items()}
-        return cls(d["backend"], d["draft_body"], d["free"], _ms(d["one_token_ms"], "one_token_ms"),
-                   _ms(d["draft_ms"], "draft_ms", zero=True), widths, _width(d["exact_width"], low=1),
-                   _ms(d["measure_ms"], "measure_ms", zero=True), bool(d.get("cached", False)))
-
-
-_RECORD_FIELDS = {"backend", "draft_body", "free", "one_token_ms", "draft_ms", "verify_ms", "exact_width",
-                  "measure_ms", "cached"}
-_MAX_MS = 3.6e6  # an hour: no step of a model edgespec runs takes longer
-
-
-def _ms(value: object, name: str, zero: bool = False) -> float:
-    """A measured time in ms: finite, > 0 (>= 0 where `zero`), below an hour."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not (0 <= value if zero else 0 < value) or value > _MAX_MS:
-        raise ValueError(f"{name} {value!r} is not a time in ms")
-    return float(value)
-
-
-def _width(value: object, low: int = 2, key: bool = False) -> int:
-    """A verify width: an integer in low..1024 (`key`: a JSON object key, which arrives as a string)."""
-    if key and isinstance(value, str) and value.isdigit():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1024:
-        raise ValueError(f"width {value!r} is not an integer in {low}..1024")
-    return value
-
-
 def measure_engine(engine, prefix: int = TUNE_PREFIX, repeats: int = TUNE_REPEATS) -> Measurement | None:
     """The step costs of an open engine (its target, its draft model where it drafts with one)
     at the verify widths its exactness probe found exact; None where they cannot be measured."""
     t0 = time.perf_counter()
-    probe = engine.exactness
-    exact = probe.exact_width if probe is not None and engine.drafter_name is not None else 1
+    opened = engine.opened
+    exact = opened.exactness.exact_width if opened.exactness is not None and opened.drafter is not None else 1
     top = min(exact, engine.target.capabilities.max_batch_tokens or exact)
     widths = [k + 1 for k in DRAFT_LENGTHS if k + 1 <= top]
-    draft = engine.draft if engine.opened.draft_body is not None else None
+    draft = engine.draft if opened.draft_body is not None else None
     # the fastest of the repeats: a busy neighbour only ever adds time
-    costs = verify_costs(engine.target, widths, prefix, repeats, draft=draft, stat=min)
+    costs = verify_costs(engine.target, widths, prefix, repeats, draft=draft, shared_body=opened.shared_body,
+                         stat=min)
     if costs is None:
         return None
     ms = {int(b): v for b, v in costs["ms"].items()}
-    body = None if draft is None else engine.opened.draft_body
-    free = engine.drafter_name not in (None, *COSTED_ONLY)
-    return Measurement(engine.backend, body, free, ms[1], costs.get("draft_ms", 0.0),
+    free = opened.drafter not in (None, *COSTED_ONLY)
+    return Measurement(opened.backend, opened.draft_body, free, ms[1], costs.get("draft_ms", 0.0),
                        {b: v for b, v in ms.items() if b > 1}, exact, round((time.perf_counter() - t0) * 1e3, 1))
 
 
 # ---------------------------------------------------------------- the choice (pure)
-
-
-@dataclass(frozen=True)
-class Tuning:
-    """The measured candidates and the one chosen."""
-
-    choice: Tuned
-    candidates: tuple[Measurement, ...]
-    tune_ms: float  # measuring in this process (0: every figure came from the cache)
-
-    def describe(self) -> list[str]:
-        """Lines for `edgespec info`: the choice, then each candidate's figures."""
-        c = self.choice
-        fresh = [m for m in self.candidates if not m.cached]
-        how = (f"measured now: {self.tune_ms / 1e3:.1f} s, of which {sum(m.measure_ms for m in fresh) / 1e3:.1f} s "
-               "measuring, the rest opening and the exactness probe" if fresh else "cached")
-        lines = [f"chosen: {c.backend}" + (f", draft body {c.draft_body}" if c.draft_body else "")
-                 + f", verify width <= {c.verify_width} [{how}]",
-                 "  candidate                        plain ms  draft ms  c(B) " + " ".join(
-                     f"{b:>5}" for b in WIDTHS_SHOWN) + "  exact  width  tok/s"]
-        for m in sorted(self.candidates, key=lambda m: -m.score()):
-            curve = m.curve
-            cb = " ".join(f"{curve[b] / curve[1]:5.2f}" if b in curve else "    -" for b in WIDTHS_SHOWN)
-            lines.append(f"  {m.name:<32} {curve[1]:8.1f} {m.draft_ms:9.1f}       {cb}  {m.exact_width:5}  "
-                         f"{m.width():5}  {m.score():5.1f}{' (cached)' if m.cached else ''}")
-        mixed = any(len(m.draft_costs) > 1 for m in self.candidates)
-        lines.append(f"  (tok/s expected, averaged over acceptances {', '.join(map(str, ACCEPTANCES))}"
-                     f"{' and the draft model and free sources' if mixed else ''}; c(B): a non-decreasing fit "
-                     "of the fastest of the repeats; width: the widest verify kept)")
-        return lines
-
-    def to_dict(self) -> dict:
-        return {"choice": asdict(self.choice), "tune_ms": self.tune_ms,
-                "candidates": [{**m.to_dict(), "score": round(m.score(), 2)} for m in self.candidates]}
 
 
 def choose(measured: Sequence[Measurement]) -> Tuned:
