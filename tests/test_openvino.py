@@ -341,9 +341,11 @@ def test_which_drafts_run_on_the_targets_body(zoo):
             load(path, drafter="model", draft_body="shared", **kw)
     with pytest.raises(ConfigError, match="draft_body must be one of"):
         load(fp32, draft_body="theirs")
-    # a memory budget plans the pair (memory/loading.py: EngineBudget.open_pair)
-    with load(fp32, backend="openvino", drafter="model", draft_body="shared", memory_budget="64GB") as engine:
-        assert engine.shared_body and engine.memory_plan.use_draft
+    # a memory budget plans the pair (memory/loading.py: EngineBudget.open_pair); drafting kept
+    # whatever this machine's probe finds, so the pair is what was opened
+    with load(fp32, backend="openvino", drafter="model", draft_body="shared", memory_budget="64GB",
+              allow_inexact=True) as engine:
+        assert engine.shared_body and engine.memory_plan.use_draft and engine.opened.shared_body
     with load(fp32, backend="openvino", drafter="ngram", draft_body="shared") as engine:
         assert engine.draft is None and not engine.shared_body  # no draft model, nothing to share
 
