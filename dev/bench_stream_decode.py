@@ -64,7 +64,8 @@ def _default_tokenizer(folder: Path) -> Path:
 
 
 def _tiny_tokenizer(folder: Path) -> Path:
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HF(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -97,8 +98,8 @@ def measure(path: Path) -> dict:
                 spent += dt
             times[name].append(1e6 * spent / n)
     ratios = [w / d for w, d in zip(times["window"], times["DecodeStream"])]
-    return {"tokens": n, "paired_ratio_window_over_stream": {"median": round(statistics.median(ratios), 3),
-                                                             "min": round(min(ratios), 3), "max": round(max(ratios), 3)},
+    paired = {"median": round(statistics.median(ratios), 3), "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
+    return {"tokens": n, "paired_ratio_window_over_stream": paired,
             **{name: {"median_us_per_token": round(statistics.median(t), 2),
                                    "min": round(min(t), 2), "max": round(max(t), 2)} for name, t in times.items()}}
 
@@ -114,7 +115,8 @@ def _cpu() -> str:
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        results = {"gemma3-270m": measure(_default_tokenizer(folder)), "tiny-byte-level": measure(_tiny_tokenizer(folder))}
+        results = {"gemma3-270m": measure(_default_tokenizer(folder)),
+                   "tiny-byte-level": measure(_tiny_tokenizer(folder))}
     import tokenizers
 
     out = {"cpu": _cpu(), "python": sys.version.split()[0],

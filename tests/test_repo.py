@@ -113,7 +113,8 @@ def _pytest(*args: str, slow_env: str | None = None) -> subprocess.CompletedProc
         env["EDGESPEC_SLOW"] = slow_env
     # one process (-n 0): --setup-plan lists what would run only without xdist's workers
     return subprocess.run([sys.executable, "-m", "pytest", "tests/test_slow_default.py", "-p", "no:cacheprovider",
-                           "-n", "0", "-q", "-rs", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           "-n", "0", "-q", "-rs", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_a_plain_pytest_skips_the_slow_tier_and_says_how_to_run_it():
@@ -149,7 +150,8 @@ def test_the_python_api_example_runs(zoo, capsys):
 # lowest first: a module may import its own layer and those below, never one above. Imports under
 # `if TYPE_CHECKING:` are annotations only and do not count.
 LAYERS: list[set[str]] = [
-    {"edgespec", "errors", "checks", "files", "progress", "models", "bundle", "tokenizer"},  # leaves everyone may import
+    # leaves everyone may import
+    {"edgespec", "errors", "checks", "files", "progress", "models", "bundle", "tokenizer"},
     {"runtimes"},
     # exporters stand beside the stack (they write bundles), training beside the exporters (torch),
     # deploy beside them (llama.cpp's own server for a bundle's GGUFs: it runs no edgespec model)
@@ -377,5 +379,6 @@ def test_no_block_in_the_package_is_over_complexity_15():
 def test_the_complexity_count_sees_branches():
     from radon.complexity import cc_visit
 
-    source = "def f(a, b):\n" + "".join(f"    if a == {i} or b:\n        return {i}\n" for i in range(8)) + "    return -1\n"
+    branches = "".join(f"    if a == {i} or b:\n        return {i}\n" for i in range(8))
+    source = "def f(a, b):\n" + branches + "    return -1\n"
     assert [b.complexity for b in cc_visit(source)] == [17]

@@ -20,7 +20,8 @@ TEXTS = ["Hello wörld 日本語 🎉 naïve café", "  two leading spaces", "li
 
 
 def _byte_level():
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HF(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -34,7 +35,8 @@ def _byte_level():
 def _sentencepiece(strip_first_space: bool):
     """Llama's layout (the decoder strips the first space) or Gemma's (it does not): "▁" for
     spaces, and every character the pieces lack spelled as <0xNN> byte tokens."""
-    from tokenizers import Tokenizer as HF, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     base = HF(models.BPE())
     base.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)

@@ -153,7 +153,8 @@ def _inv_freq(base: float, dim: int) -> np.ndarray:
 
 
 def _periodic(n_layers: int, period: int, every: str, other: str) -> tuple[str, ...]:
-    """`every` on each `period`-th layer (layer il where (il + 1) % period == 0, as llama.cpp counts), `other` elsewhere."""
+    """`every` on each `period`-th layer (layer il where (il + 1) % period == 0, as llama.cpp
+    counts), `other` elsewhere."""
     return tuple(every if (i + 1) % period == 0 else other for i in range(n_layers))
 
 
