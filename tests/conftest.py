@@ -50,13 +50,14 @@ def _is_toy(item: pytest.Item) -> bool:
 
 # pytest-xdist runs the suite on a worker per core (addopts: -n auto --dist loadgroup). A module's tests
 # share its fixtures (tiny exports, opened sessions), so they stay on one worker. The slow tier's tests
-# run in one group, one after another on one worker, while the other workers take the fast tests:
-# they share the real model's bundles, probes (cached per session) and transformers reference, and
-# each runs a 2-thread runtime that, beside another such test on 2 cores, spins on its threads'
-# barriers (two slow groups side by side took longer than the slow tier alone). More workers than
-# this would each build the zoo for little gain.
+# share the real model's bundles, probes (cached per session) and transformers reference, so they run
+# in two groups, one per worker: the default bundle on onnxruntime (built by the session's first run)
+# and the slow tier's exports on OpenVINO and llama.cpp; the fast tests fill in around them. More
+# workers than this would each build the zoo for little gain.
 MAX_WORKERS = 4
-REAL_MODEL_GROUP = "real-model"
+REAL_MODEL_GROUPS = ("real-model-default", "real-model-exports")
+# the slow tests of these files, or of these backends, run the slow tier's OpenVINO or GGUF exports
+_EXPORT_SIDE = ("openvino", "llamacpp", "gguf", "deploy", "gpu")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -65,9 +66,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def _xdist_group(item: pytest.Item) -> str:
-    if item.get_closest_marker("slow") is not None:
-        return REAL_MODEL_GROUP
-    return item.nodeid.split("::", 1)[0]
+    if item.get_closest_marker("slow") is None:
+        return item.nodeid.split("::", 1)[0]
+    exports = any(word in item.nodeid for word in _EXPORT_SIDE) and "first_run" not in item.fixturenames
+    return REAL_MODEL_GROUPS[exports]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
