@@ -45,11 +45,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 
+# The process's own peak RSS in KiB: VmHWM, which starts afresh at exec (ru_maxrss keeps the
+# spawning process's high-water mark across fork + exec, so a child would report this bench's own)
+_PEAK_KIB = ("def _peak_kib():\n"
+             "    try:\n"
+             "        return next(int(ln.split()[1]) for ln in open('/proc/self/status') if ln.startswith('VmHWM:'))\n"
+             "    except (OSError, StopIteration):\n"
+             "        import resource\n"
+             "        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n")
+
 # run a CLI verb in this fresh interpreter as the `edgespec` command runs it (cli.run: onnxruntime's
-# process-wide thread pool) and report its own peak RSS (ru_maxrss, KiB on Linux)
-_RSS_WRAPPER = ("import atexit, resource, sys\n"
-                "atexit.register(lambda: print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,"
-                " file=sys.stderr))\n"
+# process-wide thread pool) and report its own peak RSS
+_RSS_WRAPPER = (_PEAK_KIB + "import atexit, sys\n"
+                "atexit.register(lambda: print('PEAK_RSS_KIB', _peak_kib(), file=sys.stderr))\n"
                 "from edgespec.cli import run\n"
                 "sys.argv[0] = 'edgespec'\n"
                 "sys.exit(run())\n")
@@ -160,13 +168,13 @@ def agreement(lean: Path, fp32: Path, gguf: Path, ids_list: list[list[int]], n: 
             "plain_greedy_ms_per_token_median": {k: round(1e3 * statistics.median(v), 1) for k, v in times.items()}}
 
 
-# llama-cpp-python's plain greedy generation in a fresh process: its own peak RSS (ru_maxrss, KiB)
-_LLAMA_RUN = ("import resource, sys\n"
+# llama-cpp-python's plain greedy generation in a fresh process: its own peak RSS
+_LLAMA_RUN = (_PEAK_KIB + "import sys\n"
               "from llama_cpp import Llama\n"
               "llm = Llama(sys.argv[1], n_ctx=4096, n_threads=int(sys.argv[3]), verbose=False)\n"
               "llm(sys.argv[2], max_tokens=int(sys.argv[4]), temperature=float(sys.argv[5]), top_p=float(sys.argv[6]),"
               " top_k=int(sys.argv[7]), min_p=0.0, repeat_penalty=1.0)\n"
-              "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")
+              "print('PEAK_RSS_KIB', _peak_kib(), file=sys.stderr)\n")
 
 PROMPT = "The history of the printing press"
 
