@@ -40,6 +40,25 @@ MODEL_FIXTURES = {"zoo", "tiny_bundle", "default_bundle", "default_cache", "real
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "toy: builds no model (the toy runtime, fakes); `-m toy` runs these alone")
+    _pin_worker(getattr(config, "workerinput", None))
+
+
+def _pin_worker(worker: dict | None) -> None:
+    """Under pytest-xdist, each worker on cores of its own (the processes it starts inherit them).
+    The runtimes size their thread pools from the CPUs a process may use, and their threads
+    spin-wait between runs: two workers each running two spinning threads on two cores took turns
+    at every barrier, a real-model test five to ten times its time alone. Left alone where there
+    are more workers than cores."""
+    if worker is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    count = int(worker.get("workercount", 1))
+    if count < 2 or len(cpus) < count:
+        return
+    index = int(str(worker["workerid"]).removeprefix("gw"))
+    share = len(cpus) // count
+    os.environ[SESSION_CPUS_ENV] = ",".join(map(str, cpus))  # for a test that pins a child of its own
+    os.sched_setaffinity(0, cpus[index * share:(index + 1) * share])
 
 
 def _is_toy(item: pytest.Item) -> bool:
@@ -55,6 +74,8 @@ def _is_toy(item: pytest.Item) -> bool:
 # and the slow tier's exports on OpenVINO and llama.cpp; the fast tests fill in around them. More
 # workers than this would each build the zoo for little gain.
 MAX_WORKERS = 4
+# the CPUs the session started with, before its worker was pinned to some of them
+SESSION_CPUS_ENV = "EDGESPEC_TEST_SESSION_CPUS"
 REAL_MODEL_GROUPS = ("real-model-default", "real-model-exports")
 # the slow tests of these files, or of these backends, run the slow tier's OpenVINO or GGUF exports
 _EXPORT_SIDE = ("openvino", "llamacpp", "gguf", "deploy", "gpu")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from edgespec.engine.cores import CoreChoice, choose_cores, read_cores
+from tests.conftest import SESSION_CPUS_ENV
 
 LAYOUTS = Path(__file__).parent / "data" / "cores"
 
@@ -106,12 +107,19 @@ def test_the_plan_runs_the_chosen_threads_and_the_config_overrides(zoo):
     assert plan_engine(manifest, EngineConfig(), ["onnxruntime"]).threads is None  # today's default
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+def _session_cpus() -> set[int]:
+    """The CPUs the test session started with (conftest pins each xdist worker to some of them)."""
+    saved = os.environ.get(SESSION_CPUS_ENV)
+    return {int(c) for c in saved.split(",")} if saved else set(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(_session_cpus()) < 2,
                     reason="pinning needs Linux and two usable CPUs")
 def test_pinning_covers_every_thread_of_the_process():
-    """In a child process with a thread already running: both it and threads started later run on
-    the chosen core only."""
-    cpu = min(os.sched_getaffinity(0))
+    """In a child process started on every CPU of the session, with a thread already running:
+    both it and threads started later run on the chosen core only."""
+    cpus = _session_cpus()
+    cpu = min(cpus)
     code = f"""
 import os, threading
 from edgespec.engine.cores import CoreChoice, pin_process
@@ -121,7 +129,8 @@ later = []
 t2 = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0))); t2.start(); t2.join()
 print(sorted(os.sched_getaffinity(t.native_id)), sorted(os.sched_getaffinity(0)), sorted(later[0])); ev.set()
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: os.sched_setaffinity(0, cpus))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split("\n")[0] == f"[{cpu}] [{cpu}] [{cpu}]"
 
