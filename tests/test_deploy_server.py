@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -159,21 +160,34 @@ def test_deploy_prints_the_command_and_run_starts_it(llama_build, pair_bundle):
     assert all(f in h.names for f in flags), [f for f in flags if f not in h.names]
     assert str(llama_build.server) in proc.stderr
     port = free_port()
-    run = subprocess.Popen([sys.executable, "-m", "edgespec", "deploy", str(pair_bundle), "--run", "--threads", "1",
-                            "--context", "512", "--port", str(port)], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
-    try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while time.monotonic() < deadline:
+    # llama-server's log goes to a file: a pipe nobody reads fills and stalls the server's writes
+    with tempfile.TemporaryFile("w+") as log:
+        run = subprocess.Popen([sys.executable, "-m", "edgespec", "deploy", str(pair_bundle), "--run", "--threads",
+                                "1", "--context", "512", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log,
+                               text=True)
+        try:
+            url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+            while time.monotonic() < deadline:
+                try:
+                    if http_json(url + "/health", timeout=2)[0] == 200:
+                        break
+                except OSError:
+                    time.sleep(0.2)
+            assert _openai_greedy(url), _tail(log)
+        finally:
+            run.send_signal(signal.SIGINT)
             try:
-                if http_json(url + "/health", timeout=2)[0] == 200:
-                    break
-            except OSError:
-                time.sleep(0.2)
-        assert _openai_greedy(url), run.stderr
-    finally:
-        run.send_signal(signal.SIGINT)
-        run.wait(timeout=60)
+                run.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                run.kill()
+                run.wait()
+                pytest.fail(f"`edgespec deploy --run` did not stop within 60 s of Ctrl-C:\n{_tail(log)}")
+
+
+def _tail(log, chars: int = 3000) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-chars:]
 
 
 def test_deploy_refuses_bad_input_in_one_line(llama_build, zoo, tmp_path):

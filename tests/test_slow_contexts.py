@@ -114,7 +114,7 @@ def speculative_equals_plain(spec, plain, lengths: tuple[int, ...] = (SHORT_TOKE
 
 @pytest.mark.parametrize("backend", list(LONG_BUNDLES))
 def test_speculative_equals_plain_at_long_contexts(request, real_bundle, backend):
-    """Greedy speculative == plain with replies at ~2k- and ~8k-token contexts, on every backend,
+    """Greedy speculative == plain with replies at ~2k- and ~5k-token contexts, on every backend,
     with the probe asked to reach the context's end (by default it stops at 4096 keys, and the
     engine drafts only within what it checked): it checks every split point up to there, the
     window's edge and 4096 keys among them. The engines open with the options test_slow_exactness

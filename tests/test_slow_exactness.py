@@ -3,7 +3,7 @@ installed backend, on the machine at hand: all 24 bench prompts x 64 tokens (the
 run past 128 and 144 keys, where onnxruntime's score products once rounded apart), the cost
 policy free to pick any draft length, each backend verifying only at the widths its exactness
 probe found exact here (or in the exact mode the engine switched to). The engines open with the
-long-context tests' options (tests/real.py's LONG_CONTEXT), so the probe that reaches ~8k keys for
+long-context tests' options (tests/real.py's LONG_CONTEXT), so the probe that reaches ~5k keys for
 test_slow_contexts is the one these read from the session's cache: one probe per backend. This is
 the slow tier's one check of speculative == plain on llama.cpp's GGUF bundle at short contexts
 (test_slow_llamacpp's six prompts were a subset of the same question on the same bundle)."""
