@@ -160,11 +160,13 @@ def test_deploy_prints_the_command_and_run_starts_it(llama_build, pair_bundle):
     assert all(f in h.names for f in flags), [f for f in flags if f not in h.names]
     assert str(llama_build.server) in proc.stderr
     port = free_port()
-    # llama-server's log goes to a file: a pipe nobody reads fills and stalls the server's writes
+    # llama-server's log goes to a file: a pipe nobody reads fills and stalls the server's writes.
+    # Ctrl-C as a terminal's foreground job gets it: a shell starts background jobs (a test run
+    # started with `&`) with SIGINT ignored, and a Python started so keeps ignoring it
     with tempfile.TemporaryFile("w+") as log:
         run = subprocess.Popen([sys.executable, "-m", "edgespec", "deploy", str(pair_bundle), "--run", "--threads",
                                 "1", "--context", "512", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log,
-                               text=True)
+                               text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
             while time.monotonic() < deadline:
