@@ -166,7 +166,8 @@ def test_deploy_prints_the_command_and_run_starts_it(llama_build, pair_bundle):
     with tempfile.TemporaryFile("w+") as log:
         run = subprocess.Popen([sys.executable, "-m", "edgespec", "deploy", str(pair_bundle), "--run", "--threads",
                                 "1", "--context", "512", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log,
-                               text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               text=True, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -181,7 +182,7 @@ def test_deploy_prints_the_command_and_run_starts_it(llama_build, pair_bundle):
             try:
                 run.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                run.kill()
+                os.killpg(run.pid, signal.SIGKILL)  # llama-server too, not left serving
                 run.wait()
                 pytest.fail(f"`edgespec deploy --run` did not stop within 60 s of Ctrl-C:\n{_tail(log)}")
 
