@@ -162,6 +162,53 @@ def test_sigterm_inside_exec_d_source_still_exits_as_sigterm(tmp_path):
     assert proc.returncode == 128 + 15, proc.stderr
 
 
+def test_a_sigterm_that_lands_in_a_callback_whose_errors_python_ignores_still_ends_the_block(tmp_path):
+    """A signal landing in a `__del__` (or importlib's weakref callbacks) raises Terminated where
+    Python only prints it; the block must still unwind, not run on as if no signal came."""
+    (tmp_path / "swallow_probe.py").write_text(
+        "import os, signal, sys, time\n"
+        "from edgespec.cli.common import Terminated, sigterm_as_interrupt\n"
+        "class Dying:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(0.2)\n"  # the handler runs here, inside __del__
+        "with sigterm_as_interrupt() as got:\n"
+        "    try:\n"
+        "        Dying()\n"
+        "        for _ in range(500):\n"
+        "            time.sleep(0.01)\n"
+        "        sys.exit(3)\n"  # ran on: the signal was lost
+        "    except Terminated:\n"
+        "        pass\n"
+        "sys.exit(128 + got[0] if got else 1)\n")
+    proc = subprocess.run([sys.executable, "swallow_probe.py"], cwd=tmp_path, capture_output=True, timeout=60)
+    assert proc.returncode == 128 + 15, proc.stderr
+    assert b"Exception ignored" not in proc.stderr  # handled, not reported as a stray error
+
+
+def test_an_error_a_library_raises_while_sigterm_unwinds_it_ends_by_the_signal_without_a_traceback(tmp_path):
+    """numpy, interrupted inside its check of whether a file object is a path, goes on to take it
+    for one: the verb then unwinds with a TypeError whose context is the Terminated. The process
+    must still end as killed by SIGTERM, with no traceback; an error of its own still shows one."""
+    (tmp_path / "mangle_probe.py").write_text(
+        "import os, signal, sys, time\n"
+        "from edgespec.cli.common import cli_entry\n"
+        "@cli_entry\n"
+        "def verb(argv):\n"
+        "    if argv:\n"
+        "        raise TypeError('a bug of its own')\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(30)\n"
+        "    except BaseException:\n"
+        "        raise TypeError('expected str, bytes or os.PathLike object, not BufferedReader')\n"
+        "sys.exit(verb(sys.argv[1:]))\n")
+    ended = subprocess.run([sys.executable, "mangle_probe.py"], cwd=tmp_path, capture_output=True, timeout=60)
+    assert ended.returncode == 128 + 15 and b"Traceback" not in ended.stderr, ended.stderr
+    bug = subprocess.run([sys.executable, "mangle_probe.py", "x"], cwd=tmp_path, capture_output=True, timeout=60)
+    assert bug.returncode == 1 and b"a bug of its own" in bug.stderr, bug.stderr
+
+
 def test_chat_and_info_say_when_drafting_is_off_for_inexactness(cli_bundle, monkeypatch, capsys, tmp_path):
     """In-process (the rounding is patched in): where no verify width is exact here, chat's first
     line and `edgespec info` say the engine decodes plainly, and why."""

@@ -2,6 +2,7 @@
 edgespec.engine.config's EngineConfig fields; importing this module loads no decoding code."""
 from __future__ import annotations
 
+import _thread
 import argparse
 import functools
 import logging
@@ -16,6 +17,8 @@ from ..errors import ConfigError, EdgespecError
 __all__ = ["add_engine_args", "add_sampling_args", "sampling_kwargs", "sampling_params", "cli_entry", "setup_logging",
            "open_engine", "engine_config_from_args", "print_memory_plan", "add_format_args",
            "response_format_from_args", "Terminated", "sigterm_as_interrupt"]
+
+log = logging.getLogger(__name__)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -155,6 +158,8 @@ class Terminated(KeyboardInterrupt):
 
 # a terminal closing sends SIGHUP; both end the process by default, leaving a build's staging folder
 _ENDING = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+# long enough for the callback that swallowed the signal to have returned
+_REDELIVERY_DELAY_S = 0.01
 
 
 @contextmanager
@@ -176,12 +181,30 @@ def sigterm_as_interrupt() -> Iterator[list[int]]:
     for sig, handler in previous.items():
         if handler is signal.SIG_DFL:
             signal.signal(sig, terminate)
+    hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_redeliver, got=got, fallback=hook)
     try:
         yield got
     finally:
+        sys.unraisablehook = hook
         for sig, handler in previous.items():
             if handler is signal.SIG_DFL:
                 signal.signal(sig, handler)
+
+
+def _redeliver(unraisable, *, got: list[int], fallback: Callable) -> None:
+    """A signal that lands while Python runs a callback whose exceptions it ignores (a weakref's,
+    as importlib's module locks have, or a `__del__`) raises Terminated there, and the process
+    would go on as if it never came. Call its handler again, from another thread a moment later:
+    raised here, it would be lost the same way (this hook's own exceptions are ignored too); it
+    then runs in the code that follows, where it can unwind. Once the block has ended and the
+    default action is back, `interrupt_main` does nothing."""
+    if isinstance(unraisable.exc_value, Terminated) and got:
+        again = threading.Timer(_REDELIVERY_DELAY_S, _thread.interrupt_main, (got[-1],))
+        again.daemon = True
+        again.start()
+        return
+    fallback(unraisable)
 
 
 def cli_entry(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
@@ -209,3 +232,21 @@ def _run(fn: Callable[[list[str]], int], argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _raised_while_terminating(e):
+            raise
+        # a library that mishandles an exception raised inside it (numpy takes a file object for a
+        # path when one lands in its check) turns the unwinding into another error: the signal is the cause
+        log.debug("ending by signal, unwound through %r", e)
+        return 1  # the wrapper returns the signal's status
+
+
+def _raised_while_terminating(e: BaseException) -> bool:
+    """Whether `e` was raised while a Terminated was unwinding (it is in e's chain)."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, Terminated):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False

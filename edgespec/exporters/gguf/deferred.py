@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import ExportError
+from .reader import read_span
 from .transcode import BlockWeight, check_transcodable, quant_type_name, transcode
 
 __all__ = ["Deferred", "LazyTensors", "CHUNK_BYTES", "deferring", "pick_rows", "shallow_copy"]
@@ -82,12 +83,8 @@ class Deferred:
     def _read_rows(self, fh, rows: np.ndarray, row_bytes: int) -> BlockWeight | np.ndarray:
         """Rows `rows` (ascending) transcoded: one read spanning them, the others dropped."""
         first, last = int(rows[0]), int(rows[-1])
-        fh.seek(self.offset + first * row_bytes)
         span = last - first + 1
-        raw = np.fromfile(fh, dtype=np.uint8, count=span * row_bytes)
-        if raw.size != span * row_bytes:
-            raise ExportError(f"the GGUF ends inside tensor {self.name}")
-        raw = raw.reshape(span, row_bytes)
+        raw = read_span(fh, self.offset + first * row_bytes, span * row_bytes, self.name).reshape(span, row_bytes)
         if span != len(rows):
             raw = raw[rows - first]
         raw = np.ascontiguousarray(raw).reshape(-1)

@@ -31,6 +31,7 @@ from ...errors import ExportError
 from ...files import clone_file
 from ...runtimes.llamacpp.runtime import EMBD_KEYS  # the metadata the runtime reads (imports no llama_cpp)
 from .quantizer import EMBD_FILE, LLAMA_FTYPES, quantize
+from .reader import read_span
 
 __all__ = ["FULL_DRAFT_FILE", "copy_file", "write_draft", "write_input_embedding", "write_passthrough"]
 
@@ -99,11 +100,7 @@ def _numpy_shape(t) -> tuple[int, ...]:
 
 def _read(fh, t) -> np.ndarray:
     """One tensor's bytes, read (not memory-mapped, so they leave the process with the array)."""
-    fh.seek(int(t.data_offset))
-    raw = np.fromfile(fh, dtype=np.uint8, count=int(t.n_bytes))
-    if raw.size != int(t.n_bytes):
-        raise ExportError(f"the GGUF ends inside tensor {t.name}")
-    return raw
+    return read_span(fh, int(t.data_offset), int(t.n_bytes), t.name)
 
 
 def _rows(raw: np.ndarray, t, keep: np.ndarray) -> np.ndarray:

@@ -23,7 +23,8 @@ import numpy as np
 
 from ...errors import ExportError
 
-__all__ = ["GGUFFile", "GGUFField", "GGUFTensor", "LazyTensor", "check_layout", "field", "lazy_tensor", "open_gguf"]
+__all__ = ["GGUFFile", "GGUFField", "GGUFTensor", "LazyTensor", "check_layout", "field", "lazy_tensor", "open_gguf",
+           "read_span"]
 
 # GGUFValueType -> struct format of a scalar; 8 is a string, 9 an array (the GGUF specification)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -236,3 +237,15 @@ def open_gguf(path: Path) -> GGUFFile:
         raise ExportError(f"cannot read {path.name}: {msg}") from e
 
 
+
+
+def read_span(fh, offset: int, nbytes: int, what: str) -> np.ndarray:
+    """`nbytes` of the open file `fh` from `offset`, as a uint8 array of their own (not a memory
+    map, so they leave the process with the array). Read into the array rather than through
+    `np.fromfile`: a signal's exception raised inside numpy's check of whether `fh` is a path makes
+    it take the file object for one, and the process unwinds with a TypeError instead."""
+    fh.seek(offset)
+    raw = np.empty(nbytes, dtype=np.uint8)
+    if fh.readinto(memoryview(raw)) != nbytes:
+        raise ExportError(f"the GGUF ends inside tensor {what}")
+    return raw
