@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from edgespec.cpus import usable_cpu_count
 from tests.first_run import FirstRun, run_first_chat
 from tests.real import BUNDLES_ENV, DEFAULT_KEPT, RealBundles
 from tests.zoo import TinyZoo
@@ -82,8 +83,7 @@ _EXPORT_SIDE = ("openvino", "llamacpp", "gguf", "deploy", "gpu")
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(usable, MAX_WORKERS))
+    return max(1, min(usable_cpu_count(), MAX_WORKERS))
 
 
 def _xdist_group(item: pytest.Item) -> str:

@@ -64,9 +64,10 @@ def test_chat_send_refuses_caller_mistakes_and_keeps_the_history(engine, message
 
 
 def test_threads_past_the_usable_cpus_are_capped_with_a_warning(caplog):
-    from edgespec.engine.config import EngineConfig, usable_cpus
+    from edgespec.cpus import usable_cpu_count
+    from edgespec.engine.config import EngineConfig
 
-    usable = usable_cpus()
+    usable = usable_cpu_count()
     with caplog.at_level("WARNING", logger="edgespec.engine.config"):
         cfg = EngineConfig(threads=usable + 62)
     assert cfg.threads == usable

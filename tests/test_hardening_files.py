@@ -276,9 +276,10 @@ def test_distill_cli_threads_minus_one_is_one_line(tmp_path):
 
 
 def test_distill_threads_past_the_cpus_are_capped_with_a_warning(caplog):
-    from edgespec.training.distill import DistillConfig, _usable_cpus
+    from edgespec.cpus import usable_cpu_count
+    from edgespec.training.distill import DistillConfig
 
     with caplog.at_level(logging.WARNING, logger="edgespec.training.distill"):
         cfg = DistillConfig(Path("b"), threads=4096)
-    assert cfg.threads == _usable_cpus() and "--threads 4096 is more than" in caplog.text
+    assert cfg.threads == usable_cpu_count() and "--threads 4096 is more than" in caplog.text
     assert DistillConfig(Path("b"), threads=1).threads == 1

@@ -8,6 +8,7 @@ import re
 from importlib import metadata
 from pathlib import Path
 
+from ..cpus import usable_cpu_count
 from ..engine.cores import read_cores
 
 __all__ = ["machine_info", "library_versions", "cpu_model", "isa_features", "run_label"]
@@ -110,7 +111,7 @@ def machine_info() -> dict:
         "isa": isa_features(),
         "cores_physical": psutil.cpu_count(logical=False),
         "cores_logical": psutil.cpu_count(logical=True),
-        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cores_usable": usable_cpu_count(),
         # the kinds of core, fastest first, as sysfs and /proc/cpuinfo describe them (engine/cores.py)
         "core_kinds": [{"kind": what, "cpus": list(cpus)} for what, cpus in read_cores().kinds()],
         "ram_bytes": psutil.virtual_memory().total,

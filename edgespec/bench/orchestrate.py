@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from ..cpus import usable_cpu_count, usable_cpu_ids
 from ..engine.config import EngineConfig
 from ..errors import ConfigError
 from ..runtimes.onnxruntime.pool import pool_state
@@ -74,7 +75,7 @@ def check_request(req: BenchRequest) -> None:
 def _threads(req: BenchRequest, engine) -> int:
     """The threads the engine and its peers run on: the engine's (the fast cores of a big.LITTLE
     CPU: the process is pinned to them), the request's, or every usable CPU."""
-    return engine.plan.threads or req.engine.threads or _usable_cores()
+    return engine.plan.threads or req.engine.threads or usable_cpu_count()
 
 
 def _open_peer(req: BenchRequest, engine, notify: Callable[[str], None]):
@@ -104,8 +105,7 @@ def _thermal(engine):
     from .thermal import Thermal
 
     cores = engine.plan.cores
-    cpus = cores.cpus if cores is not None else (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
-                                                 else range(os.cpu_count() or 1))
+    cpus = cores.cpus if cores is not None else usable_cpu_ids()
     return Thermal(cpus)
 
 
@@ -162,10 +162,6 @@ def _open_server_peers(req: BenchRequest, engine, notify: Callable[[str], None],
         notify(f"peer {name}: {build.server.name} ({build.source}) {' '.join(peer.describe()['flags'])}")
         out.append(peer)
     return out
-
-
-def _usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def describe_sampling(params) -> str:

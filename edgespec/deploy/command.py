@@ -15,6 +15,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cpus import usable_cpu_count
 from ..errors import DeployError
 from .flags import ServerHelp
 
@@ -42,7 +43,7 @@ MAX_DRAFT_COST = 0.5
 
 def default_threads() -> int:
     """The cores this process may use (what edgespec's own runtimes default to)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return usable_cpu_count()
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..checks import integer, one_of
+from ..cpus import usable_cpu_count
 from ..decoding import DEFAULT_K, DEFAULT_POLICY, DRAFTERS, POLICIES
 from ..errors import ConfigError
 from ..runtimes import BACKENDS, backend_info
@@ -25,13 +26,8 @@ from .choices import DRAFT_BODIES, check_drafting
 
 logger = logging.getLogger(__name__)
 
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, which a cgroup or taskset narrows)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
 __all__ = ["EngineConfig", "Option", "OPTIONS", "DRAFTER_CHOICES", "POLICY_CHOICES", "DRAFT_BODY_CHOICES",
-           "DEFAULT_PREFILL_CHUNK", "engine_config", "usable_cpus"]
+           "DEFAULT_PREFILL_CHUNK", "engine_config"]
 
 DEFAULT_PREFILL_CHUNK = 128  # prompt tokens per forward without a memory budget (EngineConfig.prefill_chunk)
 
@@ -229,7 +225,7 @@ _SWITCHES = ("use_draft", "static", "allow_inexact", "tune", "retune", "overlap"
 def _usable_threads(threads: int) -> int:
     """`threads`, at most the CPUs this process may use: more spinning threads than cores only
     wait on each other (a 64-thread run on 2 cores never finished)."""
-    usable = usable_cpus()
+    usable = usable_cpu_count()
     if threads > usable:
         logger.warning("threads %d is more than the %d CPUs this process may use; using %d", threads, usable, usable)
         return usable

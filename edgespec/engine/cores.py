@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cpus import usable_cpu_ids
+
 __all__ = ["Core", "CoreLayout", "CoreChoice", "read_cores", "choose_cores", "machine_cores", "pin_process",
            "part_name", "BIG_SHARE", "EFFICIENT_SHARE"]
 
@@ -195,7 +197,7 @@ def read_cores(root: Path | str = "/") -> CoreLayout:
 
 
 def _usable() -> set[int]:
-    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    return set(usable_cpu_ids())
 
 
 def choose_cores(layout: CoreLayout, usable: set[int], threads: int | None) -> CoreChoice:

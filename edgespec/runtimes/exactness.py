@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
 import time
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from ..checks import integer, number
+from ..cpus import usable_cpu_count, usable_cpu_ids
 from ..progress import task
 from .base import Runtime
 
@@ -75,7 +75,7 @@ def probe_starts(max_width: int, threads: int | None, capacity: int | None,
     leaves room for the widest verify and the forward after it."""
     reach = min(capacity or reach, reach)
     # a backend left to choose runs at most a thread per usable CPU
-    t = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    t = threads or usable_cpu_count()
     bounds = {_SPLIT_UNIT * t * j + extra for j in (1, 2) for extra in (0, _SPLIT_STEP)}
     p = _SPLIT_UNIT
     while p <= reach:
@@ -334,8 +334,7 @@ def machine_fingerprint() -> str:
         values = {ln.split(":", 1)[-1].strip() for ln in text.splitlines()
                   if ln.split(":")[0].strip() == key}
         parts.append(";".join(sorted(values)))
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    parts.append(f"cpus={','.join(map(str, cpus))}")
+    parts.append(f"cpus={','.join(map(str, usable_cpu_ids()))}")
     return "|".join(parts)
 
 

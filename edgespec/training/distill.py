@@ -22,6 +22,7 @@ import numpy as np
 
 from ..bundle import MANIFEST, DraftHeadEntry, load_bundle
 from ..checks import integer, number
+from ..cpus import usable_cpu_count
 from ..errors import BackendError, ConfigError
 from ..exporters.vocabtrim import builtin_prompts, read_prompt_file
 from ..progress import reporting, task
@@ -59,17 +60,11 @@ class DistillConfig:
             object.__setattr__(self, "threads", _bounded_threads(self.threads))
 
 
-def _usable_cpus() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
 def _bounded_threads(threads) -> int:
     """--threads checked (an integer >= 1) and capped by the CPUs this process may use: more
     threads than cores only contend for them, and a huge count would make every pool spawn them."""
     threads = integer(threads, "--threads", least=1)
-    usable = _usable_cpus()
+    usable = usable_cpu_count()
     if threads > usable:
         logger.warning("--threads %d is more than the %d CPUs this process may use; using %d", threads, usable,
                        usable)

@@ -3,10 +3,10 @@ GGUF sources (passthrough.py)."""
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 from ...checks import is_int
+from ...cpus import usable_cpu_count
 from ...errors import ExportError
 
 __all__ = ["EMBD_FILE", "LLAMA_FTYPES", "precision_of_gguf", "quantize"]
@@ -46,7 +46,7 @@ def quantize(src: Path, dst: Path, ftype: int, threads: int | None = None, allow
     params = lib.llama_model_quantize_default_params()
     params.ftype = ftype
     params.allow_requantize = allow_requantize
-    params.nthread = threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0)
+    params.nthread = threads or usable_cpu_count()
     rc = lib.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         dst.unlink(missing_ok=True)

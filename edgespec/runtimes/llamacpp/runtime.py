@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ...checks import integer
+from ...cpus import usable_cpu_count
 from ...errors import BackendError, BundleError, ContextFullError
 from ...models.gguf_layout import GGUFLayoutError, check_gguf_layout
 from ..base import Capabilities, Runtime, Streamed
@@ -123,12 +124,7 @@ def batch_variance(extra_bufts: bool) -> str | None:
 
 
 def _threads(threads: int | None) -> int:
-    if threads:
-        return int(threads)
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS, Windows
-        return max(1, os.cpu_count() or 1)
+    return int(threads) if threads else usable_cpu_count()
 
 
 def _chunks(n: int, cap: int, n_logits: int) -> list[tuple[int, int]]:
