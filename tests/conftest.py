@@ -70,16 +70,20 @@ def _is_toy(item: pytest.Item) -> bool:
 
 # pytest-xdist runs the suite on a worker per core (addopts: -n auto --dist loadgroup). A module's tests
 # share its fixtures (tiny exports, opened sessions), so they stay on one worker. The slow tier's tests
-# share the real model's bundles, probes (cached per session) and transformers reference, so they run
-# in two groups, one per worker: the default bundle on onnxruntime (built by the session's first run)
-# and the slow tier's exports on OpenVINO and llama.cpp; the fast tests fill in around them. More
-# workers than this would each build the zoo for little gain.
+# share what is dear to make once per worker (a worker's session fixtures and probe cache are its
+# own), so they run in two groups, one per worker: whatever needs the default bundle (built by the
+# session's first run) or transformers' reference, and the rest (the slow tier's OpenVINO and GGUF
+# exports, llama.cpp's own server); the fast tests fill in around them. More workers than this would
+# each build the zoo for little gain.
 MAX_WORKERS = 4
 # the CPUs the session started with, before its worker was pinned to some of them
 SESSION_CPUS_ENV = "EDGESPEC_TEST_SESSION_CPUS"
 REAL_MODEL_GROUPS = ("real-model-default", "real-model-exports")
-# the slow tests of these files, or of these backends, run the slow tier's OpenVINO or GGUF exports
-_EXPORT_SIDE = ("openvino", "llamacpp", "gguf", "deploy", "gpu")
+# the session fixtures that build the default bundle or load transformers' reference (and the
+# modules' `cache_env`, which asks for default_cache only where $EDGESPEC_SLOW_CACHE is unset)
+DEFAULT_SIDE_FIXTURES = frozenset({"first_run", "default_cache", "hf_default", "cache_env"})
+# the slow tests that take the default bundle through a parameter (request.getfixturevalue)
+DEFAULT_SIDE_PARAMS = ("[onnxruntime]",)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
@@ -89,8 +93,9 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 def _xdist_group(item: pytest.Item) -> str:
     if item.get_closest_marker("slow") is None:
         return item.nodeid.split("::", 1)[0]
-    exports = any(word in item.nodeid for word in _EXPORT_SIDE) and "first_run" not in item.fixturenames
-    return REAL_MODEL_GROUPS[exports]
+    # fixturenames: every fixture the test asks for, also through the fixtures it asks for
+    default_side = bool(DEFAULT_SIDE_FIXTURES & set(getattr(item, "fixturenames", ())))
+    return REAL_MODEL_GROUPS[not (default_side or item.nodeid.endswith(DEFAULT_SIDE_PARAMS))]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

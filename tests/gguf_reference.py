@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from edgespec.bundle import load_bundle
+from edgespec.cpus import usable_cpu_count
 from edgespec.exporters.export import ExportConfig, export_bundle
 
 __all__ = ["ATOL", "FAR", "GREEDY", "N_IDS", "assert_agrees", "edgespec_run", "llama_cpp_run"]
@@ -56,8 +57,8 @@ def llama_cpp_run(src, ids: list[int], n_greedy: int) -> tuple[np.ndarray, list[
     """The same from llama-cpp-python on the GGUF itself."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="the reference is llama-cpp-python on the same GGUF")
     f32 = 0  # GGML_TYPE_F32: see the module docstring
-    llm = llama_cpp.Llama(model_path=str(src), logits_all=True, n_ctx=512, n_threads=2, type_k=f32, type_v=f32,
-                          verbose=False)
+    llm = llama_cpp.Llama(model_path=str(src), logits_all=True, n_ctx=512, n_threads=usable_cpu_count(), type_k=f32,
+                          type_v=f32, verbose=False)
     try:
         llm.eval(ids)
         logits = np.array(llm.scores[: len(ids)], dtype=np.float32)

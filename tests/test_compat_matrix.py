@@ -108,8 +108,8 @@ def sources(tmp_path_factory):
             src = exact = f32
             if quant != "F32":
                 src, exact = d / f"{quant}.gguf", d / f"{quant}-as-f32.gguf"
-                quantize(f32, src, QUANTS[quant], threads=2)
-                quantize(src, exact, QUANTS["F32"], threads=2, allow_requantize=True)
+                quantize(f32, src, QUANTS[quant])
+                quantize(src, exact, QUANTS["F32"], allow_requantize=True)
             cache[fam, quant] = (src, exact, vocab)
         return cache[fam, quant]
 

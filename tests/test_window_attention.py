@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from edgespec.cpus import usable_cpu_count
 from edgespec.errors import BundleError
 from edgespec.exporters.onnx.graph import GraphOptions, build_decoder
 from edgespec.exporters.onnx.masks import window_align
@@ -263,7 +264,7 @@ def test_the_default_targets_verifies_round_like_decodes_across_its_window_edge(
     from edgespec.runtimes.onnxruntime.runtime import OnnxRuntime
 
     ids = [int(t) for t in np.random.default_rng(0).integers(1000, 200000, 1400)]
-    with OnnxRuntime(default_bundle() / "target" / "model.onnx", kv_capacity=1500, threads=2) as rt:
+    with OnnxRuntime(default_bundle() / "target" / "model.onnx", kv_capacity=1500, threads=usable_cpu_count()) as rt:
         win = rt.kv.plan.window
         assert win is not None and len(win.layers) == 15
         edges = [win.size - 3, win.size + win.align - 3, win.size + win.align - 2, win.size + 3 * win.align - 3]
