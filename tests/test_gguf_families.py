@@ -280,7 +280,7 @@ def test_many_experts_are_refused_by_name_for_onnx_and_copied_for_gguf(tmp_path)
     """Above MAX_DENSE_EXPERTS the ONNX/OpenVINO graph would compute too many experts per token: one
     line naming the architecture and the count, before any weight is decoded; llama.cpp's format
     takes the file as it is."""
-    from edgespec.exporters.gguf.source import MAX_DENSE_EXPERTS
+    from edgespec.exporters.gguf.experts import MAX_DENSE_EXPERTS
 
     src, _ = family_gguf(tmp_path, "qwen3moe", experts=(MAX_DENSE_EXPERTS + 1, 2), layers=1, ffn=32)
     with pytest.raises(ExportError) as err:

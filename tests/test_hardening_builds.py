@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgespec.bundle import MANIFEST, built_once, load_bundle, staged_bundle_dir
+from edgespec.bundle import MANIFEST, load_bundle
 from edgespec.errors import BundleError, ConfigError, ExportError
 from edgespec.files import build_lock, clone_file, path_problem, rename_noreplace
 from edgespec.progress import reporting
+from edgespec.staging import built_once, staged_bundle_dir
 from tests.test_hardening import cli, one_line_error
 from tests.test_hardening_progress import Recorder, own_cache  # noqa: F401 - each test its own cache
 from tests.zoo import AGREEING
@@ -243,7 +244,7 @@ def test_built_once_takes_the_bundle_another_process_built(tmp_path):
     """The loser of a first-run race waits for the winner's lock and then finds its bundle."""
     out = tmp_path / "bundle"
     holder = subprocess.Popen([sys.executable, "-c",
-                               "import sys, time\nfrom pathlib import Path\nfrom edgespec.bundle import built_once\n"
+                               "import sys, time\nfrom pathlib import Path\nfrom edgespec.staging import built_once\n"
                                f"out = Path({str(out)!r})\n"
                                "with built_once(out):\n    print('held', flush=True)\n    time.sleep(1.5)\n"
                                "    out.mkdir()\n"], stdout=subprocess.PIPE, text=True)

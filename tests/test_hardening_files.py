@@ -111,7 +111,7 @@ def test_a_symlink_loop_in_a_bundle_is_one_line(bundle, where):
 
 
 def test_export_to_a_symlink_loop_is_one_line(tmp_path):
-    from edgespec.bundle import staged_bundle_dir
+    from edgespec.staging import staged_bundle_dir
 
     (tmp_path / "out").symlink_to("out")
     with pytest.raises(BundleError, match="cannot write the bundle at"):

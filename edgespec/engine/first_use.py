@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..bundle import built_once
 from ..progress import task
 from ..runtimes import BACKENDS
+from ..staging import built_once
 from .config import EngineConfig
 
 __all__ = ["default_bundle", "first_use_format"]

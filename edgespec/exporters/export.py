@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from ..bundle import MANIFEST, SCHEMA_VERSION, Artifact, Manifest, ModelEntry, staged_bundle_dir
+from ..bundle import MANIFEST, SCHEMA_VERSION, Artifact, Manifest, ModelEntry
 from ..checks import integer, number, one_of
 from ..errors import ConfigError, ExportError
 from ..models.catalog import DEFAULT_PRESET, preset_source
+from ..staging import staged_bundle_dir
 from .build_memory import CALIBRATION_KV_TOKENS, BuildBudget
 from .context import trained_context
 from .draft_shape import DraftShape, shape_draft

@@ -13,11 +13,12 @@ import os
 import re
 from pathlib import Path
 
-from ...bundle import MANIFEST, SCHEMA_VERSION, built_once
+from ...bundle import MANIFEST, SCHEMA_VERSION
 from ...errors import ConfigError, ExportError
 from ...files import path_problem
 from ...models.catalog import BUNDLE_REVISION, format_suffix, gguf_bundles_dir
 from ...progress import task
+from ...staging import built_once
 from .hashes import content_digest
 
 __all__ = ["GGUF_MAGIC", "bundle_for_gguf", "gguf_bundle_path", "is_gguf", "resolve_bundle"]

@@ -29,12 +29,12 @@ from ...errors import ExportError
 from ...models.families import GGUF_ARCHS, ArchFacts, Family, family_for_arch
 from ..spec import ModelSpec
 from .deferred import LazyTensors, deferring
+from .experts import check_dense_experts, expert_tensors, is_expert_tensor
 from .reader import check_layout, open_gguf
 from .reader import field as _field
 from .transcode import BlockWeight, quant_type_name, transcode
 
-__all__ = ["GGUFModel", "check_layout", "open_gguf", "read_gguf", "ArchFacts", "ARCHS", "MAX_DENSE_EXPERTS",
-           "check_dense_experts", "expert_name", "split_fused"]
+__all__ = ["GGUFModel", "check_layout", "open_gguf", "read_gguf", "ArchFacts", "ARCHS", "split_fused"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,6 @@ _LAYER_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
 }
-# a mixture of experts' 3-D tensors (experts, rows, row length) -> each expert's matrix (onnx/moe.expert_name)
-_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -287,46 +285,9 @@ def _spec(reader, family: Family, vocab: int, tied: bool,
     return spec, config
 
 
-# the most experts the ONNX/OpenVINO graph computes densely, every expert on every row (onnx/moe.py)
-MAX_DENSE_EXPERTS = 16
-
-
-def expert_name(layer: int, expert: int, proj: str) -> str:
-    """transformers' name of one expert's matrix (Qwen3MoeSparseMoeBlock): proj is gate_proj, up_proj or down_proj."""
-    return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
-
-
-def check_dense_experts(arch: str, n_experts: int, n_used: int) -> None:
-    """A one-line ExportError unless the graph can compute `n_experts` densely (onnx/moe.py)."""
-    if not 1 <= n_used <= n_experts:
-        raise ExportError(f"the GGUF's {arch} uses {n_used} of {n_experts} experts per token; expected 1 to "
-                          f"{n_experts}")
-    if n_experts > MAX_DENSE_EXPERTS:
-        raise ExportError(f"{arch} with {n_experts} experts is not supported by --format onnx/openvino: edgespec "
-                          f"runs every expert on every token (up to {MAX_DENSE_EXPERTS} experts); use --format gguf")
-
-
 def _experts(reader, arch: str) -> tuple[int, int]:
     """(experts, experts used per token) of a mixture of experts, from the metadata."""
     return _size(reader, f"{arch}.expert_count"), _size(reader, f"{arch}.expert_used_count")
-
-
-def _is_expert_tensor(name: str) -> bool:
-    parts = name.split(".")
-    return len(parts) == 4 and parts[0] == "blk" and parts[1].isascii() and parts[1].isdigit() \
-        and parts[2] in _EXPERT_NAMES and parts[3] == "weight"
-
-
-def _expert_tensors(t, load) -> dict:
-    """A 3-D `blk.N.ffn_*_exps` tensor as one matrix per expert (each expert's rows are whole blocks)."""
-    shape = tuple(int(x) for x in reversed(t.shape))  # (experts, rows, row length)
-    if len(shape) != 3:
-        raise ExportError(f"GGUF tensor {t.name} has shape {shape}; a mixture of experts' tensor is 3-D")
-    _, layer, part, _ = t.name.split(".")
-    layer, proj = int(layer), _EXPERT_NAMES[part]
-    raw = np.asarray(t.data).reshape(shape[0], -1)
-    return {expert_name(layer, e, proj): load(raw[e], t.tensor_type, shape[1:], f"{t.name}[{e}]")
-            for e in range(shape[0])}
 
 
 def _hf_name(gguf_name: str, sandwich: bool) -> str | None:
@@ -453,8 +414,8 @@ def _read_tensors(reader, family: Family, load) -> _Tensors:
             continue
         if t.name in _UNSUPPORTED_TENSORS:
             raise ExportError(f"GGUF tensor {t.name} ({_UNSUPPORTED_TENSORS[t.name]}) is not supported")
-        if family.gguf.moe and _is_expert_tensor(t.name):
-            tensors.update(_expert_tensors(t, load))
+        if family.gguf.moe and is_expert_tensor(t.name):
+            tensors.update(expert_tensors(t, load))
         else:
             name = _tensor_name(t.name, family)
             tensors[name] = _weight(t, name, family, load)

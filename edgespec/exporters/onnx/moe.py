@@ -11,7 +11,7 @@ graph has the dense MLP's shape (one MatMulNBits for gate and up, one for down, 
 blocks) and needs no gather, loop or kernel of its own; sum_e w_e down_e(a_e) = down([w_e a_e]_e)
 is the same sum, rounded in another order. It costs E / k times the work of the experts a row
 uses, which is reasonable for a model with few experts only: a model with more than
-MAX_DENSE_EXPERTS is refused by name (gguf/source.py, before its weights are decoded).
+MAX_DENSE_EXPERTS is refused by name (gguf/experts.py, before its weights are decoded).
 onnxruntime's com.microsoft MoE op, which runs the chosen experts only, has a CPU kernel but is
 not used: it takes float weights (or QMoE's own quantization), not the
 GGUF's blocks, so a quantized model would be dequantized or requantized; the dense graph keeps the
@@ -25,7 +25,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 from ...errors import ExportError
-from ..gguf.source import MAX_DENSE_EXPERTS, check_dense_experts, expert_name
+from ..gguf.experts import MAX_DENSE_EXPERTS, check_dense_experts, expert_name
 from ..gguf.transcode import BlockWeight
 from ..spec import ModelSpec
 from .ops import _G, _activation, _linear, _linears
