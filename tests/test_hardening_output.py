@@ -69,7 +69,7 @@ def test_a_failed_swap_keeps_the_old_bundle(bundle, monkeypatch):
     def rename(src, dst):  # moving the new bundle in fails (a full disk, a virus scanner)
         raise PermissionError(13, "Permission denied", str(src))
 
-    monkeypatch.setattr("edgespec.bundle.rename_noreplace", rename)
+    monkeypatch.setattr("edgespec.staging.rename_noreplace", rename)
     with pytest.raises(BundleError, match="Permission denied"):
         with staged_bundle_dir(bundle, force=True) as tmp:
             (tmp / MANIFEST).write_text("{}")

@@ -43,7 +43,7 @@ def _figure(w: float, h: float, ncols: int = 1):
 
 
 def _class_metrics(run: dict, classes: list[str], config: str) -> list[dict]:
-    """`config`'s metrics per class ("overall" too; the speculative one as _spec picks it), {} where absent."""
+    """`config`'s metrics per class ("overall" too; the speculative one as speculative_of picks it), {} where absent."""
     blocks = [run["overall"] if cls == "overall" else run["classes"].get(cls, {}) for cls in classes]
     return [(b.get(PLAIN) if config == PLAIN else speculative_of(b)) or {} for b in blocks]
 

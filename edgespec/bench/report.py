@@ -21,7 +21,7 @@ MIB = 2**20
 
 
 def require_matplotlib() -> None:
-    if importlib.util.findspeculative_of("matplotlib") is None:
+    if importlib.util.find_spec("matplotlib") is None:
         raise ConfigError("reports need matplotlib: pip install 'edgespec[bench]'")
 
 
