@@ -72,16 +72,17 @@ def _is_toy(item: pytest.Item) -> bool:
 # share its fixtures (tiny exports, opened sessions), so they stay on one worker. The slow tier's tests
 # share what is dear to make once per worker (a worker's session fixtures and probe cache are its
 # own), so they run in two groups, one per worker: whatever needs the default bundle (built by the
-# session's first run) or transformers' reference, and the rest (the slow tier's OpenVINO and GGUF
-# exports, llama.cpp's own server); the fast tests fill in around them. More workers than this would
+# session's first run), and the rest (the slow tier's OpenVINO and GGUF exports, llama.cpp's own
+# server); the fast tests fill in around them. More workers than this would
 # each build the zoo for little gain.
 MAX_WORKERS = 4
 # the CPUs the session started with, before its worker was pinned to some of them
 SESSION_CPUS_ENV = "EDGESPEC_TEST_SESSION_CPUS"
 REAL_MODEL_GROUPS = ("real-model-default", "real-model-exports")
-# the session fixtures that build the default bundle or load transformers' reference (and the
-# modules' `cache_env`, which asks for default_cache only where $EDGESPEC_SLOW_CACHE is unset)
-DEFAULT_SIDE_FIXTURES = frozenset({"first_run", "default_cache", "hf_default", "cache_env"})
+# the session fixtures that build the default bundle (and the modules' `cache_env`, which asks for
+# default_cache only where $EDGESPEC_SLOW_CACHE is unset). Transformers' reference (hf_default, about
+# a minute) is loaded on both sides: the OpenVINO fp32 test on the exports' side balances the two.
+DEFAULT_SIDE_FIXTURES = frozenset({"first_run", "default_cache", "cache_env"})
 # the slow tests that take the default bundle through a parameter (request.getfixturevalue)
 DEFAULT_SIDE_PARAMS = ("[onnxruntime]",)
 
