@@ -237,8 +237,6 @@ def open_gguf(path: Path) -> GGUFFile:
         raise ExportError(f"cannot read {path.name}: {msg}") from e
 
 
-
-
 def read_span(fh, offset: int, nbytes: int, what: str) -> np.ndarray:
     """`nbytes` of the open file `fh` from `offset`, as a uint8 array of their own (not a memory
     map, so they leave the process with the array). Read into the array rather than through
